@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Set up (if needed) and run the whole test suite: lint, types, tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export PATH="$PWD/.venv/bin:$PATH"
+echo "== ruff"; ruff check .
+echo "== mypy"; mypy tierkv
+echo "== pytest"; pytest "$@"

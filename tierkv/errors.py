@@ -1,0 +1,47 @@
+"""The exceptions tierkv raises.
+
+Each names what went wrong and, where there is one, the fix. Catch `TierKVError`
+to catch them all.
+"""
+
+from __future__ import annotations
+
+
+class TierKVError(Exception):
+    """Base of every error tierkv raises on purpose."""
+
+
+class ConfigError(TierKVError, ValueError):
+    """A configuration (YAML or object) is invalid.
+
+    `problems` holds one line per problem, each starting with the YAML path
+    (`tiers[1].capacity: '12 parsecs' is not a size ...`).
+    """
+
+    def __init__(self, problems: list[str] | str, *, source: str | None = None) -> None:
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        self.source = source
+        head = f"invalid tierkv config{f' in {source}' if source else ''}"
+        body = "\n".join(f"  {p}" for p in self.problems)
+        super().__init__(f"{head}:\n{body}")
+
+
+class UnknownTierType(ConfigError):
+    """No installed plugin provides the requested tier type."""
+
+
+class PluginImportError(ConfigError):
+    """A tier plugin is installed but failed to import or is malformed."""
+
+
+class TierUnavailable(TierKVError):
+    """A tier cannot serve requests now (closed, unreachable, circuit open)."""
+
+
+class CorruptBlock(TierKVError):
+    """Bytes read back from a tier fail the frame check (header, key, length, checksum)."""
+
+
+class BlockStateError(TierKVError):
+    """An operation was asked of a block in a state that does not allow it
+    (loading a block that is still being written, completing a load never prepared)."""

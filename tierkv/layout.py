@@ -1,0 +1,48 @@
+"""The shape of the KV data tierkv keeps: block bytes and KV-cache groups.
+
+Every block in every group has the same byte size (`block_bytes`, the primary slab's
+row). Groups differ in attention kind and block size in tokens: a full-attention group
+needs every block of a prefix, a sliding-window group only those inside its window.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+from tierkv.units import Size
+
+
+class GroupSpec(BaseModel):
+    """One KV-cache group: layers sharing an attention kind and a block table."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["full", "sliding_window"] = "full"
+    block_size: PositiveInt = Field(description="tokens per offloaded block")
+    window: PositiveInt | None = Field(
+        default=None, description="sliding window in tokens (sliding_window groups only)"
+    )
+
+    @model_validator(mode="after")
+    def _window_matches_kind(self) -> GroupSpec:
+        if self.kind == "sliding_window" and self.window is None:
+            raise ValueError("a sliding_window group needs `window` (tokens)")
+        if self.kind == "full" and self.window is not None:
+            raise ValueError("a full group takes no `window`; use kind: sliding_window")
+        return self
+
+
+class KVLayout(BaseModel):
+    """Block bytes plus one or more groups; the index in `groups` is the group index
+    encoded in every `OffloadKey`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    block_bytes: Size = Field(gt=0)
+    groups: tuple[GroupSpec, ...] = Field(min_length=1)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)

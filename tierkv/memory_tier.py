@@ -1,0 +1,128 @@
+"""`memory`: the reference secondary tier, a bounded LRU of framed blocks in RAM.
+
+It stores exactly what a real tier stores (header + payload, `tierkv.framing`) and
+checks it on the way back, so tests and examples exercise the real format with no
+server. It is also the smallest complete example of the tier contract.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import anyio
+from pydantic import ByteSize, Field
+
+from tierkv.errors import CorruptBlock, TierUnavailable
+from tierkv.framing import decode_into, encode_block
+from tierkv.jobs import JobMetadata, JobResult, ReqContext
+from tierkv.keys import OffloadKey
+from tierkv.primary import PrimaryView
+from tierkv.tier import InFlightJobs, SecondaryTierManager, TierConfig
+from tierkv.units import Size
+
+_YIELD_EVERY = 8  # blocks copied between yields to the event loop
+
+
+class MemoryTierConfig(TierConfig):
+    capacity: Size = Field(
+        default=ByteSize(1 << 30), gt=0, description="bytes of framed blocks held"
+    )
+
+
+class MemoryTier(SecondaryTierManager):
+    """Framed blocks in an in-process LRU; evicts the least recently used past capacity."""
+
+    Config = MemoryTierConfig
+    config: MemoryTierConfig
+
+    def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
+        super().__init__(config, primary)
+        self._frames: OrderedDict[OffloadKey, bytes] = OrderedDict()
+        self._bytes = 0
+        self._inflight = InFlightJobs(self.name)
+
+    @staticmethod
+    def get_tier_type() -> str:
+        return "memory"
+
+    @property
+    def used_bytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._frames)
+
+    async def close(self) -> None:
+        await self._inflight.drain()
+        self._frames.clear()
+        self._bytes = 0
+
+    def _check_open(self) -> None:
+        if self._inflight.closing:
+            raise TierUnavailable(f"tier {self.name!r} is closed")
+
+    async def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[bool]:
+        self._check_open()
+        return [key in self._frames for key in keys]
+
+    def _put(self, key: OffloadKey, frame: bytes) -> None:
+        old = self._frames.pop(key, None)
+        if old is not None:
+            self._bytes -= len(old)
+        capacity = int(self.config.capacity)
+        while self._frames and self._bytes + len(frame) > capacity:
+            _, victim = self._frames.popitem(last=False)
+            self._bytes -= len(victim)
+        self._frames[key] = frame
+        self._bytes += len(frame)
+
+    async def store(self, job: JobMetadata) -> JobResult:
+        failed: dict[OffloadKey, str] = {}
+        async with self._inflight.job():
+            for i, (key, slot) in enumerate(zip(job.keys, job.slots)):
+                frame = encode_block(key, self.primary.block(slot), self.primary.namespace)
+                if len(frame) > self.config.capacity:
+                    failed[key] = (
+                        f"block frame of {len(frame)} bytes exceeds the memory tier "
+                        f"capacity of {int(self.config.capacity)} bytes"
+                    )
+                    continue
+                self._put(key, frame)
+                if i % _YIELD_EVERY == _YIELD_EVERY - 1:
+                    await anyio.sleep(0)
+        return JobResult.partial(job, failed)
+
+    async def load(self, job: JobMetadata) -> JobResult:
+        failed: dict[OffloadKey, str] = {}
+        async with self._inflight.job():
+            for i, (key, slot) in enumerate(zip(job.keys, job.slots)):
+                frame = self._frames.get(key)
+                if frame is None:
+                    failed[key] = "not in the memory tier"
+                    continue
+                try:
+                    decode_into(key, frame, self.primary.block(slot), self.primary.namespace)
+                except CorruptBlock as exc:
+                    failed[key] = f"corrupt block deleted: {exc}"
+                    self._bytes -= len(self._frames.pop(key))
+                    continue
+                self._frames.move_to_end(key)
+                if i % _YIELD_EVERY == _YIELD_EVERY - 1:
+                    await anyio.sleep(0)
+        return JobResult.partial(job, failed)
+
+    async def remove(self, keys: Sequence[OffloadKey]) -> None:
+        self._check_open()
+        for key in keys:
+            frame = self._frames.pop(key, None)
+            if frame is not None:
+                self._bytes -= len(frame)
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "type": "memory",
+            "blocks": len(self._frames),
+            "used_bytes": self._bytes,
+            "capacity": int(self.config.capacity),
+        }

@@ -1,0 +1,151 @@
+"""Adaptive replacement cache (Megiddo & Modha, FAST '03), adapted to a slab whose
+entries may be temporarily unevictable.
+
+T1 holds keys seen once, T2 keys seen again; B1 and B2 remember keys recently evicted
+from each (ghosts, no data). A new key whose ghost is in B1 says "T1 was too small":
+the target size `p` of T1 grows; a ghost hit in B2 shrinks it. Victims come from T1
+while it is larger than `p`, else from T2; when the preferred list has nothing
+evictable, the other list gives. Ghost lists are bounded as in the paper:
+|T1| + |B1| <= c and |T1| + |T2| + |B1| + |B2| <= 2c.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+
+from tierkv.keys import OffloadKey
+from tierkv.policies.base import CanEvict, EvictionPolicy
+
+_List = OrderedDict[OffloadKey, None]
+
+
+class ARCPolicy(EvictionPolicy):
+    """ARC over the primary's slots; see the module docstring."""
+
+    name = "arc"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._t1: _List = OrderedDict()
+        self._t2: _List = OrderedDict()
+        self._b1: _List = OrderedDict()
+        self._b2: _List = OrderedDict()
+        self._p = 0.0
+
+    # -- introspection ------------------------------------------------------------
+    @property
+    def target(self) -> float:
+        """The adaptive target size of T1."""
+        return self._p
+
+    @property
+    def t1(self) -> list[OffloadKey]:
+        return list(self._t1)
+
+    @property
+    def t2(self) -> list[OffloadKey]:
+        return list(self._t2)
+
+    @property
+    def b1(self) -> list[OffloadKey]:
+        return list(self._b1)
+
+    @property
+    def b2(self) -> list[OffloadKey]:
+        return list(self._b2)
+
+    # -- policy -------------------------------------------------------------------
+    def _adapted_target(self, new_keys: Sequence[OffloadKey]) -> float:
+        p = self._p
+        b1, b2 = len(self._b1), len(self._b2)
+        for key in new_keys:
+            if key in self._b1 and b1:
+                p = min(float(self.capacity), p + max(b2 / b1, 1.0))
+                b1 -= 1
+            elif key in self._b2 and b2:
+                p = max(0.0, p - max(b1 / b2, 1.0))
+                b2 -= 1
+        return p
+
+    def _victims(self, p: float, can_evict: CanEvict) -> Iterator[tuple[OffloadKey, bool]]:
+        """Yield (key, from_t1) in eviction order for target `p`, without mutating."""
+        t1_left = len(self._t1)
+        it1 = (k for k in self._t1 if can_evict(k))
+        it2 = (k for k in self._t2 if can_evict(k))
+        while True:
+            prefer_t1 = t1_left > 0 and t1_left > p
+            first, second = (it1, it2) if prefer_t1 else (it2, it1)
+            key = next(first, None)
+            from_t1 = prefer_t1
+            if key is None:
+                key = next(second, None)
+                from_t1 = not prefer_t1
+            if key is None:
+                return
+            if from_t1:
+                t1_left -= 1
+            yield key, from_t1
+
+    def admit(
+        self, new_keys: Sequence[OffloadKey], num_victims: int, can_evict: CanEvict
+    ) -> list[OffloadKey] | None:
+        p = self._adapted_target(new_keys)
+        chosen: list[tuple[OffloadKey, bool]] = []
+        if num_victims > 0:
+            for pick in self._victims(p, can_evict):
+                chosen.append(pick)
+                if len(chosen) == num_victims:
+                    break
+            if len(chosen) < num_victims:
+                return None
+        # commit
+        self._p = p
+        for key, from_t1 in chosen:
+            if from_t1:
+                del self._t1[key]
+                self._b1[key] = None
+            else:
+                del self._t2[key]
+                self._b2[key] = None
+        for key in new_keys:
+            if key in self._t1 or key in self._t2:
+                self.touch([key])
+            elif key in self._b1 or key in self._b2:
+                self._b1.pop(key, None)
+                self._b2.pop(key, None)
+                self._t2[key] = None
+            else:
+                self._t1[key] = None
+        self._trim_ghosts()
+        return [key for key, _ in chosen]
+
+    def _trim_ghosts(self) -> None:
+        c = self.capacity
+        while self._b1 and len(self._t1) + len(self._b1) > c:
+            self._b1.popitem(last=False)
+        while (self._b1 or self._b2) and (
+            len(self._t1) + len(self._t2) + len(self._b1) + len(self._b2) > 2 * c
+        ):
+            (self._b2 if self._b2 else self._b1).popitem(last=False)
+
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        for key in reversed(list(keys)):
+            if key in self._t1:
+                del self._t1[key]
+                self._t2[key] = None
+            elif key in self._t2:
+                self._t2.move_to_end(key)
+
+    def discard(self, key: OffloadKey) -> None:
+        self._t1.pop(key, None)
+        self._t2.pop(key, None)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._t1 or key in self._t2
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def eviction_order(self) -> list[OffloadKey]:
+        return [key for key, _ in self._victims(self._p, lambda _k: True)]

@@ -1,0 +1,57 @@
+"""The eviction-policy interface the primary tier drives.
+
+A policy only orders keys; the primary decides what is evictable (ready, no readers,
+not protected) and passes that as a predicate. `admit` is all-or-nothing: it either
+finds every victim it was asked for and commits (victims out, new keys in), or
+returns None and changes nothing.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from typing import ClassVar
+
+from tierkv.keys import OffloadKey
+
+CanEvict = Callable[[OffloadKey], bool]
+
+
+class EvictionPolicy(ABC):
+    """Orders resident keys for eviction. Not thread-safe; the primary owns it."""
+
+    name: ClassVar[str]
+
+    def __init__(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError(f"policy capacity must be positive, got {capacity}")
+        self.capacity = capacity
+
+    @abstractmethod
+    def admit(
+        self, new_keys: Sequence[OffloadKey], num_victims: int, can_evict: CanEvict
+    ) -> list[OffloadKey] | None:
+        """Evict `num_victims` keys for which `can_evict` holds, then make `new_keys`
+        resident. Return the victims in eviction order, or None (and change nothing)
+        when fewer than `num_victims` evictable keys exist."""
+
+    @abstractmethod
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        """Record a use of resident `keys`; the first key ends the most recent.
+        Keys that are not resident are ignored."""
+
+    @abstractmethod
+    def discard(self, key: OffloadKey) -> None:
+        """Forget a resident key without counting it as an eviction (a failed write,
+        an explicit removal). Unknown keys are ignored."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def eviction_order(self) -> list[OffloadKey]:
+        """Resident keys, next victim first (ignoring evictability). For tests and
+        introspection; O(n)."""

@@ -1,0 +1,302 @@
+r"""The primary tier: a fixed slab of host memory, the only tier that talks to the GPU.
+
+The slab is one `num_blocks x block_bytes` uint8 tensor (pinned when CUDA is present,
+so GPU copies can be asynchronous). Each resident key owns one row (a *slot*) and goes
+through a small life cycle:
+
+    prepare_store -> WRITING --complete_store(ok)--> READY --(no readers)--> evictable
+                        \--complete_store(fail)--> freed
+
+A WRITING slot is neither readable nor evictable; a READY slot with readers (jobs
+reading it: a load to the GPU, a cascade to a lower tier) is not evictable. The number
+of evictable blocks is kept as a counter, so a store that cannot fit is refused in
+O(len(keys)) without scanning the slab.
+
+Not thread-safe: the orchestrator drives it from the event loop thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from tierkv.errors import BlockStateError, ConfigError
+from tierkv.events import OffloadingEvent
+from tierkv.keys import OffloadKey
+from tierkv.layout import KVLayout
+from tierkv.policies import EvictionPolicy, make_policy
+from tierkv.units import Size, format_size
+
+logger = logging.getLogger(__name__)
+
+MEDIUM = "cpu"
+
+
+class PrimaryConfig(BaseModel):
+    """The `primary:` section of the YAML."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    capacity: Size = Field(description="bytes of host memory for the slab, e.g. 8GiB")
+    eviction: Literal["lru", "arc"] = "lru"
+    pin_memory: Literal["auto"] | bool = Field(
+        default="auto", description="pin the slab; auto pins when CUDA is available"
+    )
+
+
+class PrimaryView:
+    """What a secondary tier sees of the primary: slab geometry, the namespace, and a
+    writable zero-copy `memoryview` per slot. A tier reads a slot on store and writes
+    it on load; the orchestrator keeps the slot protected until the job's result is
+    taken."""
+
+    def __init__(self, slab: torch.Tensor, namespace: str) -> None:
+        if slab.dtype != torch.uint8 or slab.dim() != 2 or not slab.is_contiguous():
+            raise ValueError("the primary slab must be a contiguous 2-D uint8 tensor")
+        if slab.device.type != "cpu":
+            raise ValueError(f"the primary slab must live in host memory, not {slab.device}")
+        self.tensor = slab
+        self.namespace = namespace
+        self._array = slab.numpy()  # shares memory with the tensor
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.tensor.shape[0])
+
+    @property
+    def block_bytes(self) -> int:
+        return int(self.tensor.shape[1])
+
+    def block(self, slot: int) -> memoryview:
+        """The bytes of `slot`, writable, without a copy."""
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_blocks:
+            raise IndexError(f"slot {slot!r} is out of range 0..{self.num_blocks - 1}")
+        return memoryview(self._array[slot])
+
+
+class PrepareStoreOutput(NamedTuple):
+    """What `prepare_store` decided: which keys to write into which slots, and which
+    resident keys it evicted to make room."""
+
+    keys_to_store: list[OffloadKey]
+    slots: list[int]
+    evicted_keys: list[OffloadKey]
+
+
+@dataclass
+class _Block:
+    slot: int
+    ready: bool = False
+    readers: int = 0
+
+
+def resolve_pin_memory(setting: Literal["auto"] | bool) -> bool:
+    """Whether to pin the slab for `pin_memory: auto|true|false`."""
+    if setting == "auto":
+        return torch.cuda.is_available()
+    if setting and not torch.cuda.is_available():
+        raise ConfigError(
+            "primary.pin_memory: true needs CUDA, and no CUDA device is available; "
+            "use 'auto' (pins only when CUDA is present) or false"
+        )
+    return bool(setting)
+
+
+class PrimaryTier:
+    """The CPU slab plus its block table and eviction policy."""
+
+    medium = MEDIUM
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_bytes: int,
+        *,
+        eviction: str = "lru",
+        pin_memory: Literal["auto"] | bool = "auto",
+        namespace: str = "default",
+    ) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"the primary needs at least one block, got num_blocks={num_blocks}")
+        if block_bytes <= 0:
+            raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+        pinned = resolve_pin_memory(pin_memory)
+        slab = torch.empty((num_blocks, block_bytes), dtype=torch.uint8, pin_memory=pinned)
+        self.view = PrimaryView(slab, namespace)
+        self.pinned = pinned
+        self.policy: EvictionPolicy = make_policy(eviction, num_blocks)
+        self._blocks: dict[OffloadKey, _Block] = {}
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives slot 0 first
+        self._evictable = 0
+        self._events: list[OffloadingEvent] = []
+
+    @classmethod
+    def from_config(cls, config: PrimaryConfig, layout: KVLayout, namespace: str) -> PrimaryTier:
+        num_blocks = int(config.capacity) // int(layout.block_bytes)
+        if num_blocks < 1:
+            raise ConfigError(
+                f"primary.capacity: {format_size(int(config.capacity))} holds no block of "
+                f"{format_size(int(layout.block_bytes))}; raise it to at least one block"
+            )
+        return cls(
+            num_blocks,
+            int(layout.block_bytes),
+            eviction=config.eviction,
+            pin_memory=config.pin_memory,
+            namespace=namespace,
+        )
+
+    # -- introspection ------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.view.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_evictable(self) -> int:
+        """Ready blocks with no readers: what a store may evict. O(1)."""
+        return self._evictable
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def slot_of(self, key: OffloadKey) -> int | None:
+        block = self._blocks.get(key)
+        return None if block is None else block.slot
+
+    def is_ready(self, key: OffloadKey) -> bool:
+        block = self._blocks.get(key)
+        return block is not None and block.ready
+
+    def readers(self, key: OffloadKey) -> int:
+        block = self._blocks.get(key)
+        return 0 if block is None else block.readers
+
+    def _is_evictable(self, block: _Block) -> bool:
+        return block.ready and block.readers == 0
+
+    # -- operations ---------------------------------------------------------------
+    def lookup(self, keys: Sequence[OffloadKey]) -> int:
+        """How many leading `keys` are ready here. Changes nothing (see `touch`)."""
+        hits = 0
+        for key in keys:
+            block = self._blocks.get(key)
+            if block is None or not block.ready:
+                break
+            hits += 1
+        return hits
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """Mark `keys` used; the first key ends the most recent."""
+        self.policy.touch(keys)
+
+    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
+        """Reserve slots for the `keys` not yet resident, evicting if needed.
+
+        Returns None, changing nothing, when not enough slots can be freed. Keys in
+        `keys` are never evicted by this call. The reserved slots are WRITING until
+        `complete_store`.
+        """
+        new_keys = list(dict.fromkeys(k for k in keys if k not in self._blocks))
+        shortfall = len(new_keys) - len(self._free)
+        protected: set[OffloadKey] = set()
+        if shortfall > 0:
+            protected = {k for k in keys if k in self._blocks}
+            protected_evictable = sum(1 for k in protected if self._is_evictable(self._blocks[k]))
+            if self._evictable - protected_evictable < shortfall:
+                return None
+        blocks = self._blocks
+
+        def can_evict(key: OffloadKey) -> bool:
+            return key not in protected and self._is_evictable(blocks[key])
+
+        victims = self.policy.admit(new_keys, max(shortfall, 0), can_evict)
+        if victims is None:  # the counter said yes; the policy disagrees: refuse safely
+            logger.error("eviction policy found fewer victims than the evictable count")
+            return None
+        for key in victims:
+            block = self._blocks.pop(key)
+            self._evictable -= 1
+            self._free.append(block.slot)
+        if victims:
+            self._events.append(OffloadingEvent(tuple(victims), MEDIUM, removed=True))
+        slots = []
+        for key in new_keys:
+            slot = self._free.pop()
+            self._blocks[key] = _Block(slot)
+            slots.append(slot)
+        return PrepareStoreOutput(new_keys, slots, victims)
+
+    def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
+        """Finish a store: WRITING keys become READY, or on failure are freed.
+
+        Keys that are not being written (already ready, unknown) are left alone, so
+        the whole key list of a `prepare_store` call may be passed back."""
+        done: list[OffloadKey] = []
+        for key in keys:
+            block = self._blocks.get(key)
+            if block is None or block.ready:
+                continue
+            if success:
+                block.ready = True
+                if block.readers == 0:
+                    self._evictable += 1
+                done.append(key)
+            else:
+                del self._blocks[key]
+                self.policy.discard(key)
+                self._free.append(block.slot)
+        if done:
+            self._events.append(OffloadingEvent(tuple(done), MEDIUM, removed=False))
+
+    def prepare_load(self, keys: Sequence[OffloadKey]) -> list[int]:
+        """Add a reader to each key and return their slots in key order.
+
+        Every key must be READY; otherwise BlockStateError and nothing changes."""
+        for key in keys:
+            block = self._blocks.get(key)
+            if block is None:
+                raise BlockStateError(f"cannot load {key.hex()}: not in the primary tier")
+            if not block.ready:
+                raise BlockStateError(f"cannot load {key.hex()}: still being written")
+        slots = []
+        for key in keys:
+            block = self._blocks[key]
+            if block.readers == 0:
+                self._evictable -= 1
+            block.readers += 1
+            slots.append(block.slot)
+        return slots
+
+    def complete_load(self, keys: Sequence[OffloadKey]) -> None:
+        """Drop the reader each key got from `prepare_load`.
+
+        A key with no reader left to drop raises BlockStateError, changing nothing."""
+        pending: dict[OffloadKey, int] = {}
+        for key in keys:
+            pending[key] = pending.get(key, 0) + 1
+        for key, count in pending.items():
+            block = self._blocks.get(key)
+            if block is None or block.readers < count:
+                raise BlockStateError(f"complete_load({key.hex()}) without a matching prepare_load")
+        for key, count in pending.items():
+            block = self._blocks[key]
+            block.readers -= count
+            if block.readers == 0:
+                self._evictable += 1
+
+    def take_events(self) -> list[OffloadingEvent]:
+        """Events since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events

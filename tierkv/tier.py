@@ -1,0 +1,151 @@
+"""The tier contract: what a secondary-tier plugin implements.
+
+This module is the whole public API a plugin author needs (with `tierkv.framing` for
+the stored format and `tierkv.testing` for the conformance suite). A tier moves bytes
+only between itself and primary slots: on `store` it reads `primary.block(slot)`, on
+`load` it writes it. Everything async; nothing blocks the event loop.
+
+Register a tier with an entry point:
+
+    [project.entry-points."tierkv.tiers"]
+    mytier = "my_package:MyTier"
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, ClassVar, Literal
+
+import anyio
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+
+from tierkv.errors import TierUnavailable
+from tierkv.jobs import JobMetadata, JobResult, ReqContext
+from tierkv.keys import OffloadKey
+from tierkv.primary import PrimaryView
+from tierkv.units import Duration
+
+WritePolicy = Literal["write_through", "write_back", "write_through_selective"]
+
+
+class TierConfig(BaseModel):
+    """Fields every tier's YAML section has. A plugin subclasses it for its own
+    fields; unknown fields are rejected, not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: str = Field(description="the tier type, as registered in `tierkv.tiers`")
+    write_policy: WritePolicy = Field(
+        default="write_through",
+        description="write_through: every stored block; write_back: only blocks the "
+        "primary evicts; write_through_selective: blocks looked up at least min_hits times",
+    )
+    min_hits: PositiveInt = Field(
+        default=2, description="lookups before write_through_selective writes a block"
+    )
+    job_timeout: Duration = Field(
+        default=30.0, gt=0, description="a job not answered by then fails all its keys"
+    )
+
+
+class SecondaryTierManager(ABC):
+    """A storage tier below the primary. Subclass it, set `Config`, implement the
+    abstract methods, and pass `tierkv.testing.TierConformanceSuite`.
+
+    Rules every tier keeps:
+    - `lookup` is batched: one answer per key, in order.
+    - A job's result names every key exactly once, in `ok_keys` or `failed_keys`;
+      partial success is normal.
+    - Stored bytes are framed (`tierkv.framing`); a load that reads bytes failing the
+      check reports the key failed and deletes it.
+    - A tier that is down raises `TierUnavailable` or reports keys failed; it never
+      hangs past its `job_timeout`.
+    - `close` finishes (or fails) in-flight jobs before releasing resources.
+    """
+
+    Config: ClassVar[type[TierConfig]] = TierConfig
+
+    def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
+        if not isinstance(config, self.Config):
+            raise TypeError(
+                f"{type(self).__name__} needs a {self.Config.__name__}, got {type(config).__name__}"
+            )
+        self.config = config
+        self.primary = primary
+
+    @staticmethod
+    @abstractmethod
+    def get_tier_type() -> str:
+        """The name used in YAML `type:` and in the entry point."""
+
+    @property
+    def name(self) -> str:
+        """How logs and events name this tier."""
+        return self.get_tier_type()
+
+    async def open(self) -> None:  # noqa: B027 - optional hook
+        """Connect, recover an index, check health. Default: nothing to do."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Finish in-flight work and release everything. Default: nothing to do."""
+
+    @abstractmethod
+    async def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[bool]:
+        """For each key, whether this tier holds it."""
+
+    @abstractmethod
+    async def store(self, job: JobMetadata) -> JobResult:
+        """Copy `primary.block(slot)` into the tier for each key/slot of `job`."""
+
+    @abstractmethod
+    async def load(self, job: JobMetadata) -> JobResult:
+        """Copy each key's bytes from the tier into `primary.block(slot)`."""
+
+    @abstractmethod
+    async def remove(self, keys: Sequence[OffloadKey]) -> None:
+        """Delete `keys`; keys not held are ignored."""
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-able summary for `tierkv plugins` and logs (no secrets)."""
+        return {"type": self.get_tier_type()}
+
+
+class InFlightJobs:
+    """Counts a tier's running jobs so `close` can wait for them to finish.
+
+    async with self._inflight.job():   # raises TierUnavailable once closing
+        ...
+    await self._inflight.drain()       # in close(): refuse new jobs, wait
+    """
+
+    def __init__(self, tier_name: str) -> None:
+        self._tier_name = tier_name
+        self._count = 0
+        self._idle = anyio.Event()
+        self._idle.set()
+        self.closing = False
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    @asynccontextmanager
+    async def job(self) -> AsyncIterator[None]:
+        if self.closing:
+            raise TierUnavailable(f"tier {self._tier_name!r} is closed")
+        if self._count == 0:
+            self._idle = anyio.Event()
+        self._count += 1
+        try:
+            yield
+        finally:
+            self._count -= 1
+            if self._count == 0:
+                self._idle.set()
+
+    async def drain(self) -> None:
+        """Refuse new jobs and wait until the running ones have finished."""
+        self.closing = True
+        await self._idle.wait()
