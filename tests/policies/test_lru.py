@@ -1,0 +1,51 @@
+"""LRU policy rules."""
+
+from __future__ import annotations
+
+from tierkv.policies import LRUPolicy, make_policy
+
+A, B, C, D, E = (bytes([c]) for c in b"ABCDE")
+
+
+def always(_: bytes) -> bool:
+    return True
+
+
+def test_new_keys_enter_most_recent_and_oldest_goes_first() -> None:
+    lru = LRUPolicy(4)
+    assert lru.admit([A, B, C], 0, always) == []
+    assert lru.eviction_order() == [A, B, C]
+    assert lru.admit([D], 2, always) == [A, B]
+    assert lru.eviction_order() == [C, D]
+
+
+def test_touch_orders_first_key_most_recent_and_ignores_unknown() -> None:
+    lru = LRUPolicy(4)
+    lru.admit([A, B, C, D], 0, always)
+    lru.touch([B, E, A])
+    assert lru.eviction_order() == [C, D, A, B]
+
+
+def test_only_evictable_keys_are_chosen_all_or_nothing() -> None:
+    lru = LRUPolicy(4)
+    lru.admit([A, B, C, D], 0, always)
+    assert lru.admit([E], 1, lambda k: k in (C, D)) == [C]
+    assert lru.admit([E], 3, lambda k: k in (D,)) is None
+    assert lru.eviction_order() == [A, B, D, E]
+
+
+def test_discard_forgets_without_trace() -> None:
+    lru = LRUPolicy(2)
+    lru.admit([A, B], 0, always)
+    lru.discard(A)
+    lru.discard(E)
+    assert A not in lru and len(lru) == 1
+
+
+def test_make_policy_names() -> None:
+    assert make_policy("lru", 2).name == "lru"
+    assert make_policy("arc", 2).name == "arc"
+    import pytest
+
+    with pytest.raises(ValueError, match="unknown eviction policy 'fifo'; choose one of arc, lru"):
+        make_policy("fifo", 2)
