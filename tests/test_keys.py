@@ -60,7 +60,7 @@ TOKENS = list(range(100, 164))  # 64 tokens = 4 blocks of 16
 
 @pytest.mark.parametrize("algorithm", ["sha256", "xxh3_128"])
 def test_one_hash_per_full_block(algorithm: str) -> None:
-    hashes = hash_token_blocks(TOKENS + [1, 2, 3], 16, namespace="ns", algorithm=algorithm)  # type: ignore[arg-type]
+    hashes = hash_token_blocks([*TOKENS, 1, 2, 3], 16, namespace="ns", algorithm=algorithm)  # type: ignore[arg-type]
     assert len(hashes) == 4  # the partial trailing block gets no hash
     assert len(set(hashes)) == 4
     assert all(len(h) == (32 if algorithm == "sha256" else 16) for h in hashes)
@@ -145,5 +145,7 @@ def test_hashes_are_stable_across_processes(algorithm: str) -> None:
         ).stdout.strip()
         for seed in ("1", "2")
     }
-    here = ",".join(h.hex() for h in hash_token_blocks(TOKENS, 16, namespace="ns", algorithm=algorithm))  # type: ignore[arg-type]
+    here = ",".join(
+        h.hex() for h in hash_token_blocks(TOKENS, 16, namespace="ns", algorithm=algorithm)
+    )  # type: ignore[arg-type]
     assert outputs == {here}

@@ -43,7 +43,7 @@ def _tier(capacity: int) -> tuple[PrimaryTier, MemoryTier]:
 
 
 async def test_block_larger_than_capacity_fails_that_key_only() -> None:
-    primary, tier = _tier(capacity=100)  # smaller than one framed 1 KiB block
+    _, tier = _tier(capacity=100)  # smaller than one framed 1 KiB block
     keys = random_keys(1, random.Random(0))
     result = await tier.store(JobMetadata(1, tuple(keys), (0,)))
     assert result.failed_keys == tuple(keys)
@@ -69,7 +69,7 @@ async def test_capacity_counts_framed_bytes_and_evicts_least_recent() -> None:
 async def test_closed_tier_refuses_work() -> None:
     from tierkv.errors import TierUnavailable
 
-    primary, tier = _tier(capacity=1 << 20)
+    _, tier = _tier(capacity=1 << 20)
     await tier.close()
     with pytest.raises(TierUnavailable, match="closed"):
         await tier.store(JobMetadata(1, tuple(random_keys(1)), (0,)))

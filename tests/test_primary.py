@@ -170,7 +170,10 @@ def test_impossible_store_returns_none_and_changes_nothing() -> None:
     before = (p.num_free, p.num_evictable, p.policy.eviction_order(), p.take_events())
     assert p.prepare_store([E, F, b"G"]) is None  # needs 3, only B and C evictable
     assert (p.num_free, p.num_evictable, p.policy.eviction_order(), p.take_events()) == (
-        before[0], before[1], before[2], [],
+        before[0],
+        before[1],
+        before[2],
+        [],
     )
     assert p.lookup([A, B, C]) == 3
 

@@ -9,7 +9,15 @@ from tierkv.units import format_size, parse_duration
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("250ms", 0.25), ("2s", 2.0), ("1.5m", 90.0), ("1h", 3600.0), (3, 3.0), ("10us", 1e-5), ("0.5", 0.5)],
+    [
+        ("250ms", 0.25),
+        ("2s", 2.0),
+        ("1.5m", 90.0),
+        ("1h", 3600.0),
+        (3, 3.0),
+        ("10us", 1e-5),
+        ("0.5", 0.5),
+    ],
 )
 def test_durations_parse(text: object, seconds: float) -> None:
     assert parse_duration(text) == pytest.approx(seconds)

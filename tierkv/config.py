@@ -219,6 +219,15 @@ def parse_config(
             f"{format_size(int(core.layout.block_bytes))}; raise it to at least one block"
         )
     if problems or core is None:
+        # a value whose variable was unset also fails validation: say it once
+        unset = {
+            p.split(": environment variable", 1)[0]
+            for p in problems
+            if ": environment variable " in p
+        }
+        problems = [
+            p for p in problems if ": environment variable " in p or p.split(":", 1)[0] not in unset
+        ]
         raise error_class(problems, source=source)
     return core.model_copy(update={"tiers": tiers})
 

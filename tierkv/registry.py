@@ -39,9 +39,20 @@ class TierPluginInfo:
 
 
 def _entry_points() -> dict[str, list[md.EntryPoint]]:
+    """Entry points of the group by name, across every installed distribution.
+
+    Walks distributions itself (rather than `entry_points(group=...)`, which keeps only
+    the first entry point of a name) so two packages claiming one type are seen."""
     found: dict[str, list[md.EntryPoint]] = {}
-    for ep in md.entry_points(group=ENTRY_POINT_GROUP):
-        found.setdefault(ep.name, []).append(ep)
+    seen: set[str] = set()
+    for dist in md.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name in seen:  # the same distribution twice on sys.path: first one wins
+            continue
+        seen.add(name)
+        for ep in dist.entry_points:
+            if ep.group == ENTRY_POINT_GROUP:
+                found.setdefault(ep.name, []).append(ep)
     return found
 
 

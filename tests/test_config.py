@@ -1,0 +1,185 @@
+"""YAML config: valid chains load; every bad input names its path and value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tierkv.config import load_config, parse_config
+from tierkv.errors import ConfigError, UnknownTierType
+from tierkv.memory_tier import MemoryTierConfig
+
+GOOD = """
+namespace: llama3-8b-bf16-tp1
+layout:
+  block_bytes: 2MiB
+  groups:
+    - {kind: full, block_size: 16}
+    - {kind: sliding_window, block_size: 16, window: 4096}
+primary: {capacity: 8GiB, eviction: arc}
+tiers:
+  - {type: memory, capacity: 512MiB, write_policy: write_back, job_timeout: 250ms}
+"""
+
+
+def problems(text: str, **kwargs: object) -> list[str]:
+    with pytest.raises(ConfigError) as err:
+        parse_config(text, **kwargs)  # type: ignore[arg-type]
+    return err.value.problems
+
+
+def test_a_good_chain_loads_with_units_resolved() -> None:
+    config = parse_config(GOOD)
+    assert config.namespace == "llama3-8b-bf16-tp1"
+    assert config.layout.block_bytes == 2 * 2**20
+    assert config.layout.groups[1].window == 4096
+    assert config.primary.capacity == 8 * 2**30 and config.primary.eviction == "arc"
+    assert config.primary.pin_memory == "auto"
+    assert config.primary_blocks == 4096
+    [tier] = config.tiers
+    assert isinstance(tier, MemoryTierConfig)
+    assert tier.capacity == 512 * 2**20
+    assert tier.write_policy == "write_back" and tier.job_timeout == 0.25
+
+
+def test_defaults() -> None:
+    config = parse_config(
+        "namespace: n\nlayout: {block_bytes: 1024, groups: [{block_size: 16}]}\n"
+        "primary: {capacity: 1MiB}\n"
+    )
+    assert config.tiers == [] and config.primary.eviction == "lru"
+    assert config.layout.groups[0].kind == "full"
+
+
+def test_bad_size_names_path_and_value() -> None:
+    text = GOOD.replace("capacity: 512MiB", "capacity: 12 parsecs")
+    assert problems(text) == [
+        "tiers[0].capacity: '12 parsecs' is not a size (use e.g. 8GiB, 512MiB, 4096)"
+    ]
+
+
+def test_malformed_yaml_gives_line_and_column() -> None:
+    [problem] = problems("namespace: x\nlayout: {block_bytes: 1\n  groups: [\n")
+    assert problem.startswith("malformed YAML: line ")
+
+
+def test_top_level_must_be_a_mapping() -> None:
+    assert "expected a mapping" in problems("- a\n- b\n")[0]
+
+
+def test_unknown_tier_type_lists_the_installed_ones() -> None:
+    with pytest.raises(UnknownTierType) as err:
+        parse_config(GOOD.replace("type: memory", "type: floppy"))
+    [problem] = err.value.problems
+    assert problem.startswith("tiers[0].type: unknown tier type 'floppy'")
+    assert "installed tier types: memory" in problem
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (("namespace: llama", "namspace: llama"), "namspace: unknown field"),
+        (
+            ("eviction: arc", "eviction: arc, evicton: lru"),
+            "primary.evicton: unknown field; did you mean 'eviction'?",
+        ),
+        (
+            ("write_policy: write_back", "write_polcy: write_back"),
+            "tiers[0].write_polcy: unknown field; did you mean 'write_policy'?",
+        ),
+        (
+            ("block_size: 16}\n", "block_size: 16, colour: red}\n"),
+            "layout.groups[0].colour: unknown field",
+        ),
+    ],
+)
+def test_unknown_fields_are_rejected_with_a_suggestion(
+    edit: tuple[str, str], expected: str
+) -> None:
+    found = problems(GOOD.replace(*edit, 1))
+    assert any(p.startswith(expected) for p in found), found
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (
+            ("eviction: arc", "eviction: fifo"),
+            "primary.eviction: 'fifo': Input should be 'lru' or 'arc'",
+        ),
+        (
+            ("write_policy: write_back", "write_policy: sometimes"),
+            "tiers[0].write_policy: 'sometimes'",
+        ),
+        (
+            ("job_timeout: 250ms", "job_timeout: soon"),
+            "tiers[0].job_timeout: 'soon': 'soon' is not a duration",
+        ),
+        (("window: 4096", "window: -3"), "layout.groups[1].window: -3"),
+        (
+            (
+                "kind: sliding_window, block_size: 16, window: 4096",
+                "kind: sliding_window, block_size: 16",
+            ),
+            "layout.groups[1]: ",
+        ),
+        (("namespace: llama3-8b-bf16-tp1", "namespace: ''"), "namespace: ''"),
+        (("capacity: 8GiB", "capacity: 1MiB"), "primary.capacity: 1MiB holds no block of 2MiB"),
+    ],
+)
+def test_bad_values_name_path_and_value(edit: tuple[str, str], expected: str) -> None:
+    found = problems(GOOD.replace(*edit, 1))
+    assert any(p.startswith(expected) for p in found), found
+
+
+def test_missing_sections_are_each_reported() -> None:
+    found = problems("namespace: x\n")
+    assert "layout: is required" in found and "primary: is required" in found
+
+
+def test_tiers_shape_errors() -> None:
+    base = GOOD.split("tiers:")[0]
+    assert problems(base + "tiers: memory\n") == [
+        "tiers: expected a list of tier sections, got 'memory'"
+    ]
+    assert problems(base + "tiers:\n  - capacity: 1GiB\n") == [
+        "tiers[0].type: is required (the tier type, e.g. memory, nvme)"
+    ]
+    assert problems(base + "tiers:\n  - memory\n")[0].startswith("tiers[0]: expected a mapping")
+
+
+def test_all_problems_are_reported_at_once() -> None:
+    text = GOOD.replace("eviction: arc", "eviction: fifo").replace("512MiB", "lots")
+    assert len(problems(text)) == 2
+
+
+def test_environment_variables_expand() -> None:
+    text = GOOD.replace("512MiB", "'${TIER_CAP}'").replace(
+        "llama3-8b-bf16-tp1", "m-${TENANT:-public}-$$x"
+    )
+    config = parse_config(text, env={"TIER_CAP": "1GiB"})
+    assert config.tiers[0].capacity == 2**30  # type: ignore[attr-defined]
+    assert config.namespace == "m-public-$x"
+
+
+def test_unset_environment_variable_is_an_error_naming_it() -> None:
+    text = GOOD.replace("512MiB", "'${TIER_CAP}'")
+    assert problems(text, env={}) == [
+        "tiers[0].capacity: environment variable TIER_CAP is not set "
+        "(set it, or write ${TIER_CAP:-default})"
+    ]
+
+
+def test_load_config_reads_a_file_and_names_it_in_errors(tmp_path: Path) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text(GOOD)
+    assert load_config(good).namespace == "llama3-8b-bf16-tp1"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(GOOD.replace("arc", "fifo"))
+    with pytest.raises(
+        ConfigError, match=r"invalid tierkv config in .*bad.yaml:\n  primary.eviction"
+    ):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml")

@@ -1,0 +1,83 @@
+"""The stored frame: every way a read-back can be wrong is caught and named."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tierkv.errors import CorruptBlock
+from tierkv.framing import (
+    FIXED_HEADER_BYTES,
+    decode_into,
+    encode_block,
+    encode_header,
+    header_bytes,
+    parse_header,
+)
+
+KEY = b"k" * 16 + b"\x00\x00\x00\x01"
+PAYLOAD = bytes(range(256)) * 4
+
+
+def dest(n: int = len(PAYLOAD)) -> memoryview:
+    return memoryview(bytearray(b"\xee" * n))
+
+
+@given(key=st.binary(min_size=5, max_size=64), payload=st.binary(min_size=1, max_size=4096))
+def test_round_trip(key: bytes, payload: bytes) -> None:
+    out = dest(len(payload))
+    decode_into(key, encode_block(key, payload, "ns"), out, "ns")
+    assert bytes(out) == payload
+
+
+def test_header_layout_is_fixed_plus_key() -> None:
+    header = encode_header(KEY, PAYLOAD, "ns")
+    assert len(header) == header_bytes(KEY) == FIXED_HEADER_BYTES + len(KEY)
+    assert header.startswith(b"TKVB")
+    parsed = parse_header(header + PAYLOAD, "ns")
+    assert (
+        parsed.key == KEY and parsed.payload_length == len(PAYLOAD) and parsed.size == len(header)
+    )
+
+
+def corrupt_cases() -> list[tuple[str, bytes, str]]:
+    frame = encode_block(KEY, PAYLOAD, "ns")
+    flipped = bytearray(frame)
+    flipped[-1] ^= 1
+    bad_version = bytearray(frame)
+    struct.pack_into("<H", bad_version, 4, 99)
+    other_key = encode_block(b"x" * 20, PAYLOAD, "ns")
+    return [
+        ("flipped payload byte", bytes(flipped), "checksum mismatch"),
+        ("truncated payload", frame[:-10], "payload is"),
+        ("truncated header", frame[:10], "shorter than its header"),
+        ("truncated key", frame[: FIXED_HEADER_BYTES + 3], "truncated inside its key"),
+        ("not a tierkv block", b"PK\x03\x04" + frame[4:], "bad magic"),
+        ("a future format", bytes(bad_version), "format version 99"),
+        ("another key's block", other_key, "expected " + KEY.hex()),
+        ("another namespace", encode_block(KEY, PAYLOAD, "other"), "another namespace"),
+        ("wrong block size", encode_block(KEY, PAYLOAD[:512], "ns"), "payload length 512"),
+        ("pickle", b"\x80\x04\x95" + b"\x00" * 60, "bad magic"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "frame", "message"),
+    corrupt_cases(),
+    ids=lambda v: v if isinstance(v, str) and " " in v else "",
+)
+def test_corruption_is_detected_and_destination_untouched(
+    name: str, frame: bytes, message: str
+) -> None:
+    out = dest()
+    with pytest.raises(CorruptBlock, match=message):
+        decode_into(KEY, frame, out, "ns")
+    assert bytes(out) == b"\xee" * len(PAYLOAD)
+
+
+def test_overlong_key_is_rejected() -> None:
+    with pytest.raises(ValueError, match="longer than"):
+        encode_header(b"k" * 70000, PAYLOAD, "ns")
