@@ -6,6 +6,7 @@ Users import from here; plugin authors import from `tierkv.tier` (the contract),
 
 from __future__ import annotations
 
+from tierkv.blocks import BlockDestination, BlockSource, HostBlocks
 from tierkv.config import CacheConfig, load_config, parse_config
 from tierkv.errors import (
     BlockStateError,
@@ -17,6 +18,7 @@ from tierkv.errors import (
     UnknownTierType,
 )
 from tierkv.events import OffloadingEvent
+from tierkv.hits import GroupHit, combine_group_hits
 from tierkv.jobs import JobMetadata, JobResult, ReqContext
 from tierkv.keys import (
     HashAlgorithm,
@@ -28,6 +30,7 @@ from tierkv.keys import (
 )
 from tierkv.layout import GroupSpec, KVLayout
 from tierkv.memory_tier import MemoryTier, MemoryTierConfig
+from tierkv.orchestrator import CacheStats, LoadResult, LookupResult, StoreResult, TieredCache
 from tierkv.primary import PrepareStoreOutput, PrimaryConfig, PrimaryTier, PrimaryView
 from tierkv.registry import (
     create_tier,
@@ -41,6 +44,16 @@ from tierkv.tier import SecondaryTierManager, TierConfig
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlockDestination",
+    "BlockSource",
+    "CacheStats",
+    "GroupHit",
+    "HostBlocks",
+    "LoadResult",
+    "LookupResult",
+    "StoreResult",
+    "TieredCache",
+    "combine_group_hits",
     "BlockStateError",
     "CacheConfig",
     "ConfigError",

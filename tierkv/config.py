@@ -31,7 +31,7 @@ from tierkv.layout import KVLayout
 from tierkv.primary import PrimaryConfig
 from tierkv.registry import get_tier_class
 from tierkv.tier import TierConfig
-from tierkv.units import format_size
+from tierkv.units import Duration, format_size
 
 
 class CacheConfig(BaseModel):
@@ -47,6 +47,26 @@ class CacheConfig(BaseModel):
     layout: KVLayout
     primary: PrimaryConfig
     tiers: list[SerializeAsAny[TierConfig]] = Field(default_factory=list)
+    promotion_reserve: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="share of primary slots that promotions (loads from lower tiers) may "
+        "hold at once; the rest stays free for stores",
+    )
+    lookup_timeout: Duration | None = Field(
+        default=None, description="a tier that does not answer a lookup in time is a miss"
+    )
+    write_back_headroom: float = Field(
+        default=0.125,
+        ge=0,
+        lt=1,
+        description="with write_back tiers, demote blocks when free + evictable primary "
+        "slots fall below this share",
+    )
+    close_timeout: Duration = Field(
+        default=10.0, description="how long close() lets background jobs finish"
+    )
 
     @property
     def primary_blocks(self) -> int:

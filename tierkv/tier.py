@@ -19,13 +19,13 @@ from contextlib import asynccontextmanager
 from typing import Any, ClassVar, Literal
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveInt
 
 from tierkv.errors import TierUnavailable
 from tierkv.jobs import JobMetadata, JobResult, ReqContext
 from tierkv.keys import OffloadKey
 from tierkv.primary import PrimaryView
-from tierkv.units import Duration
+from tierkv.units import Duration, Size
 
 WritePolicy = Literal["write_through", "write_back", "write_through_selective"]
 
@@ -47,6 +47,17 @@ class TierConfig(BaseModel):
     )
     job_timeout: Duration = Field(
         default=30.0, gt=0, description="a job not answered by then fails all its keys"
+    )
+    max_inflight_bytes: Size = Field(
+        default=ByteSize(256 << 20),
+        gt=0,
+        description="cascades beyond this many bytes in flight to the tier are dropped",
+    )
+    failure_threshold: PositiveInt = Field(
+        default=3, description="consecutive errors that open the tier's circuit breaker"
+    )
+    recovery_after: Duration = Field(
+        default=5.0, description="how long an open breaker waits before one probe"
     )
 
 

@@ -1,0 +1,88 @@
+"""Combining the hits of several KV-cache groups."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tierkv.hits import GroupHit, combine_group_hits
+from tierkv.layout import GroupSpec
+
+FULL16 = GroupSpec(block_size=16)
+FULL32 = GroupSpec(block_size=32)
+
+
+def sliding(block_size: int, window: int) -> GroupSpec:
+    return GroupSpec(kind="sliding_window", block_size=block_size, window=window)
+
+
+def test_full_group_stops_at_the_first_missing_block() -> None:
+    assert combine_group_hits([FULL16], [[True, True, False, True]]) == (32, [GroupHit(0, 2)])
+    assert combine_group_hits([FULL16], [[False, True]]) == (0, [GroupHit(0, 0)])
+    assert combine_group_hits([FULL16], [[]]) == (0, [GroupHit(0, 0)])
+
+
+def test_groups_with_different_block_sizes_align_to_each() -> None:
+    # 16-token group has 5 blocks (80 tokens); 32-token group has 2 full blocks (64)
+    tokens, ranges = combine_group_hits([FULL16, FULL32], [[True] * 5, [True, True]])
+    assert tokens == 64 and ranges == [GroupHit(0, 4), GroupHit(0, 2)]
+    # the 32-token group's second block missing caps everyone at 32
+    tokens, _ = combine_group_hits([FULL16, FULL32], [[True] * 5, [True, False]])
+    assert tokens == 32
+
+
+def test_sliding_window_needs_only_blocks_inside_the_window() -> None:
+    window = sliding(16, 32)  # the next token needs the 31 tokens before it: 2 blocks
+    present = [False, False, False, True, True]
+    tokens, ranges = combine_group_hits([window], [present])
+    assert tokens == 80 and ranges == [GroupHit(3, 5)]
+
+
+def test_full_plus_window_where_the_window_group_limits_the_hit() -> None:
+    full = [True] * 6
+    window = [True, True, True, False, True, True]  # block 3 missing
+    tokens, ranges = combine_group_hits([FULL16, sliding(16, 32)], [full, window])
+    # 96 needs window blocks 4,5 (ok)... the hit is 96
+    assert tokens == 96 and ranges[1] == GroupHit(4, 6)
+    window = [True, True, True, True, False, True]  # block 4 missing: 96 needs it
+    tokens, ranges = combine_group_hits([FULL16, sliding(16, 32)], [full, window])
+    assert tokens == 64  # 64 needs window blocks 2,3
+    assert ranges == [GroupHit(0, 4), GroupHit(2, 4)]
+
+
+def test_full_group_limits_and_window_follows() -> None:
+    full = [True, True, False, True, True, True]
+    window = [True] * 6
+    tokens, ranges = combine_group_hits([FULL16, sliding(16, 64)], [full, window])
+    assert tokens == 32 and ranges == [GroupHit(0, 2), GroupHit(0, 2)]
+
+
+def test_group_count_must_match() -> None:
+    with pytest.raises(ValueError, match="1 groups of keys for a layout of 2 groups"):
+        combine_group_hits([FULL16, FULL16], [[True]])
+
+
+@given(
+    st.lists(st.booleans(), max_size=12),
+    st.lists(st.booleans(), max_size=12),
+    st.sampled_from([8, 16]),
+    st.integers(1, 64),
+)
+def test_hit_is_the_largest_servable_prefix(
+    full: list[bool], window: list[bool], bs: int, w: int
+) -> None:
+    """Brute force: the hit is the largest token count every group can serve."""
+    groups = [GroupSpec(block_size=16), sliding(bs, w)]
+    tokens, _ = combine_group_hits(groups, [full, window])
+
+    def serves(t: int) -> bool:
+        if t % 16 or t % bs or t // 16 > len(full) or t // bs > len(window):
+            return False
+        if not all(full[: t // 16]):
+            return False
+        first = max(0, t - (w - 1)) // bs
+        return all(window[first : t // bs])
+
+    best = max(t for t in range(0, 16 * 13, 1) if t == 0 or serves(t))
+    assert tokens == best

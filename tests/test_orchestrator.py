@@ -1,0 +1,569 @@
+"""`TieredCache` scenarios with exact expectations.
+
+Blocks are 1 KiB; the primary holds 4 blocks unless a test says otherwise, so
+eviction and promotion happen after a handful of stores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from tierkv.config import parse_config
+from tierkv.errors import TierUnavailable
+from tierkv.events import OffloadingEvent
+from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
+from tierkv.memory_tier import MemoryTier
+from tierkv.orchestrator import TieredCache
+from tierkv.testing import FaultyTier
+
+pytestmark = pytest.mark.anyio
+
+BLOCK = 1024
+
+
+def chain(tiers: Sequence[dict[str, Any]], *, blocks: int = 4, **top: Any) -> dict[str, Any]:
+    return {
+        "namespace": "test",
+        "layout": {"block_bytes": BLOCK, "groups": [{"block_size": 16}]},
+        "primary": {"capacity": blocks * BLOCK, "eviction": "lru", "pin_memory": False},
+        "tiers": list(tiers),
+        **top,
+    }
+
+
+@asynccontextmanager
+async def open_cache(config: dict[str, Any]) -> AsyncIterator[TieredCache]:
+    async with TieredCache(parse_config(config)) as cache:
+        yield cache
+        await cache.flush()
+        assert_no_leaks(cache)
+
+
+def assert_no_leaks(cache: TieredCache) -> None:
+    """Every slot reader and reservation taken was given back."""
+    p = cache.primary
+    pinned = set(cache._dirty)
+    for key in list(p._blocks):
+        assert p.is_ready(key), f"{key!r} left half-written"
+        assert p.readers(key) == (1 if key in pinned else 0), f"{key!r} leaked a reader"
+    assert p.num_evictable == len(p) - len(pinned)
+    assert cache._promoting == 0
+    assert not cache._flights
+    assert all(ts.stats.inflight_bytes == 0 for ts in cache._tiers)
+
+
+def keys(n: int, tag: str = "k") -> list[OffloadKey]:
+    return [
+        make_offload_key(h, 0) for h in hash_token_blocks(list(range(16 * n)), 16, namespace=tag)
+    ]
+
+
+def blocks(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, BLOCK), dtype=torch.uint8, generator=g)
+
+
+def empty(n: int) -> torch.Tensor:
+    return torch.zeros((n, BLOCK), dtype=torch.uint8)
+
+
+def memory(**kw: Any) -> dict[str, Any]:
+    return {"type": "memory", **kw}
+
+
+def faulty(**kw: Any) -> dict[str, Any]:
+    return {"type": "faulty", **kw}
+
+
+# -- round trips and cascade ---------------------------------------------------------------
+async def test_store_lookup_load_from_the_primary() -> None:
+    async with open_cache(chain([])) as cache:
+        ks, data = keys(3), blocks(3)
+        result = await cache.store(ks, data)
+        assert result.stored == tuple(ks) and result.ok
+        hit = await cache.lookup([ks])
+        assert hit.hit_tokens == 48 and hit.keys_to_load == tuple(ks)
+        assert dict(hit.locations) == {k: "cpu" for k in ks}
+        out = empty(3)
+        loaded = await cache.load(ks, out)
+        assert loaded.ok and dict(loaded.sources) == {k: "cpu" for k in ks}
+        assert torch.equal(out, data)
+        again = await cache.store(ks, data)
+        assert again.stored == () and again.already_present == tuple(ks)
+
+
+async def test_cascade_reaches_every_tier_once_and_events_come_in_order(
+    faulty_tier_type: str,
+) -> None:
+    async with open_cache(chain([faulty(), memory()])) as cache:
+        ks = keys(3)
+        await cache.store(ks, blocks(3))
+        await cache.flush()
+        tier = cache.tier("faulty")
+        assert isinstance(tier, FaultyTier)
+        assert tier.calls == [("store", tuple(ks))]
+        assert len(cache.tier("memory")) == 3  # type: ignore[arg-type]
+        events = cache.take_events()
+        assert events[0] == OffloadingEvent(tuple(ks), "cpu", removed=False)
+        assert {(e.medium, e.keys) for e in events[1:]} == {
+            ("faulty", tuple(ks)),
+            ("memory", tuple(ks)),
+        }
+        stats = cache.stats()
+        assert stats.tiers["faulty"]["blocks_stored"] == 3
+        assert stats.tiers["memory"]["bytes_in"] == 3 * BLOCK
+
+
+async def test_a_block_is_protected_while_cascading_and_evictable_after(
+    faulty_tier_type: str,
+) -> None:
+    async with open_cache(chain([faulty()], blocks=2)) as cache:
+        tier = cache.tier("faulty")
+        assert isinstance(tier, FaultyTier)
+        tier.gate = anyio.Event()
+        first = keys(2, "a")
+        await cache.store(first, blocks(2))
+        assert cache.primary.num_evictable == 0  # both held by the running cascade
+        blocked = await cache.store(keys(1, "b"), blocks(1))  # no room: rejected, not waited
+        assert blocked.rejected and not blocked.stored
+        tier.gate.set()
+        await cache.flush()
+        assert cache.primary.num_evictable == 2
+        later = await cache.store(keys(1, "b"), blocks(1))
+        assert later.stored
+        assert [e.removed for e in cache.take_events() if e.medium == "cpu"][-2:] == [True, False]
+
+
+async def test_a_failed_store_never_cascades(faulty_tier_type: str) -> None:
+    class Exploding:
+        def __len__(self) -> int:
+            return 2
+
+        async def copy_to_slots(self, view: Any, indices: Any, slots: Any) -> None:
+            raise RuntimeError("GPU copy failed")
+
+    async with open_cache(chain([faulty()])) as cache:
+        ks = keys(2)
+        with pytest.raises(RuntimeError, match="GPU copy failed"):
+            await cache.store(ks, Exploding())
+        await cache.flush()
+        assert cache.tier("faulty").calls == []  # type: ignore[attr-defined]
+        assert len(cache.primary) == 0 and cache.primary.num_free == 4
+
+
+# -- promotion ---------------------------------------------------------------------------------
+async def evict_all(cache: TieredCache, n: int = 4) -> None:
+    """Fill the primary with unrelated blocks so earlier ones leave it."""
+    await cache.store(keys(n, "filler"), blocks(n, seed=99))
+    await cache.flush()
+
+
+async def test_promotion_of_blocks_found_only_in_tier_2_of_2(faulty_tier_type: str) -> None:
+    config = chain(
+        [faulty(write_policy="write_through_selective", min_hits=99), memory()],
+        promotion_reserve=1.0,
+    )
+    async with open_cache(config) as cache:
+        ks, data = keys(3), blocks(3)
+        await cache.store(ks, data)
+        await cache.flush()
+        await evict_all(cache)
+        hit = await cache.lookup([ks])
+        assert hit.hit_tokens == 48
+        assert dict(hit.locations) == {k: "memory" for k in ks}
+        out = empty(3)
+        result = await cache.load(hit.keys_to_load, out)
+        assert result.ok and set(result.sources.values()) == {"memory"}
+        assert torch.equal(out, data)
+        assert cache.primary.lookup(ks) == 3  # promoted into the primary
+        faulty_tier = cache.tier("faulty")
+        assert [op for op, _ in faulty_tier.calls] == ["lookup", "load"]  # type: ignore[attr-defined]
+
+
+async def test_partial_hit_stops_at_the_first_block_missing_everywhere() -> None:
+    async with open_cache(chain([memory()])) as cache:
+        ks = keys(4)
+        await cache.store(ks, blocks(4))
+        await cache.flush()
+        await evict_all(cache)
+        await cache.tier("memory").remove([ks[2]])
+        hit = await cache.lookup([ks])
+        assert hit.hit_tokens == 32 and hit.keys_to_load == tuple(ks[:2])
+
+
+async def test_promotions_of_one_request_are_one_job_per_tier(faulty_tier_type: str) -> None:
+    async with open_cache(chain([faulty()], blocks=8, promotion_reserve=1.0)) as cache:
+        ks = keys(5)
+        await cache.store(ks, blocks(5))
+        await cache.flush()
+        await evict_all(cache, 8)
+        tier = cache.tier("faulty")
+        tier.calls.clear()  # type: ignore[attr-defined]
+        result = await cache.load(ks, empty(5))
+        assert result.ok
+        assert tier.calls == [("load", tuple(ks))]  # type: ignore[attr-defined]
+
+
+async def test_concurrent_loads_of_one_key_share_one_promotion(faulty_tier_type: str) -> None:
+    async with open_cache(chain([faulty()])) as cache:
+        ks, data = keys(2), blocks(2)
+        await cache.store(ks, data)
+        await cache.flush()
+        await evict_all(cache)
+        tier = cache.tier("faulty")
+        assert isinstance(tier, FaultyTier)
+        tier.calls.clear()
+        tier.gate = anyio.Event()
+        outs = [empty(2), empty(2), empty(1)]
+        results: list[Any] = [None] * 3
+        async with anyio.create_task_group() as tg:
+
+            async def run(i: int, ks_: list[OffloadKey]) -> None:
+                results[i] = await cache.load(ks_, outs[i])
+
+            tg.start_soon(run, 0, ks)
+            tg.start_soon(run, 1, ks)
+            tg.start_soon(run, 2, ks[1:])
+            await anyio.sleep(0.05)
+            tier.gate.set()
+        assert all(r.ok for r in results)
+        assert tier.calls == [("load", tuple(ks))]
+        assert torch.equal(outs[0], data) and torch.equal(outs[1], data)
+        assert torch.equal(outs[2], data[1:])
+
+
+async def test_a_failed_load_invalidates_the_claim(faulty_tier_type: str) -> None:
+    async with open_cache(chain([faulty()])) as cache:
+        tier = cache.tier("faulty")
+        assert isinstance(tier, FaultyTier)
+        ghost = keys(1, "ghost")
+        tier.lie_about = set(ghost)
+        hit = await cache.lookup([ghost])
+        assert hit.hit_tokens == 16  # the tier claims it
+        result = await cache.load(ghost, empty(1))
+        assert result.failed_keys == tuple(ghost) and "lied" in result.errors[ghost[0]]
+        hit = await cache.lookup([ghost])
+        assert hit.hit_tokens == 0  # not believed again: no re-promotion loop
+
+
+# -- write policies -----------------------------------------------------------------------------
+async def test_write_back_demotes_before_freeing() -> None:
+    async with open_cache(chain([memory(write_policy="write_back")])) as cache:
+        first, data = keys(4, "a"), blocks(4)
+        await cache.store(first, data)
+        tier = cache.tier("memory")
+        await cache.flush()
+        # under pressure blocks were demoted; none was freed before its copy existed
+        assert len(tier) == 4  # type: ignore[arg-type]
+        cache.take_events()
+        await cache.store(keys(2, "b"), blocks(2, seed=5))
+        await cache.flush()
+        events = cache.take_events()
+        removed = [e for e in events if e.removed]
+        assert removed and removed[0].medium == "cpu"
+        for event in removed:
+            for key in event.keys:
+                assert await tier.lookup([key], None) == [True]  # type: ignore[arg-type]
+        out = empty(4)
+        assert (await cache.load(first, out)).ok and torch.equal(out, data)
+
+
+async def test_write_back_writes_nothing_without_pressure() -> None:
+    async with open_cache(chain([memory(write_policy="write_back")], blocks=16)) as cache:
+        await cache.store(keys(2), blocks(2))
+        await anyio.sleep(0.01)
+        assert len(cache.tier("memory")) == 0  # type: ignore[arg-type]
+        assert cache.stats().primary["write_back_pending"] == 2
+        await cache.flush()  # flush (and close) writes them
+        assert len(cache.tier("memory")) == 2  # type: ignore[arg-type]
+
+
+async def test_selective_write_needs_min_hits() -> None:
+    config = chain([memory(write_policy="write_through_selective", min_hits=2)])
+    async with open_cache(config) as cache:
+        tier = cache.tier("memory")
+        ks = keys(2)
+        await cache.lookup([ks[:1]])  # ks[0] seen once before it is stored
+        await cache.store(ks, blocks(2))
+        await cache.flush()
+        assert len(tier) == 0  # type: ignore[arg-type]
+        await cache.lookup([ks[:1]])  # second sighting of ks[0]: written now
+        await cache.flush()
+        assert await tier.lookup(ks, None) == [True, False]  # type: ignore[arg-type]
+        await cache.lookup([ks])
+        await cache.lookup([ks])
+        await cache.flush()
+        assert await tier.lookup(ks, None) == [True, True]  # type: ignore[arg-type]
+
+
+# -- admission, timeouts, failures -------------------------------------------------------------
+async def test_promotion_reserve_holds_under_a_flood_of_lookups(faulty_tier_type: str) -> None:
+    config = chain([faulty()], blocks=8, promotion_reserve=0.25)  # 2 promotion slots
+    async with open_cache(config) as cache:
+        ks = keys(6)
+        await cache.store(ks, blocks(6))
+        await cache.flush()
+        await evict_all(cache, 8)
+        for _ in range(50):  # requests that look up and never load reserve nothing
+            hit = await cache.lookup([ks])
+            assert hit.hit_tokens == 32  # shed: only 2 blocks may be promoted now
+        assert cache.primary.num_free + cache.primary.num_evictable == 8
+        assert (await cache.store(keys(1, "new"), blocks(1))).ok
+        tier = cache.tier("faulty")
+        assert isinstance(tier, FaultyTier)
+        tier.gate = anyio.Event()
+        results: list[Any] = []
+        async with anyio.create_task_group() as tg:
+
+            async def run(k: list[OffloadKey]) -> None:
+                results.append(await cache.load(k, empty(len(k))))
+
+            tg.start_soon(run, ks[:2])
+            await anyio.sleep(0.01)
+            tg.start_soon(run, ks[2:4])  # the reserve is taken: shed at once
+            await anyio.sleep(0.01)
+            assert len(results) == 1 and not results[0].ok_keys
+            assert "reserve is full" in next(iter(results[0].errors.values()))
+            assert (await cache.store(keys(1, "newer"), blocks(1))).ok  # stores still fit
+            tier.gate.set()
+        assert results[1].ok
+
+
+async def test_lookup_timeout_counts_a_slow_tier_as_a_miss(faulty_tier_type: str) -> None:
+    config = chain([faulty(lookup_delay="2s")], lookup_timeout="50ms")
+    async with open_cache(config) as cache:
+        ks = keys(2)
+        tier = cache.tier("faulty")
+        await tier.store(_job(cache, ks))
+        with anyio.fail_after(1):
+            hit = await cache.lookup([ks])
+        assert hit.hit_tokens == 0
+        assert cache.stats().tiers["faulty"]["lookup_timeouts"] == 1
+
+
+def _job(cache: TieredCache, ks: list[OffloadKey]) -> Any:
+    """A job storing zeros for `ks` straight into a tier (bypassing the cache)."""
+    from tierkv.jobs import JobMetadata
+
+    return JobMetadata(10_000 + len(ks), tuple(ks), tuple(range(len(ks))))
+
+
+async def test_a_failing_tier_opens_its_breaker_and_recovers(faulty_tier_type: str) -> None:
+    config = chain([faulty(failure_threshold=2, recovery_after="100ms")], blocks=16)
+    async with open_cache(config) as cache:
+        tier = cache.tier("faulty")
+        assert isinstance(tier, FaultyTier)
+        tier.down = True
+        for i in range(2):
+            await cache.store(keys(1, f"x{i}"), blocks(1))
+            await cache.flush()
+        stats = cache.stats().tiers["faulty"]
+        assert stats["breaker"] == "open" and stats["errors"] == 2
+        calls = len(tier.calls)
+        await cache.store(keys(1, "skipped"), blocks(1))
+        hit = await cache.lookup([keys(1, "x0")])
+        assert hit.hit_tokens == 16  # the primary still serves
+        await cache.flush()
+        assert len(tier.calls) == calls  # an open breaker sends nothing
+        assert cache.stats().tiers["faulty"]["skipped_unhealthy"] >= 1
+        tier.down = False
+        await anyio.sleep(0.15)
+        await cache.store(keys(1, "probe"), blocks(1))  # the probe
+        await cache.flush()
+        assert cache.stats().tiers["faulty"]["breaker"] == "closed"
+        assert tier.stored_keys() == set(keys(1, "probe"))
+
+
+async def test_job_deadlines_release_everything(faulty_tier_type: str) -> None:
+    config = chain([faulty(job_timeout="100ms")])
+    async with open_cache(config) as cache:
+        ks = keys(2)
+        await cache.store(ks, blocks(2))
+        await cache.flush()
+        await evict_all(cache)
+        tier = cache.tier("faulty")
+        assert isinstance(tier, FaultyTier)
+        tier.hang = True
+        with anyio.fail_after(2):
+            result = await cache.load(ks, empty(2))
+        assert result.failed_keys == tuple(ks)
+        assert "timed out after 0.1s" in result.errors[ks[0]]
+        with anyio.fail_after(2):
+            await cache.store(keys(2, "more"), blocks(2))
+            await cache.flush()  # the hung cascade also ends at its deadline
+        assert cache.stats().tiers["faulty"]["errors"] >= 2
+        tier.hang = False
+
+
+async def test_cancelled_jobs_in_every_state_leak_nothing(faulty_tier_type: str) -> None:
+    async with open_cache(chain([faulty()], blocks=8)) as cache:
+        ks = keys(3)
+        await cache.store(ks, blocks(3))
+        await cache.flush()
+        await evict_all(cache, 8)
+        tier = cache.tier("faulty")
+        assert isinstance(tier, FaultyTier)
+        tier.gate = anyio.Event()
+        # a leader and a follower waiting on one promotion, both cancelled
+        with anyio.move_on_after(0.05):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cache.load, ks, empty(3))
+                tg.start_soon(cache.load, ks[:1], empty(1))
+        # a cascade still waiting at the gate, and a promotion too
+        await cache.store(keys(1, "c"), blocks(1))
+        tier.gate.set()
+        await cache.flush()
+        assert_no_leaks(cache)
+        result = await cache.load(ks, empty(3))  # the promotion finished for nobody: fine
+        assert result.ok
+
+
+async def test_back_pressure_drops_cascades_instead_of_queueing(faulty_tier_type: str) -> None:
+    config = chain([faulty(max_inflight_bytes=BLOCK * 2)], blocks=16)
+    async with open_cache(config) as cache:
+        tier = cache.tier("faulty")
+        assert isinstance(tier, FaultyTier)
+        tier.gate = anyio.Event()
+        with anyio.fail_after(1):  # the store path never waits on the slow tier
+            await cache.store(keys(2, "a"), blocks(2))
+            await cache.store(keys(2, "b"), blocks(2))
+            await cache.store(keys(2, "c"), blocks(2))
+        stats = cache.stats().tiers["faulty"]
+        assert stats["drops"] == 4 and stats["inflight_bytes"] == 2 * BLOCK
+        tier.gate.set()
+        await cache.flush()
+        assert tier.stored_keys() == set(keys(2, "a"))
+
+
+async def test_nothing_a_tier_does_raises_into_the_caller(faulty_tier_type: str) -> None:
+    async with open_cache(chain([faulty()])) as cache:
+        tier = cache.tier("faulty")
+        assert isinstance(tier, FaultyTier)
+        ks = keys(2)
+        tier.down = True
+        assert (await cache.lookup([ks])).hit_tokens == 0
+        assert (await cache.store(ks, blocks(2))).ok
+        await cache.flush()
+        await evict_all(cache)
+        result = await cache.load(ks, empty(2))
+        assert result.failed_keys == tuple(ks)
+
+
+# -- multiple groups -------------------------------------------------------------------------------
+async def test_full_and_sliding_window_groups_combine() -> None:
+    config = chain([memory()], blocks=32, promotion_reserve=1.0)
+    config["layout"]["groups"] = [
+        {"kind": "full", "block_size": 16},
+        {"kind": "sliding_window", "block_size": 16, "window": 32},
+    ]
+    async with open_cache(config) as cache:
+        tokens = list(range(96))
+        hashes = hash_token_blocks(tokens, 16, namespace="test")
+        full = [make_offload_key(h, 0) for h in hashes]
+        window = [make_offload_key(h, 1) for h in hashes]
+        await cache.store(full, blocks(6))
+        await cache.store(window[3:], blocks(3, seed=1))  # the window group keeps the tail
+        hit = await cache.lookup([full, window])
+        assert hit.hit_tokens == 96
+        assert hit.group_keys == (tuple(full), tuple(window[4:6]))
+        await cache.flush()
+        await cache.store(keys(32, "filler"), blocks(32, seed=3))  # all leave the primary
+        await cache.flush()
+        hit = await cache.lookup([full, window])
+        assert hit.hit_tokens == 96 and set(hit.locations.values()) == {"memory"}
+        await cache.tier("memory").remove([window[4]])
+        # 96 needs window[4]; 64 needs window[2:4], 48 window[1:3], 32 window[0:2]: none stored
+        hit = await cache.lookup([full, window])
+        assert hit.hit_tokens == 0 and hit.group_keys == ((), ())
+
+
+async def test_window_group_limits_the_hit() -> None:
+    config = chain([], blocks=32)
+    config["layout"]["groups"] = [
+        {"kind": "full", "block_size": 16},
+        {"kind": "sliding_window", "block_size": 16, "window": 32},
+    ]
+    async with open_cache(config) as cache:
+        hashes = hash_token_blocks(list(range(96)), 16, namespace="test")
+        full = [make_offload_key(h, 0) for h in hashes]
+        window = [make_offload_key(h, 1) for h in hashes]
+        await cache.store(full, blocks(6))
+        await cache.store([window[i] for i in (2, 3, 5)], blocks(3, seed=1))
+        hit = await cache.lookup([full, window])
+        assert hit.hit_tokens == 64
+        assert hit.group_keys == (tuple(full[:4]), (window[2], window[3]))
+        out = empty(6)
+        assert (await cache.load(hit.keys_to_load, out)).ok
+
+
+# -- bad input and life cycle ---------------------------------------------------------------------
+async def test_bad_input_is_rejected_and_changes_nothing() -> None:
+    async with open_cache(chain([memory()])) as cache:
+        ks = keys(2)
+        with pytest.raises(ValueError, match=r"keys\[1\] is 3 bytes; an offload key is"):
+            await cache.store([ks[0], b"abc"], blocks(2))
+        with pytest.raises(ValueError, match="block 1 is 1000 bytes; blocks are 1024 bytes"):
+            await cache.store(ks, [bytes(BLOCK), bytes(1000)])
+        with pytest.raises(ValueError, match="2 keys but 3 source blocks"):
+            await cache.store(ks, blocks(3))
+        with pytest.raises(ValueError, match="read-only"):
+            await cache.load(ks, [bytes(BLOCK), bytes(BLOCK)])
+        with pytest.raises(ValueError, match="lookup got keys for 2 groups; the layout has 1"):
+            await cache.lookup([ks, ks])
+        assert len(cache.primary) == 0 and cache.take_events() == []
+
+
+async def test_closed_cache_refuses_work_and_leaves_no_task() -> None:
+    cache = TieredCache(parse_config(chain([memory()])))
+    with pytest.raises(TierUnavailable, match="not open"):
+        await cache.lookup([keys(1)])
+    async with cache:
+        await cache.store(keys(2), blocks(2))
+    assert cache._background == 0 and cache._tg is None
+    with pytest.raises(TierUnavailable):
+        await cache.store(keys(1), blocks(1))
+
+
+async def test_from_yaml(tmp_path: Any) -> None:
+    path = tmp_path / "chain.yaml"
+    path.write_text(
+        "namespace: y\nlayout: {block_bytes: 1KiB, groups: [{block_size: 16}]}\n"
+        "primary: {capacity: 8KiB, pin_memory: false}\ntiers: [{type: memory}]\n"
+    )
+    async with TieredCache.from_yaml(path) as cache:
+        assert cache.tier_names == ["memory"] and isinstance(cache.tier("memory"), MemoryTier)
+        with pytest.raises(KeyError, match="no tier named 'redis'; tiers: memory"):
+            cache.tier("redis")
+
+
+async def test_a_tier_that_cannot_open_is_a_clear_error(faulty_tier_type: str) -> None:
+    class Broken(FaultyTier):
+        async def open(self) -> None:
+            raise ConnectionRefusedError("connection refused on 127.0.0.1:1")
+
+    from tierkv.registry import register_tier
+
+    register_tier(Broken)
+    with pytest.raises(
+        TierUnavailable, match="tier 'faulty' failed to open: ConnectionRefusedError"
+    ):
+        async with TieredCache(parse_config(chain([faulty()]))):
+            pass
+
+
+def test_stats_shape() -> None:
+    async def main() -> None:
+        async with open_cache(chain([memory()])) as cache:
+            await cache.store(keys(1), blocks(1))
+            stats = cache.stats().as_dict()
+            assert stats["primary"]["blocks_stored"] == 1
+            assert set(stats["tiers"]) == {"memory"}
+            assert "p99_ms" in stats["tiers"]["memory"]["job_latency"]
+
+    anyio.run(main)
