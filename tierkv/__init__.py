@@ -28,6 +28,7 @@ from tierkv.keys import (
     hash_token_blocks,
     make_offload_key,
 )
+from tierkv.kv_blocks import KVCacheBlocks
 from tierkv.layout import GroupSpec, KVLayout
 from tierkv.memory_tier import MemoryTier, MemoryTierConfig
 from tierkv.orchestrator import CacheStats, LoadResult, LookupResult, StoreResult, TieredCache
@@ -40,6 +41,13 @@ from tierkv.registry import (
     unregister_tier,
 )
 from tierkv.tier import SecondaryTierManager, TierConfig
+from tierkv.worker import (
+    TransferResult,
+    TransferSpec,
+    TransferSpecError,
+    TransferWorker,
+    required_block_bytes,
+)
 
 __version__ = "0.1.0"
 
@@ -49,6 +57,12 @@ __all__ = [
     "CacheStats",
     "GroupHit",
     "HostBlocks",
+    "KVCacheBlocks",
+    "TransferResult",
+    "TransferSpec",
+    "TransferSpecError",
+    "TransferWorker",
+    "required_block_bytes",
     "LoadResult",
     "LookupResult",
     "StoreResult",
