@@ -567,3 +567,20 @@ def test_stats_shape() -> None:
             assert "p99_ms" in stats["tiers"]["memory"]["job_latency"]
 
     anyio.run(main)
+
+
+async def test_close_cancels_hung_background_jobs_and_releases_them(
+    faulty_tier_type: str,
+) -> None:
+    cache = TieredCache(parse_config(chain([faulty(job_timeout="1h")], close_timeout="100ms")))
+    await cache.open()
+    tier = cache.tier("faulty")
+    assert isinstance(tier, FaultyTier)
+    tier.hang = True
+    await cache.store(keys(2), blocks(2))  # its cascade hangs
+    assert cache.stats().primary["background_jobs"] == 1
+    with anyio.fail_after(2):
+        await cache.close()
+    assert cache._background == 0 and cache._tg is None
+    assert cache.primary.readers(keys(2)[0]) == 0  # the cancelled cascade let go
+    tier.hang = False
