@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=()   # system packages the test suite needs (e.g. redis-server)
+APT_PACKAGES=(redis-server openssl)   # real servers the tier tests start
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

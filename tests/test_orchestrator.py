@@ -584,3 +584,32 @@ async def test_close_cancels_hung_background_jobs_and_releases_them(
     assert cache._background == 0 and cache._tg is None
     assert cache.primary.readers(keys(2)[0]) == 0  # the cancelled cascade let go
     tier.hang = False
+
+
+async def test_an_optional_tier_that_cannot_open_is_retried_in_the_background(
+    faulty_tier_type: str,
+) -> None:
+    attempts: list[int] = []
+
+    class LateTier(FaultyTier):
+        async def open(self) -> None:
+            attempts.append(1)
+            if len(attempts) < 3:
+                raise ConnectionRefusedError("not up yet")
+
+    from tierkv.registry import register_tier
+
+    register_tier(LateTier)
+    config = chain([faulty(required=False, recovery_after="20ms")])
+    async with open_cache(config) as cache:
+        assert cache.stats().tiers["faulty"]["breaker"] == "not_open"
+        await cache.store(keys(1, "early"), blocks(1))  # the cache works without it
+        await cache.flush()
+        assert cache.stats().tiers["faulty"]["skipped_unhealthy"] == 1
+        with anyio.fail_after(2):
+            while cache.stats().tiers["faulty"]["breaker"] != "closed":
+                await anyio.sleep(0.01)
+        assert len(attempts) == 3
+        await cache.store(keys(1, "late"), blocks(1))
+        await cache.flush()
+        assert cache.tier("faulty").stored_keys() == set(keys(1, "late"))  # type: ignore[attr-defined]

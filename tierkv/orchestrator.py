@@ -151,6 +151,7 @@ class _TierState:
     breaker: CircuitBreaker
     stats: TierStats
     bad_claims: _BoundedSet
+    opened: bool = False
 
 
 @dataclass
@@ -254,19 +255,24 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         shutdown hooks)."""
         if self._tg is not None:
             raise RuntimeError("the cache is already open")
-        opened: list[_TierState] = []
         try:
             for ts in self._tiers:
                 try:
                     await ts.tier.open()
                 except Exception as exc:
-                    raise TierUnavailable(
-                        f"tier {ts.name!r} failed to open: {type(exc).__name__}: {exc}"
-                    ) from exc
-                opened.append(ts)
+                    message = f"tier {ts.name!r} failed to open: {type(exc).__name__}: {exc}"
+                    if ts.config.required:
+                        raise TierUnavailable(message) from exc
+                    logger.error(
+                        "%s; running without it and retrying every %gs",
+                        message,
+                        ts.config.recovery_after,
+                    )
+                    continue
+                ts.opened = True
         except BaseException:
             with anyio.CancelScope(shield=True):
-                for ts in reversed(opened):
+                for ts in reversed(self._tiers):
                     await self._close_tier(ts)
             raise
         started = anyio.Event()
@@ -282,9 +288,24 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         self._supervisor = asyncio.get_running_loop().create_task(supervise())
         await started.wait()
         self._closing = False
+        assert self._tg is not None
         if any(ts.config.write_policy == "write_back" for ts in self._tiers):
-            assert self._tg is not None
             self._tg.start_soon(self._demoter)
+        for ts in self._tiers:
+            if not ts.opened:
+                self._tg.start_soon(self._reopen, ts)
+
+    async def _reopen(self, ts: _TierState) -> None:
+        """Retry opening an optional tier until it works; until then it is skipped."""
+        while not ts.opened:
+            await anyio.sleep(max(ts.config.recovery_after, 0.01))
+            try:
+                await ts.tier.open()
+            except Exception as exc:
+                logger.debug("tier %s still fails to open: %s", ts.name, exc)
+                continue
+            ts.opened = True
+            logger.warning("tier %s opened; the cache uses it from now on", ts.name)
 
     async def close(self) -> None:
         """Let background jobs finish (up to `close_timeout`, flushing write-back
@@ -305,6 +326,9 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
                     await self._close_tier(ts)
 
     async def _close_tier(self, ts: _TierState) -> None:
+        if not ts.opened:
+            return
+        ts.opened = False
         try:
             await ts.tier.close()
         except Exception:
@@ -382,7 +406,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         )
         tiers = {}
         for ts in self._tiers:
-            ts.stats.breaker = ts.breaker.state.value
+            ts.stats.breaker = ts.breaker.state.value if ts.opened else "not_open"
             tiers[ts.name] = ts.stats.snapshot()
         return CacheStats(primary, tiers)
 
@@ -455,7 +479,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         self, ts: _TierState, keys: list[OffloadKey], ctx: ReqContext
     ) -> list[bool] | None:
         """The tier's answer, or None when it is unhealthy, slow or broken."""
-        if not ts.breaker.allow():
+        if not ts.opened or not ts.breaker.allow():
             ts.stats.skipped_unhealthy += 1
             return None
         started = anyio.current_time()
@@ -656,7 +680,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         """Send `keys` (ready in the primary) to `ts` in the background, or drop them."""
         if self._tg is None or self._closing:
             return
-        if not ts.breaker.allow():
+        if not ts.opened or not ts.breaker.allow():
             ts.stats.skipped_unhealthy += len(keys)
             return
         nbytes = len(keys) * self.block_bytes
@@ -728,7 +752,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
                 self.primary.complete_load(released)  # unpinned: evictable now
 
     async def _demote_to(self, ts: _TierState, keys: list[OffloadKey]) -> None:
-        if not ts.breaker.allow():
+        if not ts.opened or not ts.breaker.allow():
             ts.stats.skipped_unhealthy += len(keys)
             return
         slots = [self.primary.slot_of(k) for k in keys]
@@ -865,7 +889,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
             for ts in self._tiers:
                 if not remaining:
                     break
-                if not ts.breaker.allow():
+                if not ts.opened or not ts.breaker.allow():
                     ts.stats.skipped_unhealthy += 1
                     continue
                 job = JobMetadata(

@@ -252,7 +252,11 @@ class TierConformanceSuite:
     @settings(
         max_examples=15,
         deadline=None,
-        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+        suppress_health_check=[
+            HealthCheck.function_scoped_fixture,
+            HealthCheck.too_slow,
+            HealthCheck.differing_executors,
+        ],
     )
     @given(
         ops=st.lists(

@@ -46,7 +46,14 @@ class TierConfig(BaseModel):
         default=2, description="lookups before write_through_selective writes a block"
     )
     job_timeout: Duration = Field(
-        default=30.0, gt=0, description="a job not answered by then fails all its keys"
+        default=30.0,
+        gt=0,
+        description="a job not answered by then is cancelled and all its keys count as failed",
+    )
+    required: bool = Field(
+        default=True,
+        description="false: a tier that fails to open does not stop the cache; it is "
+        "skipped and reopened in the background every recovery_after until it works",
     )
     max_inflight_bytes: Size = Field(
         default=ByteSize(256 << 20),

@@ -1,0 +1,134 @@
+"""The `type: redis` section of the YAML.
+
+    - type: redis
+      url: "redis://:${REDIS_PASSWORD}@10.0.0.5:6379/0"   # or rediss:// for TLS
+      ttl: 6h
+      max_connections: 16
+
+The password may sit in the URL or in `password` (never both). Neither ever appears
+in a repr, a log line or `describe()`: URLs are shown with the password replaced.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import ByteSize, Field, PositiveInt, SecretStr, field_validator, model_validator
+
+from tierkv.tier import TierConfig
+from tierkv.units import Duration, Size
+
+MIN_PART_SIZE = 1024
+"""Smallest `part_size` accepted; tests use tiny parts to exercise splitting."""
+
+
+def redact_url(url: str) -> str:
+    """`url` with any password replaced by `***`, safe for logs and reprs."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable url>"
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if ":" in host:  # an IPv6 literal
+        host = f"[{host}]"
+    port = f":{parts.port}" if parts.port is not None else ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+
+
+class RedisTierConfig(TierConfig):
+    """Where the Redis server is and how the tier talks to it."""
+
+    type: Literal["redis"] = "redis"
+    url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        description="redis://[user:password@]host:port/db, or rediss:// for TLS; query "
+        "options (e.g. ?ssl_cert_reqs=none) pass through to redis-py",
+    )
+    password: SecretStr | None = Field(
+        default=None, description="the AUTH password, if not in the URL (e.g. ${REDIS_PASSWORD})"
+    )
+    key_prefix: str = Field(
+        default="tierkv:",
+        description="start of every stored name; the namespace tag and the block key "
+        "follow it, so namespaces never see each other's blocks",
+    )
+    ttl: Duration | None = Field(
+        default=None,
+        gt=0,
+        description="expire blocks this long after they were last stored or loaded; "
+        "None keeps them until Redis evicts them (set maxmemory-policy allkeys-lru)",
+    )
+    max_connections: PositiveInt = Field(
+        default=16, description="connections (per cluster node), and commands in flight"
+    )
+    pipeline_size: PositiveInt = Field(
+        default=1,
+        description="commands sent per pipeline for stores and loads; 1 sends each "
+        "block as its own command, concurrently (fastest for MiB-sized blocks)",
+    )
+    lookup_batch: PositiveInt = Field(
+        default=256, description="EXISTS commands per pipeline in a lookup"
+    )
+    socket_timeout: Duration = Field(
+        default=2.0,
+        gt=0,
+        description="connect and per-command timeout; an unreachable Redis fails a "
+        "job's keys within about this long",
+    )
+    part_size: Size = Field(
+        default=ByteSize(8 << 20),
+        description="frames larger than this are stored as several values of at most "
+        "this size under one logical key",
+    )
+    cluster: bool = Field(
+        default=False, description="the url names a Redis Cluster node (RedisCluster client)"
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme not in ("redis", "rediss"):
+            raise ValueError(
+                f"{redact_url(url)!r} is not a Redis URL: use redis://host:port/db "
+                "(or rediss:// for TLS)"
+            )
+        if not parts.hostname:
+            raise ValueError(f"{redact_url(url)!r} names no host")
+        return url
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _check_prefix(cls, prefix: str) -> str:
+        if "{" in prefix or "}" in prefix:
+            raise ValueError(
+                f"{prefix!r} contains '{{' or '}}': the tier puts a Redis Cluster hash "
+                "tag around each block key, and braces in the prefix would break it"
+            )
+        return prefix
+
+    @field_validator("part_size")
+    @classmethod
+    def _check_part_size(cls, size: ByteSize) -> ByteSize:
+        if size < MIN_PART_SIZE:
+            raise ValueError(f"part_size must be at least {MIN_PART_SIZE} bytes")
+        return size
+
+    @model_validator(mode="after")
+    def _one_password(self) -> RedisTierConfig:
+        if self.password is not None and urlsplit(self.url).password is not None:
+            raise ValueError("the password is given twice: put it in `url` or `password`, not both")
+        return self
+
+    def __repr_args__(self) -> Any:
+        for name, value in super().__repr_args__():
+            yield name, (redact_url(value) if name == "url" else value)
+
+    @property
+    def safe_url(self) -> str:
+        """The URL with its password replaced, for messages."""
+        return redact_url(self.url)

@@ -1,0 +1,408 @@
+"""`redis`: framed KV blocks in a Redis server or cluster, shared by many inference servers.
+
+One block is one Redis value: the `tierkv.framing` header (format version, namespace,
+key, length, checksum) followed by the block bytes, written with a single SET. A frame
+larger than `part_size` is split into parts under one logical key (`names.py`); the
+first part is written last, and a lookup sees a block only when every part exists, so
+a half-written or half-evicted block is a miss, never a corrupt read.
+
+Bytes read back are untrusted: a value failing any frame check fails its key and is
+deleted. Nothing is ever unpickled.
+
+A job's blocks are sent as commands of `pipeline_size` (1 by default: concurrent single
+commands, which beat pipelines for MiB-sized values), at most `max_connections` at a
+time. The first connection-level failure of a job (refused, reset, timed out, auth)
+fails every key of the job not yet done with a message naming the server, so a dead
+Redis answers a job within about `socket_timeout`. The client reconnects by itself on
+the next job once Redis is back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeAlias
+
+import anyio
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import (
+    AuthenticationError,
+    ConnectionError,
+    OutOfMemoryError,
+    RedisError,
+    ResponseError,
+)
+
+from tierkv.errors import CorruptBlock, TierUnavailable
+from tierkv.framing import decode_into, encode_header
+from tierkv.jobs import JobMetadata, JobResult, ReqContext
+from tierkv.keys import OffloadKey
+from tierkv.primary import PrimaryView
+from tierkv.tier import InFlightJobs, SecondaryTierManager, TierConfig
+from tierkv_redis.config import RedisTierConfig
+from tierkv_redis.names import BlockNames
+from tierkv_redis.wire import pack_set, send_sets
+
+logger = logging.getLogger(__name__)
+
+Client: TypeAlias = Redis | RedisCluster
+Batch: TypeAlias = list[tuple[OffloadKey, int]]
+BatchOp: TypeAlias = Callable[[Client, Batch], Awaitable[dict[OffloadKey, str]]]
+
+# Bytes read from the socket per parser feed: redis-py's 64 KiB default costs about a
+# third more CPU per MiB-sized GET than 256 KiB (measured, hiredis parser).
+_SOCKET_READ_SIZE = 256 * 1024
+
+# Errors that say "the server is not answering" rather than "this command failed".
+_UNREACHABLE = (RedisError, OSError, TimeoutError)
+
+
+def _is_command_error(exc: BaseException) -> bool:
+    """A per-command error (OOM, WRONGTYPE, ...): the server is up, this key failed."""
+    return isinstance(exc, ResponseError)
+
+
+def _command_error(exc: BaseException) -> str:
+    if isinstance(exc, OutOfMemoryError):
+        return f"redis is out of memory (maxmemory reached, nothing evictable): {exc}"
+    return f"redis refused the command: {type(exc).__name__}: {exc}"
+
+
+class RedisTier(SecondaryTierManager):
+    """Blocks in Redis: one framed value per block, shared across processes and machines."""
+
+    Config = RedisTierConfig
+    config: RedisTierConfig
+
+    def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
+        super().__init__(config, primary)
+        self._names = BlockNames(
+            self.config.key_prefix,
+            primary.namespace,
+            primary.block_bytes,
+            int(self.config.part_size),
+        )
+        ttl = self.config.ttl
+        self._ttl_ms: int | None = None if ttl is None else max(1, round(ttl * 1000))
+        self._client: Client | None = None
+        # commands in flight across all jobs and lookups of this tier; never more
+        # than the connection pool holds
+        self._gate: anyio.Semaphore | None = None
+        self._inflight = InFlightJobs(self.name)
+
+    @staticmethod
+    def get_tier_type() -> str:
+        return "redis"
+
+    def __repr__(self) -> str:
+        return f"RedisTier({self.config.safe_url!r}, prefix={self._names.prefix!r})"
+
+    # -- life cycle -----------------------------------------------------------------
+    def _make_client(self) -> Client:
+        c = self.config
+        kwargs: dict[str, Any] = {
+            "max_connections": c.max_connections,
+            "socket_timeout": c.socket_timeout,
+            "socket_connect_timeout": c.socket_timeout,
+            "socket_read_size": _SOCKET_READ_SIZE,
+            # one immediate retry on a fresh connection absorbs a pooled connection
+            # that a Redis restart closed; timeouts are not retried (they would
+            # double the time a dead server takes to fail a job)
+            "retry": Retry(NoBackoff(), 1, supported_errors=(ConnectionError,)),
+        }
+        if c.password is not None:
+            kwargs["password"] = c.password.get_secret_value()
+        if c.cluster:
+            return RedisCluster.from_url(c.url, **kwargs)
+        return Redis.from_url(c.url, **kwargs)
+
+    async def open(self) -> None:
+        """Connect and PING. Raises TierUnavailable when Redis is unreachable or
+        refuses the credentials; the tier may be opened again later."""
+        if self._client is not None:
+            return
+        self._inflight.closing = False
+        client = self._make_client()
+        try:
+            with anyio.fail_after(self.config.socket_timeout * 2):
+                if isinstance(client, RedisCluster):
+                    await client.initialize()
+                await client.ping()
+        except AuthenticationError as exc:
+            await client.aclose()
+            raise TierUnavailable(
+                f"redis at {self.config.safe_url} refused the credentials ({exc}); "
+                "check the password in the tier's `url` or `password`"
+            ) from None
+        except Exception as exc:
+            await client.aclose()
+            raise TierUnavailable(
+                f"redis at {self.config.safe_url} is unreachable: {type(exc).__name__}: {exc}"
+            ) from None
+        self._client = client
+        self._gate = anyio.Semaphore(self.config.max_connections)
+        logger.info("redis tier open: %s, names %s*", self.config.safe_url, self._names.prefix)
+
+    async def close(self) -> None:
+        await self._inflight.drain()
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    def _require_client(self) -> tuple[Client, anyio.Semaphore]:
+        if self._inflight.closing:
+            raise TierUnavailable(f"tier {self.name!r} is closed")
+        if self._client is None or self._gate is None:
+            raise TierUnavailable(f"tier {self.name!r} is not open; call open() first")
+        return self._client, self._gate
+
+    def _unreachable(self, exc: BaseException) -> str:
+        if isinstance(exc, AuthenticationError):
+            return f"redis at {self.config.safe_url} refused the credentials: {exc}"
+        return f"redis at {self.config.safe_url} unreachable: {type(exc).__name__}: {exc}"
+
+    # -- jobs -----------------------------------------------------------------------
+    def _plan(self, job: JobMetadata) -> list[Batch]:
+        """Group a job's (key, slot) pairs into batches, one pipeline (or command) each.
+        A block in several parts always gets a batch of its own, so its parts go
+        down one connection in order."""
+        size = self.config.pipeline_size
+        batches: list[Batch] = []
+        current: Batch = []
+        for key, slot in zip(job.keys, job.slots):
+            if self._names.parts_of(key) > 1:
+                batches.append([(key, slot)])
+                continue
+            current.append((key, slot))
+            if len(current) >= size:
+                batches.append(current)
+                current = []
+        if current:
+            batches.append(current)
+        return batches
+
+    async def _run_job(self, job: JobMetadata, op: BatchOp, verb: str) -> JobResult:
+        client, gate = self._require_client()
+        failed: dict[OffloadKey, str] = {}
+        done: set[OffloadKey] = set()
+        down: list[str] = []
+        batches = self._plan(job)
+        queue = iter(batches)
+
+        async def worker() -> None:
+            for batch in queue:  # shared: each batch goes to exactly one worker
+                if down:  # the server already failed this job: do not wait on it again
+                    failed.update((key, down[0]) for key, _ in batch)
+                    continue
+                try:
+                    async with gate:
+                        errors = await op(client, batch)
+                except _UNREACHABLE as exc:
+                    message = self._unreachable(exc)
+                    if not down:
+                        down.append(message)
+                        logger.warning("redis %s job %d: %s", verb, job.job_id, message)
+                    failed.update((key, message) for key, _ in batch)
+                    continue
+                failed.update(errors)
+                done.update(key for key, _ in batch)
+
+        with anyio.move_on_after(self.config.job_timeout):
+            async with anyio.create_task_group() as tg:
+                for _ in range(min(self.config.max_connections, len(batches))):
+                    tg.start_soon(worker)
+        late = f"redis {verb} did not finish within job_timeout={self.config.job_timeout}s"
+        for key in job.keys:
+            if key not in done and key not in failed:
+                failed[key] = late
+        return JobResult.partial(job, failed)
+
+    def _frame(self, key: OffloadKey, slot: int) -> bytes:
+        payload = self.primary.block(slot)
+        return b"".join((encode_header(key, payload, self.primary.namespace), payload))
+
+    async def store(self, job: JobMetadata) -> JobResult:
+        async with self._inflight.job():
+            return await self._run_job(job, self._store_batch, "store")
+
+    async def _store_batch(self, client: Client, batch: Batch) -> dict[OffloadKey, str]:
+        px = self._ttl_ms
+        if isinstance(client, Redis) and all(self._names.parts_of(k) == 1 for k, _ in batch):
+            packed = []
+            for key, slot in batch:
+                payload = self.primary.block(slot)
+                header = encode_header(key, payload, self.primary.namespace)
+                packed.append(pack_set(self._names.main(key).encode(), header, payload, px))
+            outcomes = await send_sets(client.connection_pool, packed)
+            return {key: _command_error(exc) for (key, _), exc in zip(batch, outcomes) if exc}
+        if len(batch) == 1 and self._names.parts_of(batch[0][0]) == 1:
+            key, slot = batch[0]
+            try:
+                await client.set(self._names.main(key), self._frame(key, slot), px=px)
+            except ResponseError as exc:
+                return {key: _command_error(exc)}
+            return {}
+        pipe = client.pipeline(transaction=False)
+        commands: list[OffloadKey] = []  # which key each queued command belongs to
+        part_size = self._names.part_size
+        for key, slot in batch:
+            names = self._names.all(key)
+            frame = memoryview(self._frame(key, slot))
+            # later parts first, the main name last: a block becomes visible to
+            # lookups only when all of it is there
+            for i in range(1, len(names)):
+                pipe.set(names[i], frame[i * part_size : (i + 1) * part_size], px=px)
+                commands.append(key)
+            pipe.set(names[0], frame[:part_size], px=px)
+            commands.append(key)
+        results = await pipe.execute(raise_on_error=False)
+        errors: dict[OffloadKey, str] = {}
+        for key, result in zip(commands, results):
+            if isinstance(result, BaseException) and key not in errors:
+                if not _is_command_error(result):
+                    raise result
+                errors[key] = _command_error(result)
+        return errors
+
+    async def load(self, job: JobMetadata) -> JobResult:
+        async with self._inflight.job():
+            return await self._run_job(job, self._load_batch, "load")
+
+    def _queue_get(self, pipe: Any, name: str) -> None:
+        if self._ttl_ms is None:
+            pipe.get(name)
+        else:  # a hit keeps the block alive for another ttl
+            pipe.getex(name, px=self._ttl_ms)
+
+    async def _load_batch(self, client: Client, batch: Batch) -> dict[OffloadKey, str]:
+        values: list[Any]
+        if len(batch) == 1 and self._names.parts_of(batch[0][0]) == 1:
+            name = self._names.main(batch[0][0])
+            try:
+                if self._ttl_ms is None:
+                    values = [await client.get(name)]
+                else:
+                    values = [await client.getex(name, px=self._ttl_ms)]
+            except ResponseError as exc:
+                values = [exc]
+        else:
+            pipe = client.pipeline(transaction=False)
+            for key, _ in batch:
+                for name in self._names.all(key):
+                    self._queue_get(pipe, name)
+            values = await pipe.execute(raise_on_error=False)
+        errors: dict[OffloadKey, str] = {}
+        doomed: list[OffloadKey] = []  # keys whose stored values must go
+        at = 0
+        for key, slot in batch:
+            count = self._names.parts_of(key)
+            parts = values[at : at + count]
+            at += count
+            bad = next((p for p in parts if isinstance(p, BaseException)), None)
+            if bad is not None:
+                if not _is_command_error(bad):
+                    raise bad
+                errors[key] = _command_error(bad)
+                continue
+            if parts[0] is None:
+                errors[key] = "not in redis"
+                if count > 1 and any(p is not None for p in parts):
+                    doomed.append(key)
+                continue
+            if any(p is None for p in parts):
+                missing = sum(p is None for p in parts)
+                errors[key] = f"{missing} of {count} parts missing (evicted or expired); deleted"
+                doomed.append(key)
+                continue
+            frame = parts[0] if count == 1 else b"".join(parts)
+            try:
+                decode_into(key, frame, self.primary.block(slot), self.primary.namespace)
+            except CorruptBlock as exc:
+                errors[key] = f"corrupt block deleted: {exc}"
+                doomed.append(key)
+        if doomed:
+            try:
+                await self._unlink(client, doomed)
+            except _UNREACHABLE as exc:  # the loads themselves are done; just say so
+                logger.warning("redis: could not delete %d bad blocks: %s", len(doomed), exc)
+        return errors
+
+    async def _unlink(self, client: Client, keys: Sequence[OffloadKey]) -> None:
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            # execute_command, not pipe.unlink: a cluster pipeline's unlink() is a
+            # coroutine that splits keys by slot; one block is one slot anyway
+            pipe.execute_command("UNLINK", *self._names.all(key))
+        await pipe.execute(raise_on_error=True)
+
+    # -- lookup and remove ----------------------------------------------------------
+    async def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[bool]:
+        """Pipelined EXISTS over every part of each block; raises TierUnavailable
+        when Redis does not answer."""
+        if not keys:
+            return []
+        async with self._inflight.job():
+            client, gate = self._require_client()
+            answer = [False] * len(keys)
+            problems: list[BaseException] = []
+            step = self.config.lookup_batch
+
+            async def run(lo: int) -> None:
+                async with gate:
+                    if problems:
+                        return
+                    pipe = client.pipeline(transaction=False)
+                    counts = []
+                    for key in keys[lo : lo + step]:
+                        names = self._names.all(key)
+                        pipe.execute_command("EXISTS", *names)
+                        counts.append(len(names))
+                    try:
+                        found = await pipe.execute()
+                    except _UNREACHABLE as exc:
+                        problems.append(exc)
+                        return
+                for i, (have, need) in enumerate(zip(found, counts)):
+                    answer[lo + i] = have == need
+
+            with anyio.move_on_after(self.config.job_timeout) as scope:
+                async with anyio.create_task_group() as tg:
+                    for lo in range(0, len(keys), step):
+                        tg.start_soon(run, lo)
+            if problems:
+                raise TierUnavailable(f"lookup failed: {self._unreachable(problems[0])}")
+            if scope.cancelled_caught:
+                raise TierUnavailable(
+                    f"lookup in redis at {self.config.safe_url} did not finish within "
+                    f"job_timeout={self.config.job_timeout}s"
+                )
+            return answer
+
+    async def remove(self, keys: Sequence[OffloadKey]) -> None:
+        if not keys:
+            return
+        async with self._inflight.job():
+            client, gate = self._require_client()
+            try:
+                async with gate:
+                    with anyio.fail_after(self.config.job_timeout):
+                        await self._unlink(client, keys)
+            except _UNREACHABLE as exc:  # includes the TimeoutError of fail_after
+                raise TierUnavailable(f"remove failed: {self._unreachable(exc)}") from None
+
+    def describe(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "type": "redis",
+            "url": c.safe_url,
+            "cluster": c.cluster,
+            "names": f"{self._names.prefix}*",
+            "ttl": c.ttl,
+            "max_connections": c.max_connections,
+            "pipeline_size": c.pipeline_size,
+            "part_size": int(c.part_size),
+            "open": self._client is not None,
+        }
