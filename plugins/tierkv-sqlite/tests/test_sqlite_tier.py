@@ -1,0 +1,97 @@
+"""The sqlite tier keeps the tier contract (tierkv's conformance suite) and what it
+adds: blocks and their recency survive a restart, capacity is enforced on open."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import sqlite3
+from pathlib import Path
+
+import pytest
+from tierkv_sqlite import SqliteTier, SqliteTierConfig
+
+from tierkv import JobMetadata, OffloadKey, PrimaryTier, PrimaryView, ReqContext, TierUnavailable
+from tierkv.framing import header_bytes
+from tierkv.testing import TierConformanceSuite, fill_slots, random_keys
+from tierkv.tier import SecondaryTierManager
+
+pytestmark = pytest.mark.anyio
+CTX = ReqContext(request_id="sqlite-test")
+_ids = itertools.count(1)
+
+
+class TestSqliteTierConformance(TierConformanceSuite):
+    @pytest.fixture(autouse=True)
+    def _root(self, tmp_path: Path) -> None:
+        self.root = tmp_path
+
+    def make_tier(
+        self, primary: PrimaryView, *, capacity_blocks: int | None
+    ) -> SecondaryTierManager:
+        frame = header_bytes(b"k" * 20) + primary.block_bytes
+        config = SqliteTierConfig(
+            type="sqlite",
+            path=self.root / f"tier{next(_ids)}.db",  # a fresh database per tier
+            capacity=(capacity_blocks or 1024) * frame,
+        )
+        return SqliteTier(config, primary)
+
+    async def corrupt(self, tier: SecondaryTierManager, key: OffloadKey) -> None:
+        assert isinstance(tier, SqliteTier)
+        with sqlite3.connect(tier.config.path) as db:
+            [(frame,)] = db.execute("SELECT frame FROM blocks WHERE key = ?", (key,))
+            damaged = frame[:-1] + bytes([frame[-1] ^ 0xFF])
+            db.execute("UPDATE blocks SET frame = ? WHERE key = ?", (damaged, key))
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _tier(path: Path, primary: PrimaryTier, capacity_blocks: int = 64) -> SqliteTier:
+    frame = header_bytes(b"k" * 20) + primary.view.block_bytes
+    config = SqliteTierConfig(type="sqlite", path=path, capacity=capacity_blocks * frame)
+    return SqliteTier(config, primary.view)
+
+
+def _job(keys: list[OffloadKey], first_slot: int) -> JobMetadata:
+    return JobMetadata(next(_ids), tuple(keys), tuple(range(first_slot, first_slot + len(keys))))
+
+
+async def test_blocks_and_recency_survive_a_restart(tmp_path: Path) -> None:
+    primary = PrimaryTier(16, 1024, pin_memory=False, namespace="sqlite-test")
+    rng = random.Random(1)
+    keys = random_keys(4, rng)
+    written = fill_slots(primary.view, range(4), rng)
+    tier = _tier(tmp_path / "sub" / "kv.db", primary)
+    await tier.open()
+    assert (await tier.store(_job(keys, 0))).ok
+    assert (await tier.load(_job(keys[:1], 8))).ok  # keys[0] becomes the most recent
+    await tier.close()
+
+    smaller = _tier(tmp_path / "sub" / "kv.db", primary, capacity_blocks=2)
+    await smaller.open()  # capacity shrank: the two least recently used go
+    assert await smaller.lookup(keys, CTX) == [True, False, False, True]
+    result = await smaller.load(_job([keys[0], keys[3]], 10))
+    assert result.ok, result.error
+    assert bytes(primary.view.block(10)) == written[0]
+    assert bytes(primary.view.block(11)) == written[3]
+    await smaller.close()
+
+
+async def test_a_path_that_cannot_be_a_database_fails_open_clearly(tmp_path: Path) -> None:
+    primary = PrimaryTier(2, 1024, pin_memory=False)
+    (tmp_path / "dir.db").mkdir()
+    with pytest.raises(TierUnavailable, match=r"sqlite tier cannot open .*dir\.db"):
+        await _tier(tmp_path / "dir.db", primary).open()
+
+
+async def test_a_closed_tier_refuses_work(tmp_path: Path) -> None:
+    primary = PrimaryTier(2, 1024, pin_memory=False)
+    tier = _tier(tmp_path / "kv.db", primary)
+    await tier.open()
+    await tier.close()
+    with pytest.raises(TierUnavailable, match="not open"):
+        await tier.lookup(random_keys(1), CTX)

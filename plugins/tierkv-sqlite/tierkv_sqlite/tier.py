@@ -1,0 +1,291 @@
+"""`sqlite`: tierkv blocks in one SQLite database file.
+
+A complete third-party tier, written only against tierkv's public plugin API:
+`tierkv.tier` (the contract), `tierkv.framing` (the stored format), the names the
+`tierkv` package exports, and `tierkv.units`. Its README walks through it.
+
+How it keeps the contract:
+
+- Every block is stored framed (`encode_block`) and checked on the way back
+  (`decode_into`): a row that fails the check is deleted and its key reported failed.
+- Each job is one worker-thread call (`anyio.to_thread`) and one transaction: a thread
+  round trip costs ~50 us, so one per job rather than one per block; the event loop
+  never waits on SQLite.
+- One connection, used by one thread at a time (a `CapacityLimiter(1)`), because a
+  `sqlite3.Connection` must not be used by two threads at once.
+- The tier's counters (bytes held, the recency clock) change only inside those thread
+  calls, in step with the transaction, so a cancelled job cannot make them disagree
+  with the database: after any failed transaction they are re-read from it.
+- Capacity counts frame bytes; past it the least recently used rows go first
+  (recency is an integer clock stored per row, so it survives a restart).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import anyio
+import anyio.to_thread
+from pydantic import Field
+
+from tierkv import (
+    CorruptBlock,
+    JobMetadata,
+    JobResult,
+    OffloadKey,
+    PrimaryView,
+    ReqContext,
+    TierUnavailable,
+)
+from tierkv.framing import decode_into, encode_block
+from tierkv.tier import InFlightJobs, SecondaryTierManager, TierConfig
+from tierkv.units import Size
+
+T = TypeVar("T")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS blocks (
+    key   BLOB PRIMARY KEY,
+    frame BLOB NOT NULL,
+    used  INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS blocks_by_use ON blocks (used);
+"""
+_KEYS_PER_QUERY = 500  # keys in one `IN (...)`, well under SQLite's variable limit
+
+
+class SqliteTierConfig(TierConfig):
+    """The tier's YAML section: `{type: sqlite, path: /var/cache/kv.db, capacity: 4GiB}`."""
+
+    path: Path = Field(description="the database file; it and its directory are created")
+    capacity: Size = Field(
+        gt=0, description="bytes of framed blocks kept; the least recently used go first"
+    )
+    synchronous: Literal["off", "normal", "full"] = Field(
+        default="normal",
+        description="SQLite's durability setting (WAL mode): normal survives a process "
+        "crash, full also a power loss",
+    )
+
+
+def _chunks(keys: Sequence[OffloadKey]) -> Iterator[Sequence[OffloadKey]]:
+    for start in range(0, len(keys), _KEYS_PER_QUERY):
+        yield keys[start : start + _KEYS_PER_QUERY]
+
+
+def _marks(n: int) -> str:
+    return ",".join("?" * n)
+
+
+class SqliteTier(SecondaryTierManager):
+    """Framed blocks as rows of one table, LRU-evicted past `capacity`."""
+
+    Config = SqliteTierConfig
+    config: SqliteTierConfig
+
+    def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
+        super().__init__(config, primary)
+        self._db: sqlite3.Connection | None = None
+        self._one_thread = anyio.CapacityLimiter(1)
+        self._inflight = InFlightJobs(self.name)
+        self._bytes = 0
+        self._clock = 0
+
+    @staticmethod
+    def get_tier_type() -> str:
+        return "sqlite"
+
+    @property
+    def used_bytes(self) -> int:
+        return self._bytes
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "type": "sqlite",
+            "path": str(self.config.path),
+            "used_bytes": self._bytes,
+            "capacity": int(self.config.capacity),
+        }
+
+    # -- plumbing -----------------------------------------------------------------
+    async def _in_thread(self, func: Callable[..., T], *args: Any) -> T:
+        return await anyio.to_thread.run_sync(func, *args, limiter=self._one_thread)
+
+    def _conn(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise TierUnavailable(f"sqlite tier {self.config.path} is not open")
+        return self._db
+
+    def _check_open(self) -> None:
+        if self._db is None or self._inflight.closing:
+            raise TierUnavailable(f"sqlite tier {self.config.path} is not open")
+
+    @contextmanager
+    def _transaction(self, db: sqlite3.Connection) -> Iterator[None]:
+        """BEGIN IMMEDIATE ... COMMIT; on any error ROLLBACK and re-read the counters,
+        which the failed transaction may have moved."""
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            self._read_counters(db)
+            raise
+
+    def _read_counters(self, db: sqlite3.Connection) -> None:
+        row = db.execute(
+            "SELECT COALESCE(SUM(LENGTH(frame)), 0), COALESCE(MAX(used), 0) FROM blocks"
+        ).fetchone()
+        self._bytes, self._clock = int(row[0]), int(row[1])
+
+    def _evict(self, db: sqlite3.Connection) -> None:
+        """Delete the least recently used rows until the rest fit `capacity`."""
+        capacity = int(self.config.capacity)
+        while self._bytes > capacity:
+            rows = db.execute(
+                "SELECT key, LENGTH(frame) FROM blocks ORDER BY used LIMIT 64"
+            ).fetchall()
+            if not rows:
+                break
+            for key, size in rows:
+                if self._bytes <= capacity:
+                    break
+                db.execute("DELETE FROM blocks WHERE key = ?", (key,))
+                self._bytes -= size
+
+    # -- life cycle ---------------------------------------------------------------
+    async def open(self) -> None:
+        try:
+            await self._in_thread(self._open_db)
+        except (OSError, sqlite3.Error) as exc:
+            raise TierUnavailable(
+                f"sqlite tier cannot open {self.config.path}: {exc}; check that `path` "
+                "names a file tierkv may create and write"
+            ) from exc
+
+    def _open_db(self) -> None:
+        self.config.path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.config.path, isolation_level=None, check_same_thread=False)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute(f"PRAGMA synchronous={self.config.synchronous.upper()}")
+            db.executescript(_SCHEMA)
+            self._read_counters(db)
+            with self._transaction(db):
+                self._evict(db)  # the capacity may be smaller than last time
+        except BaseException:
+            db.close()
+            raise
+        self._db = db
+
+    async def close(self) -> None:
+        await self._inflight.drain()
+        if self._db is not None:
+            db, self._db = self._db, None
+            await self._in_thread(db.close)
+
+    # -- the contract -------------------------------------------------------------
+    async def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[bool]:
+        self._check_open()
+        if not keys:
+            return []
+        try:
+            held = await self._in_thread(self._held, list(keys))
+        except sqlite3.Error as exc:
+            raise TierUnavailable(f"sqlite lookup failed: {exc}") from exc
+        return [key in held for key in keys]
+
+    def _held(self, keys: list[OffloadKey]) -> set[OffloadKey]:
+        db = self._conn()
+        held: set[OffloadKey] = set()
+        for chunk in _chunks(keys):
+            sql = f"SELECT key FROM blocks WHERE key IN ({_marks(len(chunk))})"
+            held.update(row[0] for row in db.execute(sql, chunk))
+        return held
+
+    async def store(self, job: JobMetadata) -> JobResult:
+        self._check_open()
+        async with self._inflight.job():
+            try:
+                failed = await self._in_thread(self._store_rows, job)
+            except sqlite3.Error as exc:
+                return JobResult.failure(job, f"sqlite store failed: {exc}")
+        return JobResult.partial(job, failed)
+
+    def _store_rows(self, job: JobMetadata) -> dict[OffloadKey, str]:
+        db = self._conn()
+        failed: dict[OffloadKey, str] = {}
+        capacity = int(self.config.capacity)
+        with self._transaction(db):
+            for key, slot in zip(job.keys, job.slots):
+                frame = encode_block(key, self.primary.block(slot), self.primary.namespace)
+                if len(frame) > capacity:
+                    failed[key] = f"a block frame of {len(frame)} bytes exceeds the capacity"
+                    continue
+                old = db.execute("SELECT LENGTH(frame) FROM blocks WHERE key = ?", (key,))
+                row = old.fetchone()
+                self._clock += 1
+                db.execute(
+                    "INSERT INTO blocks (key, frame, used) VALUES (?, ?, ?) "
+                    "ON CONFLICT (key) DO UPDATE SET frame = excluded.frame, used = excluded.used",
+                    (key, frame, self._clock),
+                )
+                self._bytes += len(frame) - (row[0] if row else 0)
+            self._evict(db)
+        return failed
+
+    async def load(self, job: JobMetadata) -> JobResult:
+        self._check_open()
+        async with self._inflight.job():
+            try:
+                failed = await self._in_thread(self._load_rows, job)
+            except sqlite3.Error as exc:
+                return JobResult.failure(job, f"sqlite load failed: {exc}")
+        return JobResult.partial(job, failed)
+
+    def _load_rows(self, job: JobMetadata) -> dict[OffloadKey, str]:
+        db = self._conn()
+        frames: dict[OffloadKey, bytes] = {}
+        for chunk in _chunks(job.keys):
+            sql = f"SELECT key, frame FROM blocks WHERE key IN ({_marks(len(chunk))})"
+            frames.update(db.execute(sql, chunk).fetchall())
+        failed: dict[OffloadKey, str] = {}
+        with self._transaction(db):
+            for key, slot in zip(job.keys, job.slots):
+                frame = frames.get(key)
+                if frame is None:
+                    failed[key] = "not in the sqlite tier"
+                    continue
+                try:
+                    decode_into(key, frame, self.primary.block(slot), self.primary.namespace)
+                except CorruptBlock as exc:
+                    db.execute("DELETE FROM blocks WHERE key = ?", (key,))
+                    self._bytes -= len(frame)
+                    failed[key] = f"corrupt block deleted: {exc}"
+                    continue
+                self._clock += 1
+                db.execute("UPDATE blocks SET used = ? WHERE key = ?", (self._clock, key))
+        return failed
+
+    async def remove(self, keys: Sequence[OffloadKey]) -> None:
+        self._check_open()
+        if not keys:
+            return
+        async with self._inflight.job():
+            await self._in_thread(self._delete_rows, list(keys))
+
+    def _delete_rows(self, keys: list[OffloadKey]) -> None:
+        db = self._conn()
+        with self._transaction(db):
+            for chunk in _chunks(keys):
+                marks = _marks(len(chunk))
+                sizes = db.execute(
+                    f"SELECT LENGTH(frame) FROM blocks WHERE key IN ({marks})", chunk
+                ).fetchall()
+                db.execute(f"DELETE FROM blocks WHERE key IN ({marks})", chunk)
+                self._bytes -= sum(size for (size,) in sizes)

@@ -1,0 +1,315 @@
+"""What the nvme tier promises beyond the shared contract: its files, its names, its
+directory lock, its LRU under capacity, bounded I/O, and cancellation safety."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from tierkv_nvme import NvmeTier, NvmeTierConfig, blockfile
+from tierkv_nvme.layout import NAMESPACE_NOTE
+
+from tierkv.errors import TierUnavailable
+from tierkv.framing import encode_block
+from tierkv.jobs import JobMetadata, ReqContext
+from tierkv.primary import PrimaryTier
+
+pytestmark = pytest.mark.anyio
+CTX = ReqContext(request_id="nvme-test")
+_job_ids = itertools.count(1)
+
+
+async def test_each_block_is_one_framed_file_under_a_hex_fanout(rig) -> None:
+    tier = rig.tier()
+    await tier.open()
+    keys = rig.keys(3)
+    result, stored = await rig.store(tier, keys)
+    assert result.ok, result.error
+    for key in keys:
+        path = tier.path_of(key)
+        hexkey = key.hex()
+        assert path == tier.directory / hexkey[0:2] / hexkey[2:4] / f"{hexkey}.blk"
+        assert path.read_bytes() == encode_block(key, stored[key], rig.view.namespace)
+    assert rig.files(tier) == sorted(tier.path_of(k) for k in keys)
+    assert not list(tier.directory.rglob("*.tmp"))
+    note = (tier.directory / NAMESPACE_NOTE).read_text()
+    assert note.strip() == rig.view.namespace
+    await tier.close()
+
+
+async def test_no_key_names_a_path_outside_the_directory(rig) -> None:
+    keys = [b"../../../etc/passwd", b"/", b"a", b"\x00/..\x00", b"\xff" * 300]
+    tier = rig.tier()
+    await tier.open()
+    result, stored = await rig.store(tier, keys)
+    assert result.ok, result.error
+    root = tier.directory.resolve()
+    files = rig.files(tier)
+    assert len(files) == len(keys)
+    for path in files:
+        assert path.resolve().is_relative_to(root)
+        assert set(path.name) <= set("0123456789abcdefsh-.blk")
+    assert len(tier.path_of(keys[-1]).name) < 255  # the long key is named by its hash
+    result, loaded = await rig.load(tier, keys)
+    assert result.ok, result.error
+    assert loaded == stored
+    await tier.close()
+
+
+async def test_namespaces_sharing_a_path_never_see_each_others_blocks(tmp_path: Path) -> None:
+    tiers = []
+    for namespace in ("model-a", "model-b"):
+        primary = PrimaryTier(4, 1024, pin_memory=False, namespace=namespace)
+        config = NvmeTierConfig(type="nvme", path=tmp_path, capacity="1MiB")
+        tiers.append(NvmeTier(config, primary.view))
+        await tiers[-1].open()
+    a, b = tiers
+    key = b"same-key-in-both-namespaces"
+    a.primary.block(0)[:] = b"a" * 1024
+    b.primary.block(0)[:] = b"b" * 1024
+    assert (await a.store(_job(key, 0))).ok
+    assert await b.lookup([key], CTX) == [False]
+    assert (await b.store(_job(key, 0))).ok
+    assert (await a.load(_job(key, 1))).ok
+    assert (await b.load(_job(key, 1))).ok
+    assert bytes(a.primary.block(1)) == b"a" * 1024
+    assert bytes(b.primary.block(1)) == b"b" * 1024
+    assert a.directory != b.directory
+    for tier in tiers:
+        await tier.close()
+
+
+def _job(key: bytes, slot: int) -> JobMetadata:
+    return JobMetadata(next(_job_ids), (key,), (slot,))
+
+
+async def test_a_second_tier_on_the_same_directory_is_refused(rig) -> None:
+    first = rig.tier()
+    await first.open()
+    keys = rig.keys(2)
+    assert (await rig.store(first, keys))[0].ok
+    second = rig.tier()
+    with pytest.raises(TierUnavailable, match=f"in use by another tier \\(process {os.getpid()}"):
+        await second.open()
+    await first.close()
+    third = rig.tier()
+    await third.open()  # the lock went with the first tier
+    assert await third.lookup(keys, CTX) == [True, True]
+    await third.close()
+
+
+async def test_open_fails_clearly_when_path_is_not_a_directory(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    primary = PrimaryTier(2, 1024, pin_memory=False)
+    config = NvmeTierConfig(type="nvme", path=tmp_path / "file", capacity="1MiB")
+    with pytest.raises(TierUnavailable, match=r"cannot use .*file.*check that `path`"):
+        await NvmeTier(config, primary.view).open()
+
+
+async def test_unopened_and_closed_tiers_refuse_work(rig) -> None:
+    tier = rig.tier()
+    keys = rig.keys(1)
+    with pytest.raises(TierUnavailable, match="not open"):
+        await tier.lookup(keys, CTX)
+    await tier.open()
+    await tier.close()
+    await tier.close()  # idempotent
+    with pytest.raises(TierUnavailable, match="not open"):
+        await tier.store(rig.job(keys, [0]))
+    with pytest.raises(TierUnavailable, match="not open"):
+        await tier.remove(keys)
+
+
+async def test_storing_a_held_key_refreshes_it_without_rewriting(rig) -> None:
+    tier = rig.tier(capacity_blocks=2)
+    await tier.open()
+    a, b, c = rig.keys(3)
+    assert (await rig.store(tier, [a]))[0].ok
+    assert (await rig.store(tier, [b]))[0].ok
+    inode = tier.path_of(a).stat().st_ino
+    assert (await rig.store(tier, [a]))[0].ok  # a becomes the most recent
+    assert tier.path_of(a).stat().st_ino == inode
+    assert (await rig.store(tier, [c]))[0].ok  # evicts b, the least recent
+    assert await tier.lookup([a, b, c], CTX) == [True, False, True]
+    assert not tier.path_of(b).exists()
+    assert tier.used_bytes == 2 * tier.footprint(a) == 2 * rig.footprint()
+    await tier.close()
+
+
+async def test_capacity_counts_whole_filesystem_blocks(rig) -> None:
+    # a 4 KiB block plus its header is 4,152 bytes of file but takes 8 KiB of disk
+    tier = rig.tier(capacity="24KiB")
+    await tier.open()
+    keys = rig.keys(4)
+    for key in keys:
+        assert (await rig.store(tier, [key]))[0].ok
+    assert tier.fs_block == 4096
+    assert await tier.lookup(keys, CTX) == [False, True, True, True]
+    assert tier.used_bytes == 3 * 8192
+    await tier.close()
+
+
+async def test_block_bigger_than_capacity_fails_that_key_only(rig) -> None:
+    tier = rig.tier(capacity="4KiB")
+    await tier.open()
+    keys = rig.keys(2)
+    result, _ = await rig.store(tier, keys)
+    assert set(result.failed_keys) == set(keys)
+    assert "more than the nvme capacity of 4KiB; raise `capacity`" in (result.error or "")
+    assert rig.files(tier) == []
+    await tier.close()
+
+
+async def test_a_job_bigger_than_the_capacity_fails_what_does_not_fit(rig) -> None:
+    tier = rig.tier(capacity_blocks=4, io_concurrency=2)
+    await tier.open()
+    keys = rig.keys(10)
+    result, stored = await rig.store(tier, keys)
+    assert sorted(result.ok_keys + result.failed_keys) == sorted(keys)
+    assert 1 <= len(result.ok_keys) <= 4 and result.failed_keys
+    assert "no room: the nvme capacity of" in (result.error or "")
+    assert tier.used_bytes <= 4 * rig.footprint()
+    held = [k for k, present in zip(keys, await tier.lookup(keys, CTX)) if present]
+    assert set(held) <= set(result.ok_keys)
+    result, loaded = await rig.load(tier, held)
+    assert result.ok, result.error
+    assert all(loaded[k] == stored[k] for k in held)
+    await tier.close()
+
+
+class _Gate:
+    """Holds worker threads inside a wrapped block function until released, counting
+    how many are inside at once."""
+
+    def __init__(self, func: Any) -> None:
+        self.func = func
+        self.open = threading.Event()
+        self.inside = 0
+        self.most_inside = 0
+        self.calls = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            self.calls += 1
+            self.inside += 1
+            self.most_inside = max(self.most_inside, self.inside)
+        try:
+            self.open.wait(5)
+            return self.func(*args, **kwargs)
+        finally:
+            with self._lock:
+                self.inside -= 1
+
+
+async def test_a_block_being_read_is_not_evicted(rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = rig.tier(capacity_blocks=2)
+    await tier.open()
+    a, b, c = rig.keys(3)
+    _, stored = await rig.store(tier, [a, b])  # a is the least recently used
+    gate = _Gate(blockfile.read_block)
+    monkeypatch.setattr(blockfile, "read_block", gate)
+    loaded: list[Any] = []
+
+    async def load_a() -> None:
+        loaded.append(await rig.load(tier, [a]))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(load_a)
+        while gate.calls == 0:  # the load holds a's file open in its thread
+            await anyio.sleep(0.001)
+        result, _ = await rig.store(tier, [c], first_slot=4)  # needs room: a is pinned
+        assert result.ok, result.error
+        gate.open.set()
+    [(result, data)] = loaded
+    assert result.ok, result.error
+    assert data[a] == stored[a]
+    assert await tier.lookup([a, b, c], CTX) == [True, False, True]
+    await tier.close()
+
+
+async def test_no_more_than_io_concurrency_block_operations_run_at_once(
+    rig,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tier = rig.tier(io_concurrency=3)
+    await tier.open()
+    gate = _Gate(blockfile.write_block)
+    monkeypatch.setattr(blockfile, "write_block", gate)
+    keys = rig.keys(16)
+    rig.fill(range(16))
+    results: list[Any] = []
+
+    async def store(part: list[bytes], first: int) -> None:
+        results.append(await tier.store(rig.job(part, range(first, first + len(part)))))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(store, keys[:8], 0)
+        tg.start_soon(store, keys[8:], 8)
+        deadline = time.monotonic() + 5
+        while gate.inside < 3 and time.monotonic() < deadline:
+            await anyio.sleep(0.001)
+        await anyio.sleep(0.05)  # would a fourth get in?
+        assert gate.inside == 3
+        gate.open.set()
+    assert gate.most_inside == 3
+    assert all(r.ok for r in results)
+    assert len(rig.files(tier)) == 16
+    await tier.close()
+
+
+async def test_a_cancelled_store_leaves_disk_and_index_in_agreement(
+    rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = rig.tier(io_concurrency=4)
+    await tier.open()
+    real_write = blockfile.write_block
+    written = [0]
+
+    def slow_write(*args: Any, **kwargs: Any) -> None:
+        time.sleep(0.005)  # so the cancel lands while writes are in flight
+        real_write(*args, **kwargs)
+        written[0] += 1
+
+    monkeypatch.setattr(blockfile, "write_block", slow_write)
+    keys = rig.keys(32)
+    rig.fill(range(32))
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+
+            async def cancel_after_five() -> None:
+                while written[0] < 5:
+                    await anyio.sleep(0.001)
+                scope.cancel()
+
+            tg.start_soon(cancel_after_five)
+            await tier.store(rig.job(keys, range(32)))
+    assert scope.cancelled_caught
+    assert not list(tier.directory.rglob("*.tmp")), "a cancelled write left a temporary file"
+    present = await tier.lookup(keys, CTX)
+    assert present == [tier.path_of(k).exists() for k in keys]
+    assert 5 <= sum(present) == written[0] < len(keys)  # in-flight writes finished, indexed
+    assert tier.used_bytes == sum(present) * rig.footprint()
+    monkeypatch.setattr(blockfile, "write_block", real_write)
+    result = await tier.store(rig.job(keys, range(32)))  # the tier goes on working
+    assert result.ok, result.error
+    assert all(await tier.lookup(keys, CTX))
+    await tier.close()
+
+
+async def test_describe_reports_what_the_tier_holds(rig) -> None:
+    tier = rig.tier(fsync="never")
+    await tier.open()
+    await rig.store(tier, rig.keys(2))
+    info = tier.describe()
+    assert info["type"] == "nvme"
+    assert info["blocks"] == 2
+    assert info["used_bytes"] == 2 * rig.footprint()
+    assert info["fsync"] == "never"
+    await tier.close()

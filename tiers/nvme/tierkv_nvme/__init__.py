@@ -1,0 +1,19 @@
+"""tierkv-nvme: the `nvme` tier, KV-cache blocks as checksummed files on a local disk.
+
+Installed, it registers itself in the `tierkv.tiers` entry-point group, so a YAML
+chain can say
+
+    tiers:
+      - {type: nvme, path: /mnt/nvme/tierkv, capacity: 500GiB}
+
+It uses only tierkv's public plugin API (`tierkv.tier`, `tierkv.framing`).
+"""
+
+from __future__ import annotations
+
+from tierkv_nvme.config import NvmeTierConfig
+from tierkv_nvme.tier import NvmeTier, RecoveryReport, disk_footprint
+
+__version__ = "0.1.0"
+
+__all__ = ["NvmeTier", "NvmeTierConfig", "RecoveryReport", "__version__", "disk_footprint"]

@@ -1,0 +1,73 @@
+"""Where a block lives on disk, as a pure function of the namespace and the key.
+
+    <path>/ns-<namespace hash, 16 hex>/<hex 0:2>/<hex 2:4>/<key hex>.blk
+
+- One directory per namespace: two models sharing a disk never read, count or evict
+  each other's files, and the directory lock (see `tier.py`) is per namespace.
+- Two levels of 256 fan-out directories from the key's leading hex: keys start with a
+  block hash, so files spread evenly, and 65,536 leaf directories keep each under a
+  few thousand files up to ~100 million blocks.
+- Names are hex digits only, so no key can name a path outside the tier's directory
+  (no `/`, no `..`). A key too long for a file name (over 100 bytes) is named by the
+  sha256 of the key instead; the full key is always in the frame header, which is
+  what `load` and the index rebuild check.
+- Temporary files are `.<final name>.<pid>-<n>.tmp` beside their final name, so the
+  rename that publishes a block never crosses a filesystem.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+from pathlib import Path
+
+from tierkv import OffloadKey
+from tierkv.framing import namespace_hash
+
+BLOCK_SUFFIX = ".blk"
+TEMP_SUFFIX = ".tmp"
+MAX_HEX_KEY_BYTES = 100
+"""Keys up to this long are named by their hex (200 characters + suffix < NAME_MAX)."""
+
+LOCK_NAME = "lock"
+NAMESPACE_NOTE = "namespace.txt"
+
+_temp_ids = itertools.count()
+
+
+def namespace_dir(root: Path, namespace: str) -> Path:
+    """The directory holding every block of `namespace` under the tier's `path`."""
+    return root / f"ns-{namespace_hash(namespace):016x}"
+
+
+def _name_hex(key: OffloadKey) -> tuple[str, str]:
+    """(file stem, hex the fan-out is taken from) for `key`."""
+    if len(key) <= MAX_HEX_KEY_BYTES:
+        stem = key.hex()
+        return stem, stem
+    digest = hashlib.sha256(key).hexdigest()
+    return f"sha256-{digest}", digest
+
+
+def block_relpath(key: OffloadKey) -> tuple[str, str, str]:
+    """(first fan-out dir, second fan-out dir, file name) of `key`."""
+    stem, fan = _name_hex(key)
+    fan = fan.ljust(4, "0")  # a key shorter than two bytes still gets two levels
+    return fan[0:2], fan[2:4], stem + BLOCK_SUFFIX
+
+
+def block_path(ns_dir: Path, key: OffloadKey) -> Path:
+    """The file that holds `key`'s frame."""
+    first, second, name = block_relpath(key)
+    return ns_dir / first / second / name
+
+
+def temp_path(final: Path) -> Path:
+    """A fresh temporary name beside `final` (unique within this process and host)."""
+    return final.with_name(f".{final.name}.{os.getpid()}-{next(_temp_ids)}{TEMP_SUFFIX}")
+
+
+def is_fanout_name(name: str) -> bool:
+    """Whether `name` is one of the two-hex-digit fan-out directory names."""
+    return len(name) == 2 and all(c in "0123456789abcdef" for c in name)

@@ -1,0 +1,591 @@
+"""`nvme`: KV blocks as checksummed files on a local disk.
+
+One file per block (`layout.py`), each a `tierkv.framing` frame published by
+write-to-temporary + rename (`blockfile.py`), indexed in memory and rebuilt from the
+directory on `open` (`recovery.py`).
+
+Concurrency and consistency, all on the event-loop thread (no locks needed):
+
+- The index maps each stored key to an entry (its bytes on disk) in LRU order; loads
+  refresh recency, and so do stores of a key already held (same key, same bytes:
+  keys are content hashes, so the write is skipped).
+- A job runs as chunks of up to MAX_CHUNK blocks, each chunk one worker-thread call
+  that does every block whole; at most `io_concurrency` chunks run at once, across
+  all jobs. The calls are shielded from cancellation, so a cancelled job never leaves
+  half a block or an index that disagrees with the disk.
+- A key being read is pinned: eviction passes over it. A key being written or deleted
+  has a pending event; a store of the same key waits for it instead of racing it, so
+  writes and deletes of one key never interleave.
+- Capacity counts the disk bytes of indexed blocks plus those being written; room is
+  made before a write by evicting the least recently used unpinned blocks, whose files
+  are deleted by the same thread call that then writes the new blocks. A job bigger
+  than the capacity fails the blocks that do not fit rather than evicting its own.
+
+An OSError on a block (disk full, permission, I/O error) fails that key with a
+message naming the cause and the fix; the tier goes on serving other keys.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from tierkv import (
+    CorruptBlock,
+    JobMetadata,
+    JobResult,
+    OffloadKey,
+    PrimaryView,
+    ReqContext,
+    TierUnavailable,
+)
+from tierkv.framing import header_bytes
+from tierkv.tier import InFlightJobs, SecondaryTierManager, TierConfig
+from tierkv.units import format_size
+from tierkv_nvme import blockfile
+from tierkv_nvme.config import NvmeTierConfig
+from tierkv_nvme.layout import LOCK_NAME, NAMESPACE_NOTE, block_path, namespace_dir
+from tierkv_nvme.recovery import ScanResult, list_fanout_dirs, scan_fanout_dir
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_FS_BLOCK = 4096
+MAX_CHUNK = 4
+"""Blocks per worker-thread call at most (see `_in_chunks`)."""
+
+
+def disk_footprint(frame_bytes: int, fs_block: int = DEFAULT_FS_BLOCK) -> int:
+    """Bytes a file of `frame_bytes` occupies: rounded up to whole filesystem blocks.
+
+    Capacity counts this, not the frame length, so `capacity: 100GiB` bounds what the
+    disk really gives up even for small blocks (a 16 KiB block with its header takes
+    20 KiB)."""
+    return -(-frame_bytes // fs_block) * fs_block
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    """What the last `open` found on disk."""
+
+    blocks: int
+    bytes: int
+    removed_temp: int
+    removed_bad: int
+    evicted_over_capacity: int
+
+
+class _Entry:
+    """One indexed block. Compared by identity, so a slow reader that finds its file
+    corrupt forgets that entry only, not a newer one stored under the same key."""
+
+    __slots__ = ("footprint",)
+
+    def __init__(self, footprint: int) -> None:
+        self.footprint = footprint
+
+
+class NvmeTier(SecondaryTierManager):
+    """Blocks as files under `config.path`, LRU-evicted past `config.capacity`."""
+
+    Config = NvmeTierConfig
+    config: NvmeTierConfig
+
+    def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
+        super().__init__(config, primary)
+        self.directory = namespace_dir(self.config.path, primary.namespace)
+        self._index: OrderedDict[OffloadKey, _Entry] = OrderedDict()
+        self._used = 0  # footprint of indexed blocks
+        self._reserved = 0  # footprint of blocks being written
+        self._pins: dict[OffloadKey, int] = {}
+        self._writing: dict[OffloadKey, anyio.Event] = {}
+        self._deleting: dict[OffloadKey, anyio.Event] = {}
+        concurrency = self.config.io_concurrency
+        self._io_slots = anyio.Semaphore(concurrency)
+        self._threads = anyio.CapacityLimiter(concurrency)
+        self._inflight = InFlightJobs(self.name)
+        self._fs_block = DEFAULT_FS_BLOCK
+        self._lock_fd: int | None = None
+        self._state = "new"
+        self.recovery: RecoveryReport | None = None
+
+    @staticmethod
+    def get_tier_type() -> str:
+        return "nvme"
+
+    # -- introspection ------------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        """Disk bytes of the blocks held (each file rounded up to the fs block)."""
+        return self._used
+
+    @property
+    def fs_block(self) -> int:
+        """The filesystem block size capacity is counted in (known after `open`)."""
+        return self._fs_block
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def path_of(self, key: OffloadKey) -> Path:
+        """The file that holds (or would hold) `key`."""
+        return block_path(self.directory, key)
+
+    def footprint(self, key: OffloadKey) -> int:
+        """Disk bytes one block stored under `key` takes."""
+        return disk_footprint(header_bytes(key) + self.primary.block_bytes, self._fs_block)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "type": self.get_tier_type(),
+            "path": str(self.config.path),
+            "directory": str(self.directory),
+            "blocks": len(self._index),
+            "used_bytes": self._used,
+            "capacity": int(self.config.capacity),
+            "fsync": self.config.fsync,
+            "io_concurrency": self.config.io_concurrency,
+        }
+
+    # -- life cycle ---------------------------------------------------------------
+    async def open(self) -> None:
+        """Take the directory, rebuild the index from it, and enforce capacity.
+
+        Raises TierUnavailable when the directory cannot be created or locked (another
+        tier instance, in this or another process, already uses it)."""
+        if self._state != "new":
+            raise TierUnavailable(f"nvme tier at {self.directory} was already opened")
+        try:
+            self._fs_block = await anyio.to_thread.run_sync(self._take_directory)
+        except OSError as exc:
+            raise TierUnavailable(
+                f"nvme tier cannot use {self.directory}: {exc.strerror or exc}; check that "
+                "`path` is a directory tierkv may create and write"
+            ) from exc
+        try:
+            scan = await self._scan()
+            self._rebuild(scan)
+            evicted = await self._enforce_capacity()
+        except OSError as exc:
+            self._release_lock()
+            raise TierUnavailable(
+                f"nvme tier cannot read its directory {self.directory}: {exc}"
+            ) from exc
+        except BaseException:
+            self._release_lock()
+            raise
+        self.recovery = RecoveryReport(
+            blocks=len(self._index),
+            bytes=self._used,
+            removed_temp=len(scan.removed_temp),
+            removed_bad=len(scan.removed_bad),
+            evicted_over_capacity=evicted,
+        )
+        self._state = "open"
+        logger.info(
+            "nvme tier %s: %d blocks (%s) recovered; deleted %d temporary and %d bad "
+            "files; evicted %d blocks over capacity",
+            self.directory,
+            self.recovery.blocks,
+            format_size(self._used),
+            self.recovery.removed_temp,
+            self.recovery.removed_bad,
+            evicted,
+        )
+
+    def _take_directory(self) -> int:
+        """Create and lock the namespace directory; return its filesystem block size.
+
+        The lock (flock on `lock`, released when its descriptor closes, even by a
+        crash) keeps a second tier from rebuilding this index meanwhile and deleting
+        the temporary files of writes still in flight."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise TierUnavailable(
+                f"nvme tier directory {self.directory} is in use by another tier "
+                f"(process {holder}); give each tier its own `path` or namespace"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
+        try:  # courtesy notes, for error messages and people browsing the disk; a full
+            # disk must not keep the tier from opening and serving what it holds
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            note = self.directory / NAMESPACE_NOTE
+            if not note.exists():
+                note.write_text(self.primary.namespace + "\n", encoding="utf-8")
+        except OSError as exc:
+            logger.warning("nvme tier: could not write notes in %s: %s", self.directory, exc)
+        return os.statvfs(self.directory).f_frsize or DEFAULT_FS_BLOCK
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    async def _scan(self) -> ScanResult:
+        tops, others = await anyio.to_thread.run_sync(list_fanout_dirs, self.directory)
+        total = ScanResult()
+        for other in others:
+            if other.name not in (LOCK_NAME, NAMESPACE_NOTE):
+                total.ignored.append(other)
+
+        async def scan(top: Path) -> None:
+            part = await anyio.to_thread.run_sync(
+                scan_fanout_dir,
+                top,
+                self.primary.namespace,
+                self.primary.block_bytes,
+                limiter=self._threads,
+            )
+            total.merge(part)
+
+        async with anyio.create_task_group() as tg:
+            for top in tops:
+                tg.start_soon(scan, top)
+        for path, reason in total.removed_bad:
+            logger.warning("nvme tier: deleted %s: %s", path, reason)
+        if total.ignored:
+            logger.warning(
+                "nvme tier: %d entries under %s are not tierkv blocks and were left "
+                "alone (first: %s)",
+                len(total.ignored),
+                self.directory,
+                total.ignored[0],
+            )
+        return total
+
+    def _rebuild(self, scan: ScanResult) -> None:
+        """Index the found blocks, oldest mtime first (the LRU end)."""
+        self._index.clear()
+        self._used = 0
+        for block in sorted(scan.blocks, key=lambda b: b.mtime_ns):
+            footprint = disk_footprint(block.frame_bytes, self._fs_block)
+            self._index[block.key] = _Entry(footprint)
+            self._used += footprint
+
+    async def _enforce_capacity(self) -> int:
+        """Delete the oldest blocks until the rest fit `capacity` (it may have shrunk
+        since the last run, or files were added by hand)."""
+        capacity = int(self.config.capacity)
+        victims: list[Path] = []
+        while self._index and self._used > capacity:
+            key, entry = self._index.popitem(last=False)
+            self._used -= entry.footprint
+            victims.append(self.path_of(key))
+        if victims:
+            await anyio.to_thread.run_sync(blockfile.delete_files, victims)
+        return len(victims)
+
+    async def close(self) -> None:
+        """Let running jobs finish, then release the directory. Idempotent."""
+        if self._state == "closed":
+            return
+        self._state = "closing"
+        await self._inflight.drain()
+        self._release_lock()
+        self._index.clear()
+        self._used = 0
+        self._state = "closed"
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise TierUnavailable(f"nvme tier at {self.directory} is not open ({self._state})")
+
+    # -- the contract -------------------------------------------------------------
+    async def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[bool]:
+        self._check_open()
+        index = self._index
+        return [key in index for key in keys]
+
+    async def store(self, job: JobMetadata) -> JobResult:
+        self._check_open()
+        async with self._inflight.job():
+            failed = await self._in_chunks(job, self._store_chunk)
+        if failed:
+            logger.warning(
+                "nvme tier: %d of %d blocks of job %d not stored: %s",
+                len(failed),
+                len(job.keys),
+                job.job_id,
+                "; ".join(sorted(set(failed.values()))),
+            )
+        return JobResult.partial(job, failed)
+
+    async def load(self, job: JobMetadata) -> JobResult:
+        self._check_open()
+        async with self._inflight.job():
+            failed = await self._in_chunks(job, self._load_chunk)
+        return JobResult.partial(job, failed)
+
+    async def remove(self, keys: Sequence[OffloadKey]) -> None:
+        self._check_open()
+        async with self._inflight.job():
+            targets: list[OffloadKey] = []
+            for key in dict.fromkeys(keys):
+                entry = self._index.pop(key, None)
+                if entry is not None:
+                    self._used -= entry.footprint
+                    self._deleting[key] = anyio.Event()
+                    targets.append(key)
+            if not targets:
+                return
+            try:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(
+                        blockfile.delete_files,
+                        [self.path_of(k) for k in targets],
+                        limiter=self._threads,
+                    )
+            finally:
+                self._finish_deleting(targets)
+
+    # -- per chunk of blocks ------------------------------------------------------
+    async def _in_chunks(
+        self,
+        job: JobMetadata,
+        run_chunk: Callable[[list[tuple[OffloadKey, int]]], Awaitable[dict[OffloadKey, str]]],
+    ) -> dict[OffloadKey, str]:
+        """Split `job` into chunks of up to MAX_CHUNK blocks, one worker-thread call
+        each, and run them with up to `io_concurrency` in flight; return the failed
+        keys with their reasons.
+
+        Chunks, not single blocks, because a thread round trip and the event-loop work
+        around it cost about as much CPU as reading a 1 MiB block from the page cache;
+        small chunks, so a cancelled job waits for little shielded work."""
+        pairs = list(zip(job.keys, job.slots))
+        if not pairs:
+            return {}
+        size = min(MAX_CHUNK, -(-len(pairs) // self.config.io_concurrency))
+        chunks = iter([pairs[i : i + size] for i in range(0, len(pairs), size)])
+        failed: dict[OffloadKey, str] = {}
+
+        async def worker() -> None:
+            for chunk in chunks:  # shared iterator: each chunk goes to one worker
+                try:
+                    failed.update(await run_chunk(chunk))
+                except Exception as exc:  # a bug must fail its keys, not the whole server
+                    logger.exception("nvme tier: unexpected error on job %d", job.job_id)
+                    failed.update({k: f"unexpected {type(exc).__name__}: {exc}" for k, _ in chunk})
+
+        workers = min(-(-len(pairs) // size), self.config.io_concurrency)
+        if workers == 1:
+            await worker()
+        else:
+            async with anyio.create_task_group() as tg:
+                for _ in range(workers):
+                    tg.start_soon(worker)
+        return failed
+
+    async def _claim_for_write(self, key: OffloadKey) -> bool:
+        """Wait out any write or delete of `key` in flight; then True when this store
+        must write it (and it is now marked being written), False when it is held
+        already (same key, same bytes: refreshed instead of rewritten)."""
+        while True:
+            if key in self._index:
+                self._index.move_to_end(key)
+                return False
+            pending = self._writing.get(key) or self._deleting.get(key)
+            if pending is None:
+                self._writing[key] = anyio.Event()
+                return True
+            await pending.wait()
+
+    async def _store_chunk(self, chunk: list[tuple[OffloadKey, int]]) -> dict[OffloadKey, str]:
+        failed: dict[OffloadKey, str] = {}
+        capacity = int(self.config.capacity)
+        claimed: list[tuple[OffloadKey, int, int]] = []  # key, slot, footprint
+        try:
+            for key, slot in chunk:
+                footprint = self.footprint(key)
+                if footprint > capacity:
+                    failed[key] = (
+                        f"a block takes {format_size(footprint)} on disk, more than the "
+                        f"nvme capacity of {format_size(capacity)}; raise `capacity`"
+                    )
+                elif await self._claim_for_write(key):
+                    claimed.append((key, slot, footprint))
+            if not claimed:
+                return failed
+            async with self._io_slots:
+                writes: list[tuple[OffloadKey, int, int]] = []
+                victims: list[OffloadKey] = []
+                for key, slot, footprint in claimed:
+                    evicted = self._make_room(footprint)
+                    if evicted is None:
+                        failed[key] = (
+                            f"no room: the nvme capacity of {format_size(capacity)} is "
+                            "taken by blocks being read or written; retry later or raise "
+                            "`capacity`"
+                        )
+                        continue
+                    victims += evicted
+                    self._reserved += footprint
+                    writes.append((key, slot, footprint))
+                try:
+                    with anyio.CancelScope(shield=True):
+                        outcomes = await anyio.to_thread.run_sync(
+                            self._write_files,
+                            [(self.path_of(k), k, self.primary.block(s)) for k, s, _ in writes],
+                            [self.path_of(v) for v in victims],
+                            limiter=self._threads,
+                        )
+                finally:
+                    self._reserved -= sum(footprint for _, _, footprint in writes)
+                    self._finish_deleting(victims)
+            for (key, _slot, footprint), error in zip(writes, outcomes):
+                if error is None:
+                    self._index[key] = _Entry(footprint)
+                    self._used += footprint
+                else:
+                    failed[key] = self._describe_error(error, "write", key)
+            return failed
+        finally:
+            for key, _slot, _footprint in claimed:
+                self._writing.pop(key).set()
+
+    def _write_files(
+        self, items: list[tuple[Path, OffloadKey, memoryview]], victims: list[Path]
+    ) -> list[Exception | None]:
+        """Worker thread: delete `victims`, then write each block; one outcome each."""
+        if victims:
+            blockfile.delete_files(victims)
+        fsync = self.config.fsync == "always"
+        outcomes: list[Exception | None] = []
+        for path, key, payload in items:
+            try:
+                blockfile.write_block(path, key, payload, self.primary.namespace, fsync=fsync)
+            except Exception as exc:  # reported per key by the caller
+                outcomes.append(exc)
+            else:
+                outcomes.append(None)
+        return outcomes
+
+    def _make_room(self, footprint: int) -> list[OffloadKey] | None:
+        """Evict least recently used, unpinned blocks until `footprint` more bytes fit.
+
+        Returns the evicted keys (their files are still to be deleted, and they are
+        marked deleting until then), or None, evicting nothing, when even evicting
+        every unpinned block would not make room."""
+        excess = self._used + self._reserved + footprint - int(self.config.capacity)
+        if excess <= 0:
+            return []
+        victims: list[OffloadKey] = []
+        freed = 0
+        for key, entry in self._index.items():  # oldest first
+            if freed >= excess:
+                break
+            if self._pins.get(key):
+                continue
+            victims.append(key)
+            freed += entry.footprint
+        if freed < excess:
+            return None
+        for key in victims:
+            self._used -= self._index.pop(key).footprint
+            self._deleting[key] = anyio.Event()
+        return victims
+
+    def _finish_deleting(self, keys: Sequence[OffloadKey]) -> None:
+        for key in keys:
+            event = self._deleting.pop(key, None)
+            if event is not None:
+                event.set()
+
+    async def _load_chunk(self, chunk: list[tuple[OffloadKey, int]]) -> dict[OffloadKey, str]:
+        failed: dict[OffloadKey, str] = {}
+        reads: list[tuple[OffloadKey, int, _Entry]] = []
+        for key, slot in chunk:
+            entry = self._index.get(key)
+            if entry is None:
+                failed[key] = "not in the nvme tier"
+                continue
+            self._index.move_to_end(key)
+            self._pins[key] = self._pins.get(key, 0) + 1
+            reads.append((key, slot, entry))
+        if not reads:
+            return failed
+        try:
+            async with self._io_slots:
+                with anyio.CancelScope(shield=True):
+                    outcomes = await anyio.to_thread.run_sync(
+                        self._read_files,
+                        [(self.path_of(k), k, self.primary.block(s)) for k, s, _ in reads],
+                        limiter=self._threads,
+                    )
+        finally:
+            for key, _slot, _entry in reads:
+                pins = self._pins[key] - 1
+                if pins:
+                    self._pins[key] = pins
+                else:
+                    del self._pins[key]
+        for (key, _slot, entry), error in zip(reads, outcomes):
+            if error is not None:
+                self._forget(key, entry)  # a failed load withdraws the claim
+                failed[key] = self._describe_error(error, "read", key)
+        return failed
+
+    def _read_files(
+        self, items: list[tuple[Path, OffloadKey, memoryview]]
+    ) -> list[Exception | None]:
+        """Worker thread: read and check each block into its slot; one outcome each."""
+        outcomes: list[Exception | None] = []
+        for path, key, dest in items:
+            try:
+                blockfile.read_block(path, key, dest, self.primary.namespace)
+            except Exception as exc:  # reported per key by the caller
+                outcomes.append(exc)
+            else:
+                outcomes.append(None)
+        return outcomes
+
+    def _describe_error(self, error: Exception, action: str, key: OffloadKey) -> str:
+        if isinstance(error, CorruptBlock):
+            logger.warning("nvme tier: deleted corrupt block %s: %s", self.path_of(key), error)
+            return f"corrupt block deleted: {error}"
+        if isinstance(error, FileNotFoundError):
+            return "block file is gone from the nvme tier (deleted outside tierkv?)"
+        if isinstance(error, OSError):
+            return self._io_error(error, action)
+        logger.error("nvme tier: unexpected error on %s", key.hex(), exc_info=error)
+        return f"unexpected {type(error).__name__}: {error}"
+
+    def _forget(self, key: OffloadKey, entry: _Entry) -> None:
+        """Drop `key` from the index if `entry` is still its entry: a failed load must
+        not leave the key claimed (the caller would re-promote it forever)."""
+        if self._index.get(key) is entry:
+            del self._index[key]
+            self._used -= entry.footprint
+
+    def _io_error(self, exc: OSError, action: str) -> str:
+        """One message per kind of error (so a job's result lists each cause once)
+        that names the cause and the fix."""
+        code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        reason = exc.strerror or str(exc)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            fix = f"the disk under {self.config.path} is full: free space or lower `capacity`"
+        elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            fix = (
+                f"tierkv may not {action} files under {self.config.path}: check the "
+                "directory's owner, mode and mount options"
+            )
+        else:
+            fix = f"I/O error under {self.config.path}"
+        return f"nvme {action} failed: {reason} ({code}); {fix}"
