@@ -81,3 +81,13 @@ def test_corruption_is_detected_and_destination_untouched(
 def test_overlong_key_is_rejected() -> None:
     with pytest.raises(ValueError, match="longer than"):
         encode_header(b"k" * 70000, PAYLOAD, "ns")
+
+
+def test_header_length_from_the_fixed_part() -> None:
+    from tierkv.framing import header_length
+
+    frame = encode_block(KEY, PAYLOAD, "ns")
+    assert header_length(frame[:FIXED_HEADER_BYTES]) == header_bytes(KEY)
+    assert header_length(bytearray(frame)) == header_bytes(KEY)
+    with pytest.raises(CorruptBlock, match="shorter than its header"):
+        header_length(frame[:5])

@@ -21,11 +21,27 @@ from typing import Any, ClassVar, Literal
 import anyio
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveInt
 
-from tierkv.errors import TierUnavailable
+from tierkv.errors import CorruptBlock, TierUnavailable
 from tierkv.jobs import JobMetadata, JobResult, ReqContext
 from tierkv.keys import OffloadKey
 from tierkv.primary import PrimaryView
 from tierkv.units import Duration, Size
+
+__all__ = [
+    "CorruptBlock",
+    "Duration",
+    "InFlightJobs",
+    "JobMetadata",
+    "JobResult",
+    "OffloadKey",
+    "PrimaryView",
+    "ReqContext",
+    "SecondaryTierManager",
+    "Size",
+    "TierConfig",
+    "TierUnavailable",
+    "WritePolicy",
+]
 
 WritePolicy = Literal["write_through", "write_back", "write_through_selective"]
 
@@ -81,6 +97,9 @@ class SecondaryTierManager(ABC):
     - A tier that is down raises `TierUnavailable` or reports keys failed; it never
       hangs past its `job_timeout`.
     - `close` finishes (or fails) in-flight jobs before releasing resources.
+    - A job may be cancelled (its `job_timeout`, the cache closing). After it returns
+      or is cancelled it must not touch its slots again: run blocking I/O through
+      `anyio.to_thread.run_sync`, which waits for the thread when cancelled.
     """
 
     Config: ClassVar[type[TierConfig]] = TierConfig
@@ -119,7 +138,10 @@ class SecondaryTierManager(ABC):
 
     @abstractmethod
     async def load(self, job: JobMetadata) -> JobResult:
-        """Copy each key's bytes from the tier into `primary.block(slot)`."""
+        """Copy each key's bytes from the tier into `primary.block(slot)`.
+
+        The slot of a key reported failed may hold anything (a zero-copy read may
+        have filled it before the check failed); the cache never reads it."""
 
     @abstractmethod
     async def remove(self, keys: Sequence[OffloadKey]) -> None:
