@@ -25,9 +25,11 @@ from tierkv.errors import CorruptBlock, TierUnavailable
 from tierkv.jobs import JobMetadata, JobResult, ReqContext
 from tierkv.keys import OffloadKey
 from tierkv.primary import PrimaryView
+from tierkv.redact import redact_url
 from tierkv.units import Duration, Size
 
 __all__ = [
+    "redact_url",
     "CorruptBlock",
     "Duration",
     "InFlightJobs",

@@ -12,31 +12,15 @@ in a repr, a log line or `describe()`: URLs are shown with the password replaced
 from __future__ import annotations
 
 from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from pydantic import ByteSize, Field, PositiveInt, SecretStr, field_validator, model_validator
 
-from tierkv.tier import TierConfig
+from tierkv.tier import TierConfig, redact_url
 from tierkv.units import Duration, Size
 
 MIN_PART_SIZE = 1024
 """Smallest `part_size` accepted; tests use tiny parts to exercise splitting."""
-
-
-def redact_url(url: str) -> str:
-    """`url` with any password replaced by `***`, safe for logs and reprs."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable url>"
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if ":" in host:  # an IPv6 literal
-        host = f"[{host}]"
-    port = f":{parts.port}" if parts.port is not None else ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
 
 
 class RedisTierConfig(TierConfig):

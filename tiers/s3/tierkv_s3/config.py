@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from pydantic import (
     ByteSize,
@@ -28,25 +28,13 @@ from pydantic import (
     model_validator,
 )
 
-from tierkv.tier import TierConfig
+from tierkv.tier import TierConfig, redact_url
 from tierkv.units import Duration, Size
 
 MIN_PART_SIZE = 5 << 20
 """S3 refuses multipart parts below 5 MiB (but the last)."""
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
-
-
-def redact_url(url: str) -> str:
-    """`url` with any password replaced by `***`."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable url>"
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{netloc}"))
 
 
 def split_s3_url(url: str) -> tuple[str, str]:
