@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh >&2
-exec .venv/bin/tierkv roundtrip "$@"
+exec .venv/bin/tierkv demo "$@"

@@ -1,15 +1,23 @@
-"""The `tierkv` command: the placeholder main job, validate, plugins, exit codes."""
+"""The `tierkv` command: usage and exit codes, one-line errors, validate (--connect),
+plugins, the demo's summary, and the roundtrip job."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
+import tierkv
 from tierkv.cli import main
+from tierkv.errors import PluginImportError
+from tierkv.memory_tier import MemoryTier
+from tierkv.registry import register_tier, unregister_tier
 
 
 def test_roundtrip_default_chain_reads_everything_back(capsys: pytest.CaptureFixture[str]) -> None:
@@ -76,3 +84,207 @@ def test_console_script_runs_as_a_module() -> None:
     )
     assert done.returncode == 2
     assert "cannot read config file" in done.stderr
+
+
+# -- usage, exit codes, one-line errors ----------------------------------------------------
+TINY_DEMO = [
+    "--users", "2", "--turns", "2", "--system-tokens", "64", "--message-tokens", "32",
+    "--reply-tokens", "2", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "256",
+]  # fmt: skip
+
+
+class BrokenTier(MemoryTier):
+    """Fails to open, as an unreachable server does."""
+
+    @staticmethod
+    def get_tier_type() -> str:
+        return "broken"
+
+    async def open(self) -> None:
+        raise ConnectionRefusedError("connection refused by 127.0.0.1:1")
+
+
+@pytest.fixture
+def broken_tier() -> Iterator[str]:
+    register_tier(BrokenTier)
+    yield "broken"
+    unregister_tier("broken")
+
+
+def chain_file(tmp_path: Path, tiers: str) -> str:
+    path = tmp_path / "chain.yaml"
+    path.write_text(
+        "namespace: t\nlayout: {block_bytes: 4KiB, groups: [{block_size: 16}]}\n"
+        f"primary: {{capacity: 1MiB, pin_memory: false}}\ntiers: {tiers}\n"
+    )
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "the following arguments are required: COMMAND"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["demo", "--users", "0"], "0 must be at least 1"),
+        (["demo", "--metrics-port", "70000"], "70000 is not a TCP port"),
+        (["demo", "--primary", "lots"], "'lots' is not a size"),
+        (["bench", "--repeat", "x"], "'x' is not an integer"),
+        (["validate"], "the following arguments are required: file"),
+    ],
+)
+def test_bad_usage_exits_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for command in ("demo", "bench", "validate", "plugins", "roundtrip"):
+        assert command in out
+
+
+def test_options_the_model_cannot_take_are_usage_errors(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["demo", "--hidden", "30", "--heads", "4"]) == 2
+    assert "demo: error: hidden 30 must split into 4 heads" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_demo_on_cuda_without_a_device_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["demo", "--device", "cuda"]) == 2
+    assert "no CUDA device is available" in capsys.readouterr().err
+
+
+def test_a_tier_that_cannot_open_is_a_runtime_failure_in_one_line(
+    tmp_path: Path, broken_tier: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = chain_file(tmp_path, "[{type: broken}]")
+    assert main(["demo", *TINY_DEMO, "--config", config]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "tierkv: error: tier 'broken' failed to open: ConnectionRefusedError: connection "
+        "refused by 127.0.0.1:1 (--verbose for the traceback)"
+    ]
+    assert main(["demo", *TINY_DEMO, "--config", config, "--verbose"]) == 1
+    err_text = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err_text
+    assert err_text.strip().splitlines()[-1].startswith("tierkv: error: tier 'broken'")
+
+
+def test_a_bad_config_is_exit_2_for_every_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = chain_file(tmp_path, "[{type: memory, capactiy: 1GiB}]")
+    for command in ("demo", "bench", "validate"):
+        argv = [command, config] if command == "validate" else [command, "--config", config]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "tiers[0].capactiy: unknown field; did you mean 'capacity'?" in err
+
+
+# -- validate --connect --------------------------------------------------------------------
+def test_validate_connect_opens_each_tier_and_times_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = chain_file(
+        tmp_path, f"[{{type: memory}}, {{type: nvme, path: {tmp_path}/kv, capacity: 1MiB}}]"
+    )
+    assert main(["validate", "--connect", config]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("tiers: memory, nvme)")
+    assert lines[1].startswith("  memory: ok (open ") and "ms, lookup " in lines[1]
+    assert lines[2].startswith("  nvme: ok (open ")
+
+
+def test_validate_connect_reports_a_tier_it_cannot_reach(
+    tmp_path: Path, broken_tier: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = chain_file(tmp_path, "[{type: memory}, {type: broken}]")
+    assert main(["validate", config]) == 0  # the file itself is fine
+    capsys.readouterr()
+    assert main(["validate", "--connect", config]) == 1
+    captured = capsys.readouterr()
+    assert "  memory: ok (open " in captured.out
+    assert (
+        "  broken: FAILED: open failed: ConnectionRefusedError: connection refused by "
+        "127.0.0.1:1" in captured.out
+    )
+    assert captured.err.strip() == "tierkv: error: cannot use tier broken"
+
+
+# -- plugins -----------------------------------------------------------------------------
+def test_plugins_lists_packages_versions_and_config_fields(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["plugins", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    memory = report["types"]["memory"]
+    assert memory["distribution"] == "tierkv" and memory["version"] == tierkv.__version__
+    assert memory["target"] == "tierkv.memory_tier:MemoryTier"
+    assert memory["fields"]["capacity"]["default"] == "1GiB"
+    assert "write_policy" not in memory["fields"]  # common fields are listed once
+    common = report["common_fields"]
+    assert common["write_policy"]["default"] == "write_through"
+    assert common["required"]["default"] == "true"
+    assert (
+        common["job_timeout"]["default"] == "30s"
+        and common["max_inflight_bytes"]["default"] == "256MiB"
+    )
+    nvme = report["types"].get("nvme")
+    if nvme is not None:  # installed in CI and in the dev setup
+        assert nvme["distribution"] == "tierkv-nvme"
+        assert (
+            nvme["fields"]["path"]["required"]
+            and nvme["fields"]["io_concurrency"]["default"] == "8"
+        )
+
+    assert main(["plugins"]) == 0
+    text = capsys.readouterr().out
+    assert "memory" in text and "tierkv.memory_tier:MemoryTier" in text
+    assert "every tier also takes" in text and "write_through_selective" in text
+
+
+def test_plugins_reports_a_broken_plugin_and_exits_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import tierkv.cli
+
+    real = tierkv.cli.get_tier_class
+
+    def flaky(name: str) -> Any:
+        if name == "memory":
+            raise PluginImportError("tier type 'memory' failed to import: ImportError: boom")
+        return real(name)
+
+    monkeypatch.setattr(tierkv.cli, "get_tier_class", flaky)
+    assert main(["plugins"]) == 1
+    assert "memory: BROKEN: tier type 'memory' failed to import" in capsys.readouterr().out
+
+
+# -- the demo's text summary ---------------------------------------------------------------
+def test_demo_prints_the_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", *TINY_DEMO]) == 0
+    out = capsys.readouterr().out
+    for text in ("TTFT mean", "without tierkv", "speed-up", "primary (cpu)", "nvme", "recomputed"):
+        assert text in out
+    assert "correctness: greedy tokens identical in 4/4 turns" in out and ": OK" in out
+
+
+def test_plain_tables_without_rich() -> None:
+    import io
+
+    from tierkv.demo.report import TextTable, render
+
+    out = io.StringIO()
+    render(
+        ["head", TextTable(["name", "n"], [["a", "1"], ["bbb", "22"]], title="t")],
+        out,
+        use_rich=False,
+    )
+    assert out.getvalue() == "head\nt\nname   n\na      1\nbbb   22\n"

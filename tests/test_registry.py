@@ -13,6 +13,7 @@ from tierkv.errors import PluginImportError, UnknownTierType
 from tierkv.memory_tier import MemoryTier, MemoryTierConfig
 from tierkv.primary import PrimaryTier
 from tierkv.registry import (
+    KNOWN_TIER_PACKAGES,
     create_tier,
     get_tier_class,
     installed_tiers,
@@ -47,18 +48,21 @@ def test_memory_tier_is_registered_through_the_entry_point_group() -> None:
     assert get_tier_class("memory") is MemoryTier
 
 
-def test_unknown_type_lists_installed_types_and_the_package_to_install() -> None:
+def test_unknown_type_lists_installed_types_and_the_package_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(KNOWN_TIER_PACKAGES, "floppy", "tierkv-floppy")
     with pytest.raises(UnknownTierType) as err:
-        get_tier_class("nvme")
+        get_tier_class("floppy")
     text = str(err.value)
-    assert "unknown tier type 'nvme'" in text
+    assert "unknown tier type 'floppy'" in text
     assert "installed tier types:" in text and "memory" in text
-    assert "pip install tierkv-nvme" in text
+    assert "pip install tierkv-floppy" in text
 
 
 def test_unknown_third_party_type_explains_the_entry_point_group() -> None:
     with pytest.raises(UnknownTierType, match=r"'tierkv\.tiers' group"):
-        get_tier_class("floppy")
+        get_tier_class("zipdrive")
 
 
 def test_plugin_that_fails_to_import_names_package_and_cause(plugin_dir: Path) -> None:

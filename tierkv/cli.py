@@ -1,30 +1,459 @@
 """The `tierkv` command.
 
-    tierkv roundtrip [--config FILE]   store -> lookup -> load through a real chain
-    tierkv validate FILE               check a YAML chain; errors name path and value
-    tierkv plugins                     installed tier types
+    tierkv demo [--config FILE]        a small transformer's chat workload with and
+                                       without tierkv: TTFT, hit rate per tier, checks
+    tierkv bench [--config FILE]       each tier's MB/s as a ratio to its raw medium,
+                                       and the orchestrator's own cost
+    tierkv validate FILE [--connect]   check a YAML chain; --connect opens each tier
+    tierkv plugins                     installed tier types and their config fields
+    tierkv roundtrip [--config FILE]   store -> lookup -> load of random blocks
 
-Exit codes: 0 ok, 2 bad usage or config, 1 runtime failure. Errors go to stderr in
-one readable block; `--verbose` adds the traceback.
+Without --config, demo and bench run the default chain: the primary plus an nvme
+tier in a temporary directory, removed afterwards.
+
+Exit codes: 0 ok, 2 bad usage or config, 1 runtime failure (a tier that cannot be
+reached, a failed check). Errors go to stderr as one line (a config error lists its
+problems one per line); --verbose adds the traceback and debug logs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
+import tempfile
+import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from enum import Enum
+from pathlib import Path
+from typing import Any
 
 import anyio
+from pydantic import ByteSize, TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
 
 from tierkv.config import CacheConfig, load_config, parse_config
-from tierkv.errors import ConfigError
-from tierkv.registry import installed_tiers
-from tierkv.roundtrip import run_roundtrip
+from tierkv.errors import ConfigError, PluginImportError, TierKVError, UnknownTierType
+from tierkv.registry import KNOWN_TIER_PACKAGES, get_tier_class, installed_tiers
+from tierkv.tier import TierConfig
+from tierkv.units import format_size, parse_duration
 
-DEFAULT_CHAIN = """
+DEFAULT_SECONDARY: dict[str, Any] = {"type": "nvme", "capacity": "4GiB", "fsync": "never"}
+"""The tier of the default chain, under a temporary directory (`path` is added).
+fsync is off: the directory is deleted when the command ends."""
+FALLBACK_SECONDARY: dict[str, Any] = {"type": "memory", "capacity": "4GiB"}
+"""Used instead when tierkv-nvme is not installed."""
+
+
+class UsageError(Exception):
+    """Bad options (exit code 2)."""
+
+
+# -- helpers ------------------------------------------------------------------------------
+def _size(text: str) -> int:
+    try:
+        return int(TypeAdapter(ByteSize).validate_python(text))
+    except ValidationError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size (use e.g. 1MiB, 256MiB, 4096)"
+        ) from None
+
+
+def _at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text} must be at least {minimum}")
+        return value
+
+    return parse
+
+
+_positive = _at_least(1)
+_non_negative = _at_least(0)
+
+
+def _port(text: str) -> int:
+    value = _non_negative(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{text} is not a TCP port (0-65535)")
+    return value
+
+
+def default_chain(directory: Path, *, primary: str = "8MiB") -> CacheConfig:
+    """The primary plus an nvme tier under `directory` (the memory tier when
+    tierkv-nvme is not installed). Layout and namespace are placeholders: the demo
+    and the bench set their own."""
+    secondary = dict(DEFAULT_SECONDARY, path=str(directory / "nvme"))
+    try:
+        get_tier_class(DEFAULT_SECONDARY["type"])
+    except (UnknownTierType, PluginImportError) as exc:
+        print(
+            f"tierkv: note: {exc.problems[0]}; the default chain uses the memory tier",
+            file=sys.stderr,
+        )
+        secondary = dict(FALLBACK_SECONDARY)
+    return parse_config(
+        {
+            "namespace": "tierkv-default",
+            "layout": {"block_bytes": "256KiB", "groups": [{"kind": "full", "block_size": 16}]},
+            "primary": {"capacity": primary, "eviction": "lru", "pin_memory": "auto"},
+            "tiers": [secondary],
+        },
+        source="the default chain",
+    )
+
+
+@contextlib.contextmanager
+def _chain(path: str | None, primary: str = "8MiB") -> Iterator[CacheConfig]:
+    """The chain in `path`, or the default chain in a temporary directory."""
+    if path:
+        yield load_config(path)
+        return
+    with tempfile.TemporaryDirectory(prefix="tierkv-") as tmp:
+        yield default_chain(Path(tmp), primary=primary)
+
+
+def _tier_names(config: CacheConfig) -> list[str]:
+    from tierkv.bench import tier_names
+
+    return tier_names(config)
+
+
+class _Progress:
+    """A rich progress bar on stderr when it is a terminal; silent otherwise."""
+
+    def __init__(self, enabled: bool, total: int | None, description: str) -> None:
+        self._bar: Any = None
+        self._task: Any = None
+        if not enabled or not sys.stderr.isatty():
+            return
+        try:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+        except ImportError:
+            return
+        columns = [SpinnerColumn(), TextColumn("{task.description}")]
+        if total:
+            columns += [BarColumn(), MofNCompleteColumn()]
+        columns.append(TimeElapsedColumn())
+        self._bar = Progress(*columns, console=Console(stderr=True), transient=True)
+        self._task = self._bar.add_task(description, total=total)
+
+    def __enter__(self) -> _Progress:
+        if self._bar is not None:
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+    def update(self, description: str, advance: int = 0) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, description=description, advance=advance)
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, default=str))
+
+
+# -- demo ---------------------------------------------------------------------------------
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from tierkv.demo.model import ModelConfig
+    from tierkv.demo.report import demo_summary, render
+    from tierkv.demo.run import DemoOptions, TurnRecord, run_demo
+    from tierkv.demo.workload import WorkloadConfig
+
+    try:
+        options = DemoOptions(
+            model=ModelConfig(
+                vocab=args.vocab,
+                hidden=args.hidden,
+                layers=args.layers,
+                heads=args.heads,
+                seed=args.seed,
+                dtype=args.dtype,
+            ),
+            workload=WorkloadConfig(
+                users=args.users,
+                turns=args.turns,
+                system_tokens=args.system_tokens,
+                message_tokens=args.message_tokens,
+                reply_tokens=args.reply_tokens,
+                seed=args.seed,
+            ),
+            device=args.device,
+            gpu_block_tokens=args.gpu_block_tokens,
+            block_factor=args.block_factor,
+            gpu_blocks=args.gpu_blocks,
+            primary_capacity=args.primary,
+            atol=args.atol,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA device is available (use auto or cpu)")
+
+    def show(report: dict[str, Any]) -> None:
+        progress.stop()
+        if args.json:
+            _print_json(report)
+        else:
+            render(demo_summary(report))
+            if args.linger > 0 and report.get("metrics_url"):
+                print(f"serving metrics for {args.linger:g} s more (Ctrl-C to stop)")
+        sys.stdout.flush()
+
+    total = options.workload.users * options.workload.turns
+    with (
+        _chain(args.config, primary=format_size(args.primary or 8 << 20)) as config,
+        _Progress(not args.json, total, "warming up") as progress,
+    ):
+
+        def on_turn(record: TurnRecord) -> None:
+            served = sum(record.sources.values())
+            progress.update(
+                f"user {record.user} turn {record.index + 1}: {served} blocks from tierkv",
+                advance=1,
+            )
+
+        report = anyio.run(
+            lambda: run_demo(
+                config,
+                options,
+                on_turn=on_turn,
+                on_report=show,
+                metrics_port=args.metrics_port,
+                metrics_host=args.metrics_host,
+                linger=args.linger,
+            )
+        )
+    if not report["ok"]:
+        print("tierkv: error: the runs with and without tierkv disagree", file=sys.stderr)
+        return 1
+    return 0
+
+
+# -- bench --------------------------------------------------------------------------------
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from tierkv.bench import BenchOptions, UnknownMedium, bench_summary, run_bench
+    from tierkv.demo.report import render
+
+    try:
+        options = BenchOptions(
+            block_bytes=args.block_size,
+            total_bytes=args.total,
+            batch=args.batch,
+            concurrency=args.concurrency,
+            repeat=args.repeat,
+            media=tuple(args.tiers.split(",")) if args.tiers else None,
+            orchestrator_keys=args.keys,
+            lookup_batch=args.lookup_batch,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    with _chain(args.config) as config, _Progress(not args.json, None, "starting") as progress:
+        try:
+            report = anyio.run(lambda: run_bench(config, options, progress=progress.update))
+        except UnknownMedium as exc:
+            raise UsageError(f"--tiers: {exc}") from None
+    if args.json:
+        _print_json(report)
+    else:
+        render(bench_summary(report))
+    return 0
+
+
+# -- validate -----------------------------------------------------------------------------
+async def _connect(config: CacheConfig) -> list[dict[str, Any]]:
+    """Open each tier on its own, ask it about one key, close it; time both."""
+    import os
+
+    from tierkv.jobs import ReqContext
+    from tierkv.keys import make_offload_key
+    from tierkv.primary import PrimaryTier
+    from tierkv.registry import create_tier
+
+    primary = PrimaryTier(
+        1, int(config.layout.block_bytes), pin_memory=False, namespace=config.namespace
+    )
+    probe = make_offload_key(os.urandom(32), 0)
+    results = []
+    for name, tier_config in zip(_tier_names(config), config.tiers):
+        entry: dict[str, Any] = {"tier": name, "type": tier_config.type, "ok": False}
+        step = "create"
+        try:
+            tier = create_tier(tier_config, primary.view)
+            step = "open"
+            with anyio.fail_after(tier_config.job_timeout):
+                t0 = time.perf_counter()
+                await tier.open()
+                entry["open_ms"] = (time.perf_counter() - t0) * 1e3
+                try:
+                    step = "lookup"
+                    t0 = time.perf_counter()
+                    await tier.lookup([probe], ReqContext(request_id="tierkv-validate"))
+                    entry["lookup_ms"] = (time.perf_counter() - t0) * 1e3
+                    entry["ok"] = True
+                finally:
+                    step = "close"
+                    await tier.close()
+        except TimeoutError:
+            entry["ok"] = False
+            entry["error"] = f"{step} timed out after {tier_config.job_timeout:g}s"
+        except Exception as exc:
+            entry["ok"] = False
+            entry["error"] = f"{step} failed: {type(exc).__name__}: {_one_line(str(exc))}"
+        results.append(entry)
+    return results
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    config = load_config(args.file)
+    names = _tier_names(config)
+    print(
+        f"{args.file}: ok (namespace {config.namespace!r}, {config.primary_blocks} primary "
+        f"blocks, tiers: {', '.join(names) or 'none'})"
+    )
+    if not args.connect:
+        return 0
+    results = anyio.run(_connect, config)
+    for r in results:
+        if r["ok"]:
+            print(f"  {r['tier']}: ok (open {r['open_ms']:.1f} ms, lookup {r['lookup_ms']:.2f} ms)")
+        else:
+            print(f"  {r['tier']}: FAILED: {r['error']}")
+    failed = [r["tier"] for r in results if not r["ok"]]
+    if failed:
+        print(f"tierkv: error: cannot use tier {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# -- plugins ------------------------------------------------------------------------------
+def _default_text(info: FieldInfo) -> str:
+    """A field's default as it would be written in YAML."""
+    if info.is_required():
+        return "(required)"
+    value = info.get_default(call_default_factory=True)
+    duration = any(getattr(m, "func", None) is parse_duration for m in info.metadata)
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, ByteSize):
+        return format_size(int(value))
+    if isinstance(value, (int, float)):
+        text = f"{value:g}"
+        return f"{text}s" if duration else text
+    if isinstance(value, Enum):
+        return str(value.value)
+    return str(value)
+
+
+def _fields(model: type[TierConfig], skip: set[str]) -> dict[str, dict[str, Any]]:
+    return {
+        name: {
+            "default": _default_text(info),
+            "required": info.is_required(),
+            "description": info.description or "",
+        }
+        for name, info in model.model_fields.items()
+        if name not in skip
+    }
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    from tierkv.demo.report import TextTable, render
+
+    common = set(TierConfig.model_fields)
+    report: dict[str, Any] = {
+        "common_fields": _fields(TierConfig, {"type"}),
+        "types": {},
+    }
+    broken = []
+    for name, info in installed_tiers().items():
+        entry: dict[str, Any] = {
+            "distribution": info.distribution,
+            "version": info.version,
+            "target": info.target,
+        }
+        try:
+            entry["fields"] = _fields(get_tier_class(name).Config, common)
+        except ConfigError as exc:
+            entry["error"] = exc.problems[0]
+            broken.append(name)
+        report["types"][name] = entry
+    if args.json:
+        _print_json(report)
+        return 1 if broken else 0
+    rows = []
+    for name, entry in report["types"].items():
+        origin = (
+            f"{entry['distribution']} {entry['version']}" if entry["distribution"] else "registered"
+        )
+        rows.append([name, origin, entry["target"]])
+    blocks: list[Any] = [
+        TextTable(["type", "package", "class"], rows, title="installed tier types", align="lll")
+    ]
+    missing = [t for t in KNOWN_TIER_PACKAGES if t not in report["types"]]
+    if missing:
+        blocks.append(
+            "not installed: "
+            + ", ".join(f"{t} (pip install {KNOWN_TIER_PACKAGES[t]})" for t in missing)
+        )
+    for name, entry in report["types"].items():
+        blocks.append("")
+        if "error" in entry:
+            blocks.append(f"{name}: BROKEN: {entry['error']}")
+            continue
+        if not entry["fields"]:
+            blocks.append(f"{name}: no fields of its own")
+            continue
+        blocks.append(
+            TextTable(
+                ["field", "default", "description"],
+                [[f, d["default"], d["description"]] for f, d in entry["fields"].items()],
+                title=f"{name}: its own fields",
+                align="lll",
+            )
+        )
+    blocks.append("")
+    blocks.append(
+        TextTable(
+            ["field", "default", "description"],
+            [[f, d["default"], d["description"]] for f, d in report["common_fields"].items()],
+            title="every tier also takes",
+            align="lll",
+        )
+    )
+    render(blocks)
+    return 1 if broken else 0
+
+
+# -- roundtrip ----------------------------------------------------------------------------
+ROUNDTRIP_CHAIN = """
 namespace: tierkv-roundtrip
 layout: {block_bytes: 256KiB, groups: [{kind: full, block_size: 16}]}
 primary: {capacity: 4MiB, eviction: arc, pin_memory: auto}
@@ -33,73 +462,233 @@ tiers:
 """
 
 
-def _config(path: str | None) -> CacheConfig:
-    return load_config(path) if path else parse_config(DEFAULT_CHAIN, source="built-in chain")
-
-
 def _cmd_roundtrip(args: argparse.Namespace) -> int:
-    config = _config(args.config)
+    from tierkv.roundtrip import run_roundtrip
+
+    config = (
+        load_config(args.config)
+        if args.config
+        else parse_config(ROUNDTRIP_CHAIN, source="built-in chain")
+    )
     report = anyio.run(run_roundtrip, config, args.blocks, args.seed)
     if args.json:
-        print(json.dumps(report, indent=2))
+        _print_json(report)
     else:
         for line in report["lines"]:
             print(line)
     return 0 if report["ok"] else 1
 
 
-def _cmd_validate(args: argparse.Namespace) -> int:
-    config = load_config(args.file)
-    tiers = ", ".join(t.type for t in config.tiers) or "none"
-    print(
-        f"{args.file}: ok (namespace {config.namespace!r}, {config.primary_blocks} primary "
-        f"blocks, tiers: {tiers})"
-    )
-    return 0
-
-
-def _cmd_plugins(args: argparse.Namespace) -> int:
-    for info in installed_tiers().values():
-        origin = f"{info.distribution} {info.version}" if info.distribution else "registered"
-        print(f"{info.type:<10} {info.target:<40} {origin}")
-    return 0
-
-
+# -- parser -------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tierkv", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--verbose", "-v", action="store_true", help="tracebacks and debug logs")
-    sub = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--verbose",
+        "-v",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="tracebacks and debug logs",
+    )
+    parser = argparse.ArgumentParser(
+        prog="tierkv",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        parents=[common],
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    rt = sub.add_parser("roundtrip", help="store -> lookup -> load through a tier chain")
-    rt.add_argument("--config", help="YAML tier chain (default: primary + memory tier)")
-    rt.add_argument("--blocks", type=int, default=64, help="blocks to store (default 64)")
+    demo = sub.add_parser(
+        "demo",
+        parents=[common],
+        help="a transformer's chat workload with and without tierkv",
+        description="Run a multi-turn chat workload on a small random-weight transformer "
+        "twice per turn, with and without tierkv, and report time to first token, hit "
+        "rate and bytes per tier, and whether both runs agree.",
+    )
+    demo.add_argument(
+        "--config", metavar="FILE", help="YAML tier chain (default: primary + nvme in a temp dir)"
+    )
+    demo.add_argument("--json", action="store_true", help="print the report as JSON")
+    g = demo.add_argument_group("workload")
+    g.add_argument(
+        "--users", type=_positive, metavar="N", default=4, help="conversations (default 4)"
+    )
+    g.add_argument(
+        "--turns", type=_positive, metavar="N", default=4, help="turns per user (default 4)"
+    )
+    g.add_argument(
+        "--system-tokens", type=_non_negative, metavar="N", default=512, help="default 512"
+    )
+    g.add_argument(
+        "--message-tokens", type=_positive, metavar="N", default=96, help="per user turn"
+    )
+    g.add_argument(
+        "--reply-tokens", type=_positive, metavar="N", default=16, help="tokens decoded per turn"
+    )
+    g = demo.add_argument_group("model and KV cache")
+    g.add_argument("--layers", type=_positive, metavar="N", default=4, help="default 4")
+    g.add_argument("--hidden", type=_positive, metavar="N", default=256, help="default 256")
+    g.add_argument("--heads", type=_positive, metavar="N", default=4, help="default 4")
+    g.add_argument("--vocab", type=_positive, metavar="N", default=4096, help="default 4096")
+    g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    g.add_argument("--seed", type=_non_negative, metavar="N", default=0, help="weights and tokens")
+    g.add_argument(
+        "--gpu-block-tokens", type=_positive, metavar="N", default=16, help="KV block (16)"
+    )
+    g.add_argument(
+        "--block-factor",
+        type=_positive,
+        metavar="N",
+        default=2,
+        help="KV blocks per offloaded block (2)",
+    )
+    g.add_argument(
+        "--gpu-blocks",
+        type=_positive,
+        metavar="N",
+        default=None,
+        help="KV cache blocks (default: one request)",
+    )
+    g.add_argument(
+        "--primary",
+        type=_size,
+        metavar="SIZE",
+        default=None,
+        help="primary capacity (default chain: 8MiB; overrides the config's)",
+    )
+    g.add_argument(
+        "--atol", type=float, metavar="X", default=None, help="logit tolerance (by dtype)"
+    )
+    g = demo.add_argument_group("metrics")
+    g.add_argument(
+        "--metrics-port",
+        type=_port,
+        metavar="PORT",
+        default=None,
+        help="serve Prometheus metrics on this port",
+    )
+    g.add_argument("--metrics-host", metavar="HOST", default="127.0.0.1", help="default 127.0.0.1")
+    g.add_argument(
+        "--linger",
+        type=float,
+        metavar="SECONDS",
+        default=0.0,
+        help="keep serving metrics this long after the run",
+    )
+    demo.set_defaults(func=_cmd_demo)
+
+    bench = sub.add_parser(
+        "bench",
+        parents=[common],
+        help="each tier's speed as a ratio to its raw medium",
+        description="Store then load blocks through each medium of a chain and through "
+        "the medium's plain client in the same run; report MB/s, the ratio and latency; "
+        "then the orchestrator's bookkeeping rate over many resident keys.",
+    )
+    bench.add_argument(
+        "--config", metavar="FILE", help="YAML tier chain (default: primary + nvme in a temp dir)"
+    )
+    bench.add_argument(
+        "--block-size", type=_size, metavar="SIZE", default=1 << 20, help="default 1MiB"
+    )
+    bench.add_argument(
+        "--total", type=_size, metavar="SIZE", default=256 << 20, help="per medium (256MiB)"
+    )
+    bench.add_argument(
+        "--batch", type=_positive, metavar="N", default=8, help="blocks per call (8)"
+    )
+    bench.add_argument(
+        "--concurrency", type=_positive, metavar="N", default=8, help="calls in flight (8)"
+    )
+    bench.add_argument("--repeat", type=_positive, metavar="N", default=3, help="repetitions (3)")
+    bench.add_argument(
+        "--tiers", metavar="NAMES", help="comma-separated media to measure (cpu,nvme,...)"
+    )
+    bench.add_argument(
+        "--keys",
+        type=_non_negative,
+        metavar="N",
+        default=1_000_000,
+        help="resident keys for the orchestrator measurement (0 skips it)",
+    )
+    bench.add_argument(
+        "--lookup-batch", type=_positive, metavar="N", default=128, help="keys per call"
+    )
+    bench.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench.set_defaults(func=_cmd_bench)
+
+    va = sub.add_parser("validate", parents=[common], help="validate a YAML tier chain")
+    va.add_argument("file")
+    va.add_argument("--connect", action="store_true", help="also open each tier and time a lookup")
+    va.set_defaults(func=_cmd_validate)
+
+    pl = sub.add_parser(
+        "plugins", parents=[common], help="installed tier types and their config fields"
+    )
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=_cmd_plugins)
+
+    rt = sub.add_parser(
+        "roundtrip", parents=[common], help="store -> lookup -> load of random blocks"
+    )
+    rt.add_argument(
+        "--config", metavar="FILE", help="YAML tier chain (default: primary + memory tier)"
+    )
+    rt.add_argument(
+        "--blocks", type=_positive, metavar="N", default=64, help="blocks to store (default 64)"
+    )
     rt.add_argument("--seed", type=int, default=0, help="seed for the block contents")
     rt.add_argument("--json", action="store_true", help="machine-readable report")
     rt.set_defaults(func=_cmd_roundtrip)
-
-    va = sub.add_parser("validate", help="validate a YAML tier chain")
-    va.add_argument("file")
-    va.set_defaults(func=_cmd_validate)
-
-    pl = sub.add_parser("plugins", help="list installed tier types")
-    pl.set_defaults(func=_cmd_plugins)
     return parser
+
+
+def _first_leaf(exc: BaseException) -> BaseException:
+    """The first real error inside an exception group (a task group's failure)."""
+    inner = getattr(exc, "exceptions", None)
+    while isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+        exc = inner[0]
+        inner = getattr(exc, "exceptions", None)
+    return exc
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING)
     try:
-        code: int = args.func(args)
-        return code
-    except ConfigError as exc:
-        print(f"tierkv: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:
-        if args.verbose:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2), already printed
+        return exc.code if isinstance(exc.code, int) else 2
+    verbose = getattr(args, "verbose", False)
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except KeyboardInterrupt:
+        print("tierkv: interrupted", file=sys.stderr)
+        return 130
+    except Exception as raised:
+        if verbose:
             traceback.print_exc()
-        print(f"tierkv: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        error = _first_leaf(raised)
+        if isinstance(error, KeyboardInterrupt):
+            print("tierkv: interrupted", file=sys.stderr)
+            return 130
+        if isinstance(error, ConfigError):
+            print(f"tierkv: {error}", file=sys.stderr)
+            return 2
+        if isinstance(error, UsageError):
+            print(f"tierkv {args.command}: error: {error}", file=sys.stderr)
+            return 2
+        kind = "" if isinstance(error, TierKVError) else f"{type(error).__name__}: "
+        hint = "" if verbose else " (--verbose for the traceback)"
+        print(f"tierkv: error: {kind}{_one_line(str(error))}{hint}", file=sys.stderr)
         return 1
 
 

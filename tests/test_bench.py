@@ -1,0 +1,225 @@
+"""`tierkv bench` on tiny sizes: every medium of a chain measured against its raw
+client (nvme, redis, s3) or without a ratio (any other tier), the orchestrator's own
+rate, and failures reported. Numbers are only checked to exist, never timed."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NoReturn
+
+import pytest
+import torch
+
+from tierkv.bench import BenchOptions, empty_primary, run_bench, tier_names
+from tierkv.cli import main
+from tierkv.config import parse_config
+from tierkv.keys import make_offload_key
+from tierkv.orchestrator import TieredCache
+
+pytestmark = pytest.mark.anyio
+
+TINY = [
+    "--block-size", "128KiB", "--total", "1MiB", "--batch", "2", "--concurrency", "2",
+    "--repeat", "2", "--keys", "512", "--lookup-batch", "64", "--json",
+]  # fmt: skip
+
+
+def bench_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    assert main(["bench", *TINY, *args]) == 0, capsys.readouterr().err
+    report: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return report
+
+
+def write_chain(tmp_path: Path, tiers: str) -> str:
+    path = tmp_path / "chain.yaml"
+    path.write_text(
+        "namespace: bench-test\nlayout: {block_bytes: 4KiB, groups: [{block_size: 16}]}\n"
+        f"primary: {{capacity: 64KiB, pin_memory: false}}\ntiers:\n{tiers}"
+    )
+    return str(path)
+
+
+def check_medium(entry: dict[str, Any], with_ratio: bool) -> None:
+    for phase in ("store", "load"):
+        side = entry[phase]
+        assert side["tierkv"]["MBps"] > 0
+        low, high = side["tierkv"]["spread"]
+        assert low <= side["tierkv"]["MBps"] <= high
+        assert side["tierkv"]["p99_ms"] >= side["tierkv"]["p50_ms"] > 0
+        if with_ratio:
+            assert side["raw"]["MBps"] > 0 and side["ratio"] == pytest.approx(
+                side["tierkv"]["MBps"] / side["raw"]["MBps"]
+            )
+        else:
+            assert side["raw"] is None and side["ratio"] is None
+
+
+def test_default_chain_measures_primary_and_nvme_against_raw_media(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    report = bench_json(capsys)
+    assert [m["medium"] for m in report["media"]] == ["cpu", "nvme"]
+    cpu, nvme = report["media"]
+    assert cpu["baseline"] == "torch copy_" and nvme["baseline"].startswith("os.pwrite/os.pread")
+    check_medium(cpu, with_ratio=True)
+    check_medium(nvme, with_ratio=True)
+    assert report["blocks"] == 8 and report["total_bytes"] == 1 << 20
+    orch = report["orchestrator"]
+    assert orch["resident_keys"] == 512 and orch["keys_per_call"] == 64
+    for op in ("store", "lookup_hit", "lookup_miss", "load"):
+        assert orch[f"{op}_keys_per_s"] == pytest.approx(64 * orch[f"{op}_calls_per_s"])
+
+
+def test_a_tier_without_a_raw_baseline_gets_numbers_but_no_ratio(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    chain = write_chain(tmp_path, "  - {type: memory, capacity: 8MiB}\n")
+    report = bench_json(capsys, "--config", chain, "--tiers", "memory", "--keys", "0")
+    [memory] = report["media"]
+    assert memory["medium"] == "memory" and memory["baseline"] is None
+    check_medium(memory, with_ratio=False)
+    assert report["orchestrator"] is None
+
+
+def test_text_summary_names_every_medium(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", *TINY[:-1], "--tiers", "nvme"]) == 0
+    out = capsys.readouterr().out
+    assert "nvme" in out and "ratio" in out and "os.pwrite/os.pread" in out
+    assert "orchestrator bookkeeping, 512 resident keys" in out
+
+
+def test_a_tier_that_loses_blocks_fails_the_bench(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the tier keeps 256 KiB of the 1 MiB stored: the loads must come back failed
+    chain = write_chain(tmp_path, "  - {type: memory, capacity: 300KiB}\n")
+    assert main(["bench", *TINY, "--config", chain, "--tiers", "memory"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "memory: " in err[0] and "failed to load" in err[0]
+
+
+def test_unknown_medium_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", *TINY, "--tiers", "cpu,floppy"]) == 2
+    assert "no medium named floppy in the chain; media: cpu, nvme" in capsys.readouterr().err
+    assert main(["bench", "--total", "1KiB", "--block-size", "4KiB"]) == 2
+    assert "less than one block" in capsys.readouterr().err
+    assert main(["bench", "--block-size", "lots"]) == 2
+    assert "'lots' is not a size" in capsys.readouterr().err
+
+
+async def test_empty_primary_evicts_every_idle_block() -> None:
+    config = parse_config(
+        "namespace: t\nlayout: {block_bytes: 4KiB, groups: [{block_size: 16}]}\n"
+        "primary: {capacity: 32KiB, pin_memory: false}\n"
+    )
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(6)]
+    async with TieredCache(config) as cache:
+        await cache.store(keys, torch.zeros(6, 4096, dtype=torch.uint8))
+        assert empty_primary(cache) == 6
+        assert len(cache.primary) == 0 and cache.primary.num_free == 8
+
+
+def test_tier_names_follow_the_cache() -> None:
+    config = parse_config(
+        "namespace: t\nlayout: {block_bytes: 4KiB, groups: [{block_size: 16}]}\n"
+        "primary: {capacity: 32KiB, pin_memory: false}\n"
+        "tiers: [{type: memory}, {type: memory}]\n"
+    )
+    assert tier_names(config) == ["memory-0", "memory-1"]
+
+
+# -- real servers ------------------------------------------------------------------------
+def _missing(what: str, exc: Exception) -> NoReturn:
+    reason = f"needs {what}: {exc}"
+    if os.environ.get("CI", "").lower() in ("true", "1"):
+        pytest.fail(f"{reason} (CI=true: a missing server is a failure, not a skip)")
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    try:
+        from tierkv_redis.testing import RedisServer
+
+        server = RedisServer(tmp_path)
+    except Exception as exc:  # tierkv-redis or redis-server missing
+        _missing("tierkv-redis and a redis-server", exc)
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    try:
+        from tierkv_s3.testing import MotoServer
+
+        server = MotoServer()
+    except Exception as exc:  # tierkv-s3 or moto missing
+        _missing("tierkv-s3 and moto", exc)
+    server.start()
+    try:
+        server.create_bucket("bench")
+        yield server.endpoint_url
+    finally:
+        server.close()
+
+
+async def test_redis_tier_against_plain_redis_py(redis_url: str) -> None:
+    import redis.asyncio as aioredis
+
+    chain = parse_config(
+        {
+            "namespace": "t",
+            "layout": {"block_bytes": "4KiB", "groups": [{"block_size": 16}]},
+            "primary": {"capacity": "64KiB", "pin_memory": False},
+            "tiers": [{"type": "redis", "url": redis_url, "max_connections": 4}],
+        }
+    )
+    options = BenchOptions(
+        block_bytes=64 << 10, total_bytes=512 << 10, batch=2, concurrency=2, repeat=1,
+        orchestrator_keys=0,
+    )  # fmt: skip
+    report = await run_bench(chain, options)
+    _, redis = report["media"]
+    assert redis["medium"] == "redis" and redis["baseline"] == "redis-py SET/GET, 4 in flight"
+    check_medium(redis, with_ratio=True)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        assert await client.dbsize() == 0  # both sides removed what they wrote
+    finally:
+        await client.aclose()
+
+
+async def test_s3_tier_against_plain_s3fs(s3_endpoint: str) -> None:
+    chain = parse_config(
+        {
+            "namespace": "t",
+            "layout": {"block_bytes": "4KiB", "groups": [{"block_size": 16}]},
+            "primary": {"capacity": "64KiB", "pin_memory": False},
+            "tiers": [
+                {
+                    "type": "s3",
+                    "url": "s3://bench/kv",
+                    "endpoint_url": s3_endpoint,
+                    "access_key_id": "testing",
+                    "secret_access_key": "testing",
+                    "region": "us-east-1",
+                    "max_concurrency": 4,
+                }
+            ],
+        }
+    )
+    options = BenchOptions(
+        block_bytes=64 << 10, total_bytes=256 << 10, batch=2, concurrency=2, repeat=1,
+        orchestrator_keys=0, media=("s3",),
+    )  # fmt: skip
+    report = await run_bench(chain, options)
+    [s3] = report["media"]
+    assert s3["baseline"] == "s3fs put/get, 4 in flight"
+    check_medium(s3, with_ratio=True)

@@ -1,0 +1,206 @@
+"""Every example runs: the chain files validate (and connect to real servers), the
+demo runs on the embedded chain, the custom tier and the async server work."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, NoReturn
+
+import pytest
+
+from tierkv.cli import main
+from tierkv.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+CHAINS = EXAMPLES / "chains"
+TINY_DEMO = [
+    "--users", "2", "--turns", "2", "--system-tokens", "64", "--message-tokens", "32",
+    "--reply-tokens", "2", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "256",
+]  # fmt: skip
+
+
+def _missing(what: str, exc: Exception) -> NoReturn:
+    reason = f"needs {what}: {exc}"
+    if os.environ.get("CI", "").lower() in ("true", "1"):
+        pytest.fail(f"{reason} (CI=true: a missing server is a failure, not a skip)")
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    try:
+        from tierkv_redis.testing import RedisServer
+
+        server = RedisServer(tmp_path)
+    except Exception as exc:
+        _missing("tierkv-redis and a redis-server", exc)
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def s3_endpoint() -> Iterator[str]:
+    try:
+        from tierkv_s3.testing import MotoServer
+
+        server = MotoServer()
+    except Exception as exc:
+        _missing("tierkv-s3 and moto", exc)
+    server.start()
+    try:
+        server.create_bucket("archive")
+        yield server.endpoint_url
+    finally:
+        server.close()
+
+
+# -- chains/*.yaml ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("name", "tiers"),
+    [
+        ("embedded", [("nvme", "write_through")]),
+        ("shared", [("nvme", "write_through"), ("redis", "write_through_selective")]),
+        ("archive", [("redis", "write_through"), ("s3", "write_back")]),
+    ],
+)
+def test_chain_files_validate_with_their_defaults(
+    name: str, tiers: list[tuple[str, str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = load_config(CHAINS / f"{name}.yaml", env={})  # every ${VAR:-default} unset
+    assert [(t.type, t.write_policy) for t in config.tiers] == tiers
+    assert main(["validate", str(CHAINS / f"{name}.yaml")]) == 0
+    assert "ok (namespace 'llama3-8b-bf16-tp1', 4096 primary blocks" in capsys.readouterr().out
+
+
+def test_chain_files_take_their_settings_from_the_environment() -> None:
+    env = {"TIERKV_PRIMARY": "1GiB", "REDIS_URL": "redis://kv:6380/2", "S3_URL": "s3://kvb/p"}
+    config = load_config(CHAINS / "archive.yaml", env=env)
+    redis, s3 = config.tiers
+    assert config.primary_blocks == 512
+    assert redis.model_dump()["url"] == "redis://kv:6380/2"
+    assert s3.model_dump()["url"] == "s3://kvb/p"
+
+
+def test_demo_runs_on_the_embedded_chain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TIERKV_NVME_PATH", str(tmp_path / "kv"))
+    args = ["demo", *TINY_DEMO, "--config", str(CHAINS / "embedded.yaml"), "--primary", "64KiB"]
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and [t["name"] for t in report["chain"]["tiers"]] == ["nvme"]
+    assert report["tiers"]["nvme"]["bytes_in"] > 0
+    assert any((tmp_path / "kv").rglob("*")), "the nvme tier wrote under TIERKV_NVME_PATH"
+
+
+def test_shared_chain_connects_to_its_tiers(
+    tmp_path: Path,
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("TIERKV_NVME_PATH", str(tmp_path / "kv"))
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    assert main(["validate", "--connect", str(CHAINS / "shared.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "  nvme: ok (open " in out and "  redis: ok (open " in out
+
+
+def test_archive_chain_connects_to_its_tiers(
+    redis_url: str,
+    s3_endpoint: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    monkeypatch.setenv("S3_URL", "s3://archive/kv")
+    monkeypatch.setenv("S3_ENDPOINT_URL", s3_endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    assert main(["validate", "--connect", str(CHAINS / "archive.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "  redis: ok (open " in out and "  s3: ok (open " in out
+
+
+# -- custom_tier.py ------------------------------------------------------------------------
+def test_custom_tier_example_round_trips_through_its_tier() -> None:
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "custom_tier.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "loaded 32 blocks back byte-identical; served by {'dict': 32}" in done.stdout
+
+
+# -- async_server.py -----------------------------------------------------------------------
+def _call(base: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(base + path, data=data, method="POST" if data else "GET")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            raw = response.read()
+            status = response.status
+    except urllib.error.HTTPError as exc:
+        raw, status = exc.read(), exc.code
+    try:
+        return status, json.loads(raw)
+    except json.JSONDecodeError:
+        return status, raw.decode()
+
+
+def test_async_server_serves_concurrent_completions_sharing_a_prefix(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable, str(EXAMPLES / "async_server.py"), "--port", "0",
+        "--layers", "1", "--hidden", "32", "--heads", "2", "--gpu-blocks", "64",
+    ]  # fmt: skip
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("listening on http://"), line + proc.stderr.read()
+        base = line.split()[-1]
+        system = list(range(1, 97))  # 96 shared tokens: 3 offloaded blocks of 32
+        first = _call(base, "/v1/completions", {"prompt": [*system, 5], "max_tokens": 3})
+        assert first[0] == 200 and first[1]["reused_tokens"] == 0
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(
+                pool.map(
+                    lambda i: _call(
+                        base, "/v1/completions", {"prompt": [*system, i, i], "max_tokens": 3}
+                    ),
+                    range(10, 14),
+                )
+            )
+        for status, body in answers:
+            assert status == 200 and len(body["tokens"]) == 3
+            assert body["reused_tokens"] == 96 and sum(body["sources"].values()) == 3
+        status, text = _call(base, "/v1/completions", {"prompt": "hello", "max_tokens": 2})
+        assert status == 200 and text["prompt_tokens"] == 5
+        assert _call(base, "/v1/completions", {"prompt": [], "max_tokens": 2})[0] == 400
+        assert _call(base, "/v1/completions", {"prompt": [1], "max_tokens": 0})[0] == 400
+        assert _call(base, "/nowhere")[0] == 404
+        status, stats = _call(base, "/stats")
+        assert status == 200 and stats["primary"]["hits"] >= 12
+        status, metrics = _call(base, "/metrics")
+        assert status == 200 and 'tierkv_lookups_total{namespace="tierkv-demo-' in metrics
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "shutting down" in out

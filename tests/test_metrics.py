@@ -1,0 +1,142 @@
+"""Prometheus metrics from `TieredCache.stats()`, scraped over HTTP on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from tierkv.config import parse_config
+from tierkv.keys import hash_token_blocks, make_offload_key
+from tierkv.metrics import TieredCacheCollector, serve_metrics
+from tierkv.orchestrator import TieredCache
+
+pytestmark = pytest.mark.anyio
+
+CHAIN = """
+namespace: metrics-test
+layout: {block_bytes: 4KiB, groups: [{block_size: 16}]}
+primary: {capacity: 16KiB, pin_memory: false}
+tiers: [{type: memory, capacity: 1MiB}]
+"""
+
+
+def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, ""
+
+
+async def test_scrape_finds_tier_series_over_http() -> None:
+    keys = [
+        make_offload_key(h, 0)
+        for h in hash_token_blocks(list(range(16 * 8)), 16, namespace="metrics-test")
+    ]
+    async with TieredCache(parse_config(CHAIN)) as cache:
+        for start in range(0, 8, 2):  # 8 blocks through a 4-block primary
+            await cache.store(keys[start : start + 2], torch.zeros(2, 4096, dtype=torch.uint8))
+            await cache.flush()
+        hit = await cache.lookup([keys])
+        await cache.load(
+            hit.keys_to_load, torch.empty(len(hit.keys_to_load), 4096, dtype=torch.uint8)
+        )
+        async with serve_metrics(cache, port=0) as server:
+            assert server.port > 0 and server.url.endswith("/metrics")
+            status, text = await anyio.to_thread.run_sync(get, server.url)
+            missing, _ = await anyio.to_thread.run_sync(get, server.url.replace("/metrics", "/x"))
+    assert status == 200 and missing == 404
+    got = samples(text)
+    ns = ("namespace", "metrics-test")
+
+    def value(name: str, **labels: str) -> float:
+        return got[(name, frozenset({ns, *labels.items()}))]
+
+    assert value("tierkv_stored_blocks_total", tier="memory") == 8
+    assert value("tierkv_stored_bytes_total", tier="memory") == 8 * 4096
+    assert value("tierkv_loaded_blocks_total", tier="memory") >= 1
+    assert value("tierkv_hits_total", tier="cpu") >= 1
+    assert value("tierkv_lookups_total", tier="memory") == 1
+    assert value("tierkv_breaker_state", tier="memory", state="closed") == 1
+    assert value("tierkv_breaker_state", tier="memory", state="open") == 0
+    assert value("tierkv_job_latency_seconds_count", tier="memory") >= 5
+    assert value("tierkv_job_latency_seconds", tier="memory", quantile="0.99") > 0
+    assert value("tierkv_primary_blocks", state="blocks") == 4
+    assert value("tierkv_dropped_blocks_total", tier="memory") == 0
+
+
+def test_collector_takes_any_stats_source() -> None:
+    from tierkv.orchestrator import CacheStats
+
+    stats = CacheStats({"hits": 3, "blocks": 2}, {"nvme": {"errors": 1, "breaker": "open"}})
+    families = {f.name: f for f in TieredCacheCollector(lambda: stats, namespace="n").collect()}
+    errors = {s.labels["tier"]: s.value for s in families["tierkv_errors"].samples}
+    assert errors == {"nvme": 1}
+    states = {s.labels["state"]: s.value for s in families["tierkv_breaker_state"].samples}
+    assert states == {"closed": 0, "open": 1, "half_open": 0}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_demo_serves_metrics_while_it_runs(tmp_path: Path) -> None:
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "tierkv.cli", "demo", "--json", "--users", "2", "--turns", "2",
+        "--system-tokens", "64", "--message-tokens", "32", "--reply-tokens", "2",
+        "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "256",
+        "--metrics-port", str(port), "--linger", "60",
+    ]  # fmt: skip
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        text = ""
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                status, text = get(f"http://127.0.0.1:{port}/metrics")
+            except OSError:
+                status = 0
+            # the run is over once the nvme tier has written the last turn's blocks
+            if status == 200 and "tierkv_stored_blocks_total{namespace" in text:
+                got = samples(text)
+                stored = [
+                    v
+                    for (n, labels), v in got.items()
+                    if n == "tierkv_stored_blocks_total" and ("tier", "nvme") in labels
+                ]
+                if stored and stored[0] > 0:
+                    break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"no nvme series scraped; demo said {proc.communicate()[1].decode()}")
+    finally:
+        proc.send_signal(signal.SIGINT)  # ends the linger; the demo cleans up and exits
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err.decode()
+    assert "tierkv_loaded_bytes_total" in text and 'tier="cpu"' in text
+    assert list(tmp_path.iterdir()) == []  # the default chain's temp directory is gone

@@ -1,0 +1,832 @@
+"""`tierkv bench`: how fast tierkv moves blocks through each tier of a chain, as a
+ratio to the raw medium measured in the same run, and what the orchestrator costs.
+
+For each medium of the chain (the primary `cpu`, then every secondary tier on its
+own, behind a primary of its own):
+
+- tierkv: `--concurrency` `TieredCache.store` calls of `--batch` blocks in flight
+  until `total` bytes are stored, then `flush()` (for a secondary tier: until every
+  block reached it); then the primary is emptied and the same blocks are loaded back
+  the same way (for a secondary tier: every block is promoted from it). The cache is
+  opened fresh for every repetition; the tier's section of the chain is used as
+  written, except `write_policy: write_through` and a `max_inflight_bytes` large
+  enough that nothing is dropped.
+- raw: the same bytes in the same batches through the medium's plain client with the
+  tier's own concurrency (`io_concurrency`, `max_connections`, `max_concurrency`):
+  torch `copy_` for the primary, `os.pwrite`/`os.pread` in a thread pool for `nvme`,
+  concurrent redis-py SET/GET for `redis`, s3fs `_pipe_file`/`_cat_file` for `s3`.
+  A tier of another type (a plugin) is measured without a ratio.
+
+Throughput is MB/s (10^6 bytes per second); each figure is the median of the
+repetitions, with the spread (min..max). Latency percentiles are per batch: for the
+tierkv store to a secondary tier the tier's job latency (`stats()`), otherwise the
+call as the caller sees it. Loads from disk read the disk: before each load phase
+the files of both sides are dropped from the page cache (`posix_fadvise`).
+
+The orchestrator's own cost: a primary of `--keys` tiny blocks filled to the brim,
+with a `memory` tier behind it that never receives a block (selective write policy
+with an unreachable hit count) so nothing but bookkeeping runs; then lookups of
+resident and of unknown keys, and loads, `--lookup-batch` keys per call.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import statistics
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import torch
+from pydantic import ByteSize
+
+from tierkv.config import CacheConfig
+from tierkv.demo.report import Block, TextTable, percentile
+from tierkv.keys import OffloadKey, make_offload_key
+from tierkv.layout import GroupSpec, KVLayout
+from tierkv.memory_tier import MemoryTierConfig
+from tierkv.orchestrator import TieredCache
+from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
+from tierkv.primary import PrimaryConfig, PrimaryView
+from tierkv.tier import SecondaryTierManager, TierConfig
+from tierkv.units import format_size
+
+BLOCK_TOKENS = 16  # tokens per block in the bench layout (any value works)
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    block_bytes: int = 1 << 20
+    total_bytes: int = 256 << 20
+    batch: int = 8
+    concurrency: int = 8
+    repeat: int = 3
+    media: tuple[str, ...] | None = None  # which media to measure; None: all
+    orchestrator_keys: int = 1_000_000  # 0: skip the orchestrator measurement
+    lookup_batch: int = 128
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("block_bytes", "batch", "concurrency", "repeat", "lookup_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.total_bytes < self.block_bytes:
+            raise ValueError(
+                f"total {format_size(self.total_bytes)} is less than one block of "
+                f"{format_size(self.block_bytes)}"
+            )
+        if self.orchestrator_keys and self.orchestrator_keys < self.lookup_batch:
+            raise ValueError(
+                f"orchestrator keys ({self.orchestrator_keys}) must be 0 (skip) or at least "
+                f"one lookup batch ({self.lookup_batch})"
+            )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.total_bytes // self.block_bytes
+
+
+# -- driving batches --------------------------------------------------------------------
+Batch = tuple[int, int]  # [start, end) block indices
+
+
+def _batches(n: int, size: int) -> list[Batch]:
+    return [(i, min(n, i + size)) for i in range(0, n, size)]
+
+
+async def _drive(
+    batches: Sequence[Batch], concurrency: int, op: Callable[[int, int], Awaitable[None]]
+) -> tuple[float, list[float]]:
+    """Run `op` over `batches` with `concurrency` in flight; (seconds, per-batch seconds)."""
+    latencies: list[float] = []
+    pending: Iterator[Batch] = iter(batches)
+
+    async def worker() -> None:
+        for start, end in pending:
+            t0 = time.perf_counter()
+            await op(start, end)
+            latencies.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for _ in range(min(concurrency, len(batches))):
+            tg.start_soon(worker)
+    return time.perf_counter() - t0, latencies
+
+
+@dataclass(frozen=True)
+class _Timing:
+    """One phase of one repetition: wall seconds and per-batch latency percentiles."""
+
+    seconds: float
+    p50: float
+    p99: float
+
+    @classmethod
+    def of(cls, seconds: float, latencies: Sequence[float]) -> _Timing:
+        return cls(seconds, percentile(latencies, 0.5), percentile(latencies, 0.99))
+
+
+def _summary(nbytes: int, timings: Sequence[_Timing]) -> dict[str, Any]:
+    """Median MB/s with its spread, and median latency percentiles, over repetitions."""
+    mbps = [nbytes / t.seconds / 1e6 for t in timings]
+    return {
+        "MBps": statistics.median(mbps),
+        "spread": [min(mbps), max(mbps)],
+        "p50_ms": statistics.median(t.p50 for t in timings) * 1e3,
+        "p99_ms": statistics.median(t.p99 for t in timings) * 1e3,
+    }
+
+
+# -- raw baselines ------------------------------------------------------------------------
+def _row(t: torch.Tensor, i: int) -> memoryview:
+    return memoryview(t[i].numpy())  # type: ignore[arg-type]
+
+
+class RawMedium:
+    """The plain client of a medium, moving the same batches as tierkv: by default
+    each block of a batch on its own, at most `width` blocks in flight across all
+    batches (the tier's own concurrency setting). Subclasses implement `put` and
+    `get` (or `store` and `load` for whole batches)."""
+
+    description = ""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.gate = anyio.Semaphore(width)
+
+    async def put(self, i: int, row: memoryview) -> None:
+        raise NotImplementedError
+
+    async def get(self, i: int, row: memoryview) -> None:
+        raise NotImplementedError
+
+    async def _each(
+        self, batch: Batch, t: torch.Tensor, fn: Callable[[int, memoryview], Awaitable[None]]
+    ) -> None:
+        async def one(i: int) -> None:
+            async with self.gate:
+                await fn(i, _row(t, i))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(*batch):
+                tg.start_soon(one, i)
+
+    async def store(self, data: torch.Tensor, batch: Batch) -> None:
+        await self._each(batch, data, self.put)
+
+    async def load(self, out: torch.Tensor, batch: Batch) -> None:
+        await self._each(batch, out, self.get)
+
+    async def open(self) -> None:
+        pass
+
+    async def before_load(self, tier: SecondaryTierManager | None) -> None:
+        """Make the next load (raw, or `tier`'s when given) read the medium."""
+
+    async def cleanup(self, n: int) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+class RawMemcpy(RawMedium):
+    """The primary's medium: host memory, one `copy_` of each batch into a slab."""
+
+    description = "torch copy_"
+
+    def __init__(self, num_blocks: int, block_bytes: int) -> None:
+        super().__init__(1)
+        self.slab = torch.zeros((num_blocks, block_bytes), dtype=torch.uint8)
+
+    async def store(self, data: torch.Tensor, batch: Batch) -> None:
+        self.slab[batch[0] : batch[1]].copy_(data[batch[0] : batch[1]])
+
+    async def load(self, out: torch.Tensor, batch: Batch) -> None:
+        out[batch[0] : batch[1]].copy_(self.slab[batch[0] : batch[1]])
+
+
+def _drop_page_cache(paths: Sequence[Path]) -> None:
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+class RawFile(RawMedium):
+    """`nvme`'s medium: one file, `os.pwrite`/`os.preadv` at block offsets in worker
+    threads, the tier's `io_concurrency` at a time; `fdatasync` after each block when
+    the tier has `fsync: always` (the durability the tier gives each block)."""
+
+    def __init__(self, tier: Any, block_bytes: int) -> None:  # an NvmeTierConfig
+        super().__init__(int(getattr(tier, "io_concurrency", 8)))
+        self.fsync = getattr(tier, "fsync", "always") == "always"
+        self.block_bytes = block_bytes
+        self.description = f"os.pwrite/os.pread, {self.width} threads" + (
+            ", fdatasync per block" if self.fsync else ""
+        )
+        self.directory = Path(str(tier.path))
+        self.path = self.directory / f".tierkv-bench-raw-{os.getpid()}"
+        self.fd = -1
+
+    async def open(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+
+    def _write(self, row: memoryview, offset: int) -> None:
+        os.pwrite(self.fd, row, offset)
+        if self.fsync:
+            os.fdatasync(self.fd)
+
+    def _read(self, row: memoryview, offset: int) -> None:
+        if os.preadv(self.fd, [row], offset) != len(row):
+            raise OSError(f"short read at offset {offset} of {self.path}")
+
+    async def put(self, i: int, row: memoryview) -> None:
+        await anyio.to_thread.run_sync(self._write, row, i * self.block_bytes)
+
+    async def get(self, i: int, row: memoryview) -> None:
+        await anyio.to_thread.run_sync(self._read, row, i * self.block_bytes)
+
+    async def before_load(self, tier: SecondaryTierManager | None) -> None:
+        if tier is None:
+            paths = [self.path]
+        else:  # the nvme tier's directory for this namespace
+            root = Path(str(getattr(tier, "directory", self.directory)))
+            paths = [p for p in root.rglob("*") if p.is_file()]
+        await anyio.to_thread.run_sync(_drop_page_cache, paths)
+
+    async def cleanup(self, n: int) -> None:
+        os.ftruncate(self.fd, 0)
+
+    async def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.path.unlink(missing_ok=True)
+
+
+class RawRedis(RawMedium):
+    """`redis`'s medium: plain redis-py, one SET/GET per block, the tier's
+    `max_connections` in flight (concurrent single commands: faster than pipelines
+    for MiB-sized values on this kind of machine)."""
+
+    def __init__(self, tier: Any) -> None:  # a RedisTierConfig
+        super().__init__(int(getattr(tier, "max_connections", 16)))
+        self.tier = tier
+        self.description = f"redis-py SET/GET, {self.width} in flight"
+        self.prefix = f"tierkv-bench-raw:{os.getpid()}:"
+        self.client: Any = None
+
+    async def open(self) -> None:
+        aioredis: Any = importlib.import_module("redis.asyncio")
+        password = getattr(self.tier, "password", None)
+        self.client = aioredis.Redis.from_url(
+            str(self.tier.url),
+            password=password.get_secret_value() if password is not None else None,
+            max_connections=self.width,
+        )
+
+    async def put(self, i: int, row: memoryview) -> None:
+        await self.client.set(f"{self.prefix}{i}", row)
+
+    async def get(self, i: int, row: memoryview) -> None:
+        row[:] = await self.client.get(f"{self.prefix}{i}")
+
+    async def cleanup(self, n: int) -> None:
+        names = [f"{self.prefix}{i}" for i in range(n)]
+        for start in range(0, n, 1000):
+            await self.client.delete(*names[start : start + 1000])
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+
+
+class RawS3(RawMedium):
+    """`s3`'s medium: plain s3fs `_pipe_file`/`_cat_file`, one object per block, the
+    tier's `max_concurrency` in flight, same endpoint and credentials."""
+
+    def __init__(self, tier: Any) -> None:  # an S3TierConfig
+        super().__init__(int(getattr(tier, "max_concurrency", 16)))
+        self.tier = tier
+        self.description = f"s3fs put/get, {self.width} in flight"
+        root = f"{tier.bucket}/{tier.prefix}".rstrip("/")
+        self.root = f"{root}/tierkv-bench-raw-{os.getpid()}"
+        self.fs: Any = None
+        self.session: Any = None
+
+    async def open(self) -> None:
+        s3fs: Any = importlib.import_module("s3fs")
+        t = self.tier
+        kwargs: dict[str, Any] = {}
+        if t.access_key_id is not None:
+            kwargs["key"] = t.access_key_id
+            kwargs["secret"] = t.secret_access_key.get_secret_value()
+            if t.session_token is not None:
+                kwargs["token"] = t.session_token.get_secret_value()
+        if t.profile is not None:
+            kwargs["profile"] = t.profile
+        self.fs = s3fs.S3FileSystem(
+            asynchronous=True,
+            skip_instance_cache=True,
+            endpoint_url=t.endpoint_url,
+            client_kwargs={"region_name": t.region} if t.region else {},
+            config_kwargs={  # like the tier: the bytes carry no botocore checksum
+                "max_pool_connections": self.width,
+                "request_checksum_calculation": "when_required",
+                "response_checksum_validation": "when_required",
+            },
+            max_concurrency=self.width,
+            **kwargs,
+        )
+        self.session = await self.fs.set_session()
+
+    async def put(self, i: int, row: memoryview) -> None:
+        # botocore takes bytes, not a memoryview: one copy, as the tier makes
+        await self.fs._pipe_file(f"{self.root}/{i}", bytes(row))
+
+    async def get(self, i: int, row: memoryview) -> None:
+        row[:] = await self.fs._cat_file(f"{self.root}/{i}")
+
+    async def cleanup(self, n: int) -> None:
+        await self.fs._rm([f"{self.root}/{i}" for i in range(n)])
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+
+RAW_BASELINES: dict[str, Callable[[TierConfig, int], RawMedium]] = {
+    "nvme": lambda tier, block_bytes: RawFile(tier, block_bytes),
+    "redis": lambda tier, block_bytes: RawRedis(tier),
+    "s3": lambda tier, block_bytes: RawS3(tier),
+}
+"""Raw client per tier type; a tier type not listed is measured without a ratio."""
+
+
+def raw_baseline_for(tier: TierConfig, block_bytes: int) -> RawMedium | None:
+    if tier.type == "redis" and getattr(tier, "cluster", False):
+        return None  # a cluster needs the cluster client; no like-for-like baseline
+    make = RAW_BASELINES.get(tier.type)
+    return make(tier, block_bytes) if make else None
+
+
+# -- one medium -------------------------------------------------------------------------
+def _bench_config(
+    chain: CacheConfig, tier: TierConfig | None, options: BenchOptions, namespace: str
+) -> CacheConfig:
+    n = options.num_blocks
+    tiers: list[TierConfig] = []
+    if tier is not None:
+        total = ByteSize(n * options.block_bytes + options.block_bytes)
+        tiers = [
+            tier.model_copy(
+                update={
+                    "write_policy": "write_through",
+                    "max_inflight_bytes": max(tier.max_inflight_bytes, total),
+                    "required": True,  # a tier that cannot open is an error here
+                }
+            )
+        ]
+    return chain.model_copy(
+        update={
+            "namespace": namespace,
+            "layout": KVLayout(
+                block_bytes=ByteSize(options.block_bytes),
+                groups=(GroupSpec(block_size=BLOCK_TOKENS),),
+            ),
+            "primary": PrimaryConfig(
+                capacity=ByteSize(n * options.block_bytes),
+                eviction="lru",
+                pin_memory=chain.primary.pin_memory,
+            ),
+            "tiers": tiers,
+            "promotion_reserve": 1.0,
+        }
+    )
+
+
+def _keys(n: int, tag: str) -> list[OffloadKey]:
+    prefix = tag.encode()[:16].ljust(16, b"\0")
+    return [make_offload_key(prefix + i.to_bytes(16, "big"), 0) for i in range(n)]
+
+
+def empty_primary(cache: TieredCache) -> int:
+    """Evict every evictable block of the primary (so loads come from below); returns
+    how many blocks it freed. Reserves the whole slab for throwaway keys and releases
+    them without writing, which evicts through the primary's own policy."""
+    primary = cache.primary
+    resident = len(primary)
+    scratch = [make_offload_key(os.urandom(32), 0) for _ in range(primary.num_blocks)]
+    prepared = primary.prepare_store(scratch)
+    if prepared is None:
+        raise RuntimeError("the primary has blocks in use; cannot empty it")
+    primary.complete_store(prepared.keys_to_store, success=False)
+    cache.take_events()
+    return resident - len(primary)
+
+
+class UnknownMedium(ValueError):
+    """A medium asked for is not in the chain."""
+
+
+class BenchFailure(RuntimeError):
+    """tierkv did not move every block (a tier failed or dropped some)."""
+
+
+async def _bench_medium(
+    chain: CacheConfig,
+    medium: str,
+    tier: TierConfig | None,
+    raw: RawMedium | None,
+    data: torch.Tensor,
+    options: BenchOptions,
+    progress: Callable[[str], None],
+) -> dict[str, Any]:
+    n = options.num_blocks
+    batches = _batches(n, options.batch)
+    out = torch.zeros_like(data)
+    timings: dict[tuple[str, str], list[_Timing]] = {
+        (side, phase): [] for side in ("tierkv", "raw") for phase in ("store", "load")
+    }
+    run_tag = f"{os.getpid()}-{time.time_ns()}"
+    if raw is not None:
+        await raw.open()
+    try:
+        for rep in range(options.repeat):
+            sides = ["tierkv", "raw"] if rep % 2 == 0 else ["raw", "tierkv"]
+            for side in sides:
+                if side == "raw" and raw is None:
+                    continue
+                progress(f"{medium}: repetition {rep + 1}/{options.repeat}, {side}")
+                if side == "raw":
+                    assert raw is not None
+                    store, load = await _raw_rep(raw, data, out, batches, options)
+                else:
+                    config = _bench_config(chain, tier, options, f"tierkv-bench-{run_tag}")
+                    keys = _keys(n, f"{rep}-{run_tag}")
+                    store, load = await _tierkv_rep(
+                        config, medium, raw, keys, data, out, batches, options
+                    )
+                if not torch.equal(out, data):
+                    raise BenchFailure(f"{medium} ({side}): blocks read back differ")
+                out.zero_()
+                timings[side, "store"].append(store)
+                timings[side, "load"].append(load)
+    finally:
+        if raw is not None:
+            await raw.close()
+
+    nbytes = n * options.block_bytes
+    result: dict[str, Any] = {
+        "medium": medium,
+        "type": "primary" if tier is None else tier.type,
+        "baseline": raw.description if raw is not None else None,
+    }
+    for phase in ("store", "load"):
+        mine = _summary(nbytes, timings["tierkv", phase])
+        entry: dict[str, Any] = {"tierkv": mine, "raw": None, "ratio": None}
+        if raw is not None:
+            theirs = _summary(nbytes, timings["raw", phase])
+            entry["raw"] = theirs
+            entry["ratio"] = mine["MBps"] / theirs["MBps"]
+        result[phase] = entry
+    return result
+
+
+async def _raw_rep(
+    raw: RawMedium,
+    data: torch.Tensor,
+    out: torch.Tensor,
+    batches: list[Batch],
+    options: BenchOptions,
+) -> tuple[_Timing, _Timing]:
+    store = _Timing.of(
+        *await _drive(batches, options.concurrency, lambda a, b: raw.store(data, (a, b)))
+    )
+    await raw.before_load(None)
+    load = _Timing.of(
+        *await _drive(batches, options.concurrency, lambda a, b: raw.load(out, (a, b)))
+    )
+    await raw.cleanup(options.num_blocks)
+    return store, load
+
+
+async def _tierkv_rep(
+    config: CacheConfig,
+    medium: str,
+    raw: RawMedium | None,
+    keys: list[OffloadKey],
+    data: torch.Tensor,
+    out: torch.Tensor,
+    batches: list[Batch],
+    options: BenchOptions,
+) -> tuple[_Timing, _Timing]:
+    """Store then load every block through a freshly opened cache."""
+    n = options.num_blocks
+    async with TieredCache(config) as cache:
+        cache.primary.view.tensor.zero_()  # fault the slab's pages in before timing
+        tier_name = cache.tier_names[0] if cache.tier_names else None
+        rejected = 0
+
+        async def store_batch(a: int, b: int) -> None:
+            nonlocal rejected
+            result = await cache.store(keys[a:b], data[a:b])
+            rejected += len(result.rejected)
+
+        t0 = time.perf_counter()
+        _, latencies = await _drive(batches, options.concurrency, store_batch)
+        await cache.flush()
+        store = _Timing.of(time.perf_counter() - t0, latencies)
+        if rejected:
+            raise BenchFailure(f"{medium}: the primary rejected {rejected} blocks")
+        if tier_name is not None:
+            tstats = cache.stats().tiers[tier_name]
+            if tstats["blocks_stored"] != n:
+                raise BenchFailure(
+                    f"{medium}: {tstats['blocks_stored']} of {n} blocks reached the tier "
+                    f"({tstats['failed_keys']} failed, {tstats['drops']} dropped, "
+                    f"{tstats['errors']} errors)"
+                )
+            # a store call returns once its blocks are in the primary: the latency
+            # that matters is the tier's job (one per call), from the fresh cache's stats
+            jobs = tstats["job_latency"]
+            store = _Timing(store.seconds, jobs["p50_ms"] / 1e3, jobs["p99_ms"] / 1e3)
+            empty_primary(cache)
+            if raw is not None:
+                await raw.before_load(cache.tier(tier_name))
+        failures: list[str] = []
+
+        async def load_batch(a: int, b: int) -> None:
+            result = await cache.load(keys[a:b], out[a:b])
+            if not result.ok:
+                failures.extend(result.errors.values())
+            elif tier_name is not None and set(result.sources.values()) != {tier_name}:
+                failures.append(f"served from {sorted(set(result.sources.values()))}")
+
+        load = _Timing.of(*await _drive(batches, options.concurrency, load_batch))
+        if failures:
+            raise BenchFailure(f"{medium}: {len(failures)} blocks failed to load: {failures[0]}")
+        if tier_name is not None:
+            empty_primary(cache)
+            await cache.tier(tier_name).remove(keys)
+    return store, load
+
+
+# -- the orchestrator's own cost ----------------------------------------------------------
+class _NoCopy:
+    """A block source and destination that moves no bytes: what remains of a store or
+    a load is the orchestrator's and the primary's bookkeeping."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    async def copy_to_slots(
+        self, view: PrimaryView, indices: Sequence[int], slots: Sequence[int]
+    ) -> None:
+        pass
+
+    async def copy_from_slots(
+        self, view: PrimaryView, indices: Sequence[int], slots: Sequence[int]
+    ) -> None:
+        pass
+
+
+async def bench_orchestrator(
+    chain: CacheConfig, options: BenchOptions, progress: Callable[[str], None]
+) -> dict[str, Any]:
+    """Keys per second of store, lookup (hit and miss) and load bookkeeping over a
+    primary filled with `orchestrator_keys` keys, with no I/O and no copies.
+
+    The fill is the store measurement (one sample per `repeat`-th of it); each
+    repetition then times lookups of resident and of unknown keys, and loads, over a
+    sample of the keys."""
+    n = options.orchestrator_keys
+    per_call = options.lookup_batch
+    block_bytes = 64
+    config = chain.model_copy(
+        update={
+            "namespace": f"tierkv-bench-orchestrator-{os.getpid()}",
+            "layout": KVLayout(
+                block_bytes=ByteSize(block_bytes), groups=(GroupSpec(block_size=BLOCK_TOKENS),)
+            ),
+            "primary": PrimaryConfig(
+                capacity=ByteSize(n * block_bytes), eviction="lru", pin_memory=False
+            ),
+            "tiers": [
+                MemoryTierConfig.model_validate(
+                    {
+                        "type": "memory",
+                        "write_policy": "write_through_selective",
+                        "min_hits": 2**31,
+                    }
+                )
+            ],
+        }
+    )
+    progress(f"orchestrator: making {n:,} keys")
+    keys = _keys(n, "orch")
+    sample = min(n, 1 << 16)  # keys per timed lookup/load pass
+    unknown = _keys(sample, "miss")
+    rates: dict[str, list[float]] = {"store": [], "lookup_hit": [], "lookup_miss": [], "load": []}
+
+    def calls(pool: list[OffloadKey], start: int, end: int) -> Iterator[list[OffloadKey]]:
+        for i in range(start, end, per_call):
+            yield pool[i : min(end, i + per_call)]
+
+    async with TieredCache(config) as cache:
+        segment = -(-n // options.repeat)
+        for first in range(0, n, segment):
+            progress(f"orchestrator: storing keys {first:,}..{min(n, first + segment):,}")
+            t0 = time.perf_counter()
+            done = 0
+            for chunk in calls(keys, first, first + segment):
+                await cache.store(chunk, _NoCopy(len(chunk)))
+                done += len(chunk)
+            if done:
+                rates["store"].append(done / (time.perf_counter() - t0))
+        cache.take_events()
+        for rep in range(options.repeat):
+            progress(f"orchestrator: lookups and loads, repetition {rep + 1}/{options.repeat}")
+            for name, pool in (("lookup_hit", keys), ("lookup_miss", unknown), ("load", keys)):
+                t0 = time.perf_counter()
+                done = 0
+                for chunk in calls(pool, 0, sample):
+                    if name == "load":
+                        await cache.load(chunk, _NoCopy(len(chunk)))
+                    else:
+                        await cache.lookup([chunk])
+                    done += len(chunk)
+                rates[name].append(done / (time.perf_counter() - t0))
+        resident = len(cache.primary)
+    return {
+        "resident_keys": resident,
+        "keys_per_call": per_call,
+        **{f"{name}_keys_per_s": statistics.median(values) for name, values in rates.items()},
+        **{
+            f"{name}_calls_per_s": statistics.median(values) / per_call
+            for name, values in rates.items()
+        },
+    }
+
+
+# -- the whole bench ----------------------------------------------------------------------
+async def run_bench(
+    chain: CacheConfig,
+    options: BenchOptions,
+    *,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Measure every medium of `chain` (or those named in `options.media`)."""
+    say = progress or (lambda message: None)
+    names = [PRIMARY_MEDIUM, *tier_names(chain)]
+    wanted = list(options.media) if options.media else names
+    unknown = [m for m in wanted if m not in names]
+    if unknown:
+        raise UnknownMedium(
+            f"no medium named {', '.join(unknown)} in the chain; media: {', '.join(names)}"
+        )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # block movers run with one torch thread (see LESSONS.md)
+    try:
+        return await _run_bench(chain, options, names, wanted, say)
+    finally:
+        torch.set_num_threads(threads)
+
+
+async def _run_bench(
+    chain: CacheConfig,
+    options: BenchOptions,
+    names: list[str],
+    wanted: list[str],
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(options.seed)
+    n = options.num_blocks
+    say(f"generating {format_size(n * options.block_bytes)} of random blocks")
+    data = torch.randint(0, 256, (n, options.block_bytes), dtype=torch.uint8, generator=gen)
+    started = time.perf_counter()
+    results = []
+    for medium, tier in zip(names, [None, *chain.tiers]):
+        if medium not in wanted:
+            continue
+        raw = (
+            RawMemcpy(n, options.block_bytes)
+            if tier is None
+            else raw_baseline_for(tier, options.block_bytes)
+        )
+        results.append(await _bench_medium(chain, medium, tier, raw, data, options, say))
+    orchestrator = (
+        await bench_orchestrator(chain, options, say) if options.orchestrator_keys else None
+    )
+    return {
+        "block_bytes": options.block_bytes,
+        "total_bytes": n * options.block_bytes,
+        "blocks": n,
+        "batch": options.batch,
+        "concurrency": options.concurrency,
+        "repeat": options.repeat,
+        "torch_threads": torch.get_num_threads(),  # during the bench
+        "media": results,
+        "orchestrator": orchestrator,
+        "elapsed_seconds": time.perf_counter() - started,
+    }
+
+
+def tier_names(chain: CacheConfig) -> list[str]:
+    """The names `TieredCache` gives the chain's tiers: the type, or `type-i` when a
+    type appears more than once."""
+    types = [t.type for t in chain.tiers]
+    return [t if types.count(t) == 1 else f"{t}-{i}" for i, t in enumerate(types)]
+
+
+# -- the summary ----------------------------------------------------------------------------
+def bench_summary(report: dict[str, Any]) -> list[Block]:
+    """Lines and tables for the terminal."""
+    blocks: list[Block] = [
+        f"tierkv bench: {report['blocks']} blocks of {format_size(report['block_bytes'])} "
+        f"({format_size(report['total_bytes'])}) per medium, {report['batch']} blocks per "
+        f"call, {report['concurrency']} calls in flight, median of {report['repeat']} "
+        f"(min..max); MB/s = 10^6 bytes/s; latency per batch",
+        "",
+    ]
+    rows = []
+    for m in report["media"]:
+        for phase in ("store", "load"):
+            entry = m[phase]
+            mine, raw = entry["tierkv"], entry["raw"]
+            rows.append(
+                [
+                    m["medium"] if phase == "store" else "",
+                    phase,
+                    _rate(mine),
+                    _rate(raw) if raw else "-",
+                    f"{entry['ratio']:.2f}" if entry["ratio"] is not None else "n/a",
+                    f"{mine['p50_ms']:.2f} / {mine['p99_ms']:.2f}",
+                    f"{raw['p50_ms']:.2f} / {raw['p99_ms']:.2f}" if raw else "-",
+                ]
+            )
+    blocks.append(
+        TextTable(
+            [
+                "medium",
+                "phase",
+                "tierkv MB/s",
+                "raw MB/s",
+                "ratio",
+                "tierkv p50/p99 ms",
+                "raw p50/p99 ms",
+            ],
+            rows,
+        )
+    )
+    for m in report["media"]:
+        blocks.append(f"  {m['medium']}: raw = {m['baseline'] or 'no baseline for this tier type'}")
+    orch = report.get("orchestrator")
+    if orch:
+        blocks.append("")
+        blocks.append(
+            TextTable(
+                ["operation", "keys/s", "calls/s"],
+                [
+                    [
+                        label,
+                        f"{orch[f'{key}_keys_per_s']:,.0f}",
+                        f"{orch[f'{key}_calls_per_s']:,.0f}",
+                    ]
+                    for key, label in (
+                        ("store", "store (new keys)"),
+                        ("lookup_hit", "lookup (resident)"),
+                        ("lookup_miss", "lookup (unknown, asks the tier)"),
+                        ("load", "load (resident)"),
+                    )
+                ],
+                title=f"orchestrator bookkeeping, {orch['resident_keys']:,} resident keys, "
+                f"{orch['keys_per_call']} keys per call, no I/O",
+            )
+        )
+    blocks.append(f"ran in {report['elapsed_seconds']:.1f} s")
+    return blocks
+
+
+def _rate(side: dict[str, Any]) -> str:
+    low, high = side["spread"]
+    return f"{side['MBps']:,.0f} ({low:,.0f}..{high:,.0f})"

@@ -1,0 +1,227 @@
+"""A minimal serving engine around `TinyDecoder`: one request at a time through the
+model, any number of requests in flight, and tierkv in the request path.
+
+With a `TieredCache` a request goes: hash the prompt's blocks -> `lookup` -> `load`
+the hit blocks into fresh KV-cache blocks through the `TransferWorker` -> prefill only
+the rest -> decode -> `store` the full blocks back (GPU -> primary, then down the
+chain). Without one, every prompt is prefilled from scratch. The engine keeps no
+prefix cache of its own: a request's KV blocks are freed when it ends, so any reuse
+comes through tierkv, and blocks really leave the KV cache and come back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TypeVar
+
+import anyio
+import torch
+
+from tierkv.demo.model import ModelConfig, PagedKVCache, TinyDecoder
+from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
+from tierkv.kv_blocks import KVCacheBlocks
+from tierkv.layout import GroupSpec, KVLayout
+from tierkv.orchestrator import TieredCache
+from tierkv.worker import TransferWorker, required_block_bytes
+
+T = TypeVar("T")
+
+
+@dataclass
+class Generation:
+    """What one request did. `ttft` runs from the request's start to its first token
+    (lookup, load and prefill included); `logits[i]` are the logits that chose
+    `tokens[i]`."""
+
+    tokens: list[int]
+    logits: list[torch.Tensor]
+    ttft: float
+    total: float
+    prompt_tokens: int
+    reused_tokens: int = 0  # prompt tokens whose KV came from tierkv
+    looked_up_blocks: int = 0  # full prompt blocks the request could reuse
+    sources: dict[str, int] = field(default_factory=dict)  # blocks loaded per medium
+    load_failures: int = 0
+    stored_blocks: int = 0
+    rejected_blocks: int = 0  # the primary had no room (all its blocks in use)
+
+
+class DemoEngine:
+    """`TinyDecoder` plus a paged KV cache of `gpu_blocks` blocks of `gpu_block_tokens`
+    tokens; `block_factor` KV blocks make one offloaded block."""
+
+    def __init__(
+        self,
+        model: TinyDecoder,
+        *,
+        gpu_blocks: int,
+        gpu_block_tokens: int = 16,
+        block_factor: int = 2,
+        threaded: bool = True,
+    ) -> None:
+        if block_factor < 1:
+            raise ValueError(f"block_factor must be >= 1, got {block_factor}")
+        self.model = model
+        self.kv = PagedKVCache(model.config, gpu_blocks, gpu_block_tokens, model.device)
+        self.block_factor = block_factor
+        self.offload_tokens = gpu_block_tokens * block_factor
+        self.threaded = threaded
+        self._model_lock = anyio.Lock()
+        self._blocks_freed = anyio.Condition()
+        self.cache: TieredCache | None = None
+        self.worker: TransferWorker | None = None
+        self.namespace = f"tierkv-demo-{model.config.fingerprint()}-b{self.offload_tokens}"
+
+    # -- wiring tierkv in ---------------------------------------------------------------
+    @property
+    def layout(self) -> KVLayout:
+        """The cache layout this engine's KV cache needs: one full-attention group."""
+        return KVLayout(
+            block_bytes=required_block_bytes([self.kv.layers()], self.block_factor),
+            groups=(GroupSpec(kind="full", block_size=self.offload_tokens),),
+        )
+
+    def attach(self, cache: TieredCache) -> None:
+        """Serve through `cache` (open, built with `self.layout`)."""
+        self.worker = TransferWorker(
+            [self.kv.layers()],
+            cache.primary.view,
+            cache.config.layout,
+            gpu_block_size=self.kv.block_tokens,
+        )
+        self.cache = cache
+
+    def detach(self) -> None:
+        self.cache = None
+        self.worker = None
+
+    def block_keys(self, tokens: Sequence[int]) -> list[OffloadKey]:
+        hashes = hash_token_blocks(tokens, self.offload_tokens, namespace=self.namespace)
+        return [make_offload_key(h, 0) for h in hashes]
+
+    # -- running the model --------------------------------------------------------------
+    async def _compute(self, fn: Callable[[], T]) -> T:
+        """Run one forward pass: one at a time, off the event loop when threaded."""
+        async with self._model_lock:
+            if self.threaded:
+                return await anyio.to_thread.run_sync(fn)
+            return fn()
+
+    async def _allocate(self, count: int) -> list[int]:
+        if count > self.kv.num_blocks:
+            raise ValueError(
+                f"a request of {count} KV blocks can never fit a KV cache of "
+                f"{self.kv.num_blocks} blocks"
+            )
+        async with self._blocks_freed:
+            while self.kv.num_free < count:
+                await self._blocks_freed.wait()
+            return self.kv.allocate(count)
+
+    async def _release(self, block_ids: list[int]) -> None:
+        self.kv.release(block_ids)
+        async with self._blocks_freed:
+            self._blocks_freed.notify_all()
+
+    async def generate(
+        self, prompt: Sequence[int], max_new_tokens: int, *, use_cache: bool = True
+    ) -> Generation:
+        """Greedy decoding of `max_new_tokens` tokens after `prompt`."""
+        if not prompt or max_new_tokens < 1:
+            raise ValueError("need a non-empty prompt and at least one new token")
+        prompt = list(prompt)
+        cache = self.cache if use_cache else None
+        started = time.perf_counter()
+        table = await self._allocate(self.kv.blocks_for(len(prompt) + max_new_tokens))
+        try:
+            result = Generation([], [], 0.0, 0.0, len(prompt))
+            keys = self.block_keys(prompt)
+            reused = await self._reuse(cache, prompt, keys, table, result) if cache else 0
+            logits = await self._compute(
+                lambda: self.model(prompt[reused:], reused, table, self.kv)
+            )
+            token = int(logits.argmax())
+            result.ttft = time.perf_counter() - started
+            result.tokens.append(token)
+            result.logits.append(logits)
+            for step in range(1, max_new_tokens):
+                logits = await self._compute(
+                    partial(self.model, [token], len(prompt) + step - 1, table, self.kv)
+                )
+                token = int(logits.argmax())
+                result.tokens.append(token)
+                result.logits.append(logits)
+            result.total = time.perf_counter() - started
+            if cache is not None:
+                # KV exists for every token but the last one generated
+                computed = prompt + result.tokens[:-1]
+                keys = self.block_keys(computed)
+                stored = await cache.store(keys, self._blocks(table, len(keys)))
+                result.stored_blocks = len(stored.stored)
+                result.rejected_blocks = len(stored.rejected)
+            return result
+        finally:
+            await self._release(table)
+
+    def _blocks(self, table: list[int], num_keys: int) -> KVCacheBlocks:
+        assert self.worker is not None
+        return KVCacheBlocks(self.worker, [table[: num_keys * self.block_factor]])
+
+    async def _reuse(
+        self,
+        cache: TieredCache,
+        prompt: list[int],
+        keys: list[OffloadKey],
+        table: list[int],
+        result: Generation,
+    ) -> int:
+        """Load the longest cached prefix into `table`; return its length in tokens.
+
+        The last prompt token is always computed (its logits pick the first token),
+        so at most `(len(prompt) - 1) // offload_tokens` blocks are reused."""
+        reusable = keys[: (len(prompt) - 1) // self.offload_tokens]
+        result.looked_up_blocks = len(reusable)
+        if not reusable:
+            return 0
+        hit = await cache.lookup([reusable])
+        count = hit.hit_tokens // self.offload_tokens
+        if not count:
+            return 0
+        wanted = reusable[:count]
+        loaded = await cache.load(wanted, self._blocks(table, count))
+        ok = set(loaded.ok_keys)
+        usable = next((i for i, k in enumerate(wanted) if k not in ok), count)
+        result.load_failures = len(loaded.failed_keys)
+        for key in wanted[:usable]:
+            medium = loaded.sources[key]
+            result.sources[medium] = result.sources.get(medium, 0) + 1
+        result.reused_tokens = usable * self.offload_tokens
+        return result.reused_tokens
+
+
+def build_engine(
+    config: ModelConfig,
+    *,
+    device: str = "auto",
+    gpu_blocks: int = 96,
+    gpu_block_tokens: int = 16,
+    block_factor: int = 2,
+    threaded: bool = True,
+) -> DemoEngine:
+    """The demo model on `device` (`auto`: CUDA when available) inside an engine."""
+    dev = torch.device(
+        "cuda"
+        if device == "auto" and torch.cuda.is_available()
+        else ("cpu" if device == "auto" else device)
+    )
+    model = TinyDecoder(config, dev)
+    return DemoEngine(
+        model,
+        gpu_blocks=gpu_blocks,
+        gpu_block_tokens=gpu_block_tokens,
+        block_factor=block_factor,
+        threaded=threaded,
+    )

@@ -1,0 +1,177 @@
+"""Summaries for the terminal: small tables printed with rich when it is installed,
+as aligned plain text otherwise (and always when the output is not a terminal and
+rich is missing)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
+
+
+@dataclass
+class TextTable:
+    headers: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+    title: str | None = None
+    align: str = ""  # one of "l"/"r" per column; default: first left, rest right
+
+    def column_align(self, i: int) -> str:
+        if i < len(self.align):
+            return self.align[i]
+        return "l" if i == 0 else "r"
+
+
+Block = str | TextTable
+
+
+def have_rich() -> bool:
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def render(blocks: list[Block], out: TextIO | None = None, *, use_rich: bool | None = None) -> None:
+    """Print lines and tables to `out` (stdout)."""
+    out = out or sys.stdout
+    if use_rich is None:
+        use_rich = have_rich()
+    if use_rich:
+        _render_rich(blocks, out)
+    else:
+        _render_plain(blocks, out)
+
+
+def _render_rich(blocks: list[Block], out: TextIO) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    # not a terminal (a pipe, a file): wide enough that tables never wrap
+    width = None if out.isatty() else 200
+    console = Console(file=out, highlight=False, soft_wrap=True, width=width)
+    for block in blocks:
+        if isinstance(block, str):
+            console.print(block, markup=False)
+            continue
+        table = Table(title=block.title, title_justify="left", show_edge=False, pad_edge=False)
+        for i, header in enumerate(block.headers):
+            table.add_column(header, justify="left" if block.column_align(i) == "l" else "right")
+        for row in block.rows:
+            table.add_row(*row)
+        console.print(table)
+
+
+def _render_plain(blocks: list[Block], out: TextIO) -> None:
+    for block in blocks:
+        if isinstance(block, str):
+            print(block, file=out)
+            continue
+        if block.title:
+            print(block.title, file=out)
+        cells = [block.headers, *block.rows]
+        widths = [max(len(row[i]) for row in cells) for i in range(len(block.headers))]
+        for row in cells:
+            parts = [
+                cell.ljust(w) if block.column_align(i) == "l" else cell.rjust(w)
+                for i, (cell, w) in enumerate(zip(row, widths))
+            ]
+            print("  ".join(parts).rstrip(), file=out)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The `q` quantile (0..1) of `values` by nearest rank; 0 when empty."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+def human_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def demo_summary(report: dict[str, Any]) -> list[Block]:
+    """The demo's closing summary: setup, TTFT with and without, tiers, correctness."""
+    m, kv, wl, chain = report["model"], report["kv_cache"], report["workload"], report["chain"]
+    ttft, corr = report["ttft"], report["correctness"]
+    tiers = " -> ".join(
+        ["primary", *(f"{t['name']} ({t['write_policy']})" for t in chain["tiers"])]
+    )
+    blocks: list[Block] = [
+        f"tierkv demo: {wl['users']} users x {wl['turns']} turns, system prompt "
+        f"{wl['system_tokens']} tokens, {wl['message_tokens']} tokens per message, "
+        f"{wl['reply_tokens']} per reply",
+        f"model: {m['layers']} layers x {m['hidden']} hidden, {m['heads']} heads, vocab "
+        f"{m['vocab']} ({m['parameters'] / 1e6:.1f}M parameters, random weights seed "
+        f"{m['seed']}) on {m['device']}, {m['dtype']}, {m['torch_threads']} torch threads",
+        f"KV cache: {kv['gpu_blocks']} blocks x {kv['gpu_block_tokens']} tokens; offloaded "
+        f"block {kv['offloaded_block_tokens']} tokens = {human_bytes(kv['block_bytes'])}",
+        f"chain: {tiers}; primary {chain['primary_capacity']} = "
+        f"{chain['primary_blocks']} blocks ({chain['eviction']})",
+        "",
+    ]
+    w, t = ttft["without"], ttft["with"]
+    prefill = report["prefill_tokens"]
+    blocks.append(
+        TextTable(
+            ["", "without tierkv", "with tierkv", "speed-up"],
+            [
+                [
+                    "TTFT mean",
+                    f"{w['mean_ms']:.1f} ms",
+                    f"{t['mean_ms']:.1f} ms",
+                    f"{ttft['speedup']:.2f}x",
+                ],
+                ["TTFT p50", f"{w['p50_ms']:.1f} ms", f"{t['p50_ms']:.1f} ms", ""],
+                ["TTFT p90", f"{w['p90_ms']:.1f} ms", f"{t['p90_ms']:.1f} ms", ""],
+                [
+                    "TTFT, returning turns",
+                    "",
+                    "",
+                    f"{ttft['speedup_returning_turns']:.2f}x",
+                ],
+                ["prefill tokens", f"{prefill['without']:,}", f"{prefill['with']:,}", ""],
+            ],
+        )
+    )
+    blocks.append("")
+    rows = []
+    for name, data in report["tiers"].items():
+        rows.append(
+            [
+                "primary (cpu)" if name == PRIMARY_MEDIUM else name,
+                f"{data['hit_rate']:.1%}",
+                f"{data['blocks_served']:,}",
+                human_bytes(data["bytes_in"]),
+                human_bytes(data["bytes_out"]),
+            ]
+        )
+    rows.append(["recomputed", f"{report['recomputed_block_rate']:.1%}", "", "", ""])
+    blocks.append(
+        TextTable(
+            ["tier", "hit rate", "blocks served", "bytes in", "bytes out"],
+            rows,
+            title=f"{report['reusable_blocks']:,} reusable prompt blocks looked up",
+        )
+    )
+    blocks.append(
+        f"stored {report['stored_blocks']:,} new blocks ({report['rejected_blocks']:,} "
+        f"rejected: primary full); {report['load_failures']:,} blocks failed to load"
+    )
+    blocks.append("")
+    verdict = "OK" if corr["ok"] else "FAILED"
+    blocks.append(
+        f"correctness: greedy tokens identical in {corr['tokens_identical_turns']}/"
+        f"{corr['turns']} turns; max |logit difference| {corr['max_logit_diff']:.2e} "
+        f"(tolerance {corr['atol']:.0e}): {verdict}"
+    )
+    if report.get("metrics_url"):
+        blocks.append(f"metrics: {report['metrics_url']}")
+    blocks.append(f"ran in {report['elapsed_seconds']:.1f} s")
+    return blocks

@@ -1,0 +1,228 @@
+"""Prometheus metrics for a `TieredCache`, built from `TieredCache.stats()`.
+
+    from tierkv.metrics import serve_metrics
+
+    async with TieredCache(config) as cache, serve_metrics(cache, port=9400):
+        ...   # GET http://127.0.0.1:9400/metrics
+
+Every series carries `tier` (the medium: `cpu` for the primary, then each tier's name)
+and `namespace`. Counters: lookups, keys looked up, hits, misses, lookup timeouts,
+store/load jobs, blocks and bytes stored into / loaded out of the medium, failed keys,
+errors, dropped cascades, requests skipped while the circuit was open. Gauges: jobs and
+bytes in flight, breaker state, primary occupancy. Summaries (count, sum, p50, p99):
+job latency and lookup latency per tier.
+
+Needs `prometheus-client` (`pip install tierkv[metrics]`), imported when this module
+is. The stats are read on the event loop that runs the cache: `serve_metrics` answers
+scrapes from that loop (an anyio TCP listener, no thread), because the cache is not
+thread-safe. To add the collector to a registry of your own, scrape that registry from
+the cache's loop too.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from anyio.abc import SocketStream
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+try:
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+    from prometheus_client.registry import Collector
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "tierkv.metrics needs prometheus-client: pip install 'tierkv[metrics]'"
+    ) from exc
+
+from tierkv.orchestrator import CacheStats, TieredCache
+from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "tierkv"
+
+COUNTERS: dict[str, tuple[str, str]] = {
+    # stats field -> (metric name without prefix/suffix, help)
+    "lookups": ("lookups", "Batched lookup calls answered by the medium"),
+    "lookup_keys": ("lookup_keys", "Keys the medium was asked about"),
+    "hits": ("hits", "Looked-up keys the medium held"),
+    "misses": ("misses", "Looked-up keys the medium did not hold"),
+    "lookup_timeouts": ("lookup_timeouts", "Lookups that did not answer in time"),
+    "store_jobs": ("store_jobs", "Store jobs run against the medium"),
+    "blocks_stored": ("stored_blocks", "Blocks written into the medium"),
+    "bytes_in": ("stored_bytes", "Bytes written into the medium"),
+    "load_jobs": ("load_jobs", "Load jobs run against the medium"),
+    "blocks_loaded": ("loaded_blocks", "Blocks read out of the medium"),
+    "bytes_out": ("loaded_bytes", "Bytes read out of the medium"),
+    "failed_keys": ("failed_keys", "Keys a job reported failed (load misses included)"),
+    "errors": ("errors", "Jobs or lookups that raised or timed out"),
+    "drops": ("dropped_blocks", "Blocks not cascaded (back-pressure) or not stored (no room)"),
+    "skipped_unhealthy": ("skipped_unhealthy", "Requests not sent while the circuit was open"),
+}
+GAUGES: dict[str, tuple[str, str]] = {
+    "inflight_jobs": ("inflight_jobs", "Jobs running against the medium now"),
+    "inflight_bytes": ("inflight_bytes", "Bytes of cascades in flight to the medium"),
+}
+SUMMARIES: dict[str, tuple[str, str]] = {
+    "job_latency": ("job_latency_seconds", "Latency of store and load jobs"),
+    "lookup_latency": ("lookup_latency_seconds", "Latency of batched lookups"),
+}
+BREAKER_STATES = ("closed", "open", "half_open")
+PRIMARY_GAUGES = ("blocks", "resident", "free", "evictable", "promoting", "write_back_pending")
+
+
+def _summary(name: str, doc: str) -> Metric:
+    return Metric(name, doc, "summary")
+
+
+class TieredCacheCollector(Collector):
+    """A prometheus-client collector over `stats()` of one cache (or any callable
+    returning a `CacheStats`); call it from the thread that runs the cache."""
+
+    def __init__(
+        self, source: TieredCache | Callable[[], CacheStats], *, namespace: str | None = None
+    ) -> None:
+        if isinstance(source, TieredCache):
+            self._stats: Callable[[], CacheStats] = source.stats
+            namespace = namespace if namespace is not None else source.config.namespace
+        else:
+            self._stats = source
+        self.namespace = namespace or ""
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # collected fresh each scrape; nothing to check at registration
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self._stats()
+        media: dict[str, Mapping[str, Any]] = {PRIMARY_MEDIUM: stats.primary, **stats.tiers}
+        labels = ["tier", "namespace"]
+        counters = {
+            f: CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=labels)
+            for f, (name, doc) in COUNTERS.items()
+        }
+        gauges = {
+            f: GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=labels)
+            for f, (name, doc) in GAUGES.items()
+        }
+        summaries = {f: _summary(f"{PREFIX}_{name}", doc) for f, (name, doc) in SUMMARIES.items()}
+        breaker = GaugeMetricFamily(
+            f"{PREFIX}_breaker_state",
+            "Circuit breaker of the tier: 1 for its current state",
+            labels=[*labels, "state"],
+        )
+        for medium, data in media.items():
+            values = [medium, self.namespace]
+            for f, family in counters.items():
+                if f in data:
+                    family.add_metric(values, float(data[f]))
+            for f, gauge in gauges.items():
+                if f in data:
+                    gauge.add_metric(values, float(data[f]))
+            for f, summary in summaries.items():
+                snap = data.get(f)
+                if not snap or medium == PRIMARY_MEDIUM:  # the primary runs no jobs
+                    continue
+                base = {"tier": medium, "namespace": self.namespace}
+                for q, key in (("0.5", "p50_ms"), ("0.99", "p99_ms")):
+                    summary.add_sample(summary.name, {**base, "quantile": q}, snap[key] / 1e3)
+                count = float(snap["count"])
+                summary.add_sample(f"{summary.name}_count", base, count)
+                summary.add_sample(f"{summary.name}_sum", base, snap["mean_ms"] / 1e3 * count)
+            if medium != PRIMARY_MEDIUM:
+                current = str(data.get("breaker", "closed"))
+                states = BREAKER_STATES if current in BREAKER_STATES else (*BREAKER_STATES, current)
+                for state in states:
+                    breaker.add_metric([*values, state], 1.0 if state == current else 0.0)
+        primary = GaugeMetricFamily(
+            f"{PREFIX}_primary_blocks",
+            "Primary slab occupancy by state (blocks = capacity)",
+            labels=["state", "namespace"],
+        )
+        for state in PRIMARY_GAUGES:
+            if state in stats.primary:
+                primary.add_metric([state, self.namespace], float(stats.primary[state]))
+        yield from counters.values()
+        yield from gauges.values()
+        yield from summaries.values()
+        yield breaker
+        yield primary
+
+
+def registry_for(source: TieredCache | Callable[[], CacheStats]) -> CollectorRegistry:
+    """A fresh registry holding the collector of one cache."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(TieredCacheCollector(source))
+    return registry
+
+
+@dataclass(frozen=True)
+class MetricsServer:
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+
+_MAX_REQUEST = 16 << 10
+
+
+def _response(status: str, body: bytes, content_type: str) -> bytes:
+    head = (
+        f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body
+
+
+async def _answer(registry: CollectorRegistry, stream: SocketStream) -> None:
+    async with stream:
+        try:
+            with anyio.fail_after(10):
+                head = await BufferedByteReceiveStream(stream).receive_until(
+                    b"\r\n\r\n", _MAX_REQUEST
+                )
+            method, target, _ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ", 2)
+        except Exception:  # a client that sends garbage or nothing gets dropped
+            return
+        path = target.split("?", 1)[0]
+        if method not in ("GET", "HEAD"):
+            reply = _response("405 Method Not Allowed", b"GET only\n", "text/plain")
+        elif path in ("/metrics", "/"):
+            body = generate_latest(registry)
+            reply = _response("200 OK", b"" if method == "HEAD" else body, CONTENT_TYPE_LATEST)
+        else:
+            reply = _response("404 Not Found", b"try /metrics\n", "text/plain")
+        with suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            await stream.send(reply)
+
+
+@asynccontextmanager
+async def serve_metrics(
+    source: TieredCache | Callable[[], CacheStats], *, port: int, host: str = "127.0.0.1"
+) -> AsyncIterator[MetricsServer]:
+    """Serve the cache's metrics at `http://host:port/metrics` while the block runs.
+
+    `port=0` picks a free port (see the yielded `MetricsServer.port`). Scrapes are
+    answered on the calling event loop, so stats are read where the cache runs."""
+    registry = registry_for(source)
+    listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
+    server = MetricsServer(host, listener.extra(anyio.abc.SocketAttribute.local_port))
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(listener.serve, lambda s: _answer(registry, s))
+            logger.info("serving tierkv metrics at %s", server.url)
+            try:
+                yield server
+            finally:
+                tg.cancel_scope.cancel()
+    finally:
+        await listener.aclose()
