@@ -183,3 +183,10 @@ def test_load_config_reads_a_file_and_names_it_in_errors(tmp_path: Path) -> None
         load_config(bad)
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_tier_names_are_types_or_indexed_when_repeated() -> None:
+    base = GOOD.split("tiers:")[0]
+    config = parse_config(base + "tiers:\n  - {type: memory}\n  - {type: memory}\n")
+    assert config.tier_names() == ["memory-0", "memory-1"]
+    assert parse_config(GOOD).tier_names() == ["memory"]

@@ -697,7 +697,7 @@ async def run_bench(
 ) -> dict[str, Any]:
     """Measure every medium of `chain` (or those named in `options.media`)."""
     say = progress or (lambda message: None)
-    names = [PRIMARY_MEDIUM, *tier_names(chain)]
+    names = [PRIMARY_MEDIUM, *chain.tier_names()]
     wanted = list(options.media) if options.media else names
     unknown = [m for m in wanted if m not in names]
     if unknown:
@@ -749,13 +749,6 @@ async def _run_bench(
         "orchestrator": orchestrator,
         "elapsed_seconds": time.perf_counter() - started,
     }
-
-
-def tier_names(chain: CacheConfig) -> list[str]:
-    """The names `TieredCache` gives the chain's tiers: the type, or `type-i` when a
-    type appears more than once."""
-    types = [t.type for t in chain.tiers]
-    return [t if types.count(t) == 1 else f"{t}-{i}" for i, t in enumerate(types)]
 
 
 # -- the summary ----------------------------------------------------------------------------

@@ -120,12 +120,6 @@ def _chain(path: str | None, primary: str = "8MiB") -> Iterator[CacheConfig]:
         yield default_chain(Path(tmp), primary=primary)
 
 
-def _tier_names(config: CacheConfig) -> list[str]:
-    from tierkv.bench import tier_names
-
-    return tier_names(config)
-
-
 class _Progress:
     """A rich progress bar on stderr when it is a terminal; silent otherwise."""
 
@@ -300,7 +294,7 @@ async def _connect(config: CacheConfig) -> list[dict[str, Any]]:
     )
     probe = make_offload_key(os.urandom(32), 0)
     results = []
-    for name, tier_config in zip(_tier_names(config), config.tiers):
+    for name, tier_config in zip(config.tier_names(), config.tiers):
         entry: dict[str, Any] = {"tier": name, "type": tier_config.type, "ok": False}
         step = "create"
         try:
@@ -331,7 +325,7 @@ async def _connect(config: CacheConfig) -> list[dict[str, Any]]:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     config = load_config(args.file)
-    names = _tier_names(config)
+    names = config.tier_names()
     print(
         f"{args.file}: ok (namespace {config.namespace!r}, {config.primary_blocks} primary "
         f"blocks, tiers: {', '.join(names) or 'none'})"

@@ -72,6 +72,12 @@ class CacheConfig(BaseModel):
     def primary_blocks(self) -> int:
         return int(self.primary.capacity) // int(self.layout.block_bytes)
 
+    def tier_names(self) -> list[str]:
+        """How the cache names each tier, in chain order: its type, or `type-i` (i its
+        position) when a type appears more than once."""
+        types = [t.type for t in self.tiers]
+        return [t if types.count(t) == 1 else f"{t}-{i}" for i, t in enumerate(types)]
+
 
 # -- environment expansion ---------------------------------------------------------
 _ENV = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")

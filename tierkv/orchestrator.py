@@ -186,16 +186,10 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         self.config = config
         self.primary = PrimaryTier.from_config(config.primary, config.layout, config.namespace)
         self.block_bytes = self.primary.view.block_bytes
-        names = [t.type for t in config.tiers]
         self._tiers: list[_TierState] = []
         limit = max(4096, 16 * self.primary.num_blocks)
-        for i, tier_config in enumerate(config.tiers):
+        for i, (name, tier_config) in enumerate(zip(config.tier_names(), config.tiers)):
             tier = create_tier(tier_config, self.primary.view)
-            name = (
-                tier_config.type
-                if names.count(tier_config.type) == 1
-                else f"{tier_config.type}-{i}"
-            )
             self._tiers.append(
                 _TierState(
                     index=i,
@@ -832,6 +826,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
                     flight.granted[key] -= 1
                     self.primary.complete_load([key])
         self._primary_stats.load_jobs += 1
+        self._primary_stats.blocks_loaded += len(held)
         self._primary_stats.bytes_out += len(held) * self.block_bytes
         ok = tuple(k for k in dict.fromkeys(keys) if k in held)
         failed = tuple(k for k in dict.fromkeys(keys) if k not in held)
