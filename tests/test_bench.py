@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 import pytest
 import torch
 
-from tierkv.bench import BenchOptions, empty_primary, run_bench, tier_names
+from tierkv.bench import BenchOptions, empty_primary, run_bench
 from tierkv.cli import main
 from tierkv.config import parse_config
 from tierkv.keys import make_offload_key
@@ -128,7 +128,7 @@ def test_tier_names_follow_the_cache() -> None:
         "primary: {capacity: 32KiB, pin_memory: false}\n"
         "tiers: [{type: memory}, {type: memory}]\n"
     )
-    assert tier_names(config) == ["memory-0", "memory-1"]
+    assert TieredCache(config).tier_names == config.tier_names() == ["memory-0", "memory-1"]
 
 
 # -- real servers ------------------------------------------------------------------------
