@@ -5,5 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
 echo "== ruff"; ruff check .
-echo "== mypy"; mypy tierkv
+echo "== mypy"; mypy tierkv tiers/*/tierkv_* plugins/*/tierkv_*
 echo "== pytest"; pytest "$@"

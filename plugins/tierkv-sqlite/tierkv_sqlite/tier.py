@@ -32,17 +32,19 @@ import anyio
 import anyio.to_thread
 from pydantic import Field
 
-from tierkv import (
+from tierkv.framing import decode_into, encode_block
+from tierkv.tier import (
     CorruptBlock,
+    InFlightJobs,
     JobMetadata,
     JobResult,
     OffloadKey,
     PrimaryView,
     ReqContext,
+    SecondaryTierManager,
+    TierConfig,
     TierUnavailable,
 )
-from tierkv.framing import decode_into, encode_block
-from tierkv.tier import InFlightJobs, SecondaryTierManager, TierConfig
 from tierkv.units import Size
 
 T = TypeVar("T")

@@ -40,17 +40,19 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from tierkv import (
+from tierkv.framing import header_bytes
+from tierkv.tier import (
     CorruptBlock,
+    InFlightJobs,
     JobMetadata,
     JobResult,
     OffloadKey,
     PrimaryView,
     ReqContext,
+    SecondaryTierManager,
+    TierConfig,
     TierUnavailable,
 )
-from tierkv.framing import header_bytes
-from tierkv.tier import InFlightJobs, SecondaryTierManager, TierConfig
 from tierkv.units import format_size
 from tierkv_nvme import blockfile
 from tierkv_nvme.config import NvmeTierConfig

@@ -4,7 +4,8 @@ namespace."""
 
 from __future__ import annotations
 
-from tierkv_redis.config import RedisTierConfig, redact_url
+from tierkv.tier import redact_url
+from tierkv_redis.config import RedisTierConfig
 from tierkv_redis.tier import RedisTier
 
 __all__ = ["RedisTier", "RedisTierConfig", "redact_url"]

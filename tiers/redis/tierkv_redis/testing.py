@@ -22,20 +22,14 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
+
+from tierkv.localserver import LocalServer, free_port
 
 INSTALL_HINT = "install it with `apt-get install redis-server` (Debian/Ubuntu)"
 
 
 class RedisServerMissing(RuntimeError):
     """No `redis-server` binary on PATH (or, for TLS, no `openssl`)."""
-
-
-def free_port() -> int:
-    """A TCP port of 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def redis_server_binary() -> str:
@@ -45,7 +39,7 @@ def redis_server_binary() -> str:
     return path
 
 
-class RedisServer:
+class RedisServer(LocalServer):
     """One `redis-server` child process on 127.0.0.1."""
 
     def __init__(
@@ -205,19 +199,3 @@ class RedisServer:
         self.stop()
         if self._own_dir:
             shutil.rmtree(self.directory, ignore_errors=True)
-
-    def __enter__(self) -> RedisServer:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

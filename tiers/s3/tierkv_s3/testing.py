@@ -32,9 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from types import TracebackType
 from typing import Literal
 from urllib.parse import urlsplit
+
+from tierkv.localserver import LocalServer, free_port
 
 INSTALL_HINT = "install it with `pip install 'moto[server]'`"
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "te"}
@@ -42,12 +43,6 @@ _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length"
 
 class MotoMissing(RuntimeError):
     """moto's server (or flask, which it needs) is not installed."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_for_http(url: str, timeout: float, alive: Callable[[], bool] | None = None) -> None:
@@ -66,7 +61,7 @@ def _wait_for_http(url: str, timeout: float, alive: Callable[[], bool] | None = 
             time.sleep(0.05)
 
 
-class MotoServer:
+class MotoServer(LocalServer):
     """moto's S3 server as a child process on 127.0.0.1."""
 
     def __init__(self, *, start_timeout: float = 30.0) -> None:
@@ -122,22 +117,6 @@ class MotoServer:
     def close(self) -> None:
         self.stop()
         self._log.unlink(missing_ok=True)
-
-    def __enter__(self) -> MotoServer:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 @dataclass
@@ -270,7 +249,7 @@ class _Handler(BaseHTTPRequestHandler):
     do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _handle
 
 
-class FaultProxy:
+class FaultProxy(LocalServer):
     """An HTTP proxy on 127.0.0.1 in front of an S3 endpoint, with injectable faults."""
 
     def __init__(self, upstream_url: str) -> None:
@@ -345,15 +324,3 @@ class FaultProxy:
                 connection.shutdown(socket.SHUT_RDWR)
         if self._thread is not None:
             self._thread.join(timeout=5)
-
-    def __enter__(self) -> FaultProxy:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()

@@ -37,8 +37,8 @@ from tierkv.framing import decode_into, encode_header, header_bytes
 from tierkv.jobs import JobMetadata, JobResult, ReqContext
 from tierkv.keys import OffloadKey
 from tierkv.primary import PrimaryView
-from tierkv.tier import InFlightJobs, SecondaryTierManager, TierConfig
-from tierkv_s3.config import S3TierConfig, redact_url
+from tierkv.tier import InFlightJobs, SecondaryTierManager, TierConfig, redact_url
+from tierkv_s3.config import S3TierConfig
 from tierkv_s3.names import ObjectNames
 from tierkv_s3.retry import JOB_WIDE, S3Failure, call_with_retries
 
