@@ -89,6 +89,10 @@ class HostBlocks:
         else:
             items = blocks
         self._views = [_as_byte_view(b, i, block_bytes, writable) for i, b in enumerate(items)]
+        # tensors are copied with torch (which releases the GIL), buffers with memoryview
+        self._tensors = [
+            b.view(torch.uint8).reshape(-1) if isinstance(b, torch.Tensor) else None for b in items
+        ]
         self.block_bytes = block_bytes
 
     def __len__(self) -> int:
@@ -106,7 +110,11 @@ class HostBlocks:
     ) -> None:
         def copy() -> None:
             for i, slot in zip(indices, slots):
-                view.block(slot)[:] = self._views[i]
+                tensor = self._tensors[i]
+                if tensor is not None:
+                    view.tensor[slot].copy_(tensor)
+                else:
+                    view.block(slot)[:] = self._views[i]
 
         await self._run(copy, len(slots))
 
@@ -115,7 +123,11 @@ class HostBlocks:
     ) -> None:
         def copy() -> None:
             for i, slot in zip(indices, slots):
-                self._views[i][:] = view.block(slot)
+                tensor = self._tensors[i]
+                if tensor is not None:
+                    tensor.copy_(view.tensor[slot])
+                else:
+                    self._views[i][:] = view.block(slot)
 
         await self._run(copy, len(slots))
 
