@@ -5,10 +5,9 @@ rate, and failures reported. Numbers are only checked to exist, never timed."""
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from tierkv.cli import main
 from tierkv.config import parse_config
 from tierkv.keys import make_offload_key
 from tierkv.orchestrator import TieredCache
+from tierkv.testing import missing_server
 
 pytestmark = pytest.mark.anyio
 
@@ -132,13 +132,6 @@ def test_tier_names_follow_the_cache() -> None:
 
 
 # -- real servers ------------------------------------------------------------------------
-def _missing(what: str, exc: Exception) -> NoReturn:
-    reason = f"needs {what}: {exc}"
-    if os.environ.get("CI", "").lower() in ("true", "1"):
-        pytest.fail(f"{reason} (CI=true: a missing server is a failure, not a skip)")
-    pytest.skip(reason)
-
-
 @pytest.fixture
 def redis_url(tmp_path: Path) -> Iterator[str]:
     try:
@@ -146,7 +139,7 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
 
         server = RedisServer(tmp_path)
     except Exception as exc:  # tierkv-redis or redis-server missing
-        _missing("tierkv-redis and a redis-server", exc)
+        missing_server("tierkv-redis and a redis-server", exc)
     server.start()
     try:
         yield server.url
@@ -161,7 +154,7 @@ def s3_endpoint() -> Iterator[str]:
 
         server = MotoServer()
     except Exception as exc:  # tierkv-s3 or moto missing
-        _missing("tierkv-s3 and moto", exc)
+        missing_server("tierkv-s3 and moto", exc)
     server.start()
     try:
         server.create_bucket("bench")

@@ -13,12 +13,13 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import pytest
 
 from tierkv.cli import main
 from tierkv.config import load_config
+from tierkv.testing import missing_server
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -29,13 +30,6 @@ TINY_DEMO = [
 ]  # fmt: skip
 
 
-def _missing(what: str, exc: Exception) -> NoReturn:
-    reason = f"needs {what}: {exc}"
-    if os.environ.get("CI", "").lower() in ("true", "1"):
-        pytest.fail(f"{reason} (CI=true: a missing server is a failure, not a skip)")
-    pytest.skip(reason)
-
-
 @pytest.fixture
 def redis_url(tmp_path: Path) -> Iterator[str]:
     try:
@@ -43,7 +37,7 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
 
         server = RedisServer(tmp_path)
     except Exception as exc:
-        _missing("tierkv-redis and a redis-server", exc)
+        missing_server("tierkv-redis and a redis-server", exc)
     server.start()
     try:
         yield server.url
@@ -58,7 +52,7 @@ def s3_endpoint() -> Iterator[str]:
 
         server = MotoServer()
     except Exception as exc:
-        _missing("tierkv-s3 and moto", exc)
+        missing_server("tierkv-s3 and moto", exc)
     server.start()
     try:
         server.create_bucket("archive")

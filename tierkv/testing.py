@@ -20,7 +20,7 @@ import os
 import random
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import ClassVar
+from typing import ClassVar, NoReturn
 
 import anyio
 import pytest
@@ -366,3 +366,12 @@ class FaultyTier(MemoryTier):
 
     def stored_keys(self) -> set[OffloadKey]:
         return set(self._frames)
+
+
+def missing_server(what: str, exc: BaseException) -> NoReturn:
+    """A test needs a real server (`what`) that is not installed: under `CI=true` that
+    is a failure (CI must install it), elsewhere a skip with the reason."""
+    reason = f"needs {what}: {exc}"
+    if os.environ.get("CI", "").lower() in ("true", "1"):
+        pytest.fail(f"{reason} (CI=true: a missing server is a failure, not a skip)")
+    pytest.skip(reason)

@@ -6,27 +6,21 @@ it fails them: CI must have installed it (scripts/setup.sh).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import pytest
 from tierkv_redis.testing import RedisServer, RedisServerMissing
 
-
-def _missing(exc: Exception) -> NoReturn:
-    reason = f"needs a real redis-server: {exc}"
-    if os.environ.get("CI", "").lower() in ("true", "1"):
-        pytest.fail(f"{reason} (CI=true: a missing server is a failure, not a skip)")
-    pytest.skip(reason)
+from tierkv.testing import missing_server
 
 
 def _new_server(directory: Path, **kwargs: Any) -> RedisServer:
     try:
         server = RedisServer(directory, **kwargs)
     except RedisServerMissing as exc:
-        _missing(exc)
+        missing_server("a real redis-server", exc)
     server.start()
     return server
 
