@@ -5,5 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
 echo "== ruff"; ruff check .
-echo "== mypy"; mypy tierkv tiers/*/tierkv_* plugins/*/tierkv_*
+echo "== mypy"; mypy tierkv tiers/nvme/tierkv_nvme tiers/redis/tierkv_redis tiers/s3/tierkv_s3 plugins/tierkv-sqlite/tierkv_sqlite
 echo "== pytest"; pytest "$@"

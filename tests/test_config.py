@@ -190,3 +190,52 @@ def test_tier_names_are_types_or_indexed_when_repeated() -> None:
     config = parse_config(base + "tiers:\n  - {type: memory}\n  - {type: memory}\n")
     assert config.tier_names() == ["memory-0", "memory-1"]
     assert parse_config(GOOD).tier_names() == ["memory"]
+
+
+def test_errors_never_show_secrets(faulty_tier_type: str) -> None:
+    from pydantic import model_validator
+
+    from tierkv.registry import register_tier, unregister_tier
+    from tierkv.testing import FaultyTier, FaultyTierConfig
+
+    class SecretConfig(FaultyTierConfig):
+        url: str = "redis://127.0.0.1"
+        password: str | None = None
+
+        @model_validator(mode="before")
+        @classmethod
+        def _whole_section(cls, data: object) -> object:
+            if isinstance(data, dict) and data.get("password") == "twice":
+                raise ValueError("the password is given twice")
+            return data
+
+    class SecretTier(FaultyTier):
+        Config = SecretConfig
+
+        @staticmethod
+        def get_tier_type() -> str:
+            return "secretive"
+
+    register_tier(SecretTier)
+    try:
+        base = GOOD.split("tiers:")[0] + "tiers:\n"
+        found = problems(
+            base + "  - {type: secretive, url: 'redis://:hunter2@h:6379/0', password: twice}\n"
+        )
+        assert found == ["tiers[0]: the password is given twice"]
+        found = problems(base + "  - {type: secretive, password: [hunter2]}\n")
+        assert found and all("hunter2" not in p for p in found), found
+        found = problems(base + "  - {type: secretive, url: ['redis//:hunter2@h']}\n")
+        assert found and all("hunter2" not in p for p in found), found
+    finally:
+        unregister_tier("secretive")
+
+
+def test_shown_values_mask_secrets_and_url_passwords() -> None:
+    from tierkv.config import _shown
+
+    assert _shown(("tiers", 0, "password"), "hunter2") == "'***'"
+    assert _shown(("tiers", 0, "secret_access_key"), "abc") == "'***'"
+    assert _shown(("tiers", 0, "url"), "redis://:hunter2@h:1/0") == "'redis://:***@h:1/0'"
+    assert _shown(("tiers", 0, "url"), "redis//:hunter2@h") == "'***@h'"
+    assert _shown(("primary", "capacity"), "12 parsecs") == "'12 parsecs'"

@@ -5,6 +5,9 @@ Runs on the CPU device (the same worker code path as CUDA)."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import anyio
 import pytest
 import torch
 
@@ -132,3 +135,86 @@ def test_adapter_checks_its_shape() -> None:
         KVCacheBlocks(worker, [[0], [1]], block_indices=[0])
     blocks = KVCacheBlocks(worker, [[0, 1, 2], [4]], block_indices=[1, 0])
     assert blocks.keys_per_group() == [2, 1] and len(blocks) == 3
+
+
+class _QueuedCopy:
+    """A copy that lands when the 'device' gets to it, like a kernel on a stream."""
+
+    def __init__(self, run: Any, device: dict[str, bool]) -> None:
+        self.run, self.device, self.done = run, device, False
+
+    def query(self) -> bool:
+        if not self.device["busy"] and not self.done:
+            self.run()
+            self.done = True
+        return self.done
+
+    def seconds(self) -> float:
+        return 0.0
+
+
+async def test_a_cancelled_store_cannot_free_slots_a_queued_copy_still_writes() -> None:
+    """Emulates CUDA's asynchronous copies on CPU: a store is cancelled while its copy
+    into the slot is still queued. The slot must not be reused before the copy lands,
+    or a later promotion of another key would be overwritten with this key's KV."""
+    device = {"busy": False}
+
+    class QueuedWorker(TransferWorker):
+        def _launch(self, plan: Any, lane: Any) -> Any:
+            if plan.direction == "store":
+                return _QueuedCopy(lambda: self._copy(plan, plan.indices), device), ()
+            return super()._launch(plan, lane)
+
+    kv = [[torch.zeros(8, 32, dtype=torch.int16)]]
+    kv[0][0][0] = 111  # request A's KV
+    kv[0][0][1] = 222  # block B's KV
+    block_bytes = required_block_bytes(kv, 1)
+    config = parse_config(
+        {
+            "namespace": "t",
+            "layout": {"block_bytes": block_bytes, "groups": [{"block_size": 16}]},
+            "primary": {"capacity": 2 * block_bytes, "pin_memory": False},
+            "tiers": [{"type": "memory"}],
+        }
+    )
+    a, b = make_offload_key(b"A" * 16, 0), make_offload_key(b"B" * 16, 0)
+    fillers = [make_offload_key(bytes([i]) * 16, 0) for i in range(2)]
+    async with TieredCache(config) as cache:
+        worker = QueuedWorker(kv, cache.primary.view, config.layout, gpu_block_size=16)
+        await cache.store([b], KVCacheBlocks(worker, [[1]]))
+        await cache.flush()
+        for i, filler in enumerate(fillers):  # B leaves the primary
+            await cache.store([filler], KVCacheBlocks(worker, [[2 + i]]))
+            await cache.flush()
+        assert b not in cache.primary
+        device["busy"] = True
+
+        async def device_catches_up() -> None:
+            await anyio.sleep(0.2)
+            device["busy"] = False
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(device_catches_up)
+            with anyio.move_on_after(0.05):  # request A is aborted mid-store
+                await cache.store([a], KVCacheBlocks(worker, [[0]]))
+        await cache.flush()
+        for target in (5, 6):  # B promoted, then served from the primary
+            result = await cache.load([b], KVCacheBlocks(worker, [[target]]))
+            assert result.ok
+            assert kv[0][0][target][:3].tolist() == [222, 222, 222]
+
+
+async def test_a_store_must_cover_whole_offloaded_blocks() -> None:
+    kv = engine_kv(3)
+    block_bytes = required_block_bytes(kv, FACTOR)
+    config = parse_config(chain(block_bytes))
+    async with TieredCache(config) as cache:
+        worker = TransferWorker(
+            kv, cache.primary.view, config.layout, gpu_block_size=GPU_BLOCK_TOKENS
+        )
+        keys = request_keys(list(range(32)))
+        # starts in the middle of its first offloaded block: sub-block 0 would be stale
+        partial = KVCacheBlocks(worker, [[4, 5, 6], []], block_indices=[1, 0])
+        with pytest.raises(ValueError, match="a store must cover whole offloaded blocks"):
+            await cache.store(keys[0][:2], partial)
+        assert len(cache.primary) == 0 and cache.primary.num_free == 6  # nothing kept

@@ -613,3 +613,56 @@ async def test_an_optional_tier_that_cannot_open_is_retried_in_the_background(
         await cache.store(keys(1, "late"), blocks(1))
         await cache.flush()
         assert cache.tier("faulty").stored_keys() == set(keys(1, "late"))  # type: ignore[attr-defined]
+
+
+async def test_a_failed_demotion_keeps_the_block_pinned_until_it_is_written(
+    faulty_tier_type: str,
+) -> None:
+    config = chain([faulty(write_policy="write_back")], promotion_reserve=1.0)
+    async with open_cache(config) as cache:
+        tier = cache.tier("faulty")
+        assert isinstance(tier, FaultyTier)
+        tier.fail_jobs = 1  # the first demotion fails
+        first, data = keys(4, "a"), blocks(4)
+        await cache.store(first, data)  # fills the primary: the demoter wakes
+        await cache.flush()
+        assert cache.stats().tiers["faulty"]["errors"] == 1
+        # nothing was freed unwritten: every block is either still pinned or in the tier
+        for key in first:
+            assert key in tier.stored_keys() or cache.primary.readers(key) == 1
+        await cache.flush()  # the retry writes the rest
+        assert tier.stored_keys() == set(first)
+        await cache.store(keys(4, "b"), blocks(4, seed=1))
+        await cache.flush()
+        out = empty(4)
+        assert (await cache.load(first, out)).ok and torch.equal(out, data)
+
+
+async def test_a_block_that_keeps_failing_to_demote_is_given_up_and_counted(
+    faulty_tier_type: str,
+) -> None:
+    config = chain([faulty(write_policy="write_back", failure_threshold=99)])
+    async with open_cache(config) as cache:
+        tier = cache.tier("faulty")
+        assert isinstance(tier, FaultyTier)
+        tier.fail_jobs = 100
+        await cache.store(keys(1), blocks(1))
+        for _ in range(3):
+            await cache.flush()
+        assert cache.stats().tiers["faulty"]["drops"] == 1
+        assert cache.stats().primary["write_back_pending"] == 0
+        assert cache.primary.num_evictable == 1  # unpinned after three failed attempts
+        tier.fail_jobs = 0
+
+
+async def test_events_are_bounded_when_nobody_takes_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tierkv.orchestrator as orchestrator
+
+    monkeypatch.setattr(orchestrator, "_MAX_EVENTS", 5)
+    async with open_cache(chain([], blocks=16)) as cache:
+        cache._events = orchestrator.deque(maxlen=5)
+        for i in range(8):
+            await cache.store(keys(1, f"e{i}"), blocks(1))
+        events = cache.take_events()
+        assert len(events) == 5 and events[-1].keys == tuple(keys(1, "e7"))
+        assert cache.stats().primary["events_dropped"] == 3

@@ -728,12 +728,33 @@ async def test_a_cancelled_wait_leaves_its_result_to_get_finished(
     async with anyio.create_task_group() as tg:
         with anyio.move_on_after(0.02):
             tg.start_soon(second)
-            await rig.worker.transfer(TransferSpec("store", [[0]], [[0]], [0]))
+            # `wait` may be cancelled (`transfer` may not: see the next test)
+            await rig.worker.wait(rig.worker.submit(TransferSpec("store", [[0]], [[0]], [0])))
         gates[0].open = gates[1].open = True
         await anyio.sleep(0.02)
     assert [r.transfer_id for r in later] == [2]  # the next waiter took over polling
     assert [r.transfer_id for r in rig.worker.get_finished()] == [1]
     assert rig.worker.get_finished() == []
+
+
+async def test_a_cancelled_transfer_still_waits_for_its_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The caller frees its slots and GPU blocks when `transfer` returns or raises, so a
+    cancelled `transfer` must not return while its queued copy can still touch them."""
+    rig = Rig(torch.device("cpu"), [[64]], factor=1)
+    gates = gated(rig, monkeypatch)
+
+    async def device_catches_up() -> None:
+        await anyio.sleep(0.1)
+        gates[0].open = True
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(device_catches_up)
+        with anyio.move_on_after(0.01) as scope:
+            await rig.worker.transfer(TransferSpec("store", [[0]], [[0]], [0]))
+        assert scope.cancel_called  # the deadline passed while the copy was queued...
+        assert gates[0].open and rig.worker.num_in_flight == 0  # ...yet it returned after
 
 
 async def test_drain_returns_once_nothing_is_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationErr
 from tierkv.errors import ConfigError, PluginImportError, UnknownTierType
 from tierkv.layout import KVLayout
 from tierkv.primary import PrimaryConfig
+from tierkv.redact import redact_url
 from tierkv.registry import get_tier_class
 from tierkv.tier import TierConfig
 from tierkv.units import Duration, format_size
@@ -158,13 +159,33 @@ def _describe(err: Mapping[str, Any], model: type[BaseModel], prefix: tuple[Any,
         listed = f" (allowed: {', '.join(allowed)})" if allowed else ""
         return f"{path}: unknown field{hint}{listed}"
     if kind in ("byte_size", "byte_size_unit"):
-        return f"{path}: {value!r} is not a size (use e.g. 8GiB, 512MiB, 4096)"
+        return f"{path}: {_shown(loc, value)} is not a size (use e.g. 8GiB, 512MiB, 4096)"
     message = str(err["msg"])
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
     if kind in ("model_type", "model_attributes_type", "dict_type"):
-        return f"{path}: expected a mapping, got {value!r}"
-    return f"{path}: {value!r}: {message}"
+        return f"{path}: expected a mapping, got {_shown(loc, value)}"
+    if isinstance(value, Mapping):  # a check over a whole section: its values may be secrets
+        return f"{path}: {message}"
+    return f"{path}: {_shown(loc, value)}: {message}"
+
+
+_SECRET_FIELDS = ("password", "secret", "token", "credential", "passphrase")
+
+
+def _shown(loc: tuple[Any, ...], value: Any) -> str:
+    """`value` as an error message may show it: secrets masked, URLs without passwords."""
+    field = str(loc[-1]).lower() if loc else ""
+    if any(word in field for word in _SECRET_FIELDS):
+        return "'***'"
+    if isinstance(value, str) and ("url" in field or "://" in value or "@" in value):
+        shown = redact_url(value)
+        if shown == value and "@" in value:  # not a URL we could parse: hide the userinfo
+            shown = "***@" + value.rsplit("@", 1)[1]
+        return repr(shown)
+    if isinstance(value, Mapping) or ("url" in field and not isinstance(value, str)):
+        return f"a {type(value).__name__}"
+    return repr(value)
 
 
 def format_validation_error(

@@ -83,6 +83,17 @@ class KVCacheBlocks:
             for run in _contiguous(sorted(chosen[g])):
                 first, last = run[0], run[-1]
                 head = self.heads[g]
+                if direction == "store" and (
+                    first * self.factor - head < 0
+                    or (last + 1) * self.factor - head > len(self.gpu_blocks[g])
+                ):
+                    # the rest of the slot would keep another key's bytes
+                    raise ValueError(
+                        f"group {g}: a store must cover whole offloaded blocks; offloaded "
+                        f"blocks {first}..{last} are only partly among the GPU blocks given "
+                        f"(block_indices head {head}, {len(self.gpu_blocks[g])} GPU blocks, "
+                        f"factor {self.factor})"
+                    )
                 start = max(0, first * self.factor - head)
                 end = min(len(self.gpu_blocks[g]), (last + 1) * self.factor - head)
                 group_runs.append(

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 _DEFAULT_CTX = ReqContext()
 _DEMOTE_BATCH = 64
+_DEMOTE_ATTEMPTS = 3  # failed demotions of a block to one tier before it is given up
+_MAX_EVENTS = 65536  # events kept for take_events(); older ones are dropped and counted
 
 
 # -- results ---------------------------------------------------------------------------
@@ -211,9 +213,11 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         self._located: OrderedDict[OffloadKey, int] = OrderedDict()
         self._located_limit = limit
         self._hit_counts: OrderedDict[OffloadKey, int] = OrderedDict()
-        self._dirty: OrderedDict[OffloadKey, set[int]] = OrderedDict()  # write-back pending
+        # write-back: key -> {tier index: failed demotion attempts}, pinned until empty
+        self._dirty: OrderedDict[OffloadKey, dict[int, int]] = OrderedDict()
         self._demoting: set[OffloadKey] = set()
-        self._events: list[OffloadingEvent] = []
+        self._events: deque[OffloadingEvent] = deque(maxlen=_MAX_EVENTS)
+        self._events_dropped = 0
         self._job_ids = itertools.count(1)
         self._tg: TaskGroup | None = None
         self._background = 0
@@ -364,27 +368,33 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         tg.start_soon(run)
 
     async def flush(self) -> None:
-        """Wait until every background cascade has finished and every write-back
-        block has been demoted."""
-        while True:
-            pending = [k for k in self._dirty if k not in self._demoting]
-            if pending:
-                await self._demote(pending[:_DEMOTE_BATCH])
-            elif self._background:
+        """Wait until every background cascade has finished, and offer every pending
+        write-back block to its tiers once more (blocks whose demotion fails stay
+        pinned in the primary for the demoter to retry)."""
+        for batch in _batches([k for k in self._dirty if k not in self._demoting]):
+            await self._demote(batch)
+        while self._background or self._demoting:
+            if self._background:
                 await self._idle.wait()
-            elif self._demoting:
-                await anyio.sleep(0.001)  # the demoter is finishing a batch
             else:
-                return
+                await anyio.sleep(0.001)  # the demoter is finishing a batch
 
     # -- events and stats ---------------------------------------------------------------
+    def _emit(self, events: Sequence[OffloadingEvent]) -> None:
+        overflow = len(self._events) + len(events) - _MAX_EVENTS
+        if overflow > 0:
+            self._events_dropped += overflow
+        self._events.extend(events)
+
     def _drain_primary_events(self) -> None:
-        self._events.extend(self.primary.take_events())
+        self._emit(self.primary.take_events())
 
     def take_events(self) -> list[OffloadingEvent]:
-        """Stored/removed events of every medium since the last call, in order."""
+        """Stored/removed events of every medium since the last call, in order. The
+        newest 65,536 are kept; `stats().primary["events_dropped"]` counts the rest."""
         self._drain_primary_events()
-        events, self._events = self._events, []
+        events = list(self._events)
+        self._events.clear()
         return events
 
     def stats(self) -> CacheStats:
@@ -396,6 +406,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
             evictable=self.primary.num_evictable,
             promoting=self._promoting,
             write_back_pending=len(self._dirty),
+            events_dropped=self._events_dropped,
             background_jobs=self._background,
         )
         tiers = {}
@@ -667,7 +678,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         if write_back:
             self.primary.prepare_load(keys)  # pinned until demoted
             for key in keys:
-                self._dirty[key] = set(write_back)
+                self._dirty[key] = dict.fromkeys(write_back, 0)
             self._wake_demoter()
 
     def _cascade(self, ts: _TierState, keys: list[OffloadKey]) -> None:
@@ -704,7 +715,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
             ts.bad_claims.discard(key)
         if keys:
             self._drain_primary_events()
-            self._events.append(OffloadingEvent(tuple(keys), ts.name, removed=False))
+            self._emit([OffloadingEvent(tuple(keys), ts.name, removed=False)])
 
     # -- write-back ---------------------------------------------------------------------------
     def _wake_demoter(self) -> None:
@@ -721,31 +732,39 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
             self._demote_wakeup = anyio.Event()
             try:
                 while self._dirty and self._headroom() <= self._headroom_slots:
-                    batch = [k for k in self._dirty if k not in self._demoting]
-                    if not batch:
-                        break
-                    want = self._headroom_slots - self._headroom() + 1
-                    await self._demote(batch[: max(1, min(want, _DEMOTE_BATCH))])
+                    want = max(1, min(self._headroom_slots - self._headroom() + 1, _DEMOTE_BATCH))
+                    batch = list(
+                        itertools.islice((k for k in self._dirty if k not in self._demoting), want)
+                    )
+                    if not batch or not await self._demote(batch):
+                        break  # no progress now (tier down): retry at the next wake-up
             except Exception:  # our own bug: log it and keep demoting later
                 logger.exception("write-back demoter failed")
 
-    async def _demote(self, keys: list[OffloadKey]) -> None:
+    async def _demote(self, keys: list[OffloadKey]) -> int:
+        """Write `keys` to the write-back tiers still missing them; unpin the keys every
+        tier now has. Returns how many were unpinned."""
         self._demoting.update(keys)
+        released: list[OffloadKey] = []
         try:
             async with anyio.create_task_group() as tg:
                 for ts in self._tiers:
-                    mine = [k for k in keys if ts.index in self._dirty.get(k, ())]
+                    mine = [k for k in keys if ts.index in self._dirty.get(k, {})]
                     if mine:
                         tg.start_soon(self._demote_to, ts, mine)
         finally:
             self._demoting.difference_update(keys)
-            released = [k for k in keys if k in self._dirty]
+            released = [k for k in keys if k in self._dirty and not self._dirty[k]]
             for key in released:
                 del self._dirty[key]
             if released:
                 self.primary.complete_load(released)  # unpinned: evictable now
+        return len(released)
 
     async def _demote_to(self, ts: _TierState, keys: list[OffloadKey]) -> None:
+        """One demotion job. A key the tier fails stays pending; after
+        `_DEMOTE_ATTEMPTS` failures it is given up for that tier (counted in drops).
+        A tier that is down (not open, breaker open) costs no attempt."""
         if not ts.opened or not ts.breaker.allow():
             ts.stats.skipped_unhealthy += len(keys)
             return
@@ -755,6 +774,24 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         )
         result = await self._run_job(ts, "store", job)
         self._record_stored(ts, result.ok_keys)
+        ok = set(result.ok_keys)
+        for key in keys:
+            pending = self._dirty.get(key)
+            if pending is None or ts.index not in pending:
+                continue
+            if key in ok:
+                del pending[ts.index]
+                continue
+            pending[ts.index] += 1
+            if pending[ts.index] >= _DEMOTE_ATTEMPTS:
+                del pending[ts.index]
+                ts.stats.drops += 1
+                logger.warning(
+                    "gave up writing a block back to tier %s after %d failures: %s",
+                    ts.name,
+                    _DEMOTE_ATTEMPTS,
+                    result.error,
+                )
 
     # -- load (up the chain) ------------------------------------------------------------------
     async def load(
@@ -870,8 +907,9 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
             for key in keys:
                 outcome[key] = (None, "the primary tier has no room for a promotion; recompute")
             return
+        reserved = set(prepared.keys_to_store)
         for key in keys:
-            if key not in prepared.keys_to_store:  # appeared meanwhile
+            if key not in reserved:  # appeared meanwhile
                 if self.primary.is_ready(key):
                     outcome[key] = (PRIMARY_MEDIUM, None)
                 else:
@@ -905,7 +943,12 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         finally:
             self._promoting -= len(prepared.keys_to_store)
             ok = [k for k in prepared.keys_to_store if outcome.get(k, (None, None))[0] is not None]
-            bad = [k for k in prepared.keys_to_store if k not in set(ok)]
+            ok_set = set(ok)
+            bad = [k for k in prepared.keys_to_store if k not in ok_set]
             self.primary.complete_store(ok, success=True)
             self.primary.complete_store(bad, success=False)
             self._drain_primary_events()
+
+
+def _batches(keys: list[OffloadKey], size: int = _DEMOTE_BATCH) -> list[list[OffloadKey]]:
+    return [keys[i : i + size] for i in range(0, len(keys), size)]

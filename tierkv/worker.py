@@ -40,7 +40,8 @@ what the tests run) the copy happens inside `submit`. On CUDA the same code runs
 dedicated stream per direction, against a device alias of the pinned slab (unified
 virtual addressing: the kernels read and write host memory over the bus, so no host
 thread copies anything and no staging buffer of the transfer's size is needed); a
-store first waits for the compute stream so it copies finished KV; an event closes
+transfer first waits for the compute stream (a store copies finished KV, a load
+never overwrites blocks queued kernels still read); an event closes
 each transfer, and transfers in one direction complete in submission order.
 `await transfer(spec)` polls that event with a short backoff and never synchronises
 the event loop thread; `submit` plus `get_finished` serve synchronous callers.
@@ -323,10 +324,10 @@ class TransferWorker:
     `block_size_factor` is `layout.groups[g].block_size // gpu_block_size[g]` and must
     be the same for every group. Layout problems raise `ConfigError`, all at once.
 
-    CUDA only: a store waits on `compute_stream` (default: the current stream at
-    submit) before copying; a load does not, so load only into GPU blocks no queued
-    kernel still uses. `device_view(pinned_slab, device)` makes the device alias of the
-    slab (default `uva_view`).
+    CUDA only: every transfer first waits on `compute_stream` (default: the current
+    stream at submit): a store so it copies finished KV, a load so it does not
+    overwrite GPU blocks that kernels queued earlier still read. `device_view(pinned_slab,
+    device)` makes the device alias of the slab (default `uva_view`).
     """
 
     def __init__(
@@ -706,8 +707,9 @@ class TransferWorker:
         if compute is None:
             compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(stream):
-            if plan.direction == "store":
-                stream.wait_stream(compute)
+            # a store copies finished KV; a load must not overwrite GPU blocks that
+            # kernels queued before it (of the blocks' previous owner) still read
+            stream.wait_stream(compute)
             start_event = _timing_event()
             end_event = _timing_event()
             start_event.record(stream)
@@ -819,8 +821,16 @@ class TransferWorker:
         return handle.result
 
     async def transfer(self, spec: TransferSpec) -> TransferResult:
-        """Copy `spec` and return once the bytes are in place."""
-        return await self._wait_claimed(self._submit(spec, claimed=True))
+        """Copy `spec` and return once the bytes are in place.
+
+        Once submitted, the copy is awaited to its end even if the caller is cancelled
+        (the wait is shielded, and copies are bounded): the caller frees or reuses the
+        slots and GPU blocks as soon as this returns or raises, so it must not return
+        while a queued copy could still touch them."""
+        handle = self._submit(spec, claimed=True)
+        with anyio.CancelScope(shield=True):
+            result = await self._wait_claimed(handle)
+        return result
 
     async def drain(self) -> None:
         """Wait until no transfer is in flight (results stay where they would go)."""

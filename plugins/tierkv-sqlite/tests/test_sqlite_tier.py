@@ -39,10 +39,11 @@ class TestSqliteTierConformance(TierConformanceSuite):
 
     async def corrupt(self, tier: SecondaryTierManager, key: OffloadKey) -> None:
         assert isinstance(tier, SqliteTier)
+        row = tier._row(key)  # the stored key: namespace prefix + key
         with sqlite3.connect(tier.config.path) as db:
-            [(frame,)] = db.execute("SELECT frame FROM blocks WHERE key = ?", (key,))
+            [(frame,)] = db.execute("SELECT frame FROM blocks WHERE key = ?", (row,))
             damaged = frame[:-1] + bytes([frame[-1] ^ 0xFF])
-            db.execute("UPDATE blocks SET frame = ? WHERE key = ?", (damaged, key))
+            db.execute("UPDATE blocks SET frame = ? WHERE key = ?", (damaged, row))
 
 
 @pytest.fixture
@@ -95,3 +96,32 @@ async def test_a_closed_tier_refuses_work(tmp_path: Path) -> None:
     await tier.close()
     with pytest.raises(TierUnavailable, match="not open"):
         await tier.lookup(random_keys(1), CTX)
+
+
+async def test_namespaces_sharing_a_database_never_see_each_other(tmp_path: Path) -> None:
+    """Two caches of different namespaces on one database file: the same key in each
+    is two blocks; neither sees, overwrites nor deletes the other's."""
+    first = PrimaryTier(4, 1024, pin_memory=False, namespace="model-a")
+    second = PrimaryTier(4, 1024, pin_memory=False, namespace="model-b")
+    keys = random_keys(1, random.Random(3))
+    data_a = fill_slots(first.view, [0], random.Random(4))[0]
+    data_b = fill_slots(second.view, [0], random.Random(5))[0]
+    tier_a = _tier(tmp_path / "shared.db", first)
+    tier_b = _tier(tmp_path / "shared.db", second)
+    await tier_a.open()
+    await tier_b.open()
+    try:
+        assert (await tier_a.store(_job(keys, 0))).ok
+        assert await tier_b.lookup(keys, CTX) == [False]
+        assert not (await tier_b.load(_job(keys, 1))).ok
+        assert await tier_a.lookup(keys, CTX) == [True], "b's miss must not delete a's block"
+        assert (await tier_b.store(_job(keys, 0))).ok
+        result = await tier_a.load(_job(keys, 1))
+        assert result.ok, result.error
+        assert bytes(first.view.block(1)) == data_a
+        result = await tier_b.load(_job(keys, 1))
+        assert result.ok, result.error
+        assert bytes(second.view.block(1)) == data_b
+    finally:
+        await tier_a.close()
+        await tier_b.close()

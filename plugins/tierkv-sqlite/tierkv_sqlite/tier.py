@@ -18,6 +18,9 @@ How it keeps the contract:
   with the database: after any failed transaction they are re-read from it.
 - Capacity counts frame bytes; past it the least recently used rows go first
   (recency is an integer clock stored per row, so it survives a restart).
+- Rows are keyed by the namespace's 8-byte hash followed by the block key, so caches
+  of different namespaces may share one database file: each sees, counts and evicts
+  only its own rows (`capacity` is per namespace).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import anyio
 import anyio.to_thread
 from pydantic import Field
 
-from tierkv.framing import decode_into, encode_block
+from tierkv.framing import decode_into, encode_block, namespace_hash
 from tierkv.tier import (
     CorruptBlock,
     InFlightJobs,
@@ -96,6 +99,10 @@ class SqliteTier(SecondaryTierManager):
         self._inflight = InFlightJobs(self.name)
         self._bytes = 0
         self._clock = 0
+        # every row of this namespace has a key in [_ns, _ns_end): its prefix
+        ns = namespace_hash(primary.namespace)
+        self._ns = ns.to_bytes(8, "big")
+        self._ns_end = (ns + 1).to_bytes(9, "big")[1:] if ns < 2**64 - 1 else b"\xff" * 9
 
     @staticmethod
     def get_tier_type() -> str:
@@ -139,18 +146,29 @@ class SqliteTier(SecondaryTierManager):
             self._read_counters(db)
             raise
 
+    def _row(self, key: OffloadKey) -> bytes:
+        """The stored key of `key`: the namespace prefix, then the key."""
+        return self._ns + key
+
+    def _rows(self, keys: Sequence[OffloadKey]) -> list[bytes]:
+        return [self._ns + key for key in keys]
+
     def _read_counters(self, db: sqlite3.Connection) -> None:
-        row = db.execute(
-            "SELECT COALESCE(SUM(LENGTH(frame)), 0), COALESCE(MAX(used), 0) FROM blocks"
+        (size,) = db.execute(
+            "SELECT COALESCE(SUM(LENGTH(frame)), 0) FROM blocks WHERE key >= ? AND key < ?",
+            (self._ns, self._ns_end),
         ).fetchone()
-        self._bytes, self._clock = int(row[0]), int(row[1])
+        (clock,) = db.execute("SELECT COALESCE(MAX(used), 0) FROM blocks").fetchone()
+        self._bytes, self._clock = int(size), int(clock)
 
     def _evict(self, db: sqlite3.Connection) -> None:
         """Delete the least recently used rows until the rest fit `capacity`."""
         capacity = int(self.config.capacity)
         while self._bytes > capacity:
             rows = db.execute(
-                "SELECT key, LENGTH(frame) FROM blocks ORDER BY used LIMIT 64"
+                "SELECT key, LENGTH(frame) FROM blocks WHERE key >= ? AND key < ? "
+                "ORDER BY used LIMIT 64",
+                (self._ns, self._ns_end),
             ).fetchall()
             if not rows:
                 break
@@ -207,7 +225,7 @@ class SqliteTier(SecondaryTierManager):
         held: set[OffloadKey] = set()
         for chunk in _chunks(keys):
             sql = f"SELECT key FROM blocks WHERE key IN ({_marks(len(chunk))})"
-            held.update(row[0] for row in db.execute(sql, chunk))
+            held.update(row[0][len(self._ns) :] for row in db.execute(sql, self._rows(chunk)))
         return held
 
     async def store(self, job: JobMetadata) -> JobResult:
@@ -229,13 +247,15 @@ class SqliteTier(SecondaryTierManager):
                 if len(frame) > capacity:
                     failed[key] = f"a block frame of {len(frame)} bytes exceeds the capacity"
                     continue
-                old = db.execute("SELECT LENGTH(frame) FROM blocks WHERE key = ?", (key,))
+                old = db.execute(
+                    "SELECT LENGTH(frame) FROM blocks WHERE key = ?", (self._row(key),)
+                )
                 row = old.fetchone()
                 self._clock += 1
                 db.execute(
                     "INSERT INTO blocks (key, frame, used) VALUES (?, ?, ?) "
                     "ON CONFLICT (key) DO UPDATE SET frame = excluded.frame, used = excluded.used",
-                    (key, frame, self._clock),
+                    (self._row(key), frame, self._clock),
                 )
                 self._bytes += len(frame) - (row[0] if row else 0)
             self._evict(db)
@@ -255,7 +275,8 @@ class SqliteTier(SecondaryTierManager):
         frames: dict[OffloadKey, bytes] = {}
         for chunk in _chunks(job.keys):
             sql = f"SELECT key, frame FROM blocks WHERE key IN ({_marks(len(chunk))})"
-            frames.update(db.execute(sql, chunk).fetchall())
+            for row, frame in db.execute(sql, self._rows(chunk)):
+                frames[row[len(self._ns) :]] = frame
         failed: dict[OffloadKey, str] = {}
         with self._transaction(db):
             for key, slot in zip(job.keys, job.slots):
@@ -266,12 +287,14 @@ class SqliteTier(SecondaryTierManager):
                 try:
                     decode_into(key, frame, self.primary.block(slot), self.primary.namespace)
                 except CorruptBlock as exc:
-                    db.execute("DELETE FROM blocks WHERE key = ?", (key,))
+                    db.execute("DELETE FROM blocks WHERE key = ?", (self._row(key),))
                     self._bytes -= len(frame)
                     failed[key] = f"corrupt block deleted: {exc}"
                     continue
                 self._clock += 1
-                db.execute("UPDATE blocks SET used = ? WHERE key = ?", (self._clock, key))
+                db.execute(
+                    "UPDATE blocks SET used = ? WHERE key = ?", (self._clock, self._row(key))
+                )
         return failed
 
     async def remove(self, keys: Sequence[OffloadKey]) -> None:
@@ -284,7 +307,7 @@ class SqliteTier(SecondaryTierManager):
     def _delete_rows(self, keys: list[OffloadKey]) -> None:
         db = self._conn()
         with self._transaction(db):
-            for chunk in _chunks(keys):
+            for chunk in _chunks(self._rows(keys)):
                 marks = _marks(len(chunk))
                 sizes = db.execute(
                     f"SELECT LENGTH(frame) FROM blocks WHERE key IN ({marks})", chunk

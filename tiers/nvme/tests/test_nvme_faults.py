@@ -143,3 +143,22 @@ async def test_a_read_error_fails_that_key_and_withdraws_the_tiers_claim(rig, fa
     assert result.ok, result.error
     assert all(loaded[k] == stored[k] for k in keys[1:])
     await tier.close()
+
+
+async def test_a_read_error_leaves_no_file_the_index_does_not_count(rig, faults) -> None:
+    """A load failing with an I/O error forgets the key; its file must go too, or it
+    takes disk space `capacity` no longer counts until the next restart."""
+    tier = rig.tier()
+    await tier.open()
+    keys = rig.keys(3)
+    await rig.store(tier, keys)
+    with faults.fail_read(errno.EIO):
+        result, _ = await rig.load(tier, keys[:2])
+    assert set(result.failed_keys) == set(keys[:2])
+    assert len(rig.files(tier)) == len(tier) == 1
+    assert tier.used_bytes == rig.footprint()
+    _, stored = await rig.store(tier, keys[:1])  # stored again: a fresh, whole block
+    result, loaded = await rig.load(tier, keys[:1])
+    assert result.ok, result.error
+    assert loaded[keys[0]] == stored[keys[0]]
+    await tier.close()

@@ -538,10 +538,28 @@ class NvmeTier(SecondaryTierManager):
                     self._pins[key] = pins
                 else:
                     del self._pins[key]
+        unreadable: list[OffloadKey] = []
         for (key, _slot, entry), error in zip(reads, outcomes):
             if error is not None:
-                self._forget(key, entry)  # a failed load withdraws the claim
+                # a failed load withdraws the claim; a file an I/O error kept us from
+                # reading goes too, or it would take disk space nothing counts
+                # (a corrupt file is deleted by the read itself, a missing one is gone)
+                if self._forget(key, entry) and not isinstance(
+                    error, (CorruptBlock, FileNotFoundError)
+                ):
+                    self._deleting[key] = anyio.Event()
+                    unreadable.append(key)
                 failed[key] = self._describe_error(error, "read", key)
+        if unreadable:
+            try:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(
+                        blockfile.delete_files,
+                        [self.path_of(k) for k in unreadable],
+                        limiter=self._threads,
+                    )
+            finally:
+                self._finish_deleting(unreadable)
         return failed
 
     def _read_files(
@@ -569,12 +587,15 @@ class NvmeTier(SecondaryTierManager):
         logger.error("nvme tier: unexpected error on %s", key.hex(), exc_info=error)
         return f"unexpected {type(error).__name__}: {error}"
 
-    def _forget(self, key: OffloadKey, entry: _Entry) -> None:
+    def _forget(self, key: OffloadKey, entry: _Entry) -> bool:
         """Drop `key` from the index if `entry` is still its entry: a failed load must
-        not leave the key claimed (the caller would re-promote it forever)."""
+        not leave the key claimed (the caller would re-promote it forever). Whether
+        it did (then nothing else is writing or deleting the key's file)."""
         if self._index.get(key) is entry:
             del self._index[key]
             self._used -= entry.footprint
+            return True
+        return False
 
     def _io_error(self, exc: OSError, action: str) -> str:
         """One message per kind of error (so a job's result lists each cause once)

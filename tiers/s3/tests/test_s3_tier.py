@@ -488,3 +488,34 @@ async def test_open_is_idempotent_and_close_refuses_later_work(moto_server: Moto
         await tier.store(job(random_keys(1), [0]))
     async with opened(tier):  # a closed tier may be opened again
         assert await tier.lookup(random_keys(2), CTX) == [False, False]
+
+
+async def _open_uploads(endpoint: str, prefix: str) -> list[dict[str, Any]]:
+    async with raw_s3(endpoint) as fs:
+        reply = await fs._call_s3("list_multipart_uploads", Bucket=BUCKET, Prefix=prefix)
+    return list(reply.get("Uploads") or [])
+
+
+@pytest.mark.parametrize("how", ["request_timeout", "job_timeout"])
+async def test_an_interrupted_multipart_upload_is_aborted(proxy: FaultProxy, how: str) -> None:
+    """A part upload cut off by a timeout (a cancellation inside s3fs) must not leave
+    an incomplete multipart upload behind: S3 bills its parts until it is aborted."""
+    block = 11 << 20
+    primary = PrimaryTier(1, block, pin_memory=False, namespace="big")
+    prefix = uuid.uuid4().hex
+    timeouts = (
+        {"request_timeout": "500ms", "retries": 1}
+        if how == "request_timeout"
+        else {"job_timeout": "500ms", "request_timeout": "10s"}
+    )
+    tier = s3_tier(proxy.url, primary.view, part_size="5MiB", prefix=prefix, **timeouts)
+    async with opened(tier):
+        [key] = random_keys(1, random.Random(14))
+        fill_slots(primary.view, [0], random.Random(15))
+        proxy.inject(
+            Fault(match="partNumber=", action="delay", delay=2, methods=frozenset({"PUT"}))
+        )
+        result = await tier.store(job([key], [0]))
+        assert result.failed_keys == (key,)
+        proxy.clear()
+    assert await _open_uploads(proxy.url, prefix) == []

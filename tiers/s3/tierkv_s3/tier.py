@@ -3,11 +3,12 @@
 One object per block, `<prefix>/<namespace tag>/<key hex>`, holding the
 `tierkv.framing` header and the block bytes, written with one PUT (a multipart upload
 for frames of at least 2 x `part_size`); S3 makes an object visible only once it is
-whole. Bytes read back are untrusted: an object failing any frame check fails its key
-and is deleted. Nothing is ever unpickled.
+whole; a multipart upload that fails or is cancelled is aborted (`_put_multipart`).
+Bytes read back are untrusted: an object failing any frame check fails its key and is
+deleted. Nothing is ever unpickled.
 
-s3fs runs in asynchronous mode on the caller's event loop (`_pipe_file`, `_cat_file`,
-and `_call_s3` for HEAD and batched DELETE), with its listings cache and its own retries
+s3fs runs in asynchronous mode on the caller's event loop (`_cat_file`, and `_call_s3`
+for PUT, multipart uploads, HEAD and batched DELETE), with its listings cache and its own retries
 off: `retry.call_with_retries` is the one retry policy. A job moves its keys with up
 to `max_concurrency` requests at once; a key that fails (throttled past `retries`, a
 5xx, a timeout) fails alone and the others go on. A failure that would fail every key
@@ -48,6 +49,9 @@ T = TypeVar("T")
 
 _DELETE_BATCH = 1000  # the most keys one DeleteObjects request takes
 _PRESENT_MAX = 1 << 16  # entries of the existence cache
+_ABORT_GRACE = 2.0
+"""Seconds a cancelled store may spend aborting its multipart upload before it returns
+(an abort not confirmed by then is retried by `close`)."""
 
 _SESSIONS: dict[str | None, AioSession] = {}
 
@@ -78,6 +82,7 @@ class S3Tier(SecondaryTierManager):
         self._client: Any = None  # the aiobotocore client s3fs made; closed by close()
         self._gate: anyio.Semaphore | None = None
         self._present: OrderedDict[OffloadKey, float] = OrderedDict()
+        self._unaborted: list[tuple[str, str]] = []  # (object key, upload id)
         self._inflight = InFlightJobs(self.name)
 
     @staticmethod
@@ -168,6 +173,12 @@ class S3Tier(SecondaryTierManager):
 
     async def close(self) -> None:
         await self._inflight.drain()
+        fs = self._fs
+        if fs is not None:
+            leftover, self._unaborted = self._unaborted, []
+            for name, upload_id in leftover:  # uploads a cancelled store could not abort
+                with anyio.CancelScope(shield=True):
+                    await self._abort_upload(fs, name, upload_id, self.config.request_timeout)
         client, self._client, self._fs = self._client, None, None
         self._present.clear()
         if client is not None:
@@ -247,17 +258,108 @@ class S3Tier(SecondaryTierManager):
     async def _store_one(self, fs: S3FileSystem, key: OffloadKey, slot: int) -> None:
         payload = self.primary.block(slot)
         frame = b"".join((encode_header(key, payload, self.primary.namespace), payload))
-        part_size = int(self.config.part_size)
-        await self._call(
-            f"store of {self._names.url(key)}",
-            lambda: fs._pipe_file(
-                self._names.path(key),
-                frame,
-                chunksize=part_size,
-                max_concurrency=self.config.max_concurrency,
-            ),
-        )
+        if len(frame) >= 2 * int(self.config.part_size):
+            await self._put_multipart(fs, key, frame)
+        else:
+            await self._call(
+                f"store of {self._names.url(key)}",
+                lambda: fs._call_s3(
+                    "put_object",
+                    Bucket=self._names.bucket,
+                    Key=self._names.key(key),
+                    Body=frame,
+                ),
+            )
         self._saw(key)
+
+    async def _put_multipart(self, fs: S3FileSystem, key: OffloadKey, frame: bytes) -> None:
+        """Upload `frame` in parts of `part_size`, up to `max_concurrency` at once.
+
+        Not s3fs's `_pipe_file`: it aborts the upload only on an `Exception`, so a
+        cancellation (a request or job timeout, the cache closing) left an incomplete
+        multipart upload whose parts S3 keeps, and bills, until someone aborts it.
+        Here any way out but success aborts it; one the abort could not reach is kept
+        and aborted again by `close`."""
+        bucket, name, url = self._names.bucket, self._names.key(key), self._names.url(key)
+        part_size = int(self.config.part_size)
+        created = await self._call(
+            f"store of {url}",
+            lambda: fs._call_s3("create_multipart_upload", Bucket=bucket, Key=name),
+        )
+        upload_id: str = created["UploadId"]
+        try:
+            starts = range(0, len(frame), part_size)
+            etags = [""] * len(starts)
+            failures: list[S3Failure] = []
+            limiter = anyio.CapacityLimiter(self.config.max_concurrency)
+
+            async def upload(index: int, start: int) -> None:
+                body = frame[start : start + part_size]
+                try:
+                    async with limiter:
+                        reply = await self._call(
+                            f"store of {url} (part {index + 1})",
+                            lambda: fs._call_s3(
+                                "upload_part",
+                                Bucket=bucket,
+                                Key=name,
+                                UploadId=upload_id,
+                                PartNumber=index + 1,
+                                Body=body,
+                            ),
+                        )
+                except S3Failure as failure:
+                    failures.append(failure)
+                    tg.cancel_scope.cancel()  # the upload is lost: stop its other parts
+                    return
+                etags[index] = reply["ETag"]
+
+            async with anyio.create_task_group() as tg:
+                for index, start in enumerate(starts):
+                    tg.start_soon(upload, index, start)
+            if failures:
+                raise failures[0]
+            parts = [{"PartNumber": i + 1, "ETag": etag} for i, etag in enumerate(etags)]
+            await self._call(
+                f"store of {url}",
+                lambda: fs._call_s3(
+                    "complete_multipart_upload",
+                    Bucket=bucket,
+                    Key=name,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                ),
+            )
+        except BaseException:
+            # shielded, so a cancellation cannot skip it; bounded, so a dead endpoint
+            # delays the job's end by at most _ABORT_GRACE
+            with anyio.CancelScope(shield=True):
+                if not await self._abort_upload(fs, name, upload_id, _ABORT_GRACE):
+                    self._unaborted.append((name, upload_id))
+            raise
+
+    async def _abort_upload(
+        self, fs: S3FileSystem, name: str, upload_id: str, timeout: float
+    ) -> bool:
+        """Abort one multipart upload; whether S3 confirmed it (or it is gone)."""
+        bucket = self._names.bucket
+        try:
+            await call_with_retries(
+                f"abort of the upload of s3://{bucket}/{name}",
+                lambda: fs._call_s3(
+                    "abort_multipart_upload", Bucket=bucket, Key=name, UploadId=upload_id
+                ),
+                retries=0,
+                timeout=timeout,
+                backoff_base=0.0,
+                backoff_cap=0.0,
+            )
+        except S3Failure as failure:
+            if failure.kind == "missing":  # NoSuchUpload: nothing left to abort
+                return True
+            logger.warning("s3: %s", failure)
+            return False
+        return True
 
     async def load(self, job: JobMetadata) -> JobResult:
         async with self._inflight.job():
