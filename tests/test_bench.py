@@ -5,7 +5,6 @@ rate, and failures reported. Numbers are only checked to exist, never timed."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,6 @@ from tierkv.cli import main
 from tierkv.config import parse_config
 from tierkv.keys import make_offload_key
 from tierkv.orchestrator import TieredCache
-from tierkv.testing import missing_server
 
 pytestmark = pytest.mark.anyio
 
@@ -133,34 +131,9 @@ def test_tier_names_follow_the_cache() -> None:
 
 # -- real servers ------------------------------------------------------------------------
 @pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[str]:
-    try:
-        from tierkv_redis.testing import RedisServer
-
-        server = RedisServer(tmp_path)
-    except Exception as exc:  # tierkv-redis or redis-server missing
-        missing_server("tierkv-redis and a redis-server", exc)
-    server.start()
-    try:
-        yield server.url
-    finally:
-        server.close()
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint() -> Iterator[str]:
-    try:
-        from tierkv_s3.testing import MotoServer
-
-        server = MotoServer()
-    except Exception as exc:  # tierkv-s3 or moto missing
-        missing_server("tierkv-s3 and moto", exc)
-    server.start()
-    try:
-        server.create_bucket("bench")
-        yield server.endpoint_url
-    finally:
-        server.close()
+def s3_endpoint(moto_server: Any) -> str:
+    moto_server.create_bucket("bench")
+    return str(moto_server.endpoint_url)
 
 
 async def test_redis_tier_against_plain_redis_py(redis_url: str) -> None:

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,6 @@ import pytest
 
 from tierkv.cli import main
 from tierkv.config import load_config
-from tierkv.testing import missing_server
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -31,34 +29,9 @@ TINY_DEMO = [
 
 
 @pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[str]:
-    try:
-        from tierkv_redis.testing import RedisServer
-
-        server = RedisServer(tmp_path)
-    except Exception as exc:
-        missing_server("tierkv-redis and a redis-server", exc)
-    server.start()
-    try:
-        yield server.url
-    finally:
-        server.close()
-
-
-@pytest.fixture
-def s3_endpoint() -> Iterator[str]:
-    try:
-        from tierkv_s3.testing import MotoServer
-
-        server = MotoServer()
-    except Exception as exc:
-        missing_server("tierkv-s3 and moto", exc)
-    server.start()
-    try:
-        server.create_bucket("archive")
-        yield server.endpoint_url
-    finally:
-        server.close()
+def s3_endpoint(moto_server: Any) -> str:
+    moto_server.create_bucket("archive")
+    return str(moto_server.endpoint_url)
 
 
 # -- chains/*.yaml ---------------------------------------------------------------------------
