@@ -47,6 +47,7 @@ from pydantic import ByteSize
 
 from tierkv.config import CacheConfig
 from tierkv.demo.report import Block, TextTable, percentile
+from tierkv.jobs import JobMetadata
 from tierkv.keys import OffloadKey, make_offload_key
 from tierkv.layout import GroupSpec, KVLayout
 from tierkv.memory_tier import MemoryTierConfig
@@ -823,3 +824,37 @@ def bench_summary(report: dict[str, Any]) -> list[Block]:
 def _rate(side: dict[str, Any]) -> str:
     low, high = side["spread"]
     return f"{side['MBps']:,.0f} ({low:,.0f}..{high:,.0f})"
+
+
+# -- helpers for a tier package's own benchmark script ----------------------------------------
+class TierJobBench:
+    """The tier side of a per-tier benchmark: one store job and one load job covering
+    every slot of the tier's primary, so the tier's own batching is what is measured."""
+
+    def __init__(self, tier: SecondaryTierManager) -> None:
+        self.tier = tier
+        n = tier.primary.num_blocks
+        self.keys = tuple(make_offload_key(i.to_bytes(32, "big"), 0) for i in range(n))
+        self.job = JobMetadata(1, self.keys, tuple(range(n)))
+
+    async def open(self) -> None:
+        await self.tier.open()
+
+    async def store(self) -> None:
+        result = await self.tier.store(self.job)
+        assert result.ok, result.error
+
+    async def load(self) -> None:
+        result = await self.tier.load(self.job)
+        assert result.ok, result.error
+
+    async def close(self) -> None:
+        await self.tier.remove(self.keys)
+        await self.tier.close()
+
+
+async def timed(fn: Callable[[], Awaitable[None]]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one `await fn()`."""
+    cpu, start = time.process_time(), time.perf_counter()
+    await fn()
+    return time.perf_counter() - start, time.process_time() - cpu

@@ -16,15 +16,12 @@ import argparse
 import asyncio
 import os
 import sys
-import time
-from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 from tierkv_redis import RedisTier, RedisTierConfig
 from tierkv_redis.testing import RedisServer
 
-from tierkv.jobs import JobMetadata
-from tierkv.keys import make_offload_key
+from tierkv.bench import TierJobBench, timed
 from tierkv.primary import PrimaryTier
 
 MiB = 1 << 20
@@ -73,34 +70,10 @@ class RawClient:
         await self.client.aclose()
 
 
-class TierClient:
+def tier_client(url: str, primary: PrimaryTier, concurrency: int, depth: int) -> TierJobBench:
     """The same blocks through RedisTier: one store job and one load job of all of them."""
-
-    def __init__(self, url: str, primary: PrimaryTier, concurrency: int, depth: int) -> None:
-        config = RedisTierConfig(url=url, max_connections=concurrency, pipeline_size=depth)
-        self.tier = RedisTier(config, primary.view)
-        n = primary.num_blocks
-        self.keys = tuple(make_offload_key(i.to_bytes(32, "big"), 0) for i in range(n))
-        self.job = JobMetadata(1, self.keys, tuple(range(n)))
-
-    async def store(self) -> None:
-        result = await self.tier.store(self.job)
-        assert result.ok, result.error
-
-    async def load(self) -> None:
-        result = await self.tier.load(self.job)
-        assert result.ok, result.error
-
-    async def close(self) -> None:
-        await self.tier.remove(self.keys)
-        await self.tier.close()
-
-
-async def timed(fn: Callable[[], Awaitable[None]]) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process) of one `await fn()`."""
-    cpu, start = time.process_time(), time.perf_counter()
-    await fn()
-    return time.perf_counter() - start, time.process_time() - cpu
+    config = RedisTierConfig(url=url, max_connections=concurrency, pipeline_size=depth)
+    return TierJobBench(RedisTier(config, primary.view))
 
 
 async def measure(
@@ -109,8 +82,8 @@ async def measure(
     """Best seconds of each of raw/tier store/load; raw and tier alternate, so a
     noisy neighbour hurts both alike."""
     raw = RawClient(url, primary, concurrency, depth)
-    tier = TierClient(url, primary, concurrency, depth)
-    await tier.tier.open()
+    tier = tier_client(url, primary, concurrency, depth)
+    await tier.open()
     best: dict[str, float] = {}
     try:
         for _ in range(repeat):

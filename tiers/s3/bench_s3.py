@@ -16,16 +16,13 @@ import argparse
 import asyncio
 import os
 import sys
-import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from s3fs import S3FileSystem  # type: ignore[import-untyped]
 from tierkv_s3 import S3Tier, S3TierConfig
 from tierkv_s3.testing import MotoServer
 
-from tierkv.jobs import JobMetadata
-from tierkv.keys import make_offload_key
+from tierkv.bench import TierJobBench, timed
 from tierkv.primary import PrimaryTier
 
 MiB = 1 << 20
@@ -76,41 +73,16 @@ class RawClient:
         await self.client.close()
 
 
-class TierClient:
-    def __init__(self, endpoint: str, bucket: str, primary: PrimaryTier, concurrency: int) -> None:
-        config = S3TierConfig(
-            url=f"s3://{bucket}/tierbench",
-            endpoint_url=endpoint,
-            access_key_id="bench",
-            secret_access_key="bench",
-            max_concurrency=concurrency,
-        )
-        self.tier = S3Tier(config, primary.view)
-        n = primary.num_blocks
-        self.keys = tuple(make_offload_key(i.to_bytes(32, "big"), 0) for i in range(n))
-        self.job = JobMetadata(1, self.keys, tuple(range(n)))
-
-    async def open(self) -> None:
-        await self.tier.open()
-
-    async def store(self) -> None:
-        result = await self.tier.store(self.job)
-        assert result.ok, result.error
-
-    async def load(self) -> None:
-        result = await self.tier.load(self.job)
-        assert result.ok, result.error
-
-    async def close(self) -> None:
-        await self.tier.remove(self.keys)
-        await self.tier.close()
-
-
-async def timed(fn: Callable[[], Awaitable[None]]) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process) of one `await fn()`."""
-    cpu, start = time.process_time(), time.perf_counter()
-    await fn()
-    return time.perf_counter() - start, time.process_time() - cpu
+def tier_client(endpoint: str, bucket: str, primary: PrimaryTier, concurrency: int) -> TierJobBench:
+    """The same blocks through S3Tier: one store job and one load job of all of them."""
+    config = S3TierConfig(
+        url=f"s3://{bucket}/tierbench",
+        endpoint_url=endpoint,
+        access_key_id="bench",
+        secret_access_key="bench",
+        max_concurrency=concurrency,
+    )
+    return TierJobBench(S3Tier(config, primary.view))
 
 
 async def run(args: argparse.Namespace, endpoint: str) -> None:
@@ -126,7 +98,7 @@ async def run(args: argparse.Namespace, endpoint: str) -> None:
           "client CPU s raw/tier: store, load")  # fmt: skip
     for concurrency in args.concurrency:
         raw = RawClient(endpoint, args.bucket, primary, concurrency)
-        tier = TierClient(endpoint, args.bucket, primary, concurrency)
+        tier = tier_client(endpoint, args.bucket, primary, concurrency)
         await raw.open()
         await tier.open()
         best: dict[str, float] = {}
