@@ -858,3 +858,18 @@ async def timed(fn: Callable[[], Awaitable[None]]) -> tuple[float, float]:
     cpu, start = time.process_time(), time.perf_counter()
     await fn()
     return time.perf_counter() - start, time.process_time() - cpu
+
+
+async def best_of(
+    repeat: int, phases: Sequence[tuple[str, Callable[[], Awaitable[None]]]]
+) -> dict[str, float]:
+    """Run `phases` in order `repeat` times (raw and tier alternating, so a noisy
+    neighbour hurts both alike); the best wall seconds of each as `name` and the best
+    CPU seconds as `name_cpu`."""
+    best: dict[str, float] = {}
+    for _ in range(repeat):
+        for name, fn in phases:
+            wall, cpu = await timed(fn)
+            best[name] = min(best.get(name, wall), wall)
+            best[f"{name}_cpu"] = min(best.get(f"{name}_cpu", cpu), cpu)
+    return best

@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from tierkv_redis import RedisTier, RedisTierConfig
 from tierkv_redis.testing import RedisServer
 
-from tierkv.bench import TierJobBench, timed
+from tierkv.bench import TierJobBench, best_of
 from tierkv.primary import PrimaryTier
 
 MiB = 1 << 20
@@ -84,18 +84,16 @@ async def measure(
     raw = RawClient(url, primary, concurrency, depth)
     tier = tier_client(url, primary, concurrency, depth)
     await tier.open()
-    best: dict[str, float] = {}
     try:
-        for _ in range(repeat):
-            for name, fn in (
+        best = await best_of(
+            repeat,
+            [
                 ("raw_store", raw.store),
                 ("tier_store", tier.store),
                 ("raw_load", raw.load),
                 ("tier_load", tier.load),
-            ):
-                wall, cpu = await timed(fn)
-                best[name] = min(best.get(name, wall), wall)
-                best[f"{name}_cpu"] = min(best.get(f"{name}_cpu", cpu), cpu)
+            ],
+        )
     finally:
         await raw.close()
         await tier.close()

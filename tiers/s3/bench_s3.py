@@ -22,7 +22,7 @@ from s3fs import S3FileSystem  # type: ignore[import-untyped]
 from tierkv_s3 import S3Tier, S3TierConfig
 from tierkv_s3.testing import MotoServer
 
-from tierkv.bench import TierJobBench, timed
+from tierkv.bench import TierJobBench, best_of
 from tierkv.primary import PrimaryTier
 
 MiB = 1 << 20
@@ -101,18 +101,16 @@ async def run(args: argparse.Namespace, endpoint: str) -> None:
         tier = tier_client(endpoint, args.bucket, primary, concurrency)
         await raw.open()
         await tier.open()
-        best: dict[str, float] = {}
         try:
-            for _ in range(args.repeat):
-                for name, fn in (
+            best = await best_of(
+                args.repeat,
+                [
                     ("raw_store", raw.store),
                     ("tier_store", tier.store),
                     ("raw_load", raw.load),
                     ("tier_load", tier.load),
-                ):
-                    wall, cpu = await timed(fn)
-                    best[name] = min(best.get(name, wall), wall)
-                    best[f"{name}_cpu"] = min(best.get(f"{name}_cpu", cpu), cpu)
+                ],
+            )
         finally:
             await raw.close()
             await tier.close()
