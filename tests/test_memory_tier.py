@@ -73,3 +73,16 @@ async def test_closed_tier_refuses_work() -> None:
     await tier.close()
     with pytest.raises(TierUnavailable, match="closed"):
         await tier.store(JobMetadata(1, tuple(random_keys(1)), (0,)))
+
+
+def test_report_removed_reaches_the_listener_only_when_set() -> None:
+    from tierkv.memory_tier import MemoryTier, MemoryTierConfig
+    from tierkv.slab import PrimaryView
+
+    tier = MemoryTier(MemoryTierConfig(type="memory"), PrimaryView(bytearray(16), 8, "ns"))
+    tier.report_removed([b"k" * 8])  # no listener yet: nothing to tell, nothing raised
+    heard: list[tuple[bytes, ...]] = []
+    tier.set_removal_listener(heard.append)
+    tier.report_removed([b"a" * 8, b"b" * 8])
+    tier.report_removed([])
+    assert heard == [(b"a" * 8, b"b" * 8)]

@@ -12,7 +12,7 @@ import torch
 from tierkv.errors import BlockStateError, ConfigError
 from tierkv.events import OffloadingEvent
 from tierkv.layout import KVLayout
-from tierkv.primary import PrimaryConfig, PrimaryTier, PrimaryView
+from tierkv.primary import HostSlab, PrimaryConfig, PrimaryTier
 
 A, B, C, D, E, F = (bytes([c]) for c in b"ABCDEF")
 
@@ -75,7 +75,7 @@ def test_from_config_sizes_the_slab() -> None:
 
 def test_view_rejects_a_wrong_slab() -> None:
     with pytest.raises(ValueError, match="contiguous 2-D uint8"):
-        PrimaryView(torch.zeros(4, 8, dtype=torch.float32), "ns")
+        HostSlab(torch.zeros(4, 8, dtype=torch.float32), "ns")
 
 
 # -- store life cycle --------------------------------------------------------------

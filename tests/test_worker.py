@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from tierkv.errors import ConfigError
 from tierkv.layout import GroupSpec, KVLayout
-from tierkv.primary import PrimaryTier, PrimaryView
+from tierkv.primary import HostSlab, PrimaryTier
 from tierkv.worker import (
     DIRECTIONS,
     Direction,
@@ -367,7 +367,7 @@ def test_a_raw_slab_tensor_works_like_a_primary_view() -> None:
     kv[0][0][2] = 7
     worker.submit(TransferSpec("store", [[2]], [[1]], [0]))
     assert int(slab[1].sum()) == 7 * 64
-    view_worker = TransferWorker(kv, PrimaryView(slab, "ns"), layout, gpu_block_size=GPU_BLOCK)
+    view_worker = TransferWorker(kv, HostSlab(slab, "ns"), layout, gpu_block_size=GPU_BLOCK)
     assert view_worker.num_slots == 2
 
 

@@ -1,107 +1,155 @@
 """tierkv: keeps an LLM server's KV cache alive after it leaves the GPU.
 
-Users import from here; plugin authors import from `tierkv.tier` (the contract),
-`tierkv.framing` (the stored format) and `tierkv.testing` (the conformance suite).
+The names below are the whole public API: what an inference server embeds and what a
+tier plugin author implements. Plugin authors import from `tierkv.tier` (the contract,
+torch-free), `tierkv.framing` (the stored format) and `tierkv.testing` (the
+conformance suite). Everything else is importable from its own module and may move.
+
+Names are imported on first use, so `import tierkv.tier` (a plugin) does not pull in
+torch or the cache.
 """
 
 from __future__ import annotations
 
-from tierkv.blocks import BlockDestination, BlockSource, HostBlocks
-from tierkv.config import CacheConfig, load_config, parse_config
-from tierkv.errors import (
-    BlockStateError,
-    ConfigError,
-    CorruptBlock,
-    PluginImportError,
-    TierKVError,
-    TierUnavailable,
-    UnknownTierType,
-)
-from tierkv.events import OffloadingEvent
-from tierkv.hits import GroupHit, combine_group_hits
-from tierkv.jobs import JobMetadata, JobResult, ReqContext
-from tierkv.keys import (
-    HashAlgorithm,
-    OffloadKey,
-    get_offload_block_hash,
-    get_offload_group_idx,
-    hash_token_blocks,
-    make_offload_key,
-)
-from tierkv.kv_blocks import KVCacheBlocks
-from tierkv.layout import GroupSpec, KVLayout
-from tierkv.memory_tier import MemoryTier, MemoryTierConfig
-from tierkv.orchestrator import CacheStats, LoadResult, LookupResult, StoreResult, TieredCache
-from tierkv.primary import PrepareStoreOutput, PrimaryConfig, PrimaryTier, PrimaryView
-from tierkv.registry import (
-    create_tier,
-    get_tier_class,
-    installed_tiers,
-    register_tier,
-    unregister_tier,
-)
-from tierkv.tier import SecondaryTierManager, TierConfig
-from tierkv.worker import (
-    TransferResult,
-    TransferSpec,
-    TransferSpecError,
-    TransferWorker,
-    required_block_bytes,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BlockDestination",
-    "BlockSource",
-    "CacheStats",
-    "GroupHit",
-    "HostBlocks",
-    "KVCacheBlocks",
-    "TransferResult",
-    "TransferSpec",
-    "TransferSpecError",
-    "TransferWorker",
-    "required_block_bytes",
-    "LoadResult",
-    "LookupResult",
-    "StoreResult",
-    "TieredCache",
-    "combine_group_hits",
-    "BlockStateError",
-    "CacheConfig",
-    "ConfigError",
-    "CorruptBlock",
-    "GroupSpec",
-    "HashAlgorithm",
-    "JobMetadata",
-    "JobResult",
-    "KVLayout",
-    "MemoryTier",
-    "MemoryTierConfig",
-    "OffloadKey",
-    "OffloadingEvent",
-    "PluginImportError",
-    "PrepareStoreOutput",
-    "PrimaryConfig",
-    "PrimaryTier",
-    "PrimaryView",
-    "ReqContext",
-    "SecondaryTierManager",
-    "TierConfig",
-    "TierKVError",
-    "TierUnavailable",
-    "UnknownTierType",
-    "__version__",
-    "create_tier",
-    "get_offload_block_hash",
-    "get_offload_group_idx",
-    "get_tier_class",
-    "hash_token_blocks",
-    "installed_tiers",
-    "load_config",
-    "make_offload_key",
-    "parse_config",
-    "register_tier",
-    "unregister_tier",
-]
+# public name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    # embedding the cache
+    "TieredCache": "tierkv.orchestrator",
+    "CacheStats": "tierkv.orchestrator",
+    "LoadResult": "tierkv.orchestrator",
+    "LookupResult": "tierkv.orchestrator",
+    "StoreResult": "tierkv.orchestrator",
+    "CacheConfig": "tierkv.config",
+    "load_config": "tierkv.config",
+    "parse_config": "tierkv.config",
+    "KVLayout": "tierkv.layout",
+    "GroupSpec": "tierkv.layout",
+    "HostBlocks": "tierkv.blocks",
+    "KVCacheBlocks": "tierkv.kv_blocks",
+    "TransferWorker": "tierkv.worker",
+    "OffloadingEvent": "tierkv.events",
+    # keys
+    "OffloadKey": "tierkv.keys",
+    "make_offload_key": "tierkv.keys",
+    "hash_token_blocks": "tierkv.keys",
+    # writing a tier
+    "SecondaryTierManager": "tierkv.tier",
+    "TierConfig": "tierkv.tier",
+    "PrimaryView": "tierkv.slab",
+    "JobMetadata": "tierkv.jobs",
+    "JobResult": "tierkv.jobs",
+    "ReqContext": "tierkv.jobs",
+    "register_tier": "tierkv.registry",
+    # errors
+    "TierKVError": "tierkv.errors",
+    "ConfigError": "tierkv.errors",
+    "TierUnavailable": "tierkv.errors",
+    "CorruptBlock": "tierkv.errors",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tierkv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if TYPE_CHECKING:  # the same names, eagerly, for type checkers
+    from tierkv.blocks import (
+        HostBlocks as HostBlocks,
+    )
+    from tierkv.config import (
+        CacheConfig as CacheConfig,
+    )
+    from tierkv.config import (
+        load_config as load_config,
+    )
+    from tierkv.config import (
+        parse_config as parse_config,
+    )
+    from tierkv.errors import (
+        ConfigError as ConfigError,
+    )
+    from tierkv.errors import (
+        CorruptBlock as CorruptBlock,
+    )
+    from tierkv.errors import (
+        TierKVError as TierKVError,
+    )
+    from tierkv.errors import (
+        TierUnavailable as TierUnavailable,
+    )
+    from tierkv.events import (
+        OffloadingEvent as OffloadingEvent,
+    )
+    from tierkv.jobs import (
+        JobMetadata as JobMetadata,
+    )
+    from tierkv.jobs import (
+        JobResult as JobResult,
+    )
+    from tierkv.jobs import (
+        ReqContext as ReqContext,
+    )
+    from tierkv.keys import (
+        OffloadKey as OffloadKey,
+    )
+    from tierkv.keys import (
+        hash_token_blocks as hash_token_blocks,
+    )
+    from tierkv.keys import (
+        make_offload_key as make_offload_key,
+    )
+    from tierkv.kv_blocks import (
+        KVCacheBlocks as KVCacheBlocks,
+    )
+    from tierkv.layout import (
+        GroupSpec as GroupSpec,
+    )
+    from tierkv.layout import (
+        KVLayout as KVLayout,
+    )
+    from tierkv.orchestrator import (
+        CacheStats as CacheStats,
+    )
+    from tierkv.orchestrator import (
+        LoadResult as LoadResult,
+    )
+    from tierkv.orchestrator import (
+        LookupResult as LookupResult,
+    )
+    from tierkv.orchestrator import (
+        StoreResult as StoreResult,
+    )
+    from tierkv.orchestrator import (
+        TieredCache as TieredCache,
+    )
+    from tierkv.registry import (
+        register_tier as register_tier,
+    )
+    from tierkv.slab import (
+        PrimaryView as PrimaryView,
+    )
+    from tierkv.tier import (
+        SecondaryTierManager as SecondaryTierManager,
+    )
+    from tierkv.tier import (
+        TierConfig as TierConfig,
+    )
+    from tierkv.worker import (
+        TransferWorker as TransferWorker,
+    )

@@ -53,7 +53,7 @@ from tierkv.layout import GroupSpec, KVLayout
 from tierkv.memory_tier import MemoryTierConfig
 from tierkv.orchestrator import TieredCache
 from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
-from tierkv.primary import PrimaryConfig, PrimaryView
+from tierkv.primary import HostSlab, PrimaryConfig
 from tierkv.tier import SecondaryTierManager, TierConfig
 from tierkv.units import format_size
 
@@ -601,12 +601,12 @@ class _NoCopy:
         return self.count
 
     async def copy_to_slots(
-        self, view: PrimaryView, indices: Sequence[int], slots: Sequence[int]
+        self, view: HostSlab, indices: Sequence[int], slots: Sequence[int]
     ) -> None:
         pass
 
     async def copy_from_slots(
-        self, view: PrimaryView, indices: Sequence[int], slots: Sequence[int]
+        self, view: HostSlab, indices: Sequence[int], slots: Sequence[int]
     ) -> None:
         pass
 

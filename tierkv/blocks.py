@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 import anyio
 import torch
 
-from tierkv.primary import PrimaryView
+from tierkv.primary import HostSlab
 
 _THREAD_THRESHOLD = 8 << 20  # copy in a worker thread above this many bytes per call
 
@@ -27,7 +27,7 @@ class BlockSource(Protocol):
     def __len__(self) -> int: ...
 
     async def copy_to_slots(
-        self, view: PrimaryView, indices: Sequence[int], slots: Sequence[int]
+        self, view: HostSlab, indices: Sequence[int], slots: Sequence[int]
     ) -> None:
         """Copy source block `indices[i]` into primary slot `slots[i]`."""
         ...
@@ -40,7 +40,7 @@ class BlockDestination(Protocol):
     def __len__(self) -> int: ...
 
     async def copy_from_slots(
-        self, view: PrimaryView, indices: Sequence[int], slots: Sequence[int]
+        self, view: HostSlab, indices: Sequence[int], slots: Sequence[int]
     ) -> None:
         """Copy primary slot `slots[i]` into destination block `indices[i]`."""
         ...
@@ -106,7 +106,7 @@ class HostBlocks:
             fn()
 
     async def copy_to_slots(
-        self, view: PrimaryView, indices: Sequence[int], slots: Sequence[int]
+        self, view: HostSlab, indices: Sequence[int], slots: Sequence[int]
     ) -> None:
         def copy() -> None:
             for i, slot in zip(indices, slots):
@@ -119,7 +119,7 @@ class HostBlocks:
         await self._run(copy, len(slots))
 
     async def copy_from_slots(
-        self, view: PrimaryView, indices: Sequence[int], slots: Sequence[int]
+        self, view: HostSlab, indices: Sequence[int], slots: Sequence[int]
     ) -> None:
         def copy() -> None:
             for i, slot in zip(indices, slots):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from tierkv.primary import PrimaryView
+from tierkv.primary import HostSlab
 from tierkv.worker import Direction, TransferSpec, TransferWorker
 
 
@@ -63,12 +63,12 @@ class KVCacheBlocks:
             counts[g] += 1
         return counts
 
-    def _check_view(self, view: PrimaryView) -> None:
+    def _check_view(self, view: HostSlab) -> None:
         if view.num_blocks != self.worker.num_slots or view.block_bytes != self.worker.block_bytes:
             raise ValueError("this KVCacheBlocks' worker was built over another primary slab")
 
     async def _move(
-        self, direction: Direction, view: PrimaryView, indices: Sequence[int], slots: Sequence[int]
+        self, direction: Direction, view: HostSlab, indices: Sequence[int], slots: Sequence[int]
     ) -> None:
         self._check_view(view)
         groups = len(self.gpu_blocks)
@@ -110,13 +110,13 @@ class KVCacheBlocks:
             await self.worker.transfer(spec)
 
     async def copy_to_slots(
-        self, view: PrimaryView, indices: Sequence[int], slots: Sequence[int]
+        self, view: HostSlab, indices: Sequence[int], slots: Sequence[int]
     ) -> None:
         """GPU -> primary (a store)."""
         await self._move("store", view, indices, slots)
 
     async def copy_from_slots(
-        self, view: PrimaryView, indices: Sequence[int], slots: Sequence[int]
+        self, view: HostSlab, indices: Sequence[int], slots: Sequence[int]
     ) -> None:
         """Primary -> GPU (stage 2 of a load)."""
         await self._move("load", view, indices, slots)

@@ -30,6 +30,7 @@ from tierkv.events import OffloadingEvent
 from tierkv.keys import OffloadKey
 from tierkv.layout import KVLayout
 from tierkv.policies import EvictionPolicy, make_policy
+from tierkv.slab import PrimaryView
 from tierkv.units import Size, format_size
 
 logger = logging.getLogger(__name__)
@@ -49,34 +50,17 @@ class PrimaryConfig(BaseModel):
     )
 
 
-class PrimaryView:
-    """What a secondary tier sees of the primary: slab geometry, the namespace, and a
-    writable zero-copy `memoryview` per slot. A tier reads a slot on store and writes
-    it on load; the orchestrator keeps the slot protected until the job's result is
-    taken."""
+class HostSlab(PrimaryView):
+    """The core's view of the slab: the contract's `PrimaryView` plus the torch tensor
+    the GPU worker and host-block copies use. Tiers only see the `PrimaryView` part."""
 
     def __init__(self, slab: torch.Tensor, namespace: str) -> None:
         if slab.dtype != torch.uint8 or slab.dim() != 2 or not slab.is_contiguous():
             raise ValueError("the primary slab must be a contiguous 2-D uint8 tensor")
         if slab.device.type != "cpu":
             raise ValueError(f"the primary slab must live in host memory, not {slab.device}")
+        super().__init__(slab.numpy(), int(slab.shape[1]), namespace)
         self.tensor = slab
-        self.namespace = namespace
-        self._array = slab.numpy()  # shares memory with the tensor
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self.tensor.shape[0])
-
-    @property
-    def block_bytes(self) -> int:
-        return int(self.tensor.shape[1])
-
-    def block(self, slot: int) -> memoryview:
-        """The bytes of `slot`, writable, without a copy."""
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_blocks:
-            raise IndexError(f"slot {slot!r} is out of range 0..{self.num_blocks - 1}")
-        return memoryview(self._array[slot])
 
 
 class PrepareStoreOutput(NamedTuple):
@@ -127,7 +111,7 @@ class PrimaryTier:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         pinned = resolve_pin_memory(pin_memory)
         slab = torch.empty((num_blocks, block_bytes), dtype=torch.uint8, pin_memory=pinned)
-        self.view = PrimaryView(slab, namespace)
+        self.view = HostSlab(slab, namespace)
         self.pinned = pinned
         self.policy: EvictionPolicy = make_policy(eviction, num_blocks)
         self._blocks: dict[OffloadKey, _Block] = {}

@@ -12,7 +12,7 @@ import importlib.metadata as md
 from dataclasses import dataclass
 
 from tierkv.errors import PluginImportError, UnknownTierType
-from tierkv.primary import PrimaryView
+from tierkv.slab import PrimaryView
 from tierkv.tier import SecondaryTierManager, TierConfig
 
 ENTRY_POINT_GROUP = "tierkv.tiers"

@@ -32,7 +32,8 @@ from tierkv.errors import TierUnavailable
 from tierkv.jobs import JobMetadata, JobResult, ReqContext
 from tierkv.keys import OffloadKey, make_offload_key
 from tierkv.memory_tier import MemoryTier, MemoryTierConfig
-from tierkv.primary import PrimaryTier, PrimaryView
+from tierkv.primary import PrimaryTier
+from tierkv.slab import PrimaryView
 from tierkv.tier import SecondaryTierManager, TierConfig
 from tierkv.units import Duration
 

@@ -14,7 +14,7 @@ Register a tier with an entry point:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, ClassVar, Literal
 
@@ -24,8 +24,8 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveInt
 from tierkv.errors import CorruptBlock, TierUnavailable
 from tierkv.jobs import JobMetadata, JobResult, ReqContext
 from tierkv.keys import OffloadKey
-from tierkv.primary import PrimaryView
 from tierkv.redact import redact_url
+from tierkv.slab import PrimaryView
 from tierkv.units import Duration, Size
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "JobResult",
     "OffloadKey",
     "PrimaryView",
+    "RemovalListener",
     "ReqContext",
     "SecondaryTierManager",
     "Size",
@@ -46,6 +47,9 @@ __all__ = [
 ]
 
 WritePolicy = Literal["write_through", "write_back", "write_through_selective"]
+
+RemovalListener = Callable[[tuple[OffloadKey, ...]], None]
+"""Called with the keys a tier reports it no longer holds (see `report_removed`)."""
 
 
 class TierConfig(BaseModel):
@@ -102,6 +106,10 @@ class SecondaryTierManager(ABC):
     - A job may be cancelled (its `job_timeout`, the cache closing). After it returns
       or is cancelled it must not touch its slots again: run blocking I/O through
       `anyio.to_thread.run_sync`, which waits for the thread when cancelled.
+    - Blocks that leave the tier by the tier's own doing (its capacity eviction, an
+      expiry, a deletion after a failed check) are reported with `report_removed`, so
+      the cache forgets them and emits `removed` events for this tier. Blocks the
+      cache asked to `remove` need no report.
     """
 
     Config: ClassVar[type[TierConfig]] = TierConfig
@@ -113,6 +121,7 @@ class SecondaryTierManager(ABC):
             )
         self.config = config
         self.primary = primary
+        self._removal_listener: RemovalListener | None = None
 
     @staticmethod
     @abstractmethod
@@ -148,6 +157,18 @@ class SecondaryTierManager(ABC):
     @abstractmethod
     async def remove(self, keys: Sequence[OffloadKey]) -> None:
         """Delete `keys`; keys not held are ignored."""
+
+    def set_removal_listener(self, listener: RemovalListener | None) -> None:
+        """Where `report_removed` goes: the cache sets it when it adopts the tier."""
+        self._removal_listener = listener
+
+    def report_removed(self, keys: Iterable[OffloadKey]) -> None:
+        """Tell the cache these blocks are gone from this tier (own eviction, expiry,
+        deletion after a failed check). Call it from the event-loop thread, after the
+        thread that did the deleting has returned."""
+        removed = tuple(keys)
+        if removed and self._removal_listener is not None:
+            self._removal_listener(removed)
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary for `tierkv plugins` and logs (no secrets)."""

@@ -68,7 +68,7 @@ import torch
 
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.layout import GroupSpec, KVLayout
-from tierkv.primary import PrimaryView
+from tierkv.primary import HostSlab
 from tierkv.units import format_size
 
 if TYPE_CHECKING:
@@ -318,7 +318,7 @@ class TransferWorker:
     """Moves KV blocks between GPU KV caches and primary slots; see the module doc.
 
     `kv_caches[g]` are group `g`'s per-layer tensors (block index first), `primary` the
-    primary slab (a `PrimaryView` or its `[num_slots, block_bytes]` uint8 tensor, pinned
+    primary slab (a `HostSlab` or its `[num_slots, block_bytes]` uint8 tensor, pinned
     when the KV caches are on CUDA), `layout` the cache's `KVLayout`, and
     `gpu_block_size` the engine's block size in tokens (one int, or one per group).
     `block_size_factor` is `layout.groups[g].block_size // gpu_block_size[g]` and must
@@ -333,7 +333,7 @@ class TransferWorker:
     def __init__(
         self,
         kv_caches: Sequence[Sequence[torch.Tensor]],
-        primary: PrimaryView | torch.Tensor,
+        primary: HostSlab | torch.Tensor,
         layout: KVLayout,
         *,
         gpu_block_size: int | Sequence[int],
@@ -341,7 +341,7 @@ class TransferWorker:
         device_view: Callable[[torch.Tensor, torch.device], torch.Tensor] = uva_view,
         poll_interval: tuple[float, float] = POLL_INTERVAL,
     ) -> None:
-        slab = primary.tensor if isinstance(primary, PrimaryView) else primary
+        slab = primary.tensor if isinstance(primary, HostSlab) else primary
         problems: list[str] = []
         groups = self._check_kv_caches(kv_caches, layout, problems)
         factor = self._check_factor(layout, gpu_block_size, problems)
@@ -514,7 +514,8 @@ class TransferWorker:
     def _check_slab(slab: object, layout: KVLayout, problems: list[str]) -> None:
         if not isinstance(slab, torch.Tensor):
             problems.append(
-                f"primary: expected a PrimaryView or a uint8 tensor, got {type(slab).__name__}"
+                "primary: expected the primary's view (PrimaryTier.view) or a uint8 tensor, "
+                f"got {type(slab).__name__}"
             )
             return
         if slab.dtype != torch.uint8:

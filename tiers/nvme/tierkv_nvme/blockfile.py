@@ -28,7 +28,6 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from tierkv import CorruptBlock, OffloadKey
 from tierkv.framing import (
     FIXED_HEADER_BYTES,
     MAX_KEY_BYTES,
@@ -39,6 +38,7 @@ from tierkv.framing import (
     parse_header,
     verify_payload,
 )
+from tierkv.tier import CorruptBlock, OffloadKey
 from tierkv_nvme.layout import temp_path
 
 logger = logging.getLogger(__name__)

@@ -22,8 +22,8 @@ import itertools
 import os
 from pathlib import Path
 
-from tierkv import OffloadKey
 from tierkv.framing import namespace_hash
+from tierkv.tier import OffloadKey
 
 BLOCK_SUFFIX = ".blk"
 TEMP_SUFFIX = ".tmp"

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tierkv import CorruptBlock, OffloadKey
+from tierkv.tier import CorruptBlock, OffloadKey
 from tierkv_nvme.blockfile import read_header
 from tierkv_nvme.layout import BLOCK_SUFFIX, TEMP_SUFFIX, block_relpath, is_fanout_name
 

@@ -40,7 +40,7 @@ from tierkv.errors import CorruptBlock, TierUnavailable
 from tierkv.framing import decode_into, encode_header
 from tierkv.jobs import JobMetadata, JobResult, ReqContext
 from tierkv.keys import OffloadKey
-from tierkv.primary import PrimaryView
+from tierkv.slab import PrimaryView
 from tierkv.tier import InFlightJobs, SecondaryTierManager, TierConfig
 from tierkv_redis.config import RedisTierConfig
 from tierkv_redis.names import BlockNames

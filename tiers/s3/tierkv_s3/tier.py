@@ -37,7 +37,7 @@ from tierkv.errors import CorruptBlock, TierUnavailable
 from tierkv.framing import decode_into, encode_header, header_bytes
 from tierkv.jobs import JobMetadata, JobResult, ReqContext
 from tierkv.keys import OffloadKey
-from tierkv.primary import PrimaryView
+from tierkv.slab import PrimaryView
 from tierkv.tier import InFlightJobs, SecondaryTierManager, TierConfig, redact_url
 from tierkv_s3.config import S3TierConfig
 from tierkv_s3.names import ObjectNames

@@ -1,0 +1,59 @@
+"""The contract's slab view: zero-copy rows over any writable buffer, no torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tierkv.slab import PrimaryView
+
+
+def test_rows_are_writable_zero_copy_views_of_the_buffer() -> None:
+    buf = bytearray(4 * 8)
+    view = PrimaryView(buf, 8, "ns")
+    assert (view.num_blocks, view.block_bytes, view.namespace) == (4, 8, "ns")
+    view.block(2)[:] = b"abcdefgh"
+    assert bytes(buf[16:24]) == b"abcdefgh"
+    buf[0:8] = b"12345678"
+    assert bytes(view.block(0)) == b"12345678"
+
+
+def test_a_vllm_style_memoryview_is_accepted() -> None:
+    view = PrimaryView(memoryview(bytearray(64)), 16, "ns")
+    assert view.num_blocks == 4
+
+
+@pytest.mark.parametrize("slot", [-1, 4, True, 1.0])
+def test_slots_out_of_range_are_refused(slot: object) -> None:
+    view = PrimaryView(bytearray(32), 8, "ns")
+    with pytest.raises(IndexError, match=r"out of range 0\.\.3"):
+        view.block(slot)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("buffer", "block_bytes", "message"),
+    [
+        (b"x" * 32, 8, "writable"),
+        (bytearray(30), 8, "multiple of block_bytes=8"),
+        (bytearray(0), 8, "multiple of block_bytes=8"),
+        (bytearray(32), 0, "positive int"),
+        ("not a buffer", 8, "must be a buffer"),
+    ],
+)
+def test_bad_slabs_are_refused_with_a_reason(
+    buffer: object, block_bytes: int, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        PrimaryView(buffer, block_bytes, "ns")
+
+
+def test_the_plugin_contract_imports_no_torch_and_no_cache() -> None:
+    code = (
+        "import sys, tierkv.tier, tierkv.framing;"
+        "heavy = ('torch', 'tierkv.primary', 'tierkv.orchestrator');"
+        "print(','.join(m for m in heavy if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
