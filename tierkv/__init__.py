@@ -31,7 +31,8 @@ _EXPORTS: dict[str, str] = {
     "GroupSpec": "tierkv.layout",
     "HostBlocks": "tierkv.blocks",
     "KVCacheBlocks": "tierkv.kv_blocks",
-    "TransferWorker": "tierkv.worker",
+    "TransferWorker": "tierkv.gpu.worker",
+    "required_block_bytes": "tierkv.gpu.geometry",
     "OffloadingEvent": "tierkv.events",
     # keys
     "OffloadKey": "tierkv.keys",
@@ -150,6 +151,9 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers
     from tierkv.tier import (
         TierConfig as TierConfig,
     )
-    from tierkv.worker import (
+    from tierkv.gpu.geometry import (
+        required_block_bytes as required_block_bytes,
+    )
+    from tierkv.gpu.worker import (
         TransferWorker as TransferWorker,
     )

@@ -6,16 +6,24 @@ of group 0, then group 1, ... exactly like `LookupResult.keys_to_load`); the wor
 speaks in GPU block ids. This adapter holds, per group, the request's GPU block ids in
 token order and the position of the first one (`block_indices[g]`), and turns "copy
 keys i, j, k to/from these slots" into worker transfers: one `TransferSpec` per
-contiguous run of keys, all groups in one spec, one batched copy per layer.
+contiguous run of keys, all of them one submission (one copy, one event).
+
+On CUDA the copies wait on `ready` (the engine's stream or an event; default: the
+worker's), and `done_event` is the event that closed the last copy: an engine stream
+that waits on it sees the loaded KV.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
+from typing import Any
 
+import anyio
+import numpy as np
+
+from tierkv.gpu.spec import Direction, TransferSpec
+from tierkv.gpu.worker import TransferWorker
 from tierkv.primary import HostSlab
-from tierkv.worker import Direction, TransferSpec, TransferWorker
 
 
 class KVCacheBlocks:
@@ -33,6 +41,8 @@ class KVCacheBlocks:
         worker: TransferWorker,
         gpu_blocks: Sequence[Sequence[int]],
         block_indices: Sequence[int] | None = None,
+        *,
+        ready: Any = None,
     ) -> None:
         if len(gpu_blocks) != worker.num_groups:
             raise ValueError(
@@ -44,70 +54,89 @@ class KVCacheBlocks:
                 f"block_indices has {len(indices)} entries for {len(gpu_blocks)} groups"
             )
         self.worker = worker
+        self.ready = ready
+        self.done_event: Any = None
         self.factor = worker.block_size_factor
-        self.gpu_blocks = [list(map(int, blocks)) for blocks in gpu_blocks]
+        self.gpu_blocks = [np.asarray(list(map(int, blocks)), dtype=np.int64) for blocks in gpu_blocks]
         self.heads = [int(i) % self.factor for i in indices]
+        counts = [
+            -(-(head + blocks.size) // self.factor) if blocks.size else 0
+            for head, blocks in zip(self.heads, self.gpu_blocks)
+        ]
+        self._counts = counts
         # key position -> (group, offloaded block index within the group)
-        self._keys: list[tuple[int, int]] = []
-        for g, blocks in enumerate(self.gpu_blocks):
-            count = math.ceil((self.heads[g] + len(blocks)) / self.factor) if blocks else 0
-            self._keys.extend((g, j) for j in range(count))
+        self._key_group = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+        self._key_block = (
+            np.concatenate([np.arange(c, dtype=np.int64) for c in counts])
+            if counts
+            else np.empty(0, dtype=np.int64)
+        )
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return int(self._key_group.size)
 
     def keys_per_group(self) -> list[int]:
         """How many keys each group contributes, in order."""
-        counts = [0] * len(self.gpu_blocks)
-        for g, _ in self._keys:
-            counts[g] += 1
-        return counts
+        return list(self._counts)
 
     def _check_view(self, view: HostSlab) -> None:
         if view.num_blocks != self.worker.num_slots or view.block_bytes != self.worker.block_bytes:
             raise ValueError("this KVCacheBlocks' worker was built over another primary slab")
 
+    def _specs(
+        self, direction: Direction, indices: Sequence[int], slots: Sequence[int]
+    ) -> list[TransferSpec]:
+        """One spec per run of consecutive offloaded blocks of one group."""
+        keys = np.asarray(indices, dtype=np.int64).reshape(-1)
+        chosen = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if keys.size != chosen.size:
+            raise ValueError(f"{keys.size} key indices but {chosen.size} slots")
+        if keys.size and (keys.min() < 0 or keys.max() >= len(self)):
+            raise ValueError(f"key indices must be in 0..{len(self) - 1}")
+        groups, blocks = self._key_group[keys], self._key_block[keys]
+        order = np.lexsort((blocks, groups))
+        groups, blocks, chosen = groups[order], blocks[order], chosen[order]
+        breaks = (groups[1:] != groups[:-1]) | (blocks[1:] != blocks[:-1] + 1)
+        starts = np.concatenate(([0], np.flatnonzero(breaks) + 1)) if keys.size else []
+        ends = np.append(starts[1:], keys.size) if keys.size else []
+        empty: list[int] = []
+        specs = []
+        for start, end in zip(np.asarray(starts).tolist(), np.asarray(ends).tolist()):
+            g = int(groups[start])
+            first, last = int(blocks[start]), int(blocks[end - 1])
+            head, ids = self.heads[g], self.gpu_blocks[g]
+            if direction == "store" and (
+                first * self.factor - head < 0 or (last + 1) * self.factor - head > ids.size
+            ):
+                # the rest of the slot would keep another key's bytes
+                raise ValueError(
+                    f"group {g}: a store must cover whole offloaded blocks; offloaded "
+                    f"blocks {first}..{last} are only partly among the GPU blocks given "
+                    f"(block_indices head {head}, {ids.size} GPU blocks, "
+                    f"factor {self.factor})"
+                )
+            lo = max(0, first * self.factor - head)
+            hi = min(ids.size, (last + 1) * self.factor - head)
+            gpu: list[Any] = [empty] * len(self.gpu_blocks)
+            run_slots: list[Any] = [empty] * len(self.gpu_blocks)
+            block_indices = [0] * len(self.gpu_blocks)
+            gpu[g], run_slots[g], block_indices[g] = ids[lo:hi], chosen[start:end], lo + head
+            specs.append(TransferSpec(direction, gpu, run_slots, block_indices))
+        return specs
+
     async def _move(
         self, direction: Direction, view: HostSlab, indices: Sequence[int], slots: Sequence[int]
     ) -> None:
         self._check_view(view)
-        groups = len(self.gpu_blocks)
-        # per group: offloaded block index -> slot, for the selected keys
-        chosen: list[dict[int, int]] = [{} for _ in range(groups)]
-        for index, slot in zip(indices, slots):
-            g, j = self._keys[index]
-            chosen[g][j] = slot
-        runs: list[list[tuple[list[int], list[int], int]]] = []
-        for g in range(groups):
-            group_runs = []
-            for run in _contiguous(sorted(chosen[g])):
-                first, last = run[0], run[-1]
-                head = self.heads[g]
-                if direction == "store" and (
-                    first * self.factor - head < 0
-                    or (last + 1) * self.factor - head > len(self.gpu_blocks[g])
-                ):
-                    # the rest of the slot would keep another key's bytes
-                    raise ValueError(
-                        f"group {g}: a store must cover whole offloaded blocks; offloaded "
-                        f"blocks {first}..{last} are only partly among the GPU blocks given "
-                        f"(block_indices head {head}, {len(self.gpu_blocks[g])} GPU blocks, "
-                        f"factor {self.factor})"
-                    )
-                start = max(0, first * self.factor - head)
-                end = min(len(self.gpu_blocks[g]), (last + 1) * self.factor - head)
-                group_runs.append(
-                    (self.gpu_blocks[g][start:end], [chosen[g][j] for j in run], (start + head))
-                )
-            runs.append(group_runs)
-        for r in range(max((len(x) for x in runs), default=0)):
-            spec = TransferSpec(
-                direction,
-                [runs[g][r][0] if r < len(runs[g]) else [] for g in range(groups)],
-                [runs[g][r][1] if r < len(runs[g]) else [] for g in range(groups)],
-                [runs[g][r][2] if r < len(runs[g]) else 0 for g in range(groups)],
-            )
-            await self.worker.transfer(spec)
+        specs = self._specs(direction, indices, slots)
+        if not specs:
+            return
+        handle = self.worker.submit(specs, ready=self.ready)
+        self.done_event = handle.done_event
+        # the caller frees or reuses the slots once this returns: wait for the copy
+        # even if cancelled (copies are bounded)
+        with anyio.CancelScope(shield=True):
+            await self.worker.wait(handle)
 
     async def copy_to_slots(
         self, view: HostSlab, indices: Sequence[int], slots: Sequence[int]
@@ -120,13 +149,3 @@ class KVCacheBlocks:
     ) -> None:
         """Primary -> GPU (stage 2 of a load)."""
         await self._move("load", view, indices, slots)
-
-
-def _contiguous(values: list[int]) -> list[list[int]]:
-    runs: list[list[int]] = []
-    for v in values:
-        if runs and runs[-1][-1] + 1 == v:
-            runs[-1].append(v)
-        else:
-            runs.append([v])
-    return runs

@@ -5,6 +5,7 @@ Runs on the CPU device (the same worker code path as CUDA)."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import anyio
@@ -13,9 +14,10 @@ import torch
 
 from tierkv.config import parse_config
 from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
+from tierkv.gpu import TransferWorker, required_block_bytes
+from tierkv.gpu.worker import Launched
 from tierkv.kv_blocks import KVCacheBlocks
 from tierkv.orchestrator import TieredCache
-from tierkv.worker import TransferWorker, required_block_bytes
 
 pytestmark = pytest.mark.anyio
 
@@ -58,13 +60,20 @@ def blocks_of(kv: list[list[torch.Tensor]], group: int, ids: list[int]) -> list[
     return [b"".join(bytes(layer[i].view(torch.uint8).numpy()) for layer in kv[group]) for i in ids]
 
 
-async def test_kv_round_trip_through_a_secondary_tier_into_other_gpu_blocks() -> None:
+@pytest.mark.parametrize("copy_backend", ["kernel", "dma"])
+async def test_kv_round_trip_through_a_secondary_tier_into_other_gpu_blocks(
+    copy_backend: Any,
+) -> None:
     kv = engine_kv(0)
     block_bytes = required_block_bytes(kv, FACTOR)
     config = parse_config(chain(block_bytes))
     async with TieredCache(config) as cache:
         worker = TransferWorker(
-            kv, cache.primary.view, config.layout, gpu_block_size=GPU_BLOCK_TOKENS
+            kv,
+            cache.primary.view,
+            config.layout,
+            gpu_block_size=GPU_BLOCK_TOKENS,
+            copy_backend=copy_backend,
         )
         tokens = list(range(1000, 1048))  # 48 tokens = 6 GPU blocks = 3 offloaded blocks
         keys = request_keys(tokens)
@@ -95,20 +104,37 @@ async def test_kv_round_trip_through_a_secondary_tier_into_other_gpu_blocks() ->
         assert blocks_of(kv, 1, dst_ids[1]) == before[1][2:]
 
 
-async def test_store_of_partly_cached_requests_moves_only_new_blocks() -> None:
+@pytest.mark.parametrize("copy_backend", ["kernel", "dma"])
+async def test_store_of_partly_cached_requests_moves_only_new_blocks_in_one_submission(
+    copy_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     kv = engine_kv(1)
     block_bytes = required_block_bytes(kv, FACTOR)
     config = parse_config(chain(block_bytes))
     async with TieredCache(config) as cache:
         worker = TransferWorker(
-            kv, cache.primary.view, config.layout, gpu_block_size=GPU_BLOCK_TOKENS
+            kv,
+            cache.primary.view,
+            config.layout,
+            gpu_block_size=GPU_BLOCK_TOKENS,
+            copy_backend=copy_backend,
         )
+        submissions: list[int] = []
+        submit = worker.submit
+
+        def counted(spec: Any, *, ready: Any = None) -> Any:
+            submissions.append(len(spec))
+            return submit(spec, ready=ready)
+
+        monkeypatch.setattr(worker, "submit", counted)
         keys = request_keys(list(range(48)))
         ids = [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]
-        # the middle block of group 0 is cached already: the rest is two runs
+        # the middle block of group 0 is cached already: the rest is three runs
         middle = KVCacheBlocks(worker, [[2, 3], []], block_indices=[2, 0])
         assert (await cache.store([keys[0][1]], middle)).ok
+        submissions.clear()
         result = await cache.store(keys[0] + keys[1], KVCacheBlocks(worker, ids))
+        assert submissions == [3]  # runs 0, 2 of group 0 and 0..2 of group 1: one submission
         assert result.already_present == (keys[0][1],) and len(result.stored) == 5
         for g in range(2):
             for j, key in enumerate(keys[g]):
@@ -138,16 +164,21 @@ def test_adapter_checks_its_shape() -> None:
 
 
 class _QueuedCopy:
-    """A copy that lands when the 'device' gets to it, like a kernel on a stream."""
+    """A copy that lands when the 'device' gets to it, like a kernel on a stream: the
+    worker's completion thread waits for the device to be idle, then it runs."""
 
-    def __init__(self, run: Any, device: dict[str, bool]) -> None:
-        self.run, self.device, self.done = run, device, False
+    event = None
+
+    def __init__(self, run: Any, idle: threading.Event) -> None:
+        self.run, self.idle, self.done = run, idle, threading.Event()
 
     def query(self) -> bool:
-        if not self.device["busy"] and not self.done:
-            self.run()
-            self.done = True
-        return self.done
+        return self.done.is_set()
+
+    def wait(self) -> None:
+        self.idle.wait()
+        self.run()
+        self.done.set()
 
     def seconds(self) -> float:
         return 0.0
@@ -157,13 +188,17 @@ async def test_a_cancelled_store_cannot_free_slots_a_queued_copy_still_writes() 
     """Emulates CUDA's asynchronous copies on CPU: a store is cancelled while its copy
     into the slot is still queued. The slot must not be reused before the copy lands,
     or a later promotion of another key would be overwritten with this key's KV."""
-    device = {"busy": False}
+    idle = threading.Event()
+    idle.set()
 
     class QueuedWorker(TransferWorker):
-        def _launch(self, plan: Any, lane: Any) -> Any:
-            if plan.direction == "store":
-                return _QueuedCopy(lambda: self._copy(plan, plan.indices), device), ()
-            return super()._launch(plan, lane)
+        def _launch(self, mapping: Any, lane: Any, ready: Any) -> Launched:
+            if mapping.direction == "store":
+                assert self._kernel is not None
+                kernel = self._kernel
+                run = lambda: kernel.enqueue(mapping, None, None)  # noqa: E731
+                return Launched(_QueuedCopy(run, idle), (), "kernel")
+            return super()._launch(mapping, lane, ready)
 
     kv = [[torch.zeros(8, 32, dtype=torch.int16)]]
     kv[0][0][0] = 111  # request A's KV
@@ -187,11 +222,11 @@ async def test_a_cancelled_store_cannot_free_slots_a_queued_copy_still_writes() 
             await cache.store([filler], KVCacheBlocks(worker, [[2 + i]]))
             await cache.flush()
         assert b not in cache.primary
-        device["busy"] = True
+        idle.clear()
 
         async def device_catches_up() -> None:
             await anyio.sleep(0.2)
-            device["busy"] = False
+            idle.set()
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(device_catches_up)

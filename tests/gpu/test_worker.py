@@ -1,17 +1,20 @@
 """The transfer worker moves exactly the bytes a spec names, between GPU KV caches and
-primary slab rows laid out as documented in `tierkv.worker`, and nothing else.
+primary slab rows laid out as documented in `tierkv.gpu.geometry`, and nothing else.
 
 Every data test compares the whole destination and the whole source with what a
 straightforward reference (a loop over sub-blocks and layers, written from the
 documented row layout) says they must hold afterwards: mapped sub-blocks copied,
 everything else, padding included, unchanged. The tests run on the CPU device and,
-unchanged, on CUDA where a device exists (`-m cuda`).
+unchanged, on CUDA where a device exists (`-m cuda`), for each copy backend: `kernel`
+(gather/scatter), `dma` (the DMA plan's triples, applied on CPU by `memmove`, on CUDA by
+the batched memcpy), `dma-runs` (the same triples as one `copy_` per run) and `auto`.
 """
 
 from __future__ import annotations
 
 import operator
 import random
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,16 +28,16 @@ from hypothesis import strategies as st
 from tierkv.errors import ConfigError
 from tierkv.layout import GroupSpec, KVLayout
 from tierkv.primary import HostSlab, PrimaryTier
-from tierkv.worker import (
+from tierkv.gpu import (
     DIRECTIONS,
     Direction,
     TransferResult,
     TransferSpec,
     TransferSpecError,
     TransferWorker,
-    benchmark,
     required_block_bytes,
 )
+from tierkv.gpu.worker import Launched
 
 pytestmark = pytest.mark.anyio
 
@@ -47,6 +50,13 @@ DEVICES = [
     ),
 ]
 GPU_BLOCK = 4  # tokens per GPU block in every test layout
+COPIES = {  # id -> (copy_backend, dma_executor)
+    "kernel": ("kernel", "auto"),
+    "dma": ("dma", "auto"),
+    "dma-runs": ("dma", "runs"),
+    "auto": ("auto", "auto"),
+}
+Copy = tuple[Any, Any]
 
 
 @pytest.fixture
@@ -57,6 +67,16 @@ def anyio_backend() -> str:
 @pytest.fixture(params=DEVICES)
 def device(request: pytest.FixtureRequest) -> torch.device:
     return torch.device(request.param)
+
+
+@pytest.fixture(params=list(COPIES))
+def copy(request: pytest.FixtureRequest) -> Copy:
+    return COPIES[request.param]
+
+
+def ready_for(device: torch.device) -> Any:
+    """CUDA: the test writes KV on the current stream, so transfers wait on it."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
 
 # -- building blocks ------------------------------------------------------------------
@@ -87,6 +107,7 @@ class Rig:
         num_slots: int = 8,
         seed: int = 0,
         kv: list[list[torch.Tensor]] | None = None,
+        copy: Copy = COPIES["kernel"],
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
         blocks = (
@@ -94,21 +115,29 @@ class Rig:
         )
         self.pages = [list(p) for p in pages]
         self.factor = factor
+        self.copy = copy
         self.kv = kv or [
             [make_layer(nb, page, g + i, gen).to(device) for i, page in enumerate(group)]
             for g, (group, nb) in enumerate(zip(pages, blocks))
         ]
         self.block_bytes = required_block_bytes(self.kv, factor)
         self.stride = self.block_bytes // factor
-        self.primary = PrimaryTier(num_slots, self.block_bytes)
-        self.primary.view.tensor.copy_(
-            torch.randint(0, 256, (num_slots, self.block_bytes), dtype=torch.uint8, generator=gen)
-        )
+        slab = torch.randint(0, 256, (num_slots, self.block_bytes), dtype=torch.uint8, generator=gen)
         layout = KVLayout(
             block_bytes=self.block_bytes,
             groups=tuple(GroupSpec(block_size=GPU_BLOCK * factor) for _ in pages),
         )
-        self.worker = TransferWorker(self.kv, self.primary.view, layout, gpu_block_size=GPU_BLOCK)
+        self.primary = PrimaryTier(num_slots, self.block_bytes)
+        self.primary.view.tensor.copy_(slab)
+        self.worker = TransferWorker(
+            self.kv,
+            self.primary.view,
+            layout,
+            gpu_block_size=GPU_BLOCK,
+            copy_backend=copy[0],
+            dma_executor=copy[1],
+            ready=ready_for(device),
+        )
 
     @property
     def slab(self) -> torch.Tensor:
@@ -189,6 +218,8 @@ def check(
     assert result.num_blocks == sum(len(ids) for ids in spec.gpu_blocks)
     assert result.num_bytes == rig.bytes_of(spec)
     assert result.seconds >= 0
+    if rig.copy[0] != "auto":
+        assert result.backend == rig.copy[0]
     return result
 
 
@@ -197,12 +228,12 @@ def check(
 @pytest.mark.parametrize("page", [512, 1024])
 @pytest.mark.parametrize("factor", [1, 3])
 async def test_single_group_moves_exactly_the_mapped_sub_blocks(
-    device: torch.device, direction: Direction, page: int, factor: int
+    device: torch.device, copy: Copy, direction: Direction, page: int, factor: int
 ) -> None:
     """The first factor-1 sub-blocks of the first slot are skipped, and with factor 3
     the tail of the last slot too; all else stays as it was."""
     num_layers = 3
-    rig = Rig(device, [[page] * num_layers], factor=factor, seed=page + factor)
+    rig = Rig(device, [[page] * num_layers], factor=factor, seed=page + factor, copy=copy)
     rng = random.Random(factor)
     n = 5
     head = factor - 1
@@ -217,14 +248,14 @@ async def test_single_group_moves_exactly_the_mapped_sub_blocks(
 
 @pytest.mark.parametrize("direction", ["store", "load"])
 async def test_three_groups_with_an_empty_group_and_head_and_tail_trimming(
-    device: torch.device, direction: Direction
+    device: torch.device, copy: Copy, direction: Direction
 ) -> None:
     """A hybrid layout: the groups' bytes per GPU block differ (1024, 768, 512), so
     groups 1 and 2 leave padding in every chunk; group 1 moves nothing; group 2 starts
     at sub-block 1 of its first block and ends at sub-block 1 of its second."""
     factor = 4
     pages = [[512, 512], [512, 256], [256, 256]]
-    rig = Rig(device, pages, factor=factor, num_gpu_blocks=[16, 8, 12], num_slots=6)
+    rig = Rig(device, pages, factor=factor, num_gpu_blocks=[16, 8, 12], num_slots=6, copy=copy)
     assert rig.block_bytes == 4 * 1024
     spec = TransferSpec(
         direction,
@@ -237,16 +268,16 @@ async def test_three_groups_with_an_empty_group_and_head_and_tail_trimming(
     assert result.num_blocks == 13
 
 
-async def test_block_index_counts_only_modulo_the_factor(device: torch.device) -> None:
-    rig = Rig(device, [[64, 32]], factor=2)
+async def test_block_index_counts_only_modulo_the_factor(device: torch.device, copy: Copy) -> None:
+    rig = Rig(device, [[64, 32]], factor=2, copy=copy)
     near = TransferSpec("store", [[0, 1, 2]], [[6, 7]], [1])
     far = TransferSpec("store", [[3, 4, 5]], [[0, 1]], [41])
     await run(rig, near)
     await run(rig, far)
 
 
-async def test_ids_may_be_tensors_or_numpy_arrays(device: torch.device) -> None:
-    rig = Rig(device, [[128]], factor=2)
+async def test_ids_may_be_tensors_or_numpy_arrays(device: torch.device, copy: Copy) -> None:
+    rig = Rig(device, [[128]], factor=2, copy=copy)
     spec = TransferSpec(
         "store", [torch.tensor([5, 6, 7, 8])], [np.array([3, 2], dtype=np.int32)], [0]
     )
@@ -255,12 +286,16 @@ async def test_ids_may_be_tensors_or_numpy_arrays(device: torch.device) -> None:
     await run(rig, back)
 
 
+@pytest.mark.parametrize("copy_id", ["kernel", "dma", "dma-runs"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_random_specs_land_exactly_where_the_mapping_says(data: st.DataObject) -> None:
+def test_random_specs_land_exactly_where_the_mapping_says(
+    copy_id: str, data: st.DataObject
+) -> None:
     """Random geometry (odd page sizes too, so narrow copy words are used) and random
-    specs: the bytes land where the layout says and nothing else changes. (On the CPU
-    a submitted copy is complete when `submit` returns.)"""
+    specs: the bytes land where the layout says and nothing else changes, through each
+    backend (for `dma`, the DMA plan's triples applied by `memmove`). (On the CPU a
+    submitted copy is complete when `submit` returns.)"""
     factor = data.draw(st.integers(1, 4), label="factor")
     pages = data.draw(
         st.lists(
@@ -281,6 +316,7 @@ def test_random_specs_land_exactly_where_the_mapping_says(data: st.DataObject) -
         num_gpu_blocks=blocks,
         num_slots=num_slots,
         seed=data.draw(st.integers(0, 2**16), label="seed"),
+        copy=COPIES[copy_id],
     )
     direction = data.draw(st.sampled_from(DIRECTIONS), label="direction")
     free = list(range(num_slots))
@@ -310,7 +346,7 @@ def test_random_specs_land_exactly_where_the_mapping_says(data: st.DataObject) -
 
 @pytest.mark.parametrize("direction", ["store", "load"])
 async def test_engine_shaped_caches_views_with_offsets_and_strided_blocks(
-    device: torch.device, direction: Direction
+    device: torch.device, copy: Copy, direction: Direction
 ) -> None:
     """K and V stacked in front of the block dimension (`[2, blocks, tokens, heads,
     dim]`, passed as two layers, the second at a storage offset) and a cross-layer
@@ -322,12 +358,12 @@ async def test_engine_shaped_caches_views_with_offsets_and_strided_blocks(
     stacked, cross = stacked.to(device), cross.to(device)
     kv = [[stacked[0], stacked[1]], [cross[:, i] for i in range(3)]]
     assert kv[0][1].storage_offset() > 0 and kv[1][2].stride(0) == 3 * 96
-    rig = Rig(device, [[256, 256], [96, 96, 96]], factor=2, kv=kv)
+    rig = Rig(device, [[256, 256], [96, 96, 96]], factor=2, kv=kv, copy=copy)
     spec = TransferSpec(direction, [[9, 0, 4], [1, 8]], [[3, 5], [0]], [1, 0])
     await run(rig, spec)
 
 
-async def test_every_bit_pattern_survives_a_round_trip(device: torch.device) -> None:
+async def test_every_bit_pattern_survives_a_round_trip(device: torch.device, copy: Copy) -> None:
     """Blocks move as wide integer or complex words; NaN payloads (signalling ones
     too), negative zero and subnormals must come back bit for bit."""
     patterns = torch.tensor(
@@ -337,7 +373,7 @@ async def test_every_bit_pattern_survives_a_round_trip(device: torch.device) -> 
     layer = patterns.repeat(64).view(6, 8, 8).view(torch.float64)
     other = torch.zeros(6, 128, dtype=torch.uint8)
     original = layer.view(torch.int64).clone()
-    rig = Rig(device, [[512, 128]], factor=2, kv=[[layer.to(device), other.to(device)]])
+    rig = Rig(device, [[512, 128]], factor=2, kv=[[layer.to(device), other.to(device)]], copy=copy)
     await run(rig, TransferSpec("store", [[0, 1, 2, 3]], [[1, 0]], [0]))
     await run(rig, TransferSpec("load", [[5, 4]], [[1]], [0]))
     assert torch.equal(rig.kv[0][0][4].cpu().view(torch.int64), original[1])  # sub-block 1
@@ -545,9 +581,9 @@ BAD_SPECS: dict[str, tuple[Any, str]] = {
 
 
 @pytest.mark.parametrize("case", list(BAD_SPECS))
-async def test_a_bad_spec_raises_before_any_byte_moves(device: torch.device, case: str) -> None:
+async def test_a_bad_spec_raises_before_any_byte_moves(device: torch.device, copy: Copy, case: str) -> None:
     make, pattern = BAD_SPECS[case]
-    rig = Rig(device, [[256], [128, 128]], factor=2, num_slots=6)
+    rig = Rig(device, [[256], [128, 128]], factor=2, num_slots=6, copy=copy)
     before = rig.snapshot()
     with pytest.raises(TransferSpecError, match=pattern):
         await rig.worker.transfer(make())
@@ -558,17 +594,17 @@ async def test_a_bad_spec_raises_before_any_byte_moves(device: torch.device, cas
     assert rig.worker.get_finished() == []
 
 
-async def test_repeated_sources_are_allowed(device: torch.device) -> None:
-    rig = Rig(device, [[256], [128, 128]], factor=2, num_slots=6)
+async def test_repeated_sources_are_allowed(device: torch.device, copy: Copy) -> None:
+    rig = Rig(device, [[256], [128, 128]], factor=2, num_slots=6, copy=copy)
     await run(rig, _spec("store", gpu=[2, 2, 2]))  # one GPU block stored thrice
     await run(rig, _spec("load", slots=[1, 1]))  # one slot loaded into two places
 
 
 # -- completion ---------------------------------------------------------------------------
 async def test_concurrent_transfers_do_not_block_the_loop_and_return_in_order(
-    device: torch.device,
+    device: torch.device, copy: Copy,
 ) -> None:
-    rig = Rig(device, [[512, 512]], factor=1, num_gpu_blocks=40, num_slots=40)
+    rig = Rig(device, [[512, 512]], factor=1, num_gpu_blocks=40, num_slots=40, copy=copy)
     before = rig.snapshot()
     specs = [
         TransferSpec("store" if i % 2 == 0 else "load", [[i]], [[39 - i]], [0]) for i in range(40)
@@ -603,9 +639,9 @@ async def test_concurrent_transfers_do_not_block_the_loop_and_return_in_order(
 
 
 async def test_get_finished_hands_out_unawaited_results_once_in_order(
-    device: torch.device,
+    device: torch.device, copy: Copy,
 ) -> None:
-    rig = Rig(device, [[256]], factor=1)
+    rig = Rig(device, [[256]], factor=1, copy=copy)
     handles = [rig.worker.submit(TransferSpec("store", [[i]], [[i]], [0])) for i in range(3)]
     awaited = rig.worker.submit(TransferSpec("load", [[9]], [[0]], [0]))
     result = await rig.worker.wait(awaited)
@@ -622,13 +658,30 @@ async def test_get_finished_hands_out_unawaited_results_once_in_order(
 
 
 class Gate:
-    """Stands in for a CUDA event: the copy is done once the test opens the gate."""
+    """Stands in for a CUDA event: the copy is done once the test opens the gate.
+    Counts how often the worker looks at it."""
+
+    event = None
 
     def __init__(self) -> None:
-        self.open = False
+        self._open = threading.Event()
+        self.queries = 0
+
+    @property
+    def open(self) -> bool:
+        return self._open.is_set()
+
+    @open.setter
+    def open(self, value: bool) -> None:
+        assert value, "a gate only opens"
+        self._open.set()
 
     def query(self) -> bool:
-        return self.open
+        self.queries += 1
+        return self._open.is_set()
+
+    def wait(self) -> None:
+        self._open.wait()
 
     def seconds(self) -> float:
         return 0.5
@@ -636,22 +689,24 @@ class Gate:
 
 def gated(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> list[Gate]:
     """Make every later transfer of `rig` complete only when its gate opens: the
-    polling, ordering and hand-out logic of the CUDA path, run on the CPU."""
+    completion-thread, ordering and hand-out logic of the CUDA path, run on the CPU."""
     gates: list[Gate] = []
     launch = rig.worker._launch
 
-    def launch_gated(plan: Any, lane: Any) -> tuple[Gate, tuple[torch.Tensor, ...]]:
-        launch(plan, lane)
+    def launch_gated(mapping: Any, lane: Any, ready: Any) -> Launched:
+        launched = launch(mapping, lane, ready)
         gates.append(Gate())
-        return gates[-1], ()
+        return Launched(gates[-1], (), launched.backend)
 
     monkeypatch.setattr(rig.worker, "_launch", launch_gated)
     return gates
 
 
-async def test_polling_waits_for_the_event_and_completes_in_submission_order(
+async def test_waiters_sleep_until_a_copy_ends_and_return_in_submission_order(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """The completion thread wakes the loop when a copy ends: while nothing ends, the
+    worker does not look at the events at all (no polling)."""
     rig = Rig(torch.device("cpu"), [[64]], factor=1)
     gates = gated(rig, monkeypatch)
     returned: list[int] = []
@@ -674,6 +729,9 @@ async def test_polling_waits_for_the_event_and_completes_in_submission_order(
             tg.start_soon(one, i)
         await anyio.sleep(0.02)
         assert returned == [] and len(gates) == 5 and rig.worker.num_in_flight == 5
+        looks = sum(g.queries for g in gates)
+        await anyio.sleep(0.05)
+        assert sum(g.queries for g in gates) == looks  # asleep, not polling
         gates[2].open = True  # a later copy cannot finish before an earlier one
         await anyio.sleep(0.02)
         assert returned == []
@@ -695,10 +753,9 @@ async def test_a_late_waiter_does_not_overtake_an_earlier_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Both copies are complete when the second wait starts; the first waiter, asleep
-    in a long backoff, is woken by the second's poll and still returns first."""
+    until the completion thread wakes it, still returns first."""
     rig = Rig(torch.device("cpu"), [[64]], factor=1)
     gates = gated(rig, monkeypatch)
-    monkeypatch.setattr(rig.worker, "_poll_min", 30.0)
     first = rig.worker.submit(TransferSpec("store", [[0]], [[0]], [0]))
     second = rig.worker.submit(TransferSpec("store", [[1]], [[1]], [0]))
     returned: list[int] = []
@@ -732,7 +789,7 @@ async def test_a_cancelled_wait_leaves_its_result_to_get_finished(
             await rig.worker.wait(rig.worker.submit(TransferSpec("store", [[0]], [[0]], [0])))
         gates[0].open = gates[1].open = True
         await anyio.sleep(0.02)
-    assert [r.transfer_id for r in later] == [2]  # the next waiter took over polling
+    assert [r.transfer_id for r in later] == [2]  # the next waiter took over
     assert [r.transfer_id for r in rig.worker.get_finished()] == [1]
     assert rig.worker.get_finished() == []
 
@@ -779,13 +836,3 @@ async def test_drain_returns_once_nothing_is_in_flight(monkeypatch: pytest.Monke
         gates[1].open = True
     assert drained
     assert [r.direction for r in rig.worker.get_finished()] == ["load", "store"]
-
-
-# -- measuring ----------------------------------------------------------------------------
-def test_benchmark_reports_throughput_against_a_raw_copy() -> None:
-    threads = torch.get_num_threads()
-    report = benchmark(1 << 20, page_bytes=4096, num_layers=4, repeats=1)
-    assert torch.get_num_threads() == threads
-    assert report["bytes"] == 1 << 20
-    for key in ("store_GBps", "load_GBps", "raw_store_GBps", "store_ratio", "load_ratio"):
-        assert report[key] > 0

@@ -1,0 +1,77 @@
+"""Completion lanes: one per direction, each with its stream, its transfers in flight
+(oldest first) and a completion thread that sleeps on the oldest copy's end event and
+then wakes the event loop (`notify`, which the worker turns into
+`loop.call_soon_threadsafe`). Nothing polls: a waiting task sleeps until the thread
+says a copy finished.
+
+Copies of one lane run on one stream, so they finish in submission order; the thread
+waits on them in that order.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierkv.gpu.streams import Completion
+
+logger = logging.getLogger(__name__)
+
+
+class CompletionThread:
+    """Waits on completions, in the order given, and calls `notify()` after each.
+
+    Started on the first `watch`; a daemon thread, so a worker nobody closes does not
+    keep the interpreter alive. `close` lets it finish what it was given and stop."""
+
+    def __init__(self, name: str, notify: Callable[[], None]) -> None:
+        self._name = name
+        self._notify = notify
+        self._queue: queue.SimpleQueue[Completion | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def watch(self, completion: Completion) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+        self._queue.put(completion)
+
+    def _run(self) -> None:
+        while True:
+            completion = self._queue.get()
+            if completion is None:
+                return
+            try:
+                completion.wait()
+            except Exception:  # a device error: the loop side sees it in query()
+                logger.exception("%s: waiting on a copy failed", self._name)
+            try:
+                self._notify()
+            except Exception:
+                logger.exception("%s: waking the event loop failed", self._name)
+
+    def close(self, timeout: float | None = None) -> None:
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            if thread is not threading.current_thread():
+                thread.join(timeout)
+
+
+@dataclass
+class Lane:
+    """One direction: its stream (None on CPU), transfers in flight oldest first,
+    the handles being awaited in submission order, and its completion thread."""
+
+    stream: Any
+    completions: CompletionThread
+    in_flight: deque[Any] = field(default_factory=deque)
+    waiters: list[Any] = field(default_factory=list)

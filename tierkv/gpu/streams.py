@@ -1,0 +1,146 @@
+"""How the worker orders and times its copies: CUDA streams and events, or nothing at
+all on the CPU device, behind one small interface (`Streams`) that the tests also
+implement with a fake device to drive ordering and completion on CPU.
+
+The ordering contract: a transfer starts only after the `ready` the engine gives (a
+stream: everything queued on it when the transfer is submitted; an event: that event),
+never after "the current stream of the calling thread", which in an asyncio server is
+the loop thread's stream, not the one the model writes KV on. A transfer ends with an
+event (`Completion.event`) the engine's stream can wait on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+Work = Callable[[Any], None]
+"""Enqueues a copy on the given stream (None on the CPU device)."""
+
+
+class Completion(Protocol):
+    """When a launched copy is done, and how long it took."""
+
+    @property
+    def event(self) -> Any:
+        """What an engine stream waits on to see the copy's result (None on CPU)."""
+        ...
+
+    def query(self) -> bool: ...
+
+    def wait(self) -> None:
+        """Block the calling thread (a completion thread) until the copy is done."""
+        ...
+
+    def seconds(self) -> float: ...
+
+
+class Streams(Protocol):
+    """Streams and events of one device."""
+
+    asynchronous: bool
+    """False: `launch` runs the copy before returning (the CPU device)."""
+
+    def new_stream(self) -> Any: ...
+
+    def order_after(self, stream: Any, ready: Any) -> None:
+        """Make work enqueued later on `stream` wait for `ready` (a stream or event)."""
+        ...
+
+    def launch(self, stream: Any, work: Work) -> Completion:
+        """Enqueue `work` on `stream` between a start and an end event."""
+        ...
+
+
+def is_stream(ready: Any) -> bool:
+    """Streams record events; events do not (torch and the test fakes alike)."""
+    return hasattr(ready, "record_event")
+
+
+class Finished:
+    """CPU: the copy ran inside `launch`."""
+
+    event = None
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+    def seconds(self) -> float:
+        return self._seconds
+
+
+class ImmediateStreams:
+    """The CPU device: no streams, every copy runs at once on the calling thread."""
+
+    asynchronous = False
+
+    def new_stream(self) -> None:
+        return None
+
+    def order_after(self, stream: Any, ready: Any) -> None:
+        return None  # CPU tensors have no queued writers
+
+    def launch(self, stream: Any, work: Work) -> Completion:
+        start = time.perf_counter()
+        work(None)
+        return Finished(time.perf_counter() - start)
+
+
+class CudaCompletion:
+    """A copy between two CUDA events; `wait` sleeps in the driver (blocking-sync
+    events) rather than spinning a core."""
+
+    def __init__(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        self._start = start
+        self._end = end
+
+    @property
+    def event(self) -> torch.cuda.Event:
+        return self._end
+
+    def query(self) -> bool:
+        return bool(self._end.query())  # type: ignore[no-untyped-call]
+
+    def wait(self) -> None:
+        self._end.synchronize()  # type: ignore[no-untyped-call]
+
+    def seconds(self) -> float:
+        return float(self._start.elapsed_time(self._end)) / 1000.0
+
+
+class CudaStreams:
+    """One CUDA device. CUDA only."""
+
+    asynchronous = True
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def new_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+
+    def order_after(self, stream: Any, ready: Any) -> None:
+        if is_stream(ready):
+            stream.wait_stream(ready)
+        else:
+            stream.wait_event(ready)
+
+    def launch(self, stream: Any, work: Work) -> Completion:
+        # Every tensor allocated by `work` is allocated on `stream`, so the caching
+        # allocator reuses its memory only for later work on that same stream.
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            start = torch.cuda.Event(enable_timing=True, blocking=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True, blocking=True)  # type: ignore[no-untyped-call]
+            start.record(stream)
+            work(stream)
+            end.record(stream)
+        return CudaCompletion(start, end)

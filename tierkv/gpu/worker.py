@@ -1,0 +1,431 @@
+"""The transfer worker: copies KV blocks between the engine's GPU KV caches and the
+primary slab, in both directions, for every KV-cache group of a request in one
+submission. The row layout is documented in `tierkv.gpu.geometry`.
+
+**A transfer** (`TransferSpec`) names per group the GPU block ids in token order, the
+primary slots of the offloaded blocks they fall in, and `block_indices[g]`: the
+position of the first GPU block, of which only `% block_size_factor` matters. GPU block
+`k` of group `g` goes to (or comes from) sub-block `(head + k) % factor` of slot
+`slots[g][(head + k) // factor]`, with `head = block_indices[g] % factor`; so a
+transfer may start and end inside an offloaded block, and the sub-blocks it does not
+name are left alone. Several specs of one direction may form one submission (one copy,
+one event). Every check runs before any byte moves.
+
+**How bytes move.** A copy backend (`tierkv.gpu.backends`): DMA copy engines or
+gather/scatter kernels, `copy_backend='auto'` picking per transfer. On the CPU device
+(what most tests run) the copy happens inside `submit`. On CUDA each direction has its
+own stream; a transfer first waits on the `ready` stream or event the engine gives
+(per worker or per call: never "the current stream"), an event closes it
+(`TransferHandle.done_event`, which the engine's stream may wait on), and transfers in
+one direction complete in submission order. A completion thread per direction sleeps
+on those events and wakes the waiting task through `loop.call_soon_threadsafe`; nothing
+polls, and nothing synchronises on the event loop thread.
+
+Drive a worker from one event loop thread; the `ready` it is given may come from any
+thread (the engine's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import torch
+
+from tierkv.errors import ConfigError
+from tierkv.gpu.alias import DeviceView, device_alias, require_pinned, uva_view
+from tierkv.gpu.backends import (
+    AUTO_MIN_DMA_COPY_BYTES,
+    COPY_BACKENDS,
+    DMA_EXECUTORS,
+    CopyBackend,
+    CopyBackendName,
+    DmaCopy,
+    DmaExecutorName,
+    KernelCopy,
+)
+from tierkv.gpu.cuda_batch import load_batch_memcpy
+from tierkv.gpu.geometry import Geometry, check_layout
+from tierkv.gpu.lanes import CompletionThread, Lane
+from tierkv.gpu.mapping import Mapping, map_specs
+from tierkv.gpu.plan import CopyPlan
+from tierkv.gpu.spec import (
+    DIRECTIONS,
+    Direction,
+    TransferResult,
+    TransferSpec,
+    TransferSpecError,
+)
+from tierkv.gpu.streams import Completion, CudaStreams, ImmediateStreams, Streams
+from tierkv.layout import KVLayout
+from tierkv.primary import HostSlab
+from tierkv.units import format_size
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class TransferHandle:
+    """A submitted transfer. `result` is set once its copy is complete; `done_event`
+    (CUDA) is the event that closes the copy: an engine stream that waits on it sees
+    the copied bytes, so the model can be enqueued before the copy has finished."""
+
+    transfer_id: int
+    direction: Direction
+    num_blocks: int
+    num_bytes: int
+    backend: str
+    done_event: Any = None
+    result: TransferResult | None = None
+    _completion: Completion | None = field(default=None, repr=False)
+    _keepalive: tuple[object, ...] = field(default=(), repr=False)
+    _claimed: bool = field(default=False, repr=False)
+    _wakeup: anyio.Event | None = field(default=None, repr=False)
+
+    def done(self) -> bool:
+        return self.result is not None
+
+
+@dataclass(frozen=True)
+class Launched:
+    """What `_launch` started: how to tell it is done, what to keep alive until then,
+    and which backend moves the bytes."""
+
+    completion: Completion
+    keepalive: tuple[object, ...]
+    backend: str
+
+
+class TransferWorker:
+    """Moves KV blocks between GPU KV caches and primary slots; see the module doc.
+
+    `kv_caches[g]` are group `g`'s per-layer tensors (block index first), `primary` the
+    primary slab (a `HostSlab` or its `[num_slots, block_bytes]` uint8 tensor, pinned
+    when the KV caches are on CUDA), `layout` the cache's `KVLayout`, and
+    `gpu_block_size` the engine's block size in tokens (one int, or one per group).
+    `block_size_factor` is `layout.groups[g].block_size // gpu_block_size[g]` and must
+    be the same for every group. Layout problems raise `ConfigError`, all at once.
+
+    `copy_backend`: `auto` (default), `dma` or `kernel` (`tierkv.gpu.backends`).
+    `ready` (CUDA): the engine stream or event every transfer waits on unless the call
+    gives its own; on CUDA one of the two is required. `dma_executor`: how DMA copies
+    are issued (`auto`: the batched memcpy when cuda-bindings has it, else `copy_` per
+    run; `memmove` on CPU). `device_view(pinned_slab, device)` makes the slab's device
+    alias for the kernel backend (default `uva_view`). `streams` replaces the device's
+    streams and events (the tests' fake device).
+    """
+
+    def __init__(
+        self,
+        kv_caches: Sequence[Sequence[torch.Tensor]],
+        primary: HostSlab | torch.Tensor,
+        layout: KVLayout,
+        *,
+        gpu_block_size: int | Sequence[int],
+        copy_backend: CopyBackendName = "auto",
+        ready: Any = None,
+        dma_executor: DmaExecutorName = "auto",
+        device_view: DeviceView = uva_view,
+        streams: Streams | None = None,
+    ) -> None:
+        slab = primary.tensor if isinstance(primary, HostSlab) else primary
+        if copy_backend not in COPY_BACKENDS:
+            raise ConfigError(
+                f"copy_backend: {copy_backend!r} is not one of {', '.join(COPY_BACKENDS)}",
+                source="TransferWorker",
+            )
+        if dma_executor not in DMA_EXECUTORS:
+            raise ConfigError(
+                f"dma_executor: {dma_executor!r} is not one of {', '.join(DMA_EXECUTORS)}",
+                source="TransferWorker",
+            )
+        groups, geometry = check_layout(kv_caches, slab, layout, gpu_block_size)
+        assert isinstance(slab, torch.Tensor)
+        self.geometry = geometry
+        self.device: torch.device = groups[0][0].device
+        self.copy_backend: CopyBackendName = copy_backend
+        cuda = self.device.type == "cuda"
+        if cuda:
+            require_pinned(slab)
+        self._streams: Streams = streams or (CudaStreams(self.device) if cuda else ImmediateStreams())
+        self._ready = ready
+        self._slab = slab
+        self._ids = itertools.count(1)
+        self._finished: list[TransferResult] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._progress: anyio.Event | None = None
+
+        self._kernel: KernelCopy | None = None
+        self._dma: DmaCopy | None = None
+        if copy_backend in ("auto", "kernel"):
+            # CUDA only: kernels reach the pinned slab through its device alias
+            alias = device_alias(slab, self.device, device_view) if cuda else slab
+            self._kernel = KernelCopy(groups, alias, geometry)
+        if copy_backend == "dma" or (copy_backend == "auto" and cuda):
+            try:
+                self._dma = DmaCopy(
+                    groups,
+                    slab,
+                    geometry,
+                    executor=dma_executor,
+                    batch=load_batch_memcpy() if cuda else None,
+                )
+            except ValueError as exc:
+                raise ConfigError(f"dma_executor: {exc}", source="TransferWorker") from None
+        self._lanes: dict[Direction, Lane] = {
+            d: Lane(
+                self._streams.new_stream(),
+                CompletionThread(f"tierkv-{d}-completion", self._notify),
+            )
+            for d in DIRECTIONS
+        }
+        logger.debug(
+            "transfer worker on %s: %d groups, factor %d, block %s, pages %s, backend %s",
+            self.device,
+            geometry.num_groups,
+            geometry.block_size_factor,
+            format_size(geometry.block_bytes),
+            geometry.page_bytes,
+            copy_backend,
+        )
+
+    # -- geometry -----------------------------------------------------------------------
+    @property
+    def block_size_factor(self) -> int:
+        return self.geometry.block_size_factor
+
+    @property
+    def block_bytes(self) -> int:
+        return self.geometry.block_bytes
+
+    @property
+    def sub_block_stride(self) -> int:
+        return self.geometry.sub_block_stride
+
+    @property
+    def page_bytes(self) -> tuple[tuple[int, ...], ...]:
+        return self.geometry.page_bytes
+
+    @property
+    def num_gpu_blocks(self) -> tuple[int, ...]:
+        return self.geometry.num_gpu_blocks
+
+    @property
+    def num_slots(self) -> int:
+        return self.geometry.num_slots
+
+    @property
+    def num_groups(self) -> int:
+        return self.geometry.num_groups
+
+    def group_block_bytes(self, group: int) -> int:
+        """Bytes of one GPU block of `group`, all layers: its share of a chunk."""
+        return self.geometry.group_block_bytes(group)
+
+    def byte_range(self, group: int, layer: int, sub_block: int) -> tuple[int, int]:
+        """Where, within a slot's row, `layer` of sub-block `sub_block` of a `group`
+        block lives: `[start, stop)` in bytes."""
+        return self.geometry.byte_range(group, layer, sub_block)
+
+    @property
+    def dma_executor(self) -> str | None:
+        """How DMA copies are issued (`batched`, `runs`, `memmove`), None without DMA."""
+        return self._dma.executor if self._dma is not None else None
+
+    # -- submitting ---------------------------------------------------------------------
+    def _backend_for(self, mapping: Mapping) -> tuple[CopyBackend, CopyPlan | None]:
+        if self._dma is None:
+            assert self._kernel is not None
+            return self._kernel, None
+        if self._kernel is None:
+            return self._dma, None
+        plan = self._dma.plan(mapping)  # auto on CUDA: by the size of the copies
+        if plan.mean_copy_bytes >= AUTO_MIN_DMA_COPY_BYTES:
+            return self._dma, plan
+        return self._kernel, None
+
+    def _launch(self, mapping: Mapping, lane: Lane, ready: Any) -> Launched:
+        """Order the copy of `mapping` after `ready` and start it."""
+        backend, plan = self._backend_for(mapping)
+        keep: list[object] = []
+
+        def work(stream: Any) -> None:
+            keep.extend(backend.enqueue(mapping, stream, plan))
+
+        if self._streams.asynchronous:
+            self._streams.order_after(lane.stream, ready)
+        completion = self._streams.launch(lane.stream, work)
+        return Launched(completion, tuple(keep), backend.name)
+
+    def submit(
+        self, spec: TransferSpec | Sequence[TransferSpec], *, ready: Any = None
+    ) -> TransferHandle:
+        """Check `spec` (or several specs of one direction: one submission) and start
+        its copy (on CPU: do it). On CUDA the copy waits on `ready` (a stream or event;
+        default: the worker's). Results that nobody awaits with `wait` are handed out by
+        `get_finished`."""
+        return self._submit(spec, ready, claimed=False)
+
+    def _submit(
+        self, spec: TransferSpec | Sequence[TransferSpec], ready: Any, *, claimed: bool
+    ) -> TransferHandle:
+        specs = [spec] if isinstance(spec, TransferSpec) else list(spec)
+        mapping = map_specs(specs, self.geometry)
+        ready = ready if ready is not None else self._ready
+        if self._streams.asynchronous and ready is None:
+            raise TransferSpecError(
+                "a CUDA transfer must be ordered after the engine's work: pass ready= "
+                "(the stream the model writes KV on, or an event recorded after it) to "
+                "TransferWorker(...) or to this call"
+            )
+        lane = self._lanes[mapping.direction]
+        launched = self._launch(mapping, lane, ready)
+        handle = TransferHandle(
+            next(self._ids),
+            mapping.direction,
+            mapping.num_blocks,
+            mapping.num_bytes,
+            launched.backend,
+            done_event=launched.completion.event,
+            _completion=launched.completion,
+            _keepalive=launched.keepalive,
+            _claimed=claimed,
+        )
+        lane.in_flight.append(handle)
+        if not launched.completion.query():
+            lane.completions.watch(launched.completion)
+        self._reap()
+        return handle
+
+    # -- completion ---------------------------------------------------------------------
+    def _notify(self) -> None:
+        """Completion thread: a copy finished; have the loop look (thread-safe)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._on_progress)
+        except RuntimeError:  # the loop closed meanwhile: nobody is waiting on it
+            pass
+
+    def _on_progress(self) -> None:
+        self._reap()
+        progress, self._progress = self._progress, None
+        if progress is not None:
+            progress.set()
+
+    def _reap(self) -> None:
+        """Finish, in order, every transfer whose copy is complete, and wake the first
+        waiter of each direction if its transfer is done."""
+        for lane in self._lanes.values():
+            while lane.in_flight:
+                handle = lane.in_flight[0]
+                assert handle._completion is not None
+                if not handle._completion.query():
+                    break
+                lane.in_flight.popleft()
+                handle.result = TransferResult(
+                    handle.transfer_id,
+                    handle.direction,
+                    handle.num_blocks,
+                    handle.num_bytes,
+                    handle._completion.seconds(),
+                    handle.backend,
+                )
+                handle._completion, handle._keepalive = None, ()
+                if not handle._claimed:
+                    self._finished.append(handle.result)
+            if lane.waiters and lane.waiters[0].done() and lane.waiters[0]._wakeup:
+                lane.waiters[0]._wakeup.set()
+
+    def get_finished(self) -> list[TransferResult]:
+        """Results of completed transfers that no `wait` claimed, in submission order
+        within each direction; each result is handed out once."""
+        self._reap()
+        finished, self._finished = self._finished, []
+        return finished
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(len(lane.in_flight) for lane in self._lanes.values())
+
+    def _attach_loop(self) -> None:
+        self._loop = asyncio.get_running_loop()
+
+    async def wait(self, handle: TransferHandle) -> TransferResult:
+        """Wait for `handle`'s copy without blocking the event loop, and return its
+        result. Waits in one direction return in submission order. If the wait is
+        cancelled, the result goes to `get_finished` instead."""
+        if handle._claimed:
+            raise RuntimeError(f"transfer {handle.transfer_id} is already being awaited")
+        handle._claimed = True
+        return await self._wait_claimed(handle)
+
+    async def _wait_claimed(self, handle: TransferHandle) -> TransferResult:
+        self._attach_loop()  # before looking: a copy finishing later wakes this loop
+        for i, result in enumerate(self._finished):  # done before anyone waited
+            if result is handle.result:
+                del self._finished[i]
+                break
+        lane = self._lanes[handle.direction]
+        lane.waiters.append(handle)
+        delivered = False
+        try:
+            await anyio.lowlevel.checkpoint()
+            while True:
+                self._reap()
+                if handle.done() and lane.waiters[0] is handle:
+                    delivered = True
+                    break
+                handle._wakeup = anyio.Event()  # set by _reap or by the waiter before
+                await handle._wakeup.wait()
+        finally:
+            lane.waiters.remove(handle)
+            handle._wakeup = None
+            if not delivered:
+                handle._claimed = False
+                if handle.result is not None:
+                    self._finished.append(handle.result)
+            if lane.waiters and lane.waiters[0]._wakeup:
+                lane.waiters[0]._wakeup.set()
+        assert handle.result is not None
+        return handle.result
+
+    async def transfer(
+        self, spec: TransferSpec | Sequence[TransferSpec], *, ready: Any = None
+    ) -> TransferResult:
+        """Copy `spec` (or several specs of one direction, as one submission) and
+        return once the bytes are in place.
+
+        Once submitted, the copy is awaited to its end even if the caller is cancelled
+        (the wait is shielded, and copies are bounded): the caller frees or reuses the
+        slots and GPU blocks as soon as this returns or raises, so it must not return
+        while a queued copy could still touch them."""
+        handle = self._submit(spec, ready, claimed=True)
+        with anyio.CancelScope(shield=True):
+            result = await self._wait_claimed(handle)
+        return result
+
+    async def drain(self) -> None:
+        """Wait until no transfer is in flight (results stay where they would go)."""
+        self._attach_loop()
+        while True:
+            self._reap()
+            if not self.num_in_flight:
+                return
+            if self._progress is None:
+                self._progress = anyio.Event()
+            await self._progress.wait()
+
+    def close(self) -> None:
+        """Stop the completion threads once the copies they watch are done. Blocks
+        until then; call it after `drain`."""
+        for lane in self._lanes.values():
+            lane.completions.close()
+
