@@ -251,6 +251,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 # -- bench --------------------------------------------------------------------------------
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.gpu:
+        from tierkv.gpu.bench import run_gpu_bench
+
+        return run_gpu_bench(args.total, args.repeat, args.json)
     from tierkv.bench import BenchOptions, UnknownMedium, bench_summary, run_bench
     from tierkv.demo.report import render
 
@@ -609,6 +613,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--lookup-batch", type=_positive, metavar="N", default=128, help="keys per call"
     )
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench.add_argument(
+        "--gpu", action="store_true", help="the GPU hop per copy backend (tierkv.gpu.bench)"
+    )
     bench.set_defaults(func=_cmd_bench)
 
     va = sub.add_parser("validate", parents=[common], help="validate a YAML tier chain")
