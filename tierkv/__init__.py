@@ -97,6 +97,12 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers
     from tierkv.events import (
         OffloadingEvent as OffloadingEvent,
     )
+    from tierkv.gpu.geometry import (
+        required_block_bytes as required_block_bytes,
+    )
+    from tierkv.gpu.worker import (
+        TransferWorker as TransferWorker,
+    )
     from tierkv.jobs import (
         JobMetadata as JobMetadata,
     )
@@ -150,10 +156,4 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers
     )
     from tierkv.tier import (
         TierConfig as TierConfig,
-    )
-    from tierkv.gpu.geometry import (
-        required_block_bytes as required_block_bytes,
-    )
-    from tierkv.gpu.worker import (
-        TransferWorker as TransferWorker,
     )

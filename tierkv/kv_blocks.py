@@ -57,7 +57,9 @@ class KVCacheBlocks:
         self.ready = ready
         self.done_event: Any = None
         self.factor = worker.block_size_factor
-        self.gpu_blocks = [np.asarray(list(map(int, blocks)), dtype=np.int64) for blocks in gpu_blocks]
+        self.gpu_blocks = [
+            np.asarray(list(map(int, blocks)), dtype=np.int64) for blocks in gpu_blocks
+        ]
         self.heads = [int(i) % self.factor for i in indices]
         counts = [
             -(-(head + blocks.size) // self.factor) if blocks.size else 0
@@ -97,11 +99,11 @@ class KVCacheBlocks:
         order = np.lexsort((blocks, groups))
         groups, blocks, chosen = groups[order], blocks[order], chosen[order]
         breaks = (groups[1:] != groups[:-1]) | (blocks[1:] != blocks[:-1] + 1)
-        starts = np.concatenate(([0], np.flatnonzero(breaks) + 1)) if keys.size else []
-        ends = np.append(starts[1:], keys.size) if keys.size else []
+        starts: list[int] = [0, *(np.flatnonzero(breaks) + 1).tolist()] if keys.size else []
+        ends = [*starts[1:], int(keys.size)]
         empty: list[int] = []
         specs = []
-        for start, end in zip(np.asarray(starts).tolist(), np.asarray(ends).tolist()):
+        for start, end in zip(starts, ends):
             g = int(groups[start])
             first, last = int(blocks[start]), int(blocks[end - 1])
             head, ids = self.heads[g], self.gpu_blocks[g]

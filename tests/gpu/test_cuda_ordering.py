@@ -31,17 +31,23 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def _worker(copy_backend: Any, ready: Any = None) -> tuple[TransferWorker, list[torch.Tensor], torch.Tensor]:
+def _worker(
+    copy_backend: Any, ready: Any = None
+) -> tuple[TransferWorker, list[torch.Tensor], torch.Tensor]:
     device = torch.device("cuda")
     kv = [torch.zeros(BLOCKS, PAGE, dtype=torch.uint8, device=device) for _ in range(2)]
     slab = torch.zeros(BLOCKS, 2 * PAGE, dtype=torch.uint8, pin_memory=True)
     layout = KVLayout(block_bytes=2 * PAGE, groups=(GroupSpec(block_size=4),))
     torch.cuda.synchronize()
-    worker = TransferWorker([kv], slab, layout, gpu_block_size=4, copy_backend=copy_backend, ready=ready)
+    worker = TransferWorker(
+        [kv], slab, layout, gpu_block_size=4, copy_backend=copy_backend, ready=ready
+    )
     return worker, kv, slab
 
 
-def _engine_writes(kv: list[torch.Tensor], stream: torch.cuda.Stream, value: int) -> torch.cuda.Event:
+def _engine_writes(
+    kv: list[torch.Tensor], stream: torch.cuda.Stream, value: int
+) -> torch.cuda.Event:
     """On another thread: keep `stream` busy, then write every block, then record."""
     made: list[torch.cuda.Event] = []
 
@@ -85,7 +91,9 @@ async def test_a_cuda_transfer_without_ready_is_refused() -> None:
 
 
 @pytest.mark.parametrize("copy_backend", ["kernel", "dma"])
-async def test_an_engine_stream_waiting_on_done_event_reads_the_loaded_kv(copy_backend: str) -> None:
+async def test_an_engine_stream_waiting_on_done_event_reads_the_loaded_kv(
+    copy_backend: str,
+) -> None:
     engine_stream = torch.cuda.Stream()
     worker, kv, slab = _worker(copy_backend, ready=engine_stream)
     slab.fill_(9)

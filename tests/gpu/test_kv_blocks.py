@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tierkv.config import parse_config
-from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
 from tierkv.gpu import TransferWorker, required_block_bytes
 from tierkv.gpu.worker import Launched
+from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
 from tierkv.kv_blocks import KVCacheBlocks
 from tierkv.orchestrator import TieredCache
 

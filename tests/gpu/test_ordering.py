@@ -149,7 +149,9 @@ class Rig:
         self.device = FakeDevice()
         self.streams = FakeStreams(self.device)
         self.engine = self.device.stream("engine")
-        self.kv = [[torch.zeros(8, PAGE, dtype=torch.uint8), torch.zeros(8, PAGE, dtype=torch.uint8)]]
+        self.kv = [
+            [torch.zeros(8, PAGE, dtype=torch.uint8), torch.zeros(8, PAGE, dtype=torch.uint8)]
+        ]
         self.primary = PrimaryTier(4, 2 * PAGE, pin_memory=False)
         self.primary.view.tensor.zero_()
         layout = KVLayout(block_bytes=2 * PAGE, groups=(GroupSpec(block_size=4),))

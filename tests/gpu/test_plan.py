@@ -25,7 +25,9 @@ from tierkv.layout import GroupSpec, KVLayout
 def test_triples_follow_the_documented_addresses() -> None:
     """One group, layers of 8 and 4 bytes, factor 2 (chunks of 12 bytes): GPU block 3
     of a store at sub-block 1 of slot 5, block 0 at sub-block 0 of slot 6."""
-    table = GroupTable.of(gpu_base=[1000, 5000], gpu_stride=[16, 4], layer_offset=[0, 8], page=[8, 4])
+    table = GroupTable.of(
+        gpu_base=[1000, 5000], gpu_stride=[16, 4], layer_offset=[0, 8], page=[8, 4]
+    )
     geometry = Geometry(((8, 4),), 2, 24, (10,), 8)
     spec = TransferSpec("store", [[3, 0]], [[5, 6]], [1])
     plan = build_plan(map_specs([spec], geometry), [table], SlabTable(100, 12), coalesce_runs=False)
@@ -146,7 +148,9 @@ def _cases(draw: st.DrawFn) -> dict[str, object]:
     }
 
 
-def _layers(pages: list[int], blocks: int, strided: bool, gen: torch.Generator) -> list[torch.Tensor]:
+def _layers(
+    pages: list[int], blocks: int, strided: bool, gen: torch.Generator
+) -> list[torch.Tensor]:
     """Per-layer tensors; `strided`: views into one buffer, at offsets, blocks apart."""
     if not strided:
         dtypes = (torch.uint8, torch.int16, torch.float32)
@@ -172,7 +176,11 @@ def test_random_plans_move_exactly_the_reference_bytes(case: dict, executor: str
     block_bytes = factor * max(sum(p) for p in case["groups"])
     slab = torch.randint(0, 256, (case["num_slots"], block_bytes), dtype=torch.uint8, generator=gen)
     geometry = Geometry(
-        tuple(tuple(p) for p in case["groups"]), factor, block_bytes, tuple(case["blocks"]), case["num_slots"]
+        tuple(tuple(p) for p in case["groups"]),
+        factor,
+        block_bytes,
+        tuple(case["blocks"]),
+        case["num_slots"],
     )
     specs = case["specs"]
     mapping = map_specs(specs, geometry)
@@ -206,7 +214,9 @@ def test_backend_and_executor_choices_are_checked() -> None:
     with pytest.raises(ConfigError, match="copy_backend: 'copy' is not one of auto, dma, kernel"):
         TransferWorker(kv, slab, layout, gpu_block_size=4, copy_backend="copy")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="needs cuda-bindings"):
-        TransferWorker(kv, slab, layout, gpu_block_size=4, copy_backend="dma", dma_executor="batched")
+        TransferWorker(
+            kv, slab, layout, gpu_block_size=4, copy_backend="dma", dma_executor="batched"
+        )
     with pytest.raises(ConfigError, match="dma_executor: 'fast' is not one of"):
         TransferWorker(kv, slab, layout, gpu_block_size=4, dma_executor="fast")  # type: ignore[arg-type]
     auto = TransferWorker(kv, slab, layout, gpu_block_size=4)

@@ -26,8 +26,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tierkv.errors import ConfigError
-from tierkv.layout import GroupSpec, KVLayout
-from tierkv.primary import HostSlab, PrimaryTier
 from tierkv.gpu import (
     DIRECTIONS,
     Direction,
@@ -38,6 +36,8 @@ from tierkv.gpu import (
     required_block_bytes,
 )
 from tierkv.gpu.worker import Launched
+from tierkv.layout import GroupSpec, KVLayout
+from tierkv.primary import HostSlab, PrimaryTier
 
 pytestmark = pytest.mark.anyio
 
@@ -122,7 +122,9 @@ class Rig:
         ]
         self.block_bytes = required_block_bytes(self.kv, factor)
         self.stride = self.block_bytes // factor
-        slab = torch.randint(0, 256, (num_slots, self.block_bytes), dtype=torch.uint8, generator=gen)
+        slab = torch.randint(
+            0, 256, (num_slots, self.block_bytes), dtype=torch.uint8, generator=gen
+        )
         layout = KVLayout(
             block_bytes=self.block_bytes,
             groups=tuple(GroupSpec(block_size=GPU_BLOCK * factor) for _ in pages),
@@ -581,7 +583,9 @@ BAD_SPECS: dict[str, tuple[Any, str]] = {
 
 
 @pytest.mark.parametrize("case", list(BAD_SPECS))
-async def test_a_bad_spec_raises_before_any_byte_moves(device: torch.device, copy: Copy, case: str) -> None:
+async def test_a_bad_spec_raises_before_any_byte_moves(
+    device: torch.device, copy: Copy, case: str
+) -> None:
     make, pattern = BAD_SPECS[case]
     rig = Rig(device, [[256], [128, 128]], factor=2, num_slots=6, copy=copy)
     before = rig.snapshot()
@@ -602,7 +606,8 @@ async def test_repeated_sources_are_allowed(device: torch.device, copy: Copy) ->
 
 # -- completion ---------------------------------------------------------------------------
 async def test_concurrent_transfers_do_not_block_the_loop_and_return_in_order(
-    device: torch.device, copy: Copy,
+    device: torch.device,
+    copy: Copy,
 ) -> None:
     rig = Rig(device, [[512, 512]], factor=1, num_gpu_blocks=40, num_slots=40, copy=copy)
     before = rig.snapshot()
@@ -639,7 +644,8 @@ async def test_concurrent_transfers_do_not_block_the_loop_and_return_in_order(
 
 
 async def test_get_finished_hands_out_unawaited_results_once_in_order(
-    device: torch.device, copy: Copy,
+    device: torch.device,
+    copy: Copy,
 ) -> None:
     rig = Rig(device, [[256]], factor=1, copy=copy)
     handles = [rig.worker.submit(TransferSpec("store", [[i]], [[i]], [0])) for i in range(3)]

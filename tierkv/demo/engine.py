@@ -91,6 +91,10 @@ class DemoEngine:
             cache.primary.view,
             cache.config.layout,
             gpu_block_size=self.kv.block_tokens,
+            # the model runs (in worker threads) on the device's default stream
+            ready=torch.cuda.default_stream(self.model.device)
+            if self.model.device.type == "cuda"
+            else None,
         )
         self.cache = cache
 

@@ -100,7 +100,9 @@ class KernelCopy:
         self._moves = tuple(
             tuple(
                 _layer_move(t, slab, offset, page, geometry)
-                for t, offset, page in zip(layers, geometry.layer_offsets(g), geometry.page_bytes[g])
+                for t, offset, page in zip(
+                    layers, geometry.layer_offsets(g), geometry.page_bytes[g]
+                )
             )
             for g, layers in enumerate(groups)
         )

@@ -66,9 +66,9 @@ class _Setup:
         self.moved = self.count * block
         self.device = device
         self.kv = [
-            torch.randint(0, 256, (2 * self.count, page_bytes), dtype=torch.uint8, generator=gen).to(
-                device
-            )
+            torch.randint(
+                0, 256, (2 * self.count, page_bytes), dtype=torch.uint8, generator=gen
+            ).to(device)
             for _ in range(num_layers)
         ]
         pinned = device.type == "cuda"
@@ -90,7 +90,9 @@ class _Setup:
             ready=self.ready,
         )
         self.gpu_ids = torch.randperm(2 * self.count, generator=gen)[: self.count]
-        self.slots = torch.randperm(slots_total, generator=gen)[: -(-self.count // block_size_factor)]
+        self.slots = torch.randperm(slots_total, generator=gen)[
+            : -(-self.count // block_size_factor)
+        ]
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -215,7 +217,9 @@ def plan_cost(num_blocks: int = 512, num_layers: int = 32, repeats: int = 20) ->
     """Host cost of checking a transfer and building its DMA plan (NumPy only):
     the part of a submission that runs on the event loop besides the driver call."""
     page = 64 << 10
-    geometry = Geometry(((page,) * num_layers,), 1, page * num_layers, (2 * num_blocks,), 2 * num_blocks)
+    geometry = Geometry(
+        ((page,) * num_layers,), 1, page * num_layers, (2 * num_blocks,), 2 * num_blocks
+    )
     table = GroupTable.of(
         gpu_base=[(1 << 40) + layer * (1 << 32) for layer in range(num_layers)],
         gpu_stride=[page] * num_layers,
@@ -298,7 +302,8 @@ def format_gpu_report(report: dict[str, Any]) -> str:
             f"{format_size(row['page_bytes']):>8} {row['copy_backend']:>7} | "
             f"{row['store_GBps']:>10.1f} {row['store_ratio']:>7.2f} | "
             f"{row['load_GBps']:>9.1f} {row['load_ratio']:>7.2f} | "
-            f"{100 * row['matmul_slowdown_store']:>7.0f}/{100 * row['matmul_slowdown_load']:<7.0f} | "
+            f"{100 * row['matmul_slowdown_store']:>7.0f}/"
+            f"{100 * row['matmul_slowdown_load']:<7.0f} | "
             f"{row['one_block_load_us']:>9.0f} us"
         )
     lines.append(

@@ -41,9 +41,7 @@ class RunCopies:
         order = sorted(unique)
         self._regions = [unique[start] for start in order]
         self._starts = np.asarray(order, dtype=np.uint64)
-        self._ends = np.asarray(
-            [start + unique[start].numel() for start in order], dtype=np.uint64
-        )
+        self._ends = np.asarray([start + unique[start].numel() for start in order], dtype=np.uint64)
 
     def _locate(self, addresses: np.ndarray, sizes: np.ndarray) -> tuple[list[int], list[int]]:
         which = np.searchsorted(self._starts, addresses, side="right") - 1

@@ -152,8 +152,7 @@ def _check_kv_caches(
     for g, layers in enumerate(kv_caches):
         if isinstance(layers, torch.Tensor) or not isinstance(layers, Sequence):
             problems.append(
-                f"kv_caches[{g}]: expected a list of per-layer tensors, "
-                f"got {type(layers).__name__}"
+                f"kv_caches[{g}]: expected a list of per-layer tensors, got {type(layers).__name__}"
             )
             continue
         if not layers:

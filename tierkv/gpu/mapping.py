@@ -69,8 +69,7 @@ def as_ids(what: str, values: BlockIds, limit: int) -> Ids:
         raise TransferSpecError(f"{what}: not a sequence of ints (dtype {array.dtype})")
     if array.ndim != 1 or array.dtype.kind == "b":
         raise TransferSpecError(
-            f"{what}: expected a 1-D sequence of ints, got dtype {array.dtype} "
-            f"shape {array.shape}"
+            f"{what}: expected a 1-D sequence of ints, got dtype {array.dtype} shape {array.shape}"
         )
     if array.size:
         low, high = int(array.min()), int(array.max())

@@ -111,7 +111,7 @@ class CudaCompletion:
         return bool(self._end.query())  # type: ignore[no-untyped-call]
 
     def wait(self) -> None:
-        self._end.synchronize()  # type: ignore[no-untyped-call]
+        self._end.synchronize()
 
     def seconds(self) -> float:
         return float(self._start.elapsed_time(self._end)) / 1000.0

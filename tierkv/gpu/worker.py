@@ -28,9 +28,10 @@ thread (the engine's).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +52,7 @@ from tierkv.gpu.backends import (
     KernelCopy,
 )
 from tierkv.gpu.cuda_batch import load_batch_memcpy
-from tierkv.gpu.geometry import Geometry, check_layout
+from tierkv.gpu.geometry import check_layout
 from tierkv.gpu.lanes import CompletionThread, Lane
 from tierkv.gpu.mapping import Mapping, map_specs
 from tierkv.gpu.plan import CopyPlan
@@ -153,7 +154,9 @@ class TransferWorker:
         cuda = self.device.type == "cuda"
         if cuda:
             require_pinned(slab)
-        self._streams: Streams = streams or (CudaStreams(self.device) if cuda else ImmediateStreams())
+        self._streams: Streams = streams or (
+            CudaStreams(self.device) if cuda else ImmediateStreams()
+        )
         self._ready = ready
         self._slab = slab
         self._ids = itertools.count(1)
@@ -309,10 +312,8 @@ class TransferWorker:
         loop = self._loop
         if loop is None or loop.is_closed():
             return
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits on it
             loop.call_soon_threadsafe(self._on_progress)
-        except RuntimeError:  # the loop closed meanwhile: nobody is waiting on it
-            pass
 
     def _on_progress(self) -> None:
         self._reap()
@@ -369,8 +370,8 @@ class TransferWorker:
 
     async def _wait_claimed(self, handle: TransferHandle) -> TransferResult:
         self._attach_loop()  # before looking: a copy finishing later wakes this loop
-        for i, result in enumerate(self._finished):  # done before anyone waited
-            if result is handle.result:
+        for i, earlier in enumerate(self._finished):  # done before anyone waited
+            if earlier is handle.result:
                 del self._finished[i]
                 break
         lane = self._lanes[handle.direction]
@@ -380,7 +381,8 @@ class TransferWorker:
             await anyio.lowlevel.checkpoint()
             while True:
                 self._reap()
-                if handle.done() and lane.waiters[0] is handle:
+                first: TransferHandle = lane.waiters[0]
+                if handle.done() and first is handle:
                     delivered = True
                     break
                 handle._wakeup = anyio.Event()  # set by _reap or by the waiter before
@@ -428,4 +430,3 @@ class TransferWorker:
         until then; call it after `drain`."""
         for lane in self._lanes.values():
             lane.completions.close()
-
