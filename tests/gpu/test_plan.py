@@ -223,3 +223,41 @@ def test_backend_and_executor_choices_are_checked() -> None:
     assert auto.dma_executor is None  # the CPU device has no copy engines: kernels
     dma = TransferWorker(kv, slab, layout, gpu_block_size=4, copy_backend="dma")
     assert dma.dma_executor == "memmove"
+
+
+class _Stream:
+    cuda_stream = 1234
+
+
+class _FakeBatch:
+    """Stands in for `cuMemcpyBatchAsync`: records what it was handed and applies it
+    on the host, or fails like a driver that refuses the batch."""
+
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+        self.calls: list[tuple[int, int]] = []
+
+    def __call__(self, plan: CopyPlan, stream_handle: int) -> tuple[object, ...]:
+        self.calls.append((plan.count, stream_handle))
+        if self.fail:
+            raise RuntimeError("cuMemcpyBatchAsync failed with CUresult 801 at copy 0 of 2")
+        memmove(plan)
+        return ()
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_batched_executor_gets_the_whole_plan_and_falls_back_to_runs_on_error(
+    fail: bool,
+) -> None:
+    from tierkv.gpu.backends import DmaCopy
+
+    kv = [[torch.arange(6 * 32, dtype=torch.uint8).view(6, 32) for _ in range(2)]]
+    slab = torch.zeros(3, 64, dtype=torch.uint8)
+    geometry = Geometry(((32, 32),), 1, 64, (6,), 3)
+    batch = _FakeBatch(fail)
+    dma = DmaCopy(kv, slab, geometry, executor="batched", batch=batch)  # type: ignore[arg-type]
+    mapping = map_specs([TransferSpec("store", [[4]], [[2]], [0])], geometry)
+    dma.enqueue(mapping, _Stream(), None)
+    assert batch.calls == [(2, 1234)]  # one call, every page, on the lane's stream
+    assert torch.equal(slab[2], torch.cat([kv[0][0][4], kv[0][1][4]]))
+    assert dma.executor == ("runs" if fail else "batched")

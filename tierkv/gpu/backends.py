@@ -21,6 +21,7 @@ must confirm it on a GPU.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -33,6 +34,8 @@ from tierkv.gpu.executors import RunCopies, flat_bytes, memmove
 from tierkv.gpu.geometry import Geometry
 from tierkv.gpu.mapping import Mapping
 from tierkv.gpu.plan import CopyPlan, GroupTable, SlabTable, build_plan
+
+logger = logging.getLogger(__name__)
 
 CopyBackendName = Literal["auto", "dma", "kernel"]
 COPY_BACKENDS: tuple[CopyBackendName, ...] = ("auto", "dma", "kernel")
@@ -204,11 +207,8 @@ class DmaCopy:
             raise ValueError("dma_executor='memmove' copies host memory only (CPU device)")
         self.executor: DmaExecutorName = executor
         self._batch = batch
-        self._runs = (
-            RunCopies([flat_bytes(t) for layers in groups for t in layers] + [flat_bytes(slab)])
-            if executor == "runs"
-            else None
-        )
+        self._regions = [flat_bytes(t) for layers in groups for t in layers] + [flat_bytes(slab)]
+        self._runs = RunCopies(self._regions) if executor == "runs" else None
 
     def plan(self, mapping: Mapping) -> CopyPlan:
         return build_plan(mapping, self._tables, self._slab)
@@ -217,7 +217,13 @@ class DmaCopy:
         plan = plan if plan is not None else self.plan(mapping)
         if self.executor == "batched":
             assert self._batch is not None
-            return (*self._batch(plan, stream.cuda_stream), plan)
+            try:
+                return (*self._batch(plan, stream.cuda_stream), plan)
+            except RuntimeError as exc:
+                # Copies are idempotent (the same bytes to the same places), so even
+                # a batch the driver partly enqueued is safely redone run by run.
+                logger.warning("%s; DMA copies fall back to one copy_ per run", exc)
+                self.executor, self._runs = "runs", RunCopies(self._regions)
         if self.executor == "runs":
             assert self._runs is not None
             self._runs(plan)
