@@ -842,3 +842,39 @@ async def test_drain_returns_once_nothing_is_in_flight(monkeypatch: pytest.Monke
         gates[1].open = True
     assert drained
     assert [r.direction for r in rig.worker.get_finished()] == ["load", "store"]
+
+
+async def test_several_specs_are_one_submission_checked_as_a_whole(
+    device: torch.device, copy: Copy
+) -> None:
+    rig = Rig(device, [[256], [128, 128]], factor=2, num_slots=6, copy=copy)
+    first = TransferSpec("store", [[0, 1], []], [[0], []], [0, 0])
+    second = TransferSpec("store", [[], [4, 5, 6]], [[], [2, 3]], [0, 1])
+    before = rig.snapshot()
+    result = await rig.worker.transfer([first, second])
+    rig.assert_holds(rig.expected(second, rig.expected(first, before)))
+    assert result.num_blocks == 5 and result.num_bytes == 2 * 256 + 3 * 256
+    bad = {
+        "a slot twice across specs": (
+            [first, TransferSpec("store", [[2, 3], []], [[0], []], [0, 0])],
+            "a slot appears twice",
+        ),
+        "a GPU block loaded twice across specs": (
+            [
+                TransferSpec("load", [[0, 1], []], [[0], []], [0, 0]),
+                TransferSpec("load", [[1, 2], []], [[1], []], [0, 0]),
+            ],
+            r"gpu_blocks\[0\]: a GPU block appears twice",
+        ),
+        "two directions": (
+            [first, TransferSpec("load", [[5], []], [[4], []], [0, 0])],
+            "one submission moves one direction",
+        ),
+        "nothing": ([], "give at least one TransferSpec"),
+    }
+    before = rig.snapshot()
+    for specs, pattern in bad.values():
+        with pytest.raises(TransferSpecError, match=pattern):
+            rig.worker.submit(specs)
+    rig.assert_holds(before)
+    assert rig.worker.num_in_flight == 0 and rig.worker.get_finished() == []
