@@ -23,11 +23,17 @@ from tierkv.gpu.streams import Completion
 logger = logging.getLogger(__name__)
 
 
+IDLE_EXIT = 5.0
+"""Seconds a completion thread stays with nothing to watch before it exits (the next
+`watch` starts a new one), so idle workers hold no threads."""
+
+
 class CompletionThread:
     """Waits on completions, in the order given, and calls `notify()` after each.
 
-    Started on the first `watch`; a daemon thread, so a worker nobody closes does not
-    keep the interpreter alive. `close` lets it finish what it was given and stop."""
+    Started by `watch` when none runs; a daemon thread that exits after `IDLE_EXIT`
+    seconds with nothing to watch, so a worker nobody closes keeps neither a thread nor
+    the interpreter alive. `close` lets it finish what it was given and stop."""
 
     def __init__(self, name: str, notify: Callable[[], None]) -> None:
         self._name = name
@@ -37,15 +43,31 @@ class CompletionThread:
         self._lock = threading.Lock()
 
     def watch(self, completion: Completion) -> None:
-        with self._lock:
+        with self._lock:  # under the lock: an exiting thread sees the new item
+            self._queue.put(completion)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
-        self._queue.put(completion)
+
+    def _next(self) -> Completion | None:
+        """The next completion to wait on, or None when this thread should exit
+        (`close` asked, or nothing came for `IDLE_EXIT` seconds)."""
+        while True:
+            try:
+                item = self._queue.get(timeout=IDLE_EXIT)
+            except queue.Empty:
+                item = None
+            if item is not None:
+                return item
+            with self._lock:  # idle, or a stop request: exit unless work arrived since
+                if self._queue.empty():
+                    if self._thread is threading.current_thread():
+                        self._thread = None
+                    return None
 
     def _run(self) -> None:
         while True:
-            completion = self._queue.get()
+            completion = self._next()
             if completion is None:
                 return
             try:
