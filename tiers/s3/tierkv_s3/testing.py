@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from tierkv.localserver import LocalServer, free_port
+from tierkv.testing.servers import LocalServer, free_port
 
 INSTALL_HINT = "install it with `pip install 'moto[server]'`"
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "te"}
