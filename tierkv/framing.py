@@ -98,6 +98,11 @@ class Framer:
         self._mac = mac_key
 
     @property
+    def namespace_tag(self) -> int:
+        """The 64-bit namespace hash every frame of this namespace carries."""
+        return self._ns_hash
+
+    @property
     def mac(self) -> bool:
         """Whether frames carry (and must carry) a MAC."""
         return self._mac is not None

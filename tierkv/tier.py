@@ -31,12 +31,13 @@ from tierkv.jobs import JobMetadata, JobResult, ReqContext
 from tierkv.keys import OffloadKey
 from tierkv.mac import MacKey, load_mac_key
 from tierkv.redact import redact_url
-from tierkv.runner import JobAborted, in_batches, in_thread, per_key, run_job
+from tierkv.runner import Batch, JobAborted, in_batches, in_thread, per_key, run_job
 from tierkv.slab import PrimaryView
 from tierkv.units import Duration, Size
 
 __all__ = [
     "redact_url",
+    "Batch",
     "CorruptBlock",
     "Duration",
     "Framer",
