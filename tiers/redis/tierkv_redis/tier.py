@@ -109,7 +109,7 @@ class RedisTier(SecondaryTierManager):
         # than the connection pool holds
         self._gate: anyio.Semaphore | None = None
         # threads framing and checking blocks: one per connection at most
-        self._cpu = anyio.CapacityLimiter(self.config.max_connections)
+        self._cpu = anyio.CapacityLimiter(1)
         self._inflight = InFlightJobs(self.name)
 
     @staticmethod
