@@ -72,6 +72,10 @@ BatchOp: TypeAlias = Callable[[Client, Batch], Awaitable[dict[OffloadKey, str]]]
 # third more CPU per MiB-sized GET than 256 KiB (measured, hiredis parser).
 _SOCKET_READ_SIZE = 256 * 1024
 
+_FRAMING_THREADS = 2
+"""Worker threads framing and checking blocks, per tier: more would only compete with
+the event loop for the GIL (and the cores) while hashing and copying."""
+
 # Errors that say "the server is not answering" rather than "this command failed".
 _UNREACHABLE = (RedisError, OSError, TimeoutError)
 
@@ -108,8 +112,7 @@ class RedisTier(SecondaryTierManager):
         # commands in flight across all jobs and lookups of this tier; never more
         # than the connection pool holds
         self._gate: anyio.Semaphore | None = None
-        # threads framing and checking blocks: one per connection at most
-        self._cpu = anyio.CapacityLimiter(1)
+        self._cpu = anyio.CapacityLimiter(_FRAMING_THREADS)
         self._inflight = InFlightJobs(self.name)
 
     @staticmethod

@@ -134,6 +134,8 @@ class Fault:
     methods: frozenset[str] | None = None
     times: int | None = None
     hits: int = field(default=0, init=False)
+    forwarded: int = field(default=0, init=False)
+    """Requests it delayed that have since been passed on (the server has them)."""
 
     def applies(self, method: str, path: str) -> bool:
         if self.times is not None and self.hits >= self.times:
@@ -192,6 +194,11 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             if fault is not None and fault.action == "delay":
                 time.sleep(fault.delay)
+                try:
+                    self._forward(body)
+                finally:
+                    fault.forwarded += 1
+                return
             if fault is not None and fault.action == "error":
                 self._send_error(fault)
                 return
