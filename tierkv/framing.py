@@ -14,7 +14,7 @@ with `mac_key_env` set writes MACs and accepts only frames whose MAC checks unde
 key; a tier without one accepts only frames without a MAC.
 
 Overhead per block, for capacity accounting: `Framer.header_bytes(key)` =
-FIXED_HEADER_BYTES (38) + len(key) (+ MAC_BYTES (32) with a MAC). A tier with
+FIXED_HEADER_BYTES (34) + len(key) (+ MAC_BYTES (32) with a MAC). A tier with
 `capacity: C` holds about C // (header_bytes(key) + block_bytes) blocks.
 
 A tier that can read in two steps (header, then payload straight into the primary
