@@ -32,9 +32,9 @@ from tierkv.tier import SecondaryTierManager
 
 async def longest_stall(
     run: Callable[[], Awaitable[JobResult]],
-) -> tuple[float, float, float, bool]:
-    """(longest loop stall in s, most loop-thread CPU between two turns in s, wall
-    time in s, ok) while `run()` runs.
+) -> tuple[float, float, float, float, bool]:
+    """(longest loop stall in s, most loop-thread CPU between two turns in s, all the
+    loop thread's CPU in s, wall time in s, ok) while `run()` runs.
 
     The stall is wall time: it includes the loop thread waiting for a CPU or for the
     GIL (other processes on a busy machine, worker threads). The CPU figure is the
@@ -59,11 +59,13 @@ async def longest_stall(
     watcher = asyncio.ensure_future(watch())
     await asyncio.sleep(0)
     start = time.perf_counter()
+    start_cpu = time.thread_time()
     result = await run()
     wall = time.perf_counter() - start
+    loop_cpu = time.thread_time() - start_cpu
     done = True
     await watcher
-    return worst, worst_cpu, wall, result.ok
+    return worst, worst_cpu, loop_cpu, wall, result.ok
 
 
 async def measure(
@@ -76,17 +78,19 @@ async def measure(
             view.block(slot)[:] = rng.randbytes(view.block_bytes)
         stalls: dict[str, list[float]] = {"store": [], "load": []}
         cpus: dict[str, list[float]] = {"store": [], "load": []}
+        totals: dict[str, list[float]] = {"store": [], "load": []}
         walls: dict[str, list[float]] = {"store": [], "load": []}
         for rep in range(repeats):
             keys = tuple(make_offload_key(rng.randbytes(16), 0) for _ in range(blocks))
             store = JobMetadata(2 * rep, keys, tuple(range(blocks)))
             load = JobMetadata(2 * rep + 1, keys, tuple(range(blocks, 2 * blocks)))
             for verb, job, call in (("store", store, tier.store), ("load", load, tier.load)):
-                stall, cpu, wall, ok = await longest_stall(lambda c=call, j=job: c(j))  # type: ignore[misc]
+                stall, cpu, total, wall, ok = await longest_stall(lambda c=call, j=job: c(j))  # type: ignore[misc]
                 if not ok:
                     raise SystemExit(f"{label} {verb} failed")
                 stalls[verb].append(stall)
                 cpus[verb].append(cpu)
+                totals[verb].append(total)
                 walls[verb].append(wall)
         for verb in ("store", "load"):
             print(
@@ -94,7 +98,8 @@ async def measure(
                 f"median {statistics.median(stalls[verb]) * 1e3:6.2f} ms "
                 f"(worst {max(stalls[verb]) * 1e3:6.2f}), loop-thread CPU per turn median "
                 f"{statistics.median(cpus[verb]) * 1e3:6.2f} ms "
-                f"(worst {max(cpus[verb]) * 1e3:6.2f}), job "
+                f"(worst {max(cpus[verb]) * 1e3:6.2f}), loop-thread CPU in all "
+                f"{statistics.median(totals[verb]) * 1e3:5.0f} ms, job "
                 f"{statistics.median(walls[verb]) * 1e3:.0f} ms"
             )
     finally:
