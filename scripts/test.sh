@@ -6,4 +6,5 @@ bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
 echo "== ruff"; ruff check .
 echo "== mypy"; mypy tierkv tiers/nvme/tierkv_nvme tiers/redis/tierkv_redis tiers/s3/tierkv_s3 plugins/tierkv-sqlite/tierkv_sqlite
+echo "== lint-imports"; lint-imports --no-cache --no-logo
 echo "== pytest"; pytest "$@"

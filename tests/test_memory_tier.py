@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -19,17 +20,22 @@ pytestmark = pytest.mark.anyio
 
 class TestMemoryTierConformance(TierConformanceSuite):
     def make_tier(
-        self, primary: PrimaryView, *, capacity_blocks: int | None
+        self, primary: PrimaryView, *, capacity_blocks: int | None, **fields: Any
     ) -> SecondaryTierManager:
         frame = primary.block_bytes + header_bytes(b"k" * 20)
         capacity = (capacity_blocks or 1024) * frame
-        return MemoryTier(MemoryTierConfig(type="memory", capacity=capacity), primary)
+        config = MemoryTierConfig(type="memory", capacity=capacity, **fields)
+        return MemoryTier(config, primary)
 
     async def corrupt(self, tier: SecondaryTierManager, key: OffloadKey) -> None:
         assert isinstance(tier, MemoryTier)
         frame = bytearray(tier._frames[key])
         frame[-1] ^= 0xFF
         tier._frames[key] = bytes(frame)
+
+    async def plant(self, tier: SecondaryTierManager, key: OffloadKey, frame: bytes) -> None:
+        assert isinstance(tier, MemoryTier) and key in tier._frames
+        tier._frames[key] = frame
 
 
 @pytest.fixture

@@ -45,6 +45,7 @@ import anyio.to_thread
 import torch
 from pydantic import ByteSize
 
+from tierkv.bench_integrity import bench_integrity, integrity_summary
 from tierkv.config import CacheConfig
 from tierkv.demo.report import Block, TextTable, percentile
 from tierkv.jobs import JobMetadata
@@ -748,6 +749,7 @@ async def _run_bench(
         "torch_threads": torch.get_num_threads(),  # during the bench
         "media": results,
         "orchestrator": orchestrator,
+        "integrity": bench_integrity(options.block_bytes),
         "elapsed_seconds": time.perf_counter() - started,
     }
 
@@ -817,6 +819,8 @@ def bench_summary(report: dict[str, Any]) -> list[Block]:
                 f"{orch['keys_per_call']} keys per call, no I/O",
             )
         )
+    if report.get("integrity"):
+        blocks += ["", *integrity_summary(report["integrity"])]
     blocks.append(f"ran in {report['elapsed_seconds']:.1f} s")
     return blocks
 

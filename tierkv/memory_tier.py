@@ -1,8 +1,14 @@
 """`memory`: the reference secondary tier, a bounded LRU of framed blocks in RAM.
 
-It stores exactly what a real tier stores (header + payload, `tierkv.framing`) and
-checks it on the way back, so tests and examples exercise the real format with no
-server. It is also the smallest complete example of the tier contract.
+It stores exactly what a real tier stores (header + payload, `self.framer`, with a MAC
+when `mac_key_env` is set) and checks it on the way back, so tests and examples
+exercise the real format with no server. It is also the smallest complete example of
+the tier contract: blocks it evicts to stay under `capacity`, and blocks it deletes
+after a failed check, are reported with `report_removed`.
+
+Framing here runs on the event loop, a few blocks between yields: the memory tier is
+for tests, examples and small blocks; a tier that moves MiB-sized blocks over a wire
+frames them in worker threads (`tierkv_redis`, `tierkv_s3`).
 """
 
 from __future__ import annotations
@@ -13,13 +19,19 @@ from collections.abc import Sequence
 import anyio
 from pydantic import ByteSize, Field
 
-from tierkv.errors import CorruptBlock, TierUnavailable
-from tierkv.framing import decode_into, encode_block
-from tierkv.jobs import JobMetadata, JobResult, ReqContext
-from tierkv.keys import OffloadKey
-from tierkv.slab import PrimaryView
-from tierkv.tier import InFlightJobs, SecondaryTierManager, TierConfig
-from tierkv.units import Size
+from tierkv.tier import (
+    CorruptBlock,
+    InFlightJobs,
+    JobMetadata,
+    JobResult,
+    OffloadKey,
+    PrimaryView,
+    ReqContext,
+    SecondaryTierManager,
+    Size,
+    TierConfig,
+    TierUnavailable,
+)
 
 _YIELD_EVERY = 8  # blocks copied between yields to the event loop
 
@@ -66,29 +78,33 @@ class MemoryTier(SecondaryTierManager):
         self._check_open()
         return [key in self._frames for key in keys]
 
-    def _put(self, key: OffloadKey, frame: bytes) -> None:
+    def _put(self, key: OffloadKey, frame: bytes) -> list[OffloadKey]:
+        """Hold `frame` under `key`; return the keys evicted to make room."""
         old = self._frames.pop(key, None)
         if old is not None:
             self._bytes -= len(old)
         capacity = int(self.config.capacity)
+        evicted: list[OffloadKey] = []
         while self._frames and self._bytes + len(frame) > capacity:
-            _, victim = self._frames.popitem(last=False)
-            self._bytes -= len(victim)
+            victim, victim_frame = self._frames.popitem(last=False)
+            self._bytes -= len(victim_frame)
+            evicted.append(victim)
         self._frames[key] = frame
         self._bytes += len(frame)
+        return evicted
 
     async def store(self, job: JobMetadata) -> JobResult:
         failed: dict[OffloadKey, str] = {}
         async with self._inflight.job():
             for i, (key, slot) in enumerate(zip(job.keys, job.slots)):
-                frame = encode_block(key, self.primary.block(slot), self.primary.namespace)
+                frame = self.framer.encode(key, self.primary.block(slot))
                 if len(frame) > self.config.capacity:
                     failed[key] = (
                         f"block frame of {len(frame)} bytes exceeds the memory tier "
                         f"capacity of {int(self.config.capacity)} bytes"
                     )
                     continue
-                self._put(key, frame)
+                self.report_removed(self._put(key, frame))
                 if i % _YIELD_EVERY == _YIELD_EVERY - 1:
                     await anyio.sleep(0)
         return JobResult.partial(job, failed)
@@ -102,10 +118,11 @@ class MemoryTier(SecondaryTierManager):
                     failed[key] = "not in the memory tier"
                     continue
                 try:
-                    decode_into(key, frame, self.primary.block(slot), self.primary.namespace)
+                    self.framer.decode_into(key, frame, self.primary.block(slot))
                 except CorruptBlock as exc:
                     failed[key] = f"corrupt block deleted: {exc}"
                     self._bytes -= len(self._frames.pop(key))
+                    self.report_removed([key])
                     continue
                 self._frames.move_to_end(key)
                 if i % _YIELD_EVERY == _YIELD_EVERY - 1:
@@ -125,4 +142,5 @@ class MemoryTier(SecondaryTierManager):
             "blocks": len(self._frames),
             "used_bytes": self._bytes,
             "capacity": int(self.config.capacity),
+            "mac": self.framer.mac,
         }

@@ -1,9 +1,13 @@
 """The tier contract: what a secondary-tier plugin implements.
 
-This module is the whole public API a plugin author needs (with `tierkv.framing` for
-the stored format and `tierkv.testing` for the conformance suite). A tier moves bytes
-only between itself and primary slots: on `store` it reads `primary.block(slot)`, on
-`load` it writes it. Everything async; nothing blocks the event loop.
+This module is the whole public API a plugin author needs (`tierkv.testing` holds the
+conformance suite). A tier moves bytes only between itself and primary slots: on
+`store` it reads `primary.block(slot)`, on `load` it writes it. Everything async;
+nothing blocks the event loop.
+
+The contract is torch-free and imports nothing of the cache: it is the modules
+`tierkv.tier`, `slab`, `keys`, `jobs`, `events`, `errors`, `framing`, `mac`, `runner`,
+`units` and `redact` (checked by import-linter, see pyproject.toml).
 
 Register a tier with an entry point:
 
@@ -19,20 +23,26 @@ from contextlib import asynccontextmanager
 from typing import Any, ClassVar, Literal
 
 import anyio
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveInt
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveInt, field_validator
 
-from tierkv.errors import CorruptBlock, TierUnavailable
+from tierkv.errors import ConfigError, CorruptBlock, TierUnavailable
+from tierkv.framing import Framer
 from tierkv.jobs import JobMetadata, JobResult, ReqContext
 from tierkv.keys import OffloadKey
+from tierkv.mac import MacKey, load_mac_key
 from tierkv.redact import redact_url
+from tierkv.runner import Batch, JobAborted, in_batches, in_thread, per_key, run_job
 from tierkv.slab import PrimaryView
 from tierkv.units import Duration, Size
 
 __all__ = [
     "redact_url",
+    "Batch",
     "CorruptBlock",
     "Duration",
+    "Framer",
     "InFlightJobs",
+    "JobAborted",
     "JobMetadata",
     "JobResult",
     "OffloadKey",
@@ -44,6 +54,10 @@ __all__ = [
     "TierConfig",
     "TierUnavailable",
     "WritePolicy",
+    "in_batches",
+    "in_thread",
+    "per_key",
+    "run_job",
 ]
 
 WritePolicy = Literal["write_through", "write_back", "write_through_selective"]
@@ -88,6 +102,30 @@ class TierConfig(BaseModel):
     recovery_after: Duration = Field(
         default=5.0, description="how long an open breaker waits before one probe"
     )
+    mac_key_env: str | None = Field(
+        default=None,
+        description="name of an environment variable holding a secret (at least 32 "
+        "bytes): frames then carry a keyed MAC, and only frames whose MAC checks under "
+        "it are accepted. For tiers shared by several servers (trust domains)",
+    )
+
+    @field_validator("mac_key_env")
+    @classmethod
+    def _mac_key_is_set(cls, name: str | None) -> str | None:
+        if name is not None:
+            if not name or not name.replace("_", "").isalnum():
+                raise ValueError(f"{name!r} is not an environment variable name")
+            load_mac_key(name)  # a missing or short secret is an error here, not later
+        return name
+
+    def mac_key(self) -> MacKey | None:
+        """The MAC key named by `mac_key_env`, read from the environment now."""
+        if self.mac_key_env is None:
+            return None
+        try:
+            return load_mac_key(self.mac_key_env)
+        except ValueError as exc:
+            raise ConfigError(f"mac_key_env: {exc}") from None
 
 
 class SecondaryTierManager(ABC):
@@ -98,8 +136,12 @@ class SecondaryTierManager(ABC):
     - `lookup` is batched: one answer per key, in order.
     - A job's result names every key exactly once, in `ok_keys` or `failed_keys`;
       partial success is normal.
-    - Stored bytes are framed (`tierkv.framing`); a load that reads bytes failing the
-      check reports the key failed and deletes it.
+    - Stored bytes are framed by `self.framer` (`tierkv.framing`: a checksum always, a
+      keyed MAC when the config sets `mac_key_env`); a load that reads bytes failing
+      the check reports the key failed, deletes it and reports it removed.
+    - Per-key work goes through `run_job` (concurrency, deadline, late keys failed,
+      partial results); blocking calls and whole-block CPU work (framing, checksums,
+      copies) through `in_thread`, never on the event loop.
     - A tier that is down raises `TierUnavailable` or reports keys failed; it never
       hangs past its `job_timeout`.
     - `close` finishes (or fails) in-flight jobs before releasing resources.
@@ -121,6 +163,8 @@ class SecondaryTierManager(ABC):
             )
         self.config = config
         self.primary = primary
+        self.framer = Framer(primary.namespace, config.mac_key())
+        """Writes and checks this tier's frames (with a MAC when `mac_key_env` is set)."""
         self._removal_listener: RemovalListener | None = None
 
     @staticmethod

@@ -7,6 +7,7 @@ import itertools
 import random
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tierkv_sqlite import SqliteTier, SqliteTierConfig
@@ -28,13 +29,14 @@ class TestSqliteTierConformance(TierConformanceSuite):
         self.root = tmp_path
 
     def make_tier(
-        self, primary: PrimaryView, *, capacity_blocks: int | None
+        self, primary: PrimaryView, *, capacity_blocks: int | None, **fields: Any
     ) -> SecondaryTierManager:
         frame = header_bytes(b"k" * 20) + primary.block_bytes
         config = SqliteTierConfig(
             type="sqlite",
             path=self.root / f"tier{next(_ids)}.db",  # a fresh database per tier
             capacity=(capacity_blocks or 1024) * frame,
+            **fields,
         )
         return SqliteTier(config, primary)
 
@@ -45,6 +47,11 @@ class TestSqliteTierConformance(TierConformanceSuite):
             [(frame,)] = db.execute("SELECT frame FROM blocks WHERE key = ?", (row,))
             damaged = frame[:-1] + bytes([frame[-1] ^ 0xFF])
             db.execute("UPDATE blocks SET frame = ? WHERE key = ?", (damaged, row))
+
+    async def plant(self, tier: SecondaryTierManager, key: OffloadKey, frame: bytes) -> None:
+        assert isinstance(tier, SqliteTier)
+        with sqlite3.connect(tier.config.path) as db:
+            db.execute("UPDATE blocks SET frame = ? WHERE key = ?", (frame, tier._row(key)))
 
 
 @pytest.fixture

@@ -1,23 +1,25 @@
 """`sqlite`: tierkv blocks in one SQLite database file.
 
-A complete third-party tier, written only against tierkv's public plugin API:
-`tierkv.tier` (the contract), `tierkv.framing` (the stored format), the names the
-`tierkv` package exports, and `tierkv.units`. Its README walks through it.
+A complete third-party tier, written only against tierkv's plugin contract: every
+name it uses comes from `tierkv.tier`. Its README walks through it.
 
 How it keeps the contract:
 
-- Every block is stored framed (`encode_block`) and checked on the way back
-  (`decode_into`): a row that fails the check is deleted and its key reported failed.
-- Each job is one worker-thread call (`anyio.to_thread`) and one transaction: a thread
-  round trip costs ~50 us, so one per job rather than one per block; the event loop
-  never waits on SQLite.
+- Every block is stored framed (`self.framer.encode`, with a MAC when the config sets
+  `mac_key_env`) and checked on the way back (`self.framer.decode_into`): a row that
+  fails the check is deleted, its key reported failed and `report_removed`.
+- Each job is one worker-thread call (`in_thread`) and one transaction, run by
+  `run_job` as a single batch (so the job's deadline and late keys come from the
+  contract): a thread round trip costs ~50 us, so one per job rather than one per
+  block; the event loop never waits on SQLite.
 - One connection, used by one thread at a time (a `CapacityLimiter(1)`), because a
   `sqlite3.Connection` must not be used by two threads at once.
 - The tier's counters (bytes held, the recency clock) change only inside those thread
   calls, in step with the transaction, so a cancelled job cannot make them disagree
   with the database: after any failed transaction they are re-read from it.
-- Capacity counts frame bytes; past it the least recently used rows go first
-  (recency is an integer clock stored per row, so it survives a restart).
+- Capacity counts frame bytes (`framer.header_bytes(key)` + block bytes per block);
+  past it the least recently used rows go first (recency is an integer clock stored
+  per row, so it survives a restart), and the evicted keys are `report_removed`.
 - Rows are keyed by the namespace's 8-byte hash followed by the block key, so caches
   of different namespaces may share one database file: each sees, counts and evicts
   only its own rows (`capacity` is per namespace).
@@ -32,11 +34,10 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import anyio
-import anyio.to_thread
 from pydantic import Field
 
-from tierkv.framing import decode_into, encode_block, namespace_hash
 from tierkv.tier import (
+    Batch,
     CorruptBlock,
     InFlightJobs,
     JobMetadata,
@@ -45,10 +46,12 @@ from tierkv.tier import (
     PrimaryView,
     ReqContext,
     SecondaryTierManager,
+    Size,
     TierConfig,
     TierUnavailable,
+    in_thread,
+    run_job,
 )
-from tierkv.units import Size
 
 T = TypeVar("T")
 
@@ -100,7 +103,7 @@ class SqliteTier(SecondaryTierManager):
         self._bytes = 0
         self._clock = 0
         # every row of this namespace has a key in [_ns, _ns_end): its prefix
-        ns = namespace_hash(primary.namespace)
+        ns = self.framer.namespace_tag
         self._ns = ns.to_bytes(8, "big")
         self._ns_end = (ns + 1).to_bytes(9, "big")[1:] if ns < 2**64 - 1 else b"\xff" * 9
 
@@ -122,7 +125,33 @@ class SqliteTier(SecondaryTierManager):
 
     # -- plumbing -----------------------------------------------------------------
     async def _in_thread(self, func: Callable[..., T], *args: Any) -> T:
-        return await anyio.to_thread.run_sync(func, *args, limiter=self._one_thread)
+        return await in_thread(func, *args, limiter=self._one_thread)
+
+    async def _run(
+        self, job: JobMetadata, rows: Callable[[Batch, list[OffloadKey]], dict[OffloadKey, str]]
+    ) -> JobResult:
+        """The whole job as one batch, one thread call, one transaction; the keys that
+        call removed (evicted, or deleted after a failed check) are reported after it."""
+        removed: list[OffloadKey] = []
+        verb = "store" if rows == self.store_rows else "load"
+
+        async def work(batch: Batch) -> dict[OffloadKey, str]:
+            try:
+                return await self._in_thread(rows, batch, removed)
+            except sqlite3.Error as exc:
+                return {key: f"sqlite {verb} failed: {exc}" for key, _slot in batch}
+            finally:
+                self.report_removed(removed)
+
+        async with self._inflight.job():
+            return await run_job(
+                job,
+                work,
+                label=f"sqlite {verb}",
+                concurrency=1,
+                timeout=self.config.job_timeout,
+                batches=[list(zip(job.keys, job.slots))] if job.keys else [],
+            )
 
     def _conn(self) -> sqlite3.Connection:
         if self._db is None:
@@ -161,8 +190,9 @@ class SqliteTier(SecondaryTierManager):
         (clock,) = db.execute("SELECT COALESCE(MAX(used), 0) FROM blocks").fetchone()
         self._bytes, self._clock = int(size), int(clock)
 
-    def _evict(self, db: sqlite3.Connection) -> None:
-        """Delete the least recently used rows until the rest fit `capacity`."""
+    def _evict(self, db: sqlite3.Connection, evicted: list[OffloadKey] | None = None) -> None:
+        """Delete the least recently used rows until the rest fit `capacity`; append
+        their keys to `evicted`."""
         capacity = int(self.config.capacity)
         while self._bytes > capacity:
             rows = db.execute(
@@ -177,6 +207,8 @@ class SqliteTier(SecondaryTierManager):
                     break
                 db.execute("DELETE FROM blocks WHERE key = ?", (key,))
                 self._bytes -= size
+                if evicted is not None:
+                    evicted.append(bytes(key[len(self._ns) :]))
 
     # -- life cycle ---------------------------------------------------------------
     async def open(self) -> None:
@@ -230,20 +262,16 @@ class SqliteTier(SecondaryTierManager):
 
     async def store(self, job: JobMetadata) -> JobResult:
         self._check_open()
-        async with self._inflight.job():
-            try:
-                failed = await self._in_thread(self._store_rows, job)
-            except sqlite3.Error as exc:
-                return JobResult.failure(job, f"sqlite store failed: {exc}")
-        return JobResult.partial(job, failed)
+        return await self._run(job, self.store_rows)
 
-    def _store_rows(self, job: JobMetadata) -> dict[OffloadKey, str]:
+    def store_rows(self, batch: Batch, removed: list[OffloadKey]) -> dict[OffloadKey, str]:
+        """Worker thread: one transaction storing `batch`; evicted keys go to `removed`."""
         db = self._conn()
         failed: dict[OffloadKey, str] = {}
         capacity = int(self.config.capacity)
         with self._transaction(db):
-            for key, slot in zip(job.keys, job.slots):
-                frame = encode_block(key, self.primary.block(slot), self.primary.namespace)
+            for key, slot in batch:
+                frame = self.framer.encode(key, self.primary.block(slot))
                 if len(frame) > capacity:
                     failed[key] = f"a block frame of {len(frame)} bytes exceeds the capacity"
                     continue
@@ -258,43 +286,46 @@ class SqliteTier(SecondaryTierManager):
                     (self._row(key), frame, self._clock),
                 )
                 self._bytes += len(frame) - (row[0] if row else 0)
-            self._evict(db)
+            evicted: list[OffloadKey] = []
+            self._evict(db, evicted)
+        removed.extend(evicted)  # only once the transaction committed
         return failed
 
     async def load(self, job: JobMetadata) -> JobResult:
         self._check_open()
-        async with self._inflight.job():
-            try:
-                failed = await self._in_thread(self._load_rows, job)
-            except sqlite3.Error as exc:
-                return JobResult.failure(job, f"sqlite load failed: {exc}")
-        return JobResult.partial(job, failed)
+        return await self._run(job, self.load_rows)
 
-    def _load_rows(self, job: JobMetadata) -> dict[OffloadKey, str]:
+    def load_rows(self, batch: Batch, removed: list[OffloadKey]) -> dict[OffloadKey, str]:
+        """Worker thread: read and check `batch` into its slots; keys deleted after a
+        failed check go to `removed`."""
         db = self._conn()
+        keys = [key for key, _slot in batch]
         frames: dict[OffloadKey, bytes] = {}
-        for chunk in _chunks(job.keys):
+        for chunk in _chunks(keys):
             sql = f"SELECT key, frame FROM blocks WHERE key IN ({_marks(len(chunk))})"
             for row, frame in db.execute(sql, self._rows(chunk)):
                 frames[row[len(self._ns) :]] = frame
         failed: dict[OffloadKey, str] = {}
+        corrupt: list[OffloadKey] = []
         with self._transaction(db):
-            for key, slot in zip(job.keys, job.slots):
+            for key, slot in batch:
                 frame = frames.get(key)
                 if frame is None:
                     failed[key] = "not in the sqlite tier"
                     continue
                 try:
-                    decode_into(key, frame, self.primary.block(slot), self.primary.namespace)
+                    self.framer.decode_into(key, frame, self.primary.block(slot))
                 except CorruptBlock as exc:
                     db.execute("DELETE FROM blocks WHERE key = ?", (self._row(key),))
                     self._bytes -= len(frame)
                     failed[key] = f"corrupt block deleted: {exc}"
+                    corrupt.append(key)
                     continue
                 self._clock += 1
                 db.execute(
                     "UPDATE blocks SET used = ? WHERE key = ?", (self._clock, self._row(key))
                 )
+        removed.extend(corrupt)
         return failed
 
     async def remove(self, keys: Sequence[OffloadKey]) -> None:

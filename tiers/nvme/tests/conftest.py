@@ -165,7 +165,10 @@ class FaultInjector:
         real_open = os.open
 
         def fake_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
-            if flags & os.O_CREAT and str(Path(path).resolve()).startswith(self.root):
+            dir_fd = kwargs.get("dir_fd")
+            base = Path(os.readlink(f"/proc/self/fd/{dir_fd}")) if dir_fd is not None else None
+            full = base / path if base is not None else Path(path).resolve()
+            if flags & os.O_CREAT and str(full).startswith(self.root):
                 self._hit()
                 raise OSError(code, os.strerror(code), str(path))
             return real_open(path, flags, *args, **kwargs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tierkv_nvme import NvmeTier, NvmeTierConfig, disk_footprint
@@ -27,7 +28,7 @@ class TestNvmeTierConformance(TierConformanceSuite):
         self.root = tmp_path
 
     def make_tier(
-        self, primary: PrimaryView, *, capacity_blocks: int | None
+        self, primary: PrimaryView, *, capacity_blocks: int | None, **fields: Any
     ) -> SecondaryTierManager:
         block = disk_footprint(header_bytes(b"k" * 20) + primary.block_bytes)
         config = NvmeTierConfig(
@@ -35,6 +36,7 @@ class TestNvmeTierConformance(TierConformanceSuite):
             path=self.root / f"tier{next(_dirs)}",
             capacity=(capacity_blocks or 1024) * block,
             io_concurrency=4,
+            **fields,
         )
         return NvmeTier(config, primary)
 
@@ -46,3 +48,7 @@ class TestNvmeTierConformance(TierConformanceSuite):
             last = f.read(1)[0]
             f.seek(-1, os.SEEK_END)
             f.write(bytes([last ^ 0xFF]))
+
+    async def plant(self, tier: SecondaryTierManager, key: OffloadKey, frame: bytes) -> None:
+        assert isinstance(tier, NvmeTier)
+        tier.path_of(key).write_bytes(frame)

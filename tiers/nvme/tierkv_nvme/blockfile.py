@@ -15,12 +15,22 @@ any point leaves either the old state or the whole new block under the final nam
 a temporary file left by a crash is deleted by the next `open`.
 
 Load: one `preadv` reads the header into a small buffer and the payload straight into
-the primary slot (no copy), then the frame is checked (`tierkv.framing`). On a failed
-check the slot holds garbage and the key is reported failed, so nobody reads it.
+the primary slot (no copy), then the frame is checked by the tier's `Framer` (every
+header field, the flags strictly, the checksum, and the MAC when the tier has a key).
+On a failed check the slot holds garbage and the key is reported failed, so nobody
+reads it.
+
+No symlink is followed below the tier's namespace directory: every operation walks
+from the directory's descriptor (`root_fd`) down the two fan-out levels with
+`O_NOFOLLOW | O_DIRECTORY` and opens, renames and deletes the file relative to the
+leaf directory's descriptor, with `O_NOFOLLOW`. A fan-out directory (or a block file)
+replaced by a link to elsewhere fails its key (ELOOP) instead of reading, writing or
+deleting files outside the tier.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -28,51 +38,93 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from tierkv.framing import (
-    FIXED_HEADER_BYTES,
-    MAX_KEY_BYTES,
-    Header,
-    check_header,
-    encode_header,
-    header_bytes,
-    parse_header,
-    verify_payload,
-)
+from tierkv.framing import FIXED_HEADER_BYTES, MAX_KEY_BYTES, Framer, Header
 from tierkv.tier import CorruptBlock, OffloadKey
-from tierkv_nvme.layout import temp_path
+from tierkv_nvme.layout import TEMP_SUFFIX, temp_name
+
+RelPath = tuple[str, str, str]
+"""(first fan-out directory, second fan-out directory, file name) of a block."""
 
 logger = logging.getLogger(__name__)
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _O_CLOEXEC
 TOUCH_AFTER_NS = 60 * 10**9
 """A load refreshes the file's mtime only when it is older than this: recency to the
 minute is plenty for the LRU order a restart rebuilds, and a block loaded again and
 again does not dirty its inode (a metadata write) every time."""
 
 
-def _unlink_quietly(path: Path) -> None:
+def _no_link(exc: OSError, where: str) -> OSError:
+    """A clearer error for a symlink where the tier expects its own directory or file."""
+    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+        return OSError(
+            errno.ELOOP,
+            f"{where} is a symlink (or not a directory); the nvme tier does not follow "
+            "links out of its directory: remove it",
+        )
+    return exc
+
+
+def open_leaf(root_fd: int, rel: RelPath, *, create: bool) -> int:
+    """A descriptor of the leaf fan-out directory of `rel` under `root_fd`, opened
+    without following symlinks; created (both levels) when missing and `create`.
+
+    Raises FileNotFoundError when missing and not `create`, OSError(ELOOP) for a link."""
+    fd = root_fd
     try:
-        os.unlink(path)
+        for name in rel[:2]:
+            try:
+                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o755, dir_fd=fd)
+                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            if fd != root_fd:
+                os.close(fd)
+            fd = child
+    except OSError as exc:
+        if fd != root_fd:
+            os.close(fd)
+        raise _no_link(exc, "/".join(rel[:2])) from None
+    return fd
+
+
+def _unlink_quietly(name: str, dir_fd: int) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
         pass
     except OSError as exc:
-        logger.warning("could not delete %s: %s", path, exc)
+        logger.warning("could not delete %s: %s", name, exc)
 
 
-def delete_files(paths: Iterable[Path]) -> int:
-    """Delete `paths`, ignoring ones already gone; return how many were deleted.
+def delete_files(root_fd: int, rels: Iterable[RelPath]) -> int:
+    """Delete the block files `rels`, ignoring ones already gone; return how many were
+    deleted. Never follows a link out of the tier's directory.
 
     Errors other than "already gone" are logged, not raised: the index has already
     forgotten these blocks, and the next `open` finds and counts any file left over."""
     deleted = 0
-    for path in paths:
+    for rel in rels:
         try:
-            os.unlink(path)
+            leaf = open_leaf(root_fd, rel, create=False)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            logger.warning("could not delete %s: %s", "/".join(rel), exc)
+            continue
+        try:
+            os.unlink(rel[2], dir_fd=leaf)
             deleted += 1
         except FileNotFoundError:
             pass
         except OSError as exc:
-            logger.warning("could not delete %s: %s", path, exc)
+            logger.warning("could not delete %s: %s", "/".join(rel), exc)
+        finally:
+            os.close(leaf)
     return deleted
 
 
@@ -94,30 +146,37 @@ def _write_all(fd: int, buffers: Sequence[bytes | memoryview]) -> None:
 
 
 def write_block(
-    path: Path, key: OffloadKey, payload: memoryview, namespace: str, *, fsync: bool
+    root_fd: int,
+    rel: RelPath,
+    key: OffloadKey,
+    payload: memoryview,
+    framer: Framer,
+    *,
+    fsync: bool,
 ) -> None:
-    """Publish `key`'s frame at `path` atomically.
+    """Publish `key`'s frame at `rel` under `root_fd` atomically.
 
-    Raises OSError (ENOSPC, EACCES, ...) with no file left behind."""
-    header = encode_header(key, payload, namespace)  # checksums the payload, off the loop
-    tmp = temp_path(path)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC
+    Raises OSError (ENOSPC, EACCES, ELOOP for a link, ...) with no file left behind."""
+    header = framer.encode_header(key, payload)  # checksums (and MACs) off the loop
+    leaf = open_leaf(root_fd, rel, create=True)
     try:
-        fd = os.open(tmp, flags, 0o644)
-    except FileNotFoundError:  # first block in this fan-out directory
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(tmp, flags, 0o644)
-    try:
+        tmp = temp_name(rel[2])
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _O_CLOEXEC
+        fd = os.open(tmp, flags, 0o644, dir_fd=leaf)
         try:
-            _write_all(fd, (header, payload))
-            if fsync:
-                os.fdatasync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, path)
-    except BaseException:
-        _unlink_quietly(tmp)
-        raise
+            try:
+                _write_all(fd, (header, payload))
+                if fsync:
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            # rename never follows a link at the target: it replaces the name itself
+            os.rename(tmp, rel[2], src_dir_fd=leaf, dst_dir_fd=leaf)
+        except BaseException:
+            _unlink_quietly(tmp, leaf)
+            raise
+    finally:
+        os.close(leaf)
 
 
 def _read_all(fd: int, buffers: Sequence[bytearray | memoryview]) -> int:
@@ -141,63 +200,86 @@ def _read_all(fd: int, buffers: Sequence[bytearray | memoryview]) -> int:
     return total
 
 
-def _discard_if_same(path: Path, fd: int) -> None:
-    """Delete `path` if it is still the file open as `fd`: a corrupt file is removed,
+def _discard_if_same(name: str, dir_fd: int, fd: int) -> None:
+    """Delete `name` if it is still the file open as `fd`: a corrupt file is removed,
     but never a good block that replaced it meanwhile."""
     try:
         opened = os.fstat(fd)
-        current = os.stat(path)
+        current = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except OSError:
         return
     if (opened.st_dev, opened.st_ino) == (current.st_dev, current.st_ino):
-        _unlink_quietly(path)
+        _unlink_quietly(name, dir_fd)
 
 
-def read_block(path: Path, key: OffloadKey, dest: memoryview, namespace: str) -> None:
-    """Read `key`'s frame from `path`, payload straight into `dest`, and check it.
+def read_block(
+    root_fd: int, rel: RelPath, key: OffloadKey, dest: memoryview, framer: Framer
+) -> None:
+    """Read `key`'s frame from `rel` under `root_fd`, payload straight into `dest`,
+    and check it.
 
     Raises FileNotFoundError when the file is gone, CorruptBlock (after deleting the
-    file) when any check fails, other OSError on I/O errors. On success the file's
-    mtime is brought up to date (see TOUCH_AFTER_NS): mtimes are the recency a restart
-    rebuilds the LRU order from.
+    file) when any check fails, other OSError on I/O errors (ELOOP for a link). On
+    success the file's mtime is brought up to date (see TOUCH_AFTER_NS): mtimes are
+    the recency a restart rebuilds the LRU order from.
     """
-    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+    leaf = open_leaf(root_fd, rel, create=False)
     try:
         try:
-            head = bytearray(header_bytes(key))
-            expected = len(head) + len(dest)
-            stat = os.fstat(fd)
-            size = stat.st_size
-            if size != expected:
-                raise CorruptBlock(f"file is {size} bytes, a frame of this block is {expected}")
-            got = _read_all(fd, (head, dest))
-            if got != expected:
-                raise CorruptBlock(f"file ended after {got} of {expected} bytes")
-            header = parse_header(bytes(head), namespace)
-            check_header(header, key, len(dest))
-            verify_payload(header, dest)
-        except CorruptBlock:
-            _discard_if_same(path, fd)
-            raise
-        if time.time_ns() - stat.st_mtime_ns > TOUCH_AFTER_NS:
-            os.utime(fd)
+            fd = os.open(rel[2], os.O_RDONLY | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=leaf)
+        except OSError as exc:
+            raise _no_link(exc, "/".join(rel)) from None
+        try:
+            try:
+                head = bytearray(framer.header_bytes(key))
+                expected = len(head) + len(dest)
+                stat = os.fstat(fd)
+                size = stat.st_size
+                if size != expected:
+                    raise CorruptBlock(f"file is {size} bytes, a frame of this block is {expected}")
+                got = _read_all(fd, (head, dest))
+                if got != expected:
+                    raise CorruptBlock(f"file ended after {got} of {expected} bytes")
+                header = framer.parse_header(bytes(head))
+                framer.check(header, key, len(dest))
+                framer.verify(header, dest)
+            except CorruptBlock:
+                _discard_if_same(rel[2], leaf, fd)
+                raise
+            if time.time_ns() - stat.st_mtime_ns > TOUCH_AFTER_NS:
+                os.utime(fd)
+        finally:
+            os.close(fd)
     finally:
-        os.close(fd)
+        os.close(leaf)
 
 
-def read_header(path: Path, namespace: str, size: int) -> Header:
-    """Parse the header of the block file at `path` (of `size` bytes) without reading
-    the payload. Raises CorruptBlock or OSError."""
-    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+def read_header(path: Path, framer: Framer, size: int) -> Header:
+    """Parse and check the header of the block file at `path` (of `size` bytes)
+    without reading the payload; the file itself is not followed if it is a link.
+    Raises CorruptBlock or OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | _O_CLOEXEC)
     try:
         data = os.pread(fd, min(size, 4096), 0)
         try:
-            header = parse_header(data, namespace)
+            header = framer.parse_header(data)
         except CorruptBlock:
-            if len(data) >= size or len(data) >= FIXED_HEADER_BYTES + MAX_KEY_BYTES:
+            longest = FIXED_HEADER_BYTES + MAX_KEY_BYTES + 64
+            if len(data) >= size or len(data) >= longest:
                 raise
-            data = os.pread(fd, min(size, FIXED_HEADER_BYTES + MAX_KEY_BYTES), 0)
-            header = parse_header(data, namespace)
+            data = os.pread(fd, min(size, longest), 0)
+            header = framer.parse_header(data)
     finally:
         os.close(fd)
     return header
+
+
+__all__ = [
+    "RelPath",
+    "TEMP_SUFFIX",
+    "delete_files",
+    "open_leaf",
+    "read_block",
+    "read_header",
+    "write_block",
+]

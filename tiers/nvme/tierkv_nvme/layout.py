@@ -63,9 +63,15 @@ def block_path(ns_dir: Path, key: OffloadKey) -> Path:
     return ns_dir / first / second / name
 
 
+def temp_name(final: str) -> str:
+    """A fresh temporary file name beside the block file `final` (unique within this
+    process and host)."""
+    return f".{final}.{os.getpid()}-{next(_temp_ids)}{TEMP_SUFFIX}"
+
+
 def temp_path(final: Path) -> Path:
-    """A fresh temporary name beside `final` (unique within this process and host)."""
-    return final.with_name(f".{final.name}.{os.getpid()}-{next(_temp_ids)}{TEMP_SUFFIX}")
+    """A fresh temporary path beside `final`."""
+    return final.with_name(temp_name(final.name))
 
 
 def is_fanout_name(name: str) -> bool:

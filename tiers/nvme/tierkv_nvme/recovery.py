@@ -5,7 +5,8 @@ namespace directory and keeps exactly the files that are whole, well-formed bloc
 this namespace under their right name. It deletes
 
 - temporary files (`*.tmp`): a write that a crash or a kill interrupted;
-- block files whose header does not parse (wrong magic or version, another namespace),
+- block files whose header does not parse (wrong magic, version or flags, another
+  namespace, a MAC where the tier has no key or none where it has one),
   whose header names a payload length other than this tier's block size, whose size
   is not header + payload (truncated or padded), or whose header names a key that does
   not belong at that path (a misplaced or renamed file).
@@ -26,6 +27,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tierkv.framing import Framer
 from tierkv.tier import CorruptBlock, OffloadKey
 from tierkv_nvme.blockfile import read_header
 from tierkv_nvme.layout import BLOCK_SUFFIX, TEMP_SUFFIX, block_relpath, is_fanout_name
@@ -70,12 +72,12 @@ def _remove(path: Path) -> bool:
 
 
 def _check_block(
-    path: Path, first: str, second: str, namespace: str, block_bytes: int
+    path: Path, first: str, second: str, framer: Framer, block_bytes: int
 ) -> tuple[FoundBlock | None, str]:
     """(the block, "") when `path` is a good block file, else (None, reason)."""
     try:
-        stat = os.stat(path)
-        header = read_header(path, namespace, stat.st_size)
+        stat = os.stat(path, follow_symlinks=False)
+        header = read_header(path, framer, stat.st_size)
     except CorruptBlock as exc:
         return None, f"bad header: {exc}"
     except OSError as exc:
@@ -92,7 +94,7 @@ def _check_block(
     return FoundBlock(header.key, expected, stat.st_mtime_ns), ""
 
 
-def scan_fanout_dir(top: Path, namespace: str, block_bytes: int) -> ScanResult:
+def scan_fanout_dir(top: Path, framer: Framer, block_bytes: int) -> ScanResult:
     """Scan one top-level fan-out directory (`ns/ab/`) and its leaf directories.
 
     Blocking; run in a worker thread."""
@@ -124,7 +126,7 @@ def scan_fanout_dir(top: Path, namespace: str, block_bytes: int) -> ScanResult:
                 if _remove(path):
                     result.removed_temp.append(path)
             elif entry.name.endswith(BLOCK_SUFFIX):
-                block, reason = _check_block(path, first, leaf.name, namespace, block_bytes)
+                block, reason = _check_block(path, first, leaf.name, framer, block_bytes)
                 if block is not None:
                     result.blocks.append(block)
                 elif _remove(path):

@@ -9,10 +9,11 @@ Concurrency and consistency, all on the event-loop thread (no locks needed):
 - The index maps each stored key to an entry (its bytes on disk) in LRU order; loads
   refresh recency, and so do stores of a key already held (same key, same bytes:
   keys are content hashes, so the write is skipped).
-- A job runs as chunks of up to MAX_CHUNK blocks, each chunk one worker-thread call
-  that does every block whole; at most `io_concurrency` chunks run at once, across
-  all jobs. The calls are shielded from cancellation, so a cancelled job never leaves
-  half a block or an index that disagrees with the disk.
+- A job runs as chunks of up to MAX_CHUNK blocks (the contract's `run_job`, with the
+  tier's `job_timeout`), each chunk one worker-thread call that does every block
+  whole; at most `io_concurrency` chunks run at once, across all jobs. The calls are
+  shielded from cancellation, so a cancelled job never leaves half a block or an
+  index that disagrees with the disk.
 - A key being read is pinned: eviction passes over it. A key being written or deleted
   has a pending event; a store of the same key waits for it instead of racing it, so
   writes and deletes of one key never interleave.
@@ -22,7 +23,10 @@ Concurrency and consistency, all on the event-loop thread (no locks needed):
   than the capacity fails the blocks that do not fit rather than evicting its own.
 
 An OSError on a block (disk full, permission, I/O error) fails that key with a
-message naming the cause and the fix; the tier goes on serving other keys.
+message naming the cause and the fix; the tier goes on serving other keys. Blocks the
+tier deletes on its own (evicted for room, corrupt, unreadable, gone from the disk)
+are `report_removed` once the thread that deleted them has returned. No symlink below
+the namespace directory is followed (`blockfile.open_leaf`).
 """
 
 from __future__ import annotations
@@ -38,10 +42,9 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import anyio.to_thread
 
-from tierkv.framing import header_bytes
 from tierkv.tier import (
+    Batch,
     CorruptBlock,
     InFlightJobs,
     JobMetadata,
@@ -52,11 +55,21 @@ from tierkv.tier import (
     SecondaryTierManager,
     TierConfig,
     TierUnavailable,
+    in_batches,
+    in_thread,
+    run_job,
 )
 from tierkv.units import format_size
 from tierkv_nvme import blockfile
+from tierkv_nvme.blockfile import RelPath
 from tierkv_nvme.config import NvmeTierConfig
-from tierkv_nvme.layout import LOCK_NAME, NAMESPACE_NOTE, block_path, namespace_dir
+from tierkv_nvme.layout import (
+    LOCK_NAME,
+    NAMESPACE_NOTE,
+    block_path,
+    block_relpath,
+    namespace_dir,
+)
 from tierkv_nvme.recovery import ScanResult, list_fanout_dirs, scan_fanout_dir
 
 logger = logging.getLogger(__name__)
@@ -117,6 +130,7 @@ class NvmeTier(SecondaryTierManager):
         self._inflight = InFlightJobs(self.name)
         self._fs_block = DEFAULT_FS_BLOCK
         self._lock_fd: int | None = None
+        self._root_fd = -1  # the namespace directory, opened without following links
         self._state = "new"
         self.recovery: RecoveryReport | None = None
 
@@ -142,9 +156,14 @@ class NvmeTier(SecondaryTierManager):
         """The file that holds (or would hold) `key`."""
         return block_path(self.directory, key)
 
+    def rel_of(self, key: OffloadKey) -> RelPath:
+        """Where `key`'s file is, relative to the namespace directory."""
+        return block_relpath(key)
+
     def footprint(self, key: OffloadKey) -> int:
         """Disk bytes one block stored under `key` takes."""
-        return disk_footprint(header_bytes(key) + self.primary.block_bytes, self._fs_block)
+        frame = self.framer.frame_bytes(key, self.primary.block_bytes)
+        return disk_footprint(frame, self._fs_block)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -156,6 +175,7 @@ class NvmeTier(SecondaryTierManager):
             "capacity": int(self.config.capacity),
             "fsync": self.config.fsync,
             "io_concurrency": self.config.io_concurrency,
+            "mac": self.framer.mac,
         }
 
     # -- life cycle ---------------------------------------------------------------
@@ -211,20 +231,43 @@ class NvmeTier(SecondaryTierManager):
         crash) keeps a second tier from rebuilding this index meanwhile and deleting
         the temporary files of writes still in flight."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            root = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise TierUnavailable(
+                    f"nvme tier directory {self.directory} is a symlink (or not a "
+                    "directory); the tier does not follow links: point `path` at the "
+                    "real directory"
+                ) from None
+            raise
+        os.set_inheritable(root, False)
+        try:
+            fd = os.open(
+                LOCK_NAME,
+                os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                0o644,
+                dir_fd=root,
+            )
+        except BaseException:
+            os.close(root)
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
+            os.close(root)
             raise TierUnavailable(
                 f"nvme tier directory {self.directory} is in use by another tier "
                 f"(process {holder}); give each tier its own `path` or namespace"
             ) from None
         except BaseException:
             os.close(fd)
+            os.close(root)
             raise
         self._lock_fd = fd
+        self._root_fd = root
         try:  # courtesy notes, for error messages and people browsing the disk; a full
             # disk must not keep the tier from opening and serving what it holds
             os.ftruncate(fd, 0)
@@ -240,19 +283,22 @@ class NvmeTier(SecondaryTierManager):
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+        if self._root_fd >= 0:
+            os.close(self._root_fd)
+            self._root_fd = -1
 
     async def _scan(self) -> ScanResult:
-        tops, others = await anyio.to_thread.run_sync(list_fanout_dirs, self.directory)
+        tops, others = await in_thread(list_fanout_dirs, self.directory)
         total = ScanResult()
         for other in others:
             if other.name not in (LOCK_NAME, NAMESPACE_NOTE):
                 total.ignored.append(other)
 
         async def scan(top: Path) -> None:
-            part = await anyio.to_thread.run_sync(
+            part = await in_thread(
                 scan_fanout_dir,
                 top,
-                self.primary.namespace,
+                self.framer,
                 self.primary.block_bytes,
                 limiter=self._threads,
             )
@@ -286,13 +332,15 @@ class NvmeTier(SecondaryTierManager):
         """Delete the oldest blocks until the rest fit `capacity` (it may have shrunk
         since the last run, or files were added by hand)."""
         capacity = int(self.config.capacity)
-        victims: list[Path] = []
+        victims: list[OffloadKey] = []
         while self._index and self._used > capacity:
             key, entry = self._index.popitem(last=False)
             self._used -= entry.footprint
-            victims.append(self.path_of(key))
+            victims.append(key)
         if victims:
-            await anyio.to_thread.run_sync(blockfile.delete_files, victims)
+            rels = [self.rel_of(k) for k in victims]
+            await in_thread(blockfile.delete_files, self._root_fd, rels)
+            self.report_removed(victims)
         return len(victims)
 
     async def close(self) -> None:
@@ -319,22 +367,21 @@ class NvmeTier(SecondaryTierManager):
     async def store(self, job: JobMetadata) -> JobResult:
         self._check_open()
         async with self._inflight.job():
-            failed = await self._in_chunks(job, self._store_chunk)
-        if failed:
+            result = await self._in_chunks(job, self._store_chunk, "store")
+        if result.failed_keys:
             logger.warning(
                 "nvme tier: %d of %d blocks of job %d not stored: %s",
-                len(failed),
+                len(result.failed_keys),
                 len(job.keys),
                 job.job_id,
-                "; ".join(sorted(set(failed.values()))),
+                result.error,
             )
-        return JobResult.partial(job, failed)
+        return result
 
     async def load(self, job: JobMetadata) -> JobResult:
         self._check_open()
         async with self._inflight.job():
-            failed = await self._in_chunks(job, self._load_chunk)
-        return JobResult.partial(job, failed)
+            return await self._in_chunks(job, self._load_chunk, "load")
 
     async def remove(self, keys: Sequence[OffloadKey]) -> None:
         self._check_open()
@@ -349,12 +396,13 @@ class NvmeTier(SecondaryTierManager):
             if not targets:
                 return
             try:
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(
-                        blockfile.delete_files,
-                        [self.path_of(k) for k in targets],
-                        limiter=self._threads,
-                    )
+                await in_thread(
+                    blockfile.delete_files,
+                    self._root_fd,
+                    [self.rel_of(k) for k in targets],
+                    limiter=self._threads,
+                    shield=True,
+                )
             finally:
                 self._finish_deleting(targets)
 
@@ -362,38 +410,25 @@ class NvmeTier(SecondaryTierManager):
     async def _in_chunks(
         self,
         job: JobMetadata,
-        run_chunk: Callable[[list[tuple[OffloadKey, int]]], Awaitable[dict[OffloadKey, str]]],
-    ) -> dict[OffloadKey, str]:
-        """Split `job` into chunks of up to MAX_CHUNK blocks, one worker-thread call
-        each, and run them with up to `io_concurrency` in flight; return the failed
-        keys with their reasons.
+        run_chunk: Callable[[Batch], Awaitable[dict[OffloadKey, str]]],
+        verb: str,
+    ) -> JobResult:
+        """Run `job` as chunks of up to MAX_CHUNK blocks, one worker-thread call each,
+        up to `io_concurrency` in flight, by the contract's runner.
 
         Chunks, not single blocks, because a thread round trip and the event-loop work
         around it cost about as much CPU as reading a 1 MiB block from the page cache;
         small chunks, so a cancelled job waits for little shielded work."""
-        pairs = list(zip(job.keys, job.slots))
-        if not pairs:
-            return {}
-        size = min(MAX_CHUNK, -(-len(pairs) // self.config.io_concurrency))
-        chunks = iter([pairs[i : i + size] for i in range(0, len(pairs), size)])
-        failed: dict[OffloadKey, str] = {}
-
-        async def worker() -> None:
-            for chunk in chunks:  # shared iterator: each chunk goes to one worker
-                try:
-                    failed.update(await run_chunk(chunk))
-                except Exception as exc:  # a bug must fail its keys, not the whole server
-                    logger.exception("nvme tier: unexpected error on job %d", job.job_id)
-                    failed.update({k: f"unexpected {type(exc).__name__}: {exc}" for k, _ in chunk})
-
-        workers = min(-(-len(pairs) // size), self.config.io_concurrency)
-        if workers == 1:
-            await worker()
-        else:
-            async with anyio.create_task_group() as tg:
-                for _ in range(workers):
-                    tg.start_soon(worker)
-        return failed
+        pairs = len(job.keys)
+        size = min(MAX_CHUNK, max(1, -(-pairs // self.config.io_concurrency)))
+        return await run_job(
+            job,
+            run_chunk,
+            label=f"nvme {verb}",
+            concurrency=self.config.io_concurrency,
+            timeout=self.config.job_timeout,
+            batches=in_batches(job, size),
+        )
 
     async def _claim_for_write(self, key: OffloadKey) -> bool:
         """Wait out any write or delete of `key` in flight; then True when this store
@@ -409,7 +444,7 @@ class NvmeTier(SecondaryTierManager):
                 return True
             await pending.wait()
 
-    async def _store_chunk(self, chunk: list[tuple[OffloadKey, int]]) -> dict[OffloadKey, str]:
+    async def _store_chunk(self, chunk: Batch) -> dict[OffloadKey, str]:
         failed: dict[OffloadKey, str] = {}
         capacity = int(self.config.capacity)
         claimed: list[tuple[OffloadKey, int, int]] = []  # key, slot, footprint
@@ -441,16 +476,17 @@ class NvmeTier(SecondaryTierManager):
                     self._reserved += footprint
                     writes.append((key, slot, footprint))
                 try:
-                    with anyio.CancelScope(shield=True):
-                        outcomes = await anyio.to_thread.run_sync(
-                            self._write_files,
-                            [(self.path_of(k), k, self.primary.block(s)) for k, s, _ in writes],
-                            [self.path_of(v) for v in victims],
-                            limiter=self._threads,
-                        )
+                    outcomes = await in_thread(
+                        self._write_files,
+                        [(self.rel_of(k), k, self.primary.block(s)) for k, s, _ in writes],
+                        [self.rel_of(v) for v in victims],
+                        limiter=self._threads,
+                        shield=True,
+                    )
                 finally:
                     self._reserved -= sum(footprint for _, _, footprint in writes)
                     self._finish_deleting(victims)
+                    self.report_removed(victims)
             for (key, _slot, footprint), error in zip(writes, outcomes):
                 if error is None:
                     self._index[key] = _Entry(footprint)
@@ -463,16 +499,16 @@ class NvmeTier(SecondaryTierManager):
                 self._writing.pop(key).set()
 
     def _write_files(
-        self, items: list[tuple[Path, OffloadKey, memoryview]], victims: list[Path]
+        self, items: list[tuple[RelPath, OffloadKey, memoryview]], victims: list[RelPath]
     ) -> list[Exception | None]:
         """Worker thread: delete `victims`, then write each block; one outcome each."""
         if victims:
-            blockfile.delete_files(victims)
+            blockfile.delete_files(self._root_fd, victims)
         fsync = self.config.fsync == "always"
         outcomes: list[Exception | None] = []
-        for path, key, payload in items:
+        for rel, key, payload in items:
             try:
-                blockfile.write_block(path, key, payload, self.primary.namespace, fsync=fsync)
+                blockfile.write_block(self._root_fd, rel, key, payload, self.framer, fsync=fsync)
             except Exception as exc:  # reported per key by the caller
                 outcomes.append(exc)
             else:
@@ -510,7 +546,7 @@ class NvmeTier(SecondaryTierManager):
             if event is not None:
                 event.set()
 
-    async def _load_chunk(self, chunk: list[tuple[OffloadKey, int]]) -> dict[OffloadKey, str]:
+    async def _load_chunk(self, chunk: Batch) -> dict[OffloadKey, str]:
         failed: dict[OffloadKey, str] = {}
         reads: list[tuple[OffloadKey, int, _Entry]] = []
         for key, slot in chunk:
@@ -525,12 +561,12 @@ class NvmeTier(SecondaryTierManager):
             return failed
         try:
             async with self._io_slots:
-                with anyio.CancelScope(shield=True):
-                    outcomes = await anyio.to_thread.run_sync(
-                        self._read_files,
-                        [(self.path_of(k), k, self.primary.block(s)) for k, s, _ in reads],
-                        limiter=self._threads,
-                    )
+                outcomes = await in_thread(
+                    self._read_files,
+                    [(self.rel_of(k), k, self.primary.block(s)) for k, s, _ in reads],
+                    limiter=self._threads,
+                    shield=True,
+                )
         finally:
             for key, _slot, _entry in reads:
                 pins = self._pins[key] - 1
@@ -539,37 +575,42 @@ class NvmeTier(SecondaryTierManager):
                 else:
                     del self._pins[key]
         unreadable: list[OffloadKey] = []
+        forgotten: list[OffloadKey] = []
         for (key, _slot, entry), error in zip(reads, outcomes):
             if error is not None:
                 # a failed load withdraws the claim; a file an I/O error kept us from
                 # reading goes too, or it would take disk space nothing counts
                 # (a corrupt file is deleted by the read itself, a missing one is gone)
-                if self._forget(key, entry) and not isinstance(
-                    error, (CorruptBlock, FileNotFoundError)
-                ):
-                    self._deleting[key] = anyio.Event()
-                    unreadable.append(key)
+                if self._forget(key, entry):
+                    forgotten.append(key)
+                    if not isinstance(error, (CorruptBlock, FileNotFoundError)):
+                        self._deleting[key] = anyio.Event()
+                        unreadable.append(key)
                 failed[key] = self._describe_error(error, "read", key)
-        if unreadable:
-            try:
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(
+        try:
+            if unreadable:
+                try:
+                    await in_thread(
                         blockfile.delete_files,
-                        [self.path_of(k) for k in unreadable],
+                        self._root_fd,
+                        [self.rel_of(k) for k in unreadable],
                         limiter=self._threads,
+                        shield=True,
                     )
-            finally:
-                self._finish_deleting(unreadable)
+                finally:
+                    self._finish_deleting(unreadable)
+        finally:
+            self.report_removed(forgotten)
         return failed
 
     def _read_files(
-        self, items: list[tuple[Path, OffloadKey, memoryview]]
+        self, items: list[tuple[RelPath, OffloadKey, memoryview]]
     ) -> list[Exception | None]:
         """Worker thread: read and check each block into its slot; one outcome each."""
         outcomes: list[Exception | None] = []
-        for path, key, dest in items:
+        for rel, key, dest in items:
             try:
-                blockfile.read_block(path, key, dest, self.primary.namespace)
+                blockfile.read_block(self._root_fd, rel, key, dest, self.framer)
             except Exception as exc:  # reported per key by the caller
                 outcomes.append(exc)
             else:

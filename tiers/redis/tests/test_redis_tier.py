@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import anyio
 import pytest
@@ -67,9 +67,10 @@ class _RedisConformance(TierConformanceSuite):
         self.url = redis_server.url
 
     def make_tier(
-        self, primary: PrimaryView, *, capacity_blocks: int | None
+        self, primary: PrimaryView, *, capacity_blocks: int | None, **fields: Any
     ) -> SecondaryTierManager:
-        return redis_tier(self.url, primary, socket_timeout="2s", **self.tier_settings)
+        settings = {**self.tier_settings, **fields}
+        return redis_tier(self.url, primary, socket_timeout="2s", **settings)
 
     async def corrupt(self, tier: SecondaryTierManager, key: OffloadKey) -> None:
         assert isinstance(tier, RedisTier)
@@ -79,6 +80,14 @@ class _RedisConformance(TierConformanceSuite):
         value = await client.get(last_part)
         assert isinstance(value, bytes)
         await client.set(last_part, value[:-1] + bytes([value[-1] ^ 0xFF]))
+
+    async def plant(self, tier: SecondaryTierManager, key: OffloadKey, frame: bytes) -> None:
+        assert isinstance(tier, RedisTier) and tier._client is not None
+        names = tier._names.all(key)
+        size = tier._names.part_size
+        for i, name in enumerate(names):  # split the way the tier splits its frames
+            end = None if i == len(names) - 1 else (i + 1) * size
+            await tier._client.set(name, frame[i * size : end])
 
 
 class TestRedisConformance(_RedisConformance):

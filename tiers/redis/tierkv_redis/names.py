@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 
 from tierkv.framing import header_bytes
-from tierkv.keys import OffloadKey
+from tierkv.tier import OffloadKey
 
 
 def namespace_tag(namespace: str) -> str:
@@ -26,9 +26,9 @@ def namespace_tag(namespace: str) -> str:
     return hashlib.sha256(namespace.encode()).hexdigest()[:32]
 
 
-def frame_bytes(key: OffloadKey, block_bytes: int) -> int:
-    """Length of the stored frame of one block."""
-    return header_bytes(key) + block_bytes
+def frame_bytes(key: OffloadKey, block_bytes: int, *, mac: bool = False) -> int:
+    """Length of the stored frame of one block (with a MAC if `mac`)."""
+    return header_bytes(key, mac=mac) + block_bytes
 
 
 def num_parts(frame_length: int, part_size: int) -> int:
@@ -39,13 +39,22 @@ def num_parts(frame_length: int, part_size: int) -> int:
 class BlockNames:
     """Stored names for one tier: a fixed prefix (key_prefix + namespace tag)."""
 
-    def __init__(self, key_prefix: str, namespace: str, block_bytes: int, part_size: int) -> None:
+    def __init__(
+        self,
+        key_prefix: str,
+        namespace: str,
+        block_bytes: int,
+        part_size: int,
+        *,
+        mac: bool = False,
+    ) -> None:
         self.prefix = f"{key_prefix}{namespace_tag(namespace)}:"
         self.block_bytes = block_bytes
         self.part_size = part_size
+        self.mac = mac
 
     def parts_of(self, key: OffloadKey) -> int:
-        return num_parts(frame_bytes(key, self.block_bytes), self.part_size)
+        return num_parts(frame_bytes(key, self.block_bytes, mac=self.mac), self.part_size)
 
     def main(self, key: OffloadKey) -> str:
         """The name of the whole frame, or of its first part."""

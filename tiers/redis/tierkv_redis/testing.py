@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tierkv.localserver import LocalServer, free_port
+from tierkv.testing.servers import LocalServer, free_port
 
 INSTALL_HINT = "install it with `apt-get install redis-server` (Debian/Ubuntu)"
 

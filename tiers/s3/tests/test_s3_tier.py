@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, ClassVar
 
+import anyio
 import pytest
 from aiobotocore.session import AioSession  # type: ignore[import-untyped]
 from pydantic import ValidationError
@@ -101,9 +102,9 @@ class _S3Conformance(TierConformanceSuite):
     endpoint = ""
 
     def make_tier(
-        self, primary: PrimaryView, *, capacity_blocks: int | None
+        self, primary: PrimaryView, *, capacity_blocks: int | None, **fields: Any
     ) -> SecondaryTierManager:
-        return s3_tier(self.endpoint, primary, **self.tier_settings)
+        return s3_tier(self.endpoint, primary, **{**self.tier_settings, **fields})
 
     async def corrupt(self, tier: SecondaryTierManager, key: OffloadKey) -> None:
         assert isinstance(tier, S3Tier)
@@ -111,6 +112,11 @@ class _S3Conformance(TierConformanceSuite):
             path = tier._names.path(key)
             frame = await fs._cat_file(path)
             await fs._pipe_file(path, frame[:-1] + bytes([frame[-1] ^ 0xFF]))
+
+    async def plant(self, tier: SecondaryTierManager, key: OffloadKey, frame: bytes) -> None:
+        assert isinstance(tier, S3Tier)
+        async with raw_s3(self.endpoint) as fs:
+            await fs._pipe_file(tier._names.path(key), frame)
 
 
 class TestS3Conformance(_S3Conformance):
@@ -519,3 +525,34 @@ async def test_an_interrupted_multipart_upload_is_aborted(proxy: FaultProxy, how
         assert result.failed_keys == (key,)
         proxy.clear()
     assert await _open_uploads(proxy.url, prefix) == []
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+async def test_an_upload_whose_create_timed_out_is_found_and_aborted(
+    proxy: FaultProxy, retries: int
+) -> None:
+    """CreateMultipartUpload times out on the client but reaches S3 later: the upload
+    S3 then creates is found (ListMultipartUploads) and aborted, whether the store
+    failed (no retries) or a retry succeeded; none is left after close()."""
+    block = 10 << 20  # with part_size 5MiB: a multipart upload
+    view = PrimaryView(bytearray(block), block, "big")
+    prefix = uuid.uuid4().hex
+    settings_ = {"part_size": "5MiB", "request_timeout": "1s", "retries": retries}
+    tier = s3_tier(proxy.url, view, prefix=prefix, **settings_)
+    async with opened(tier):
+        [key] = random_keys(1, random.Random(16))
+        fill_slots(view, [0], random.Random(17))
+        late = proxy.inject(  # the endpoint sits on the create for 1.3 s, then passes it on
+            Fault(match="?uploads", action="delay", delay=1.3, methods=frozenset({"POST"}), times=1)
+        )
+        result = await tier.store(job([key], [0]))
+        assert result.ok == (retries > 0), result.error
+        for _ in range(200):  # until S3 has the late create (bounded, ~10 s at most)
+            if late.forwarded:
+                break
+            await anyio.sleep(0.05)
+        assert late.forwarded == 1
+    assert await _open_uploads(proxy.url, prefix) == []
+    if retries:
+        async with opened(s3_tier(proxy.url, view, prefix=prefix)) as reader:
+            assert (await reader.load(job([key], [0]))).ok

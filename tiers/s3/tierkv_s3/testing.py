@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from tierkv.localserver import LocalServer, free_port
+from tierkv.testing.servers import LocalServer, free_port
 
 INSTALL_HINT = "install it with `pip install 'moto[server]'`"
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "te"}
@@ -134,6 +134,8 @@ class Fault:
     methods: frozenset[str] | None = None
     times: int | None = None
     hits: int = field(default=0, init=False)
+    forwarded: int = field(default=0, init=False)
+    """Requests it delayed that have since been passed on (the server has them)."""
 
     def applies(self, method: str, path: str) -> bool:
         if self.times is not None and self.hits >= self.times:
@@ -192,6 +194,11 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             if fault is not None and fault.action == "delay":
                 time.sleep(fault.delay)
+                try:
+                    self._forward(body)
+                finally:
+                    fault.forwarded += 1
+                return
             if fault is not None and fault.action == "error":
                 self._send_error(fault)
                 return

@@ -4,16 +4,24 @@ One object per block, `<prefix>/<namespace tag>/<key hex>`, holding the
 `tierkv.framing` header and the block bytes, written with one PUT (a multipart upload
 for frames of at least 2 x `part_size`); S3 makes an object visible only once it is
 whole; a multipart upload that fails or is cancelled is aborted (`_put_multipart`).
-Bytes read back are untrusted: an object failing any frame check fails its key and is
-deleted. Nothing is ever unpickled.
+Bytes read back are untrusted: an object failing any frame check (checksum, and the
+MAC when `mac_key_env` is set) fails its key, is deleted and `report_removed`; so is a
+block a load finds gone (deleted behind the tier's back, a bucket lifecycle rule).
+Nothing is ever unpickled. Framing, checksums, MACs and the copies around them run in
+worker threads (`in_thread`), not on the event loop.
 
 s3fs runs in asynchronous mode on the caller's event loop (`_cat_file`, and `_call_s3`
 for PUT, multipart uploads, HEAD and batched DELETE), with its listings cache and its own retries
 off: `retry.call_with_retries` is the one retry policy. A job moves its keys with up
-to `max_concurrency` requests at once; a key that fails (throttled past `retries`, a
-5xx, a timeout) fails alone and the others go on. A failure that would fail every key
-alike (endpoint unreachable, bucket gone, access denied) fails the rest of the job at
-once.
+to `max_concurrency` requests at once (the contract's `run_job`); a key that fails
+(throttled past `retries`, a 5xx, a timeout) fails alone and the others go on. A
+failure that would fail every key alike (endpoint unreachable, bucket gone, access
+denied) aborts the rest of the job at once.
+
+A `CreateMultipartUpload` that timed out may still have created an upload at S3 after
+the client gave up (and with `retries`, even when the store then succeeds): its key is
+swept, listing the uploads of that object (`ListMultipartUploads`) and aborting every
+one but those in progress here, right after the store and again at `close`.
 
 Lookups send one HEAD per key, concurrently, and trust a block this tier itself
 stored or loaded for `exists_cache_ttl`; any failed load of a key forgets it, so a
@@ -33,12 +41,23 @@ import anyio
 from aiobotocore.session import AioSession  # type: ignore[import-untyped]
 from s3fs import S3FileSystem  # type: ignore[import-untyped]
 
-from tierkv.errors import CorruptBlock, TierUnavailable
-from tierkv.framing import decode_into, encode_header, header_bytes
-from tierkv.jobs import JobMetadata, JobResult, ReqContext
-from tierkv.keys import OffloadKey
-from tierkv.slab import PrimaryView
-from tierkv.tier import InFlightJobs, SecondaryTierManager, TierConfig, redact_url
+from tierkv.tier import (
+    Batch,
+    CorruptBlock,
+    InFlightJobs,
+    JobAborted,
+    JobMetadata,
+    JobResult,
+    OffloadKey,
+    PrimaryView,
+    ReqContext,
+    SecondaryTierManager,
+    TierConfig,
+    TierUnavailable,
+    in_thread,
+    redact_url,
+    run_job,
+)
 from tierkv_s3.config import S3TierConfig
 from tierkv_s3.names import ObjectNames
 from tierkv_s3.retry import JOB_WIDE, S3Failure, call_with_retries
@@ -52,6 +71,10 @@ _PRESENT_MAX = 1 << 16  # entries of the existence cache
 _ABORT_GRACE = 2.0
 """Seconds a cancelled store may spend aborting its multipart upload before it returns
 (an abort not confirmed by then is retried by `close`)."""
+
+_FRAMING_THREADS = 2
+"""Worker threads framing and checking blocks, per tier (more would only compete with
+the event loop for the GIL while hashing and copying)."""
 
 _SESSIONS: dict[str | None, AioSession] = {}
 
@@ -83,6 +106,9 @@ class S3Tier(SecondaryTierManager):
         self._gate: anyio.Semaphore | None = None
         self._present: OrderedDict[OffloadKey, float] = OrderedDict()
         self._unaborted: list[tuple[str, str]] = []  # (object key, upload id)
+        self._unswept: set[str] = set()  # object keys whose upload create timed out
+        self._uploading: set[str] = set()  # upload ids of multipart stores in flight
+        self._cpu = anyio.CapacityLimiter(_FRAMING_THREADS)
         self._inflight = InFlightJobs(self.name)
 
     @staticmethod
@@ -179,6 +205,10 @@ class S3Tier(SecondaryTierManager):
             for name, upload_id in leftover:  # uploads a cancelled store could not abort
                 with anyio.CancelScope(shield=True):
                     await self._abort_upload(fs, name, upload_id, self.config.request_timeout)
+            suspects, self._unswept = sorted(self._unswept), set()
+            for name in suspects:  # uploads a timed-out create may have left
+                with anyio.CancelScope(shield=True):
+                    await self._sweep_uploads(fs, name, self.config.request_timeout)
         client, self._client, self._fs = self._client, None, None
         self._present.clear()
         if client is not None:
@@ -219,45 +249,39 @@ class S3Tier(SecondaryTierManager):
         """Run `one(fs, key, slot)` for every key, at most max_concurrency at a time.
         `one` raises S3Failure to fail its key."""
         fs, gate = self._require_fs()
-        failed: dict[OffloadKey, str] = {}
-        done: set[OffloadKey] = set()
-        job_wide: list[str] = []
-        pairs = iter(zip(job.keys, job.slots))
 
-        async def worker() -> None:
-            for key, slot in pairs:
-                if job_wide:
-                    failed[key] = job_wide[0]
-                    continue
-                try:
-                    async with gate:
-                        await one(fs, key, slot)
-                except S3Failure as failure:
-                    failed[key] = str(failure)
-                    if failure.kind in JOB_WIDE and not job_wide:
-                        job_wide.append(f"not tried: {failure}")
-                        logger.warning("s3 %s job %d: %s", verb, job.job_id, failure)
-                    continue
-                done.add(key)
+        async def work(batch: Batch) -> dict[OffloadKey, str] | None:
+            [(key, slot)] = batch
+            try:
+                async with gate:
+                    await one(fs, key, slot)
+            except S3Failure as failure:
+                if failure.kind in JOB_WIDE:
+                    raise JobAborted(str(failure)) from None
+                return {key: str(failure)}
+            return None
 
-        with anyio.move_on_after(self.config.job_timeout):
-            async with anyio.create_task_group() as tg:
-                for _ in range(min(self.config.max_concurrency, len(job.keys))):
-                    tg.start_soon(worker)
-        late = f"s3 {verb} did not finish within job_timeout={self.config.job_timeout}s"
-        for key in job.keys:
-            if key not in done and key not in failed:
-                failed[key] = late
+        def forget(keys: Sequence[OffloadKey]) -> None:
+            for key in keys:
                 self._present.pop(key, None)
-        return JobResult.partial(job, failed)
+
+        return await run_job(
+            job,
+            work,
+            label=f"s3 {verb}",
+            concurrency=self.config.max_concurrency,
+            timeout=self.config.job_timeout,
+            on_late=forget,
+        )
 
     async def store(self, job: JobMetadata) -> JobResult:
         async with self._inflight.job():
             return await self._run_job(job, self._store_one, "store")
 
     async def _store_one(self, fs: S3FileSystem, key: OffloadKey, slot: int) -> None:
-        payload = self.primary.block(slot)
-        frame = b"".join((encode_header(key, payload, self.primary.namespace), payload))
+        frame = await in_thread(
+            self.framer.encode, key, self.primary.block(slot), limiter=self._cpu
+        )
         if len(frame) >= 2 * int(self.config.part_size):
             await self._put_multipart(fs, key, frame)
         else:
@@ -282,11 +306,25 @@ class S3Tier(SecondaryTierManager):
         and aborted again by `close`."""
         bucket, name, url = self._names.bucket, self._names.key(key), self._names.url(key)
         part_size = int(self.config.part_size)
-        created = await self._call(
-            f"store of {url}",
-            lambda: fs._call_s3("create_multipart_upload", Bucket=bucket, Key=name),
-        )
+        attempts = 0
+
+        async def create() -> Any:
+            nonlocal attempts
+            attempts += 1
+            return await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=name)
+
+        try:
+            created = await self._call(f"store of {url}", create)
+        except BaseException as exc:
+            if attempts and not (isinstance(exc, S3Failure) and exc.kind in JOB_WIDE):
+                self._unswept.add(name)  # an attempt may have created an upload anyway
+                with anyio.CancelScope(shield=True):
+                    await self._sweep_uploads(fs, name, _ABORT_GRACE)
+            raise
         upload_id: str = created["UploadId"]
+        if attempts > 1:  # an earlier attempt timed out, and may yet create an upload
+            self._unswept.add(name)
+        self._uploading.add(upload_id)
         try:
             starts = range(0, len(frame), part_size)
             etags = [""] * len(starts)
@@ -337,6 +375,41 @@ class S3Tier(SecondaryTierManager):
                 if not await self._abort_upload(fs, name, upload_id, _ABORT_GRACE):
                     self._unaborted.append((name, upload_id))
             raise
+        finally:
+            self._uploading.discard(upload_id)
+        if name in self._unswept:
+            await self._sweep_uploads(fs, name, self.config.request_timeout)
+
+    async def _sweep_uploads(self, fs: S3FileSystem, name: str, timeout: float) -> bool:
+        """Abort the incomplete multipart uploads of object `name` (except those this
+        tier is running): what a `CreateMultipartUpload` that timed out on the client
+        may have left at S3. Whether the listing and every abort succeeded. The name
+        stays in `_unswept` either way: the late create may reach S3 after this sweep,
+        so `close` sweeps it once more.
+
+        An upload of the same object by another server at the same moment would be
+        aborted too; its store fails and is retried by its cache: keys are content
+        hashes, so that writer was storing the very bytes this tier just stored."""
+        bucket = self._names.bucket
+        try:
+            reply = await call_with_retries(
+                f"listing the uploads of s3://{bucket}/{name}",
+                lambda: fs._call_s3("list_multipart_uploads", Bucket=bucket, Prefix=name),
+                retries=0,
+                timeout=timeout,
+                backoff_base=0.0,
+                backoff_cap=0.0,
+            )
+        except S3Failure as failure:
+            logger.warning("s3: %s", failure)
+            return False
+        swept = True
+        for upload in reply.get("Uploads") or []:
+            upload_id = upload.get("UploadId")
+            if upload.get("Key") != name or upload_id in self._uploading:
+                continue
+            swept = await self._abort_upload(fs, name, upload_id, timeout) and swept
+        return swept
 
     async def _abort_upload(
         self, fs: S3FileSystem, name: str, upload_id: str, timeout: float
@@ -375,13 +448,17 @@ class S3Tier(SecondaryTierManager):
         except S3Failure as failure:
             self._present.pop(key, None)  # a failed load withdraws the cached claim
             if failure.kind == "missing":
+                self.report_removed([key])  # gone behind the tier's back
                 raise S3Failure("missing", f"{url} is not in s3") from None
             raise
         try:
-            decode_into(key, frame, self.primary.block(slot), self.primary.namespace)
+            await in_thread(
+                self.framer.decode_into, key, frame, self.primary.block(slot), limiter=self._cpu
+            )
         except CorruptBlock as exc:
             self._present.pop(key, None)
             await self._delete_quietly(fs, key)
+            self.report_removed([key])
             raise S3Failure("fatal", f"corrupt block deleted: {url}: {exc}") from None
         self._saw(key)
 
@@ -432,7 +509,7 @@ class S3Tier(SecondaryTierManager):
                             logger.warning("s3 lookup: counted as absent: %s", failure)
                         continue
                     size = int(info.get("ContentLength", -1))
-                    if size == header_bytes(key) + block_bytes:
+                    if size == self.framer.frame_bytes(key, block_bytes):
                         answer[i] = True
                         self._saw(key)
 
@@ -494,5 +571,6 @@ class S3Tier(SecondaryTierManager):
             "part_size": int(c.part_size),
             "retries": c.retries,
             "exists_cache_ttl": c.exists_cache_ttl,
+            "mac": self.framer.mac,
             "open": self._fs is not None,
         }

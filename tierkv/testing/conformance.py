@@ -3,15 +3,21 @@
     from tierkv.testing import TierConformanceSuite
 
     class TestMyTier(TierConformanceSuite):
-        def make_tier(self, primary, *, capacity_blocks):
-            return MyTier(MyTier.Config(type="mytier", ...), primary)
+        def make_tier(self, primary, *, capacity_blocks, **fields):
+            return MyTier(MyTier.Config(type="mytier", ..., **fields), primary)
 
         async def corrupt(self, tier, key):
             ...  # flip a byte of the stored payload of `key`
 
+        async def plant(self, tier, key, frame):
+            ...  # store `frame` as the stored bytes of `key`, behind the tier's back
+
 Run with pytest (the suite uses anyio's pytest plugin, which ships with anyio, and
-hypothesis). Set `supports_capacity = False` for a tier with no capacity bound.
-Every test opens a fresh tier and closes it.
+hypothesis). Set `supports_capacity = False` for a tier with no capacity bound: the
+capacity and removal-report tests are then skipped. `plant` is what the MAC tests
+(a forged frame with a right checksum is refused) need; without it they are skipped.
+Every test opens a fresh tier and closes it. No torch: the primary is a `PrimaryView`
+over a `bytearray`.
 """
 
 from __future__ import annotations
@@ -20,22 +26,19 @@ import os
 import random
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import ClassVar, NoReturn
+from typing import Any, ClassVar
 
 import anyio
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pydantic import Field
 
-from tierkv.errors import TierUnavailable
+from tierkv.framing import Framer
 from tierkv.jobs import JobMetadata, JobResult, ReqContext
 from tierkv.keys import OffloadKey, make_offload_key
-from tierkv.memory_tier import MemoryTier, MemoryTierConfig
-from tierkv.primary import PrimaryTier
+from tierkv.mac import MacKey
 from tierkv.slab import PrimaryView
-from tierkv.tier import SecondaryTierManager, TierConfig
-from tierkv.units import Duration
+from tierkv.tier import SecondaryTierManager
 
 CTX = ReqContext(request_id="conformance")
 
@@ -71,18 +74,26 @@ class TierConformanceSuite:
     num_slots: ClassVar[int] = 32
     namespace: ClassVar[str] = "tierkv-conformance"
     supports_capacity: ClassVar[bool] = True
+    mac_key_env: ClassVar[str] = "TIERKV_CONFORMANCE_MAC_KEY"
 
     # -- hooks --------------------------------------------------------------------
     def make_tier(
-        self, primary: PrimaryView, *, capacity_blocks: int | None
+        self, primary: PrimaryView, *, capacity_blocks: int | None, **fields: Any
     ) -> SecondaryTierManager:
         """A new, unopened tier over `primary`. With `capacity_blocks`, size it to
-        hold about that many blocks (frames included); None means roomy."""
+        hold about that many blocks (frames included: `header_bytes(key)` +
+        `block_bytes` each); None means roomy. `fields` are more fields of the tier's
+        config to set (the MAC tests pass `mac_key_env`)."""
         raise NotImplementedError
 
     async def corrupt(self, tier: SecondaryTierManager, key: OffloadKey) -> None:
         """Damage the stored bytes of `key` (flip a payload byte) behind the tier's back."""
         raise NotImplementedError
+
+    async def plant(self, tier: SecondaryTierManager, key: OffloadKey, frame: bytes) -> None:
+        """Make `frame` the stored bytes of `key` (held by the tier), behind the tier's
+        back: what a writer without the MAC key could do to a shared tier."""
+        pytest.skip(f"{type(self).__name__} does not implement plant(); MAC tests skipped")
 
     @pytest.fixture
     def anyio_backend(self) -> str:
@@ -95,16 +106,17 @@ class TierConformanceSuite:
         TierConformanceSuite._job_ids += 1
         return JobMetadata(TierConformanceSuite._job_ids, tuple(keys), tuple(slots), CTX)
 
-    def primary(self) -> PrimaryTier:
-        return PrimaryTier(
-            self.num_slots, self.block_bytes, pin_memory=False, namespace=self.namespace
+    def view(self) -> PrimaryView:
+        """A fresh primary slab of `num_slots` blocks, zeroed."""
+        return PrimaryView(
+            bytearray(self.num_slots * self.block_bytes), self.block_bytes, self.namespace
         )
 
     @asynccontextmanager
     async def opened(
-        self, view: PrimaryView, capacity_blocks: int | None = None
+        self, view: PrimaryView, capacity_blocks: int | None = None, **fields: Any
     ) -> AsyncIterator[SecondaryTierManager]:
-        tier = self.make_tier(view, capacity_blocks=capacity_blocks)
+        tier = self.make_tier(view, capacity_blocks=capacity_blocks, **fields)
         await tier.open()
         try:
             yield tier
@@ -126,7 +138,7 @@ class TierConformanceSuite:
     # -- the contract -------------------------------------------------------------
     async def test_round_trip_is_byte_exact(self) -> None:
         rng = random.Random(1)
-        view = self.primary().view
+        view = self.view()
         async with self.opened(view) as tier:
             stored = await self.store_random(tier, view, 8, rng)
             keys = list(stored)
@@ -142,7 +154,7 @@ class TierConformanceSuite:
 
     async def test_lookup_is_batched_and_ordered(self) -> None:
         rng = random.Random(2)
-        view = self.primary().view
+        view = self.view()
         async with self.opened(view) as tier:
             stored = list(await self.store_random(tier, view, 4, rng))
             absent = random_keys(3, rng)
@@ -152,7 +164,7 @@ class TierConformanceSuite:
 
     async def test_load_reports_partial_success_per_key(self) -> None:
         rng = random.Random(3)
-        view = self.primary().view
+        view = self.view()
         async with self.opened(view) as tier:
             stored = await self.store_random(tier, view, 3, rng)
             missing = random_keys(2, rng)
@@ -168,7 +180,7 @@ class TierConformanceSuite:
 
     async def test_remove_deletes_and_ignores_unknown_keys(self) -> None:
         rng = random.Random(4)
-        view = self.primary().view
+        view = self.view()
         async with self.opened(view) as tier:
             keys = list(await self.store_random(tier, view, 4, rng))
             await tier.remove([keys[1], keys[2], *random_keys(1, rng)])
@@ -181,9 +193,11 @@ class TierConformanceSuite:
         if not self.supports_capacity:
             pytest.skip(f"{type(self).__name__} declares no capacity bound")
         rng = random.Random(5)
-        view = self.primary().view
+        view = self.view()
         capacity = 4
         async with self.opened(view, capacity_blocks=capacity) as tier:
+            reported: list[OffloadKey] = []
+            tier.set_removal_listener(reported.extend)
             keys: list[OffloadKey] = []
             contents: dict[OffloadKey, bytes] = {}
             for i in range(capacity + 6):
@@ -196,6 +210,10 @@ class TierConformanceSuite:
             assert 1 <= sum(present) <= capacity
             assert present[-1], "the block stored last must still be there"
             held = [k for k, p in zip(keys, present) if p]
+            gone = [k for k, p in zip(keys, present) if not p]
+            assert sorted(reported) == sorted(gone), (
+                "a tier must report_removed() exactly the blocks its eviction removed"
+            )
             result = await tier.load(self.job(held, list(range(16, 16 + len(held)))))
             assert result.ok, result.error
             for key, slot in zip(held, range(16, 16 + len(held))):
@@ -203,10 +221,12 @@ class TierConformanceSuite:
 
     async def test_corrupted_block_fails_its_key_and_is_deleted(self) -> None:
         rng = random.Random(6)
-        view = self.primary().view
+        view = self.view()
         async with self.opened(view) as tier:
             stored = await self.store_random(tier, view, 3, rng)
             keys = list(stored)
+            reported: list[OffloadKey] = []
+            tier.set_removal_listener(reported.extend)
             await self.corrupt(tier, keys[1])
             job = self.job(keys, [20, 21, 22])
             result = await tier.load(job)
@@ -216,10 +236,51 @@ class TierConformanceSuite:
             assert bytes(view.block(20)) == stored[keys[0]]
             assert bytes(view.block(22)) == stored[keys[2]]
             assert await tier.lookup(keys, CTX) == [True, False, True]
+            assert reported == [keys[1]], "a block deleted after a failed check is reported"
+
+    # -- authenticated frames (mac_key_env) ----------------------------------------
+    async def test_mac_frames_round_trip(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv(self.mac_key_env, os.urandom(32).hex())
+        rng = random.Random(9)
+        view = self.view()
+        async with self.opened(view, mac_key_env=self.mac_key_env) as tier:
+            assert tier.framer.mac
+            stored = await self.store_random(tier, view, 4, rng)
+            result = await tier.load(self.job(list(stored), [10, 11, 12, 13]))
+            assert result.ok, result.error
+            for key, slot in zip(stored, range(10, 14)):
+                assert bytes(view.block(slot)) == stored[key]
+
+    async def test_mac_refuses_frames_forged_without_the_key(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """With a MAC key set, a frame with a right checksum but a MAC made with
+        another key, or with no MAC at all, fails its key, is deleted and reported."""
+        monkeypatch.setenv(self.mac_key_env, os.urandom(32).hex())
+        rng = random.Random(10)
+        view = self.view()
+        async with self.opened(view, mac_key_env=self.mac_key_env) as tier:
+            stored = await self.store_random(tier, view, 3, rng)
+            keys = list(stored)
+            reported: list[OffloadKey] = []
+            tier.set_removal_listener(reported.extend)
+            poison = rng.randbytes(self.block_bytes)
+            forger = Framer(view.namespace, MacKey(os.urandom(32)))  # the wrong key
+            await self.plant(tier, keys[0], forger.encode(keys[0], poison))
+            unsigned = Framer(view.namespace)  # a checksum only, no MAC
+            await self.plant(tier, keys[1], unsigned.encode(keys[1], poison))
+            job = self.job(keys, [20, 21, 22])
+            result = await tier.load(job)
+            assert_partition(result, job)
+            assert set(result.failed_keys) == {keys[0], keys[1]}
+            assert "MAC" in (result.error or "")
+            assert bytes(view.block(22)) == stored[keys[2]]
+            assert await tier.lookup(keys, CTX) == [False, False, True]
+            assert sorted(reported) == sorted(keys[:2])
 
     async def test_close_finishes_in_flight_work(self) -> None:
         rng = random.Random(7)
-        view = self.primary().view
+        view = self.view()
         tier = self.make_tier(view, capacity_blocks=None)
         await tier.open()
         keys = random_keys(self.num_slots, rng)
@@ -240,7 +301,7 @@ class TierConformanceSuite:
 
     async def test_failed_load_leaves_tier_usable(self) -> None:
         rng = random.Random(8)
-        view = self.primary().view
+        view = self.view()
         async with self.opened(view) as tier:
             missing = random_keys(2, rng)
             result = await tier.load(self.job(missing, [0, 1]))
@@ -273,7 +334,7 @@ class TierConformanceSuite:
 
     async def _run_ops(self, ops: list[tuple[str, int]]) -> None:
         rng = random.Random(os.urandom(8))
-        view = self.primary().view
+        view = self.view()
         keys = random_keys(12, rng)
         content = {k: rng.randbytes(self.block_bytes) for k in keys}
         removed: set[OffloadKey] = set()
@@ -296,83 +357,3 @@ class TierConformanceSuite:
                         assert bytes(view.block(1)) == content[key]
                     else:
                         assert result.failed_keys == (key,)
-
-
-# -- a tier that misbehaves on request, for orchestrator tests and demos ----------------
-class FaultyTierConfig(MemoryTierConfig):
-    delay: Duration = Field(default=0.0, description="added to every store and load job")
-    lookup_delay: Duration = Field(default=0.0, description="added to every lookup")
-
-
-class FaultyTier(MemoryTier):
-    """The `memory` tier plus switches to make it slow, down, hung or lying.
-
-    Register it with `tierkv.register_tier(FaultyTier)` and use `type: faulty`.
-    Switches (set on the instance, e.g. `cache.tier("faulty").down = True`):
-    `down` (every call raises TierUnavailable), `fail_jobs` (the next N jobs raise),
-    `hang` (jobs wait until `hang` is cleared... or forever), `gate` (jobs wait for this
-    event), `lie_about` (lookup claims these keys; their loads fail). `calls` logs
-    (operation, keys) of every call.
-    """
-
-    Config = FaultyTierConfig
-    config: FaultyTierConfig
-
-    def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
-        super().__init__(config, primary)
-        self.down = False
-        self.fail_jobs = 0
-        self.hang = False
-        self.gate: anyio.Event | None = None
-        self.lie_about: set[OffloadKey] = set()
-        self.calls: list[tuple[str, tuple[OffloadKey, ...]]] = []
-
-    @staticmethod
-    def get_tier_type() -> str:
-        return "faulty"
-
-    async def _misbehave(self, op: str, keys: Sequence[OffloadKey]) -> None:
-        self.calls.append((op, tuple(keys)))
-        if self.down:
-            raise TierUnavailable("faulty tier is down")
-        if op != "lookup":
-            if self.fail_jobs > 0:
-                self.fail_jobs -= 1
-                raise TierUnavailable("faulty tier failed this job")
-            if self.gate is not None:
-                await self.gate.wait()
-            while self.hang:
-                await anyio.sleep(0.01)
-            if self.config.delay:
-                await anyio.sleep(self.config.delay)
-        elif self.config.lookup_delay:
-            await anyio.sleep(self.config.lookup_delay)
-
-    async def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[bool]:
-        await self._misbehave("lookup", keys)
-        found = await super().lookup(keys, ctx)
-        return [f or k in self.lie_about for k, f in zip(keys, found)]
-
-    async def store(self, job: JobMetadata) -> JobResult:
-        await self._misbehave("store", job.keys)
-        return await super().store(job)
-
-    async def load(self, job: JobMetadata) -> JobResult:
-        await self._misbehave("load", job.keys)
-        lies = [k for k in job.keys if k in self.lie_about and k not in self._frames]
-        if not lies:
-            return await super().load(job)
-        result = await super().load(job)
-        return JobResult.partial(job, {k: "faulty tier lied" for k in result.failed_keys})
-
-    def stored_keys(self) -> set[OffloadKey]:
-        return set(self._frames)
-
-
-def missing_server(what: str, exc: BaseException) -> NoReturn:
-    """A test needs a real server (`what`) that is not installed: under `CI=true` that
-    is a failure (CI must install it), elsewhere a skip with the reason."""
-    reason = f"needs {what}: {exc}"
-    if os.environ.get("CI", "").lower() in ("true", "1"):
-        pytest.fail(f"{reason} (CI=true: a missing server is a failure, not a skip)")
-    pytest.skip(reason)

@@ -1,14 +1,16 @@
-"""Local helper servers for tests and benchmarks (a redis-server, moto's S3 server, a
+"""What the tier packages' test servers share (a redis-server, moto's S3 server, a
 fault-injecting proxy): a free loopback port, and one start/stop/`with` life cycle.
 
-Kept apart from `tierkv.testing` so benchmark scripts can start servers without pytest.
+Test scaffolding, not runtime: nothing in the cache imports it. It needs no pytest, so
+benchmark scripts can start servers too.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 from types import TracebackType
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 _S = TypeVar("_S", bound="LocalServer")
 
@@ -50,3 +52,14 @@ class LocalServer:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def missing_server(what: str, exc: BaseException) -> NoReturn:
+    """A test needs a real server (`what`) that is not installed: under `CI=true` that
+    is a failure (CI must install it), elsewhere a skip with the reason."""
+    import pytest  # only tests call this; servers stay usable without pytest
+
+    reason = f"needs {what}: {exc}"
+    if os.environ.get("CI", "").lower() in ("true", "1"):
+        pytest.fail(f"{reason} (CI=true: a missing server is a failure, not a skip)")
+    pytest.skip(reason)

@@ -1,0 +1,148 @@
+"""One per-key job runner for every tier: concurrency, a deadline, late keys, partial
+results, and cancellation that waits for threads.
+
+A tier's job moves many blocks; each block (or small batch of blocks) succeeds or
+fails on its own. `run_job` runs a tier's `work(batch)` coroutine over the batches of
+a job with at most `concurrency` in flight, and turns what happened into the one
+`JobResult` the contract asks for:
+
+- `work` returns the keys of its batch that failed, with a reason (or nothing: all ok);
+- `work` raising `JobAborted` fails its batch and every batch not yet started (the
+  server is down, the bucket is gone: waiting on it again per key helps no one);
+- `work` raising anything else fails its batch with the error, logged once: a bug in
+  one batch must not fail the whole server;
+- keys not done by `timeout` are reported failed as late; the runner returns at the
+  deadline, after the batches in flight were cancelled (and their threads finished).
+
+Blocking calls and whole-block CPU work (framing, checksums, copies of MiB-sized
+blocks) go through `in_thread`: anyio's worker threads, whose cancellation waits for
+the thread to return, so after `run_job` returns or is cancelled no thread of it still
+touches a primary slot.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
+
+from tierkv.jobs import JobMetadata, JobResult
+from tierkv.keys import OffloadKey
+
+__all__ = ["Batch", "JobAborted", "Work", "in_thread", "run_job"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+Batch = Sequence[tuple[OffloadKey, int]]
+"""(key, slot) pairs of one job that one `work` call moves."""
+
+Work = Callable[[Batch], Awaitable[Mapping[OffloadKey, str] | None]]
+"""Moves one batch; returns {key: reason} for the keys of the batch that failed."""
+
+
+class JobAborted(Exception):
+    """Raised by `work` when the rest of the job cannot succeed either (the medium is
+    unreachable, the bucket is gone, access is denied). Its message is the reason."""
+
+
+async def in_thread(
+    func: Callable[..., T],
+    *args: Any,
+    limiter: anyio.CapacityLimiter | None = None,
+    shield: bool = False,
+) -> T:
+    """Run blocking `func(*args)` in a worker thread and return its result.
+
+    Cancelling the caller waits for the thread to return (its result is dropped), so a
+    job never touches its slots after it ended. `shield=True` also keeps the caller
+    from being cancelled until the call's result is back, for work whose bookkeeping
+    after the call must happen (an index that must agree with the disk)."""
+    if shield:
+        with anyio.CancelScope(shield=True):
+            return await anyio.to_thread.run_sync(func, *args, limiter=limiter)
+    return await anyio.to_thread.run_sync(func, *args, limiter=limiter)
+
+
+def per_key(job: JobMetadata) -> list[Batch]:
+    """One batch per (key, slot) of `job`."""
+    return [[pair] for pair in zip(job.keys, job.slots)]
+
+
+def in_batches(job: JobMetadata, size: int) -> list[Batch]:
+    """The (key, slot) pairs of `job` in order, `size` at a time."""
+    if size < 1:
+        raise ValueError(f"batch size must be >= 1, got {size}")
+    pairs = list(zip(job.keys, job.slots))
+    return [pairs[i : i + size] for i in range(0, len(pairs), size)]
+
+
+async def run_job(
+    job: JobMetadata,
+    work: Work,
+    *,
+    label: str,
+    concurrency: int,
+    timeout: float | None,
+    batches: Sequence[Batch] | None = None,
+    on_late: Callable[[Sequence[OffloadKey]], None] | None = None,
+) -> JobResult:
+    """Run `work` over the batches of `job` (default: one per key), `concurrency` at
+    a time, and report every key exactly once.
+
+    `label` names the tier and verb in messages ("redis store"). Keys not finished by
+    `timeout` seconds (None: no deadline) fail as late; `on_late(keys)` is called with
+    them (a tier may forget what it is no longer sure of)."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    plan = per_key(job) if batches is None else list(batches)
+    failed: dict[OffloadKey, str] = {}
+    done: set[OffloadKey] = set()
+    aborted: list[str] = []
+    queue = iter(plan)
+
+    async def worker() -> None:
+        for batch in queue:  # shared: each batch goes to exactly one worker
+            keys = [key for key, _slot in batch]
+            if aborted:
+                failed.update((key, f"not tried: {aborted[0]}") for key in keys)
+                continue
+            try:
+                errors = await work(batch)
+            except JobAborted as exc:
+                reason = str(exc) or f"{label} aborted"
+                if not aborted:
+                    aborted.append(reason)
+                    logger.warning("%s job %d aborted: %s", label, job.job_id, reason)
+                failed.update((key, reason) for key in keys)
+                continue
+            except Exception as exc:  # a bug must fail its keys, not the whole server
+                logger.exception("%s job %d: unexpected error", label, job.job_id)
+                failed.update((key, f"unexpected {type(exc).__name__}: {exc}") for key in keys)
+                continue
+            for key in keys:
+                why = errors.get(key) if errors else None
+                if why is None:
+                    done.add(key)
+                else:
+                    failed[key] = why
+
+    workers = min(concurrency, len(plan))
+    with anyio.move_on_after(timeout):
+        if workers == 1:
+            await worker()
+        elif workers > 1:
+            async with anyio.create_task_group() as tg:
+                for _ in range(workers):
+                    tg.start_soon(worker)
+    late = [key for key in job.keys if key not in done and key not in failed]
+    if late:
+        reason = f"{label} did not finish within job_timeout={timeout}s"
+        failed.update((key, reason) for key in late)
+        if on_late is not None:
+            on_late(late)
+    return JobResult.partial(job, failed)

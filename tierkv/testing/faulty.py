@@ -1,0 +1,87 @@
+"""`FaultyTier`: the `memory` tier plus switches to make it slow, down, hung or lying,
+for the cache's own tests and for demos of failure handling."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import anyio
+from pydantic import Field
+
+from tierkv.errors import TierUnavailable
+from tierkv.jobs import JobMetadata, JobResult, ReqContext
+from tierkv.keys import OffloadKey
+from tierkv.memory_tier import MemoryTier, MemoryTierConfig
+from tierkv.slab import PrimaryView
+from tierkv.tier import TierConfig
+from tierkv.units import Duration
+
+
+class FaultyTierConfig(MemoryTierConfig):
+    delay: Duration = Field(default=0.0, description="added to every store and load job")
+    lookup_delay: Duration = Field(default=0.0, description="added to every lookup")
+
+
+class FaultyTier(MemoryTier):
+    """The `memory` tier plus switches to make it slow, down, hung or lying.
+
+    Register it with `tierkv.register_tier(FaultyTier)` and use `type: faulty`.
+    Switches (set on the instance, e.g. `cache.tier("faulty").down = True`):
+    `down` (every call raises TierUnavailable), `fail_jobs` (the next N jobs raise),
+    `hang` (jobs wait until `hang` is cleared... or forever), `gate` (jobs wait for this
+    event), `lie_about` (lookup claims these keys; their loads fail). `calls` logs
+    (operation, keys) of every call.
+    """
+
+    Config = FaultyTierConfig
+    config: FaultyTierConfig
+
+    def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
+        super().__init__(config, primary)
+        self.down = False
+        self.fail_jobs = 0
+        self.hang = False
+        self.gate: anyio.Event | None = None
+        self.lie_about: set[OffloadKey] = set()
+        self.calls: list[tuple[str, tuple[OffloadKey, ...]]] = []
+
+    @staticmethod
+    def get_tier_type() -> str:
+        return "faulty"
+
+    async def _misbehave(self, op: str, keys: Sequence[OffloadKey]) -> None:
+        self.calls.append((op, tuple(keys)))
+        if self.down:
+            raise TierUnavailable("faulty tier is down")
+        if op != "lookup":
+            if self.fail_jobs > 0:
+                self.fail_jobs -= 1
+                raise TierUnavailable("faulty tier failed this job")
+            if self.gate is not None:
+                await self.gate.wait()
+            while self.hang:
+                await anyio.sleep(0.01)
+            if self.config.delay:
+                await anyio.sleep(self.config.delay)
+        elif self.config.lookup_delay:
+            await anyio.sleep(self.config.lookup_delay)
+
+    async def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[bool]:
+        await self._misbehave("lookup", keys)
+        found = await super().lookup(keys, ctx)
+        return [f or k in self.lie_about for k, f in zip(keys, found)]
+
+    async def store(self, job: JobMetadata) -> JobResult:
+        await self._misbehave("store", job.keys)
+        return await super().store(job)
+
+    async def load(self, job: JobMetadata) -> JobResult:
+        await self._misbehave("load", job.keys)
+        lies = [k for k in job.keys if k in self.lie_about and k not in self._frames]
+        if not lies:
+            return await super().load(job)
+        result = await super().load(job)
+        return JobResult.partial(job, {k: "faulty tier lied" for k in result.failed_keys})
+
+    def stored_keys(self) -> set[OffloadKey]:
+        return set(self._frames)

@@ -1,0 +1,86 @@
+"""What the nvme tier refuses: links out of its directory, and any header field (the
+2-byte flags included) that is not exactly what it writes."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+from tierkv_nvme.layout import block_relpath
+
+from tierkv.framing import FIXED_HEADER_BYTES
+from tierkv.jobs import ReqContext
+
+pytestmark = pytest.mark.anyio
+CTX = ReqContext(request_id="nvme-safety")
+
+
+async def test_a_fanout_directory_that_is_a_symlink_is_never_followed(rig, tmp_path: Path) -> None:
+    """A fan-out directory replaced by a link to somewhere else: loads, deletes and
+    stores of the keys under it fail (ELOOP), and nothing outside the tier's directory
+    is read, deleted or written."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    tier = rig.tier()
+    await tier.open()
+    [key] = rig.keys(1)
+    result, _ = await rig.store(tier, [key])
+    assert result.ok, result.error
+    first, second, name = block_relpath(key)
+    (tier.directory / first).rename(outside / "moved")  # the block now lives outside...
+    (tier.directory / first).symlink_to(outside / "moved", target_is_directory=True)
+    target = outside / "moved" / second / name  # ...reachable only through the link
+    before = target.read_bytes()
+
+    result, data = await rig.load(tier, [key])
+    assert result.failed_keys == (key,)
+    assert "symlink" in (result.error or "")
+    assert data[key] == bytes(rig.block_bytes), "the load read through the link"
+    assert target.read_bytes() == before, "the failed load deleted a file outside"
+    assert await tier.lookup([key], CTX) == [False]
+
+    result, _ = await rig.store(tier, [key], first_slot=2)
+    assert result.failed_keys == (key,)
+    assert "symlink" in (result.error or "")
+    assert sorted(p.name for p in (outside / "moved" / second).iterdir()) == [name]
+    await tier.remove([key])
+    assert target.exists()
+    await tier.close()
+
+
+async def test_unknown_header_flags_fail_the_key_and_the_file_goes(rig) -> None:
+    tier = rig.tier()
+    await tier.open()
+    [key] = rig.keys(1)
+    result, _ = await rig.store(tier, [key])
+    assert result.ok, result.error
+    path = tier.path_of(key)
+    frame = bytearray(path.read_bytes())
+    struct.pack_into("<H", frame, 6, 0x8000)  # flags: a bit no tierkv writes
+    path.write_bytes(frame)
+    result, _ = await rig.load(tier, [key])
+    assert result.failed_keys == (key,)
+    assert "unknown header flags 0x8000" in (result.error or "")
+    assert not path.exists()
+    assert await tier.lookup([key], CTX) == [False]
+    await tier.close()
+
+
+async def test_reopen_deletes_files_with_bad_flags(rig) -> None:
+    tier = rig.tier()
+    await tier.open()
+    keys = rig.keys(2)
+    result, _ = await rig.store(tier, keys)
+    assert result.ok, result.error
+    await tier.close()
+    path = tier.path_of(keys[0])
+    frame = bytearray(path.read_bytes())
+    assert len(frame) > FIXED_HEADER_BYTES
+    struct.pack_into("<H", frame, 6, 0x0002)
+    path.write_bytes(frame)
+    again = rig.tier()
+    await again.open()
+    assert again.recovery is not None and again.recovery.removed_bad == 1
+    assert await again.lookup(keys, CTX) == [False, True]
+    await again.close()
