@@ -225,7 +225,7 @@ def test_plugins_lists_packages_versions_and_config_fields(
     assert main(["plugins", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     memory = report["types"]["memory"]
-    assert memory["distribution"] == "tierkv" and memory["version"] == tierkv.__version__
+    assert memory["distribution"] == "tierkv-cache" and memory["version"] == tierkv.__version__
     assert memory["target"] == "tierkv.memory_tier:MemoryTier"
     assert memory["fields"]["capacity"]["default"] == "1GiB"
     assert "write_policy" not in memory["fields"]  # common fields are listed once
@@ -238,7 +238,7 @@ def test_plugins_lists_packages_versions_and_config_fields(
     )
     nvme = report["types"].get("nvme")
     if nvme is not None:  # installed in CI and in the dev setup
-        assert nvme["distribution"] == "tierkv-nvme"
+        assert nvme["distribution"] == "tierkv-cache-nvme"
         assert (
             nvme["fields"]["path"]["required"]
             and nvme["fields"]["io_concurrency"]["default"] == "8"

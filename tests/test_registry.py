@@ -44,7 +44,7 @@ def install(root: Path, dist: str, entry_points: dict[str, str], module: str = "
 def test_memory_tier_is_registered_through_the_entry_point_group() -> None:
     info = installed_tiers()["memory"]
     assert info.target == "tierkv.memory_tier:MemoryTier"
-    assert info.distribution == "tierkv"
+    assert info.distribution == "tierkv-cache"
     assert get_tier_class("memory") is MemoryTier
 
 

@@ -18,10 +18,10 @@ from tierkv.tier import SecondaryTierManager, TierConfig
 ENTRY_POINT_GROUP = "tierkv.tiers"
 
 KNOWN_TIER_PACKAGES: dict[str, str] = {
-    "memory": "tierkv",
-    "nvme": "tierkv-nvme",
-    "redis": "tierkv-redis",
-    "s3": "tierkv-s3",
+    "memory": "tierkv-cache",
+    "nvme": "tierkv-cache-nvme",
+    "redis": "tierkv-cache-redis",
+    "s3": "tierkv-cache-s3",
 }
 """Tier types we know of and the distribution that provides each, for error hints."""
 
