@@ -339,9 +339,7 @@ SECRET = "hunter2"
         ),
     ],
 )
-def test_tier_sections_of_the_wrong_shape_never_echo_their_value(
-    tiers: str, expected: str
-) -> None:
+def test_tier_sections_of_the_wrong_shape_never_echo_their_value(tiers: str, expected: str) -> None:
     assert problems(HEAD + f"primary: {{capacity: 1MiB}}\ntiers: {tiers}\n") == [expected]
 
 
@@ -349,11 +347,12 @@ def test_tier_sections_of_the_wrong_shape_never_echo_their_value(
 def test_an_s3_url_with_credentials_is_never_echoed(secret: str) -> None:
     pytest.importorskip("tierkv_s3")
     found = problems(
-        HEAD + f"primary: {{capacity: 1MiB}}\ntiers: [{{type: s3, url: 's3://AKIA:{secret}@b/p'}}]\n"
+        HEAD
+        + f"primary: {{capacity: 1MiB}}\ntiers: [{{type: s3, url: 's3://AKIA:{secret}@b/p'}}]\n"
     )
-    assert found and all(
-        piece not in p for p in found for piece in (secret, *secret.split("/"))
-    ), found
+    assert found and all(piece not in p for p in found for piece in (secret, *secret.split("/"))), (
+        found
+    )
     assert found[0].startswith("tiers[0].url: 's3://AKIA:***@b/p'")
 
 

@@ -18,6 +18,7 @@ from tierkv.registry import (
     get_tier_class,
     installed_tiers,
     register_tier,
+    rescan,
     unregister_tier,
 )
 
@@ -32,11 +33,12 @@ def plugin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path
 
 
 def install(root: Path, dist: str, entry_points: dict[str, str], module: str = "") -> None:
-    info = root / f"{dist}-1.2.3.dist-info"
+    info = root / f"{dist.replace('-', '_')}-1.2.3.dist-info"  # as pip names it
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.2.3\n")
     lines = "\n".join(f"{k} = {v}" for k, v in entry_points.items())
     (info / "entry_points.txt").write_text(f"[tierkv.tiers]\n{lines}\n")
+    rescan()  # a distribution installed while the process runs
     if module:
         (root / f"{dist.replace('-', '_')}.py").write_text(textwrap.dedent(module))
 

@@ -32,8 +32,8 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializationInfo,
-    SerializerFunctionWrapHandler,
     SerializeAsAny,
+    SerializerFunctionWrapHandler,
     ValidationError,
     model_serializer,
 )
@@ -82,9 +82,7 @@ class CacheConfig(BaseModel):
     )
 
     @model_serializer(mode="wrap")
-    def _mask_secrets(
-        self, handler: SerializerFunctionWrapHandler, info: SerializationInfo
-    ) -> Any:
+    def _mask_secrets(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:
         """`model_dump()` / `model_dump_json()` never hold a password: secret fields read
         `***`, URLs keep everything but their password."""
         return mask_secrets(handler(self))
@@ -302,7 +300,7 @@ def _merge_union_errors(
             continue
         merged[loc] = {**err, "loc": loc, "msg": msg}
     failed_items = {loc[:-2] for loc in merged if len(loc) >= 2}
-    failed_items |= {loc[: i] for loc in merged for i in range(len(loc)) if isinstance(loc[i], int)}
+    failed_items |= {loc[:i] for loc in merged for i in range(len(loc)) if isinstance(loc[i], int)}
     return [
         e for loc, e in merged.items() if not (e["type"] == "too_short" and loc in failed_items)
     ]
