@@ -276,12 +276,43 @@ def test_plugins_reports_a_broken_plugin_and_exits_1(
 
 
 # -- the demo's text summary ---------------------------------------------------------------
-def test_demo_prints_the_summary(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", *TINY_DEMO]) == 0
+def test_demo_prints_three_columns_and_draws_the_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "ttft.png"
+    assert main(["demo", *TINY_DEMO, "--device", "cpu", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
-    for text in ("TTFT mean", "without tierkv", "speed-up", "primary (cpu)", "nvme", "recomputed"):
+    header = next(line for line in out.splitlines() if "no cache" in line)
+    assert header.index("no cache") < header.index("GPU prefix cache") < header.index("+ tierkv")
+    for text in (
+        "TTFT mean",
+        "speed-up",
+        "GPU prefix cache",
+        "primary (cpu)",
+        "nvme",
+        "recomputed",
+    ):
         assert text in out
     assert "correctness: greedy tokens identical in 4/4 turns" in out and ": OK" in out
+    assert f"plot: {plot}" in out
+    assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_demo_json_has_the_three_columns(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", *TINY_DEMO, "--device", "cpu", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["columns"] == ["no_cache", "gpu_prefix_cache", "tierkv"]
+    assert all(isinstance(report["ttft"][c]["mean_ms"], float) for c in report["columns"])
+    assert report["ok"] is True and isinstance(report["kv_cache"]["gpu_blocks"], int)
+
+
+def test_demo_plot_without_matplotlib_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    assert main(["demo", *TINY_DEMO, "--plot", "x.png"]) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
 
 
 def test_plain_tables_without_rich() -> None:

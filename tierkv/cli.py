@@ -239,31 +239,60 @@ def _json_value(value: Any) -> Any:
 
 
 # -- demo ---------------------------------------------------------------------------------
+def _demo_profile(args: argparse.Namespace) -> Any:
+    """The device's defaults (a ~1B bfloat16 model on CUDA, a small one on the CPU),
+    with every option given on the command line taking precedence."""
+    import torch
+
+    from tierkv.demo.sizing import cuda_free_bytes, profile_for
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available (use auto or cpu)")
+    device = "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu"
+    free = cuda_free_bytes() if device == "cuda" else None
+    return device, profile_for(device, free_bytes=free, block_tokens=args.gpu_block_tokens)
+
+
+def _pick(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from tierkv.demo.model import ModelConfig
+    from dataclasses import replace
+
     from tierkv.demo.report import demo_summary, render
     from tierkv.demo.run import DemoOptions, TurnRecord, run_demo
     from tierkv.demo.workload import WorkloadConfig
 
+    if args.plot:
+        from tierkv.demo.plot import check_available
+
+        try:
+            check_available()
+        except ImportError as exc:
+            raise UsageError(str(exc)) from None
+    device, profile = _demo_profile(args)
+    pm, pw = profile.model, profile.workload
     try:
         options = DemoOptions(
-            model=ModelConfig(
-                vocab=args.vocab,
-                hidden=args.hidden,
-                layers=args.layers,
-                heads=args.heads,
+            model=replace(
+                pm,
+                vocab=_pick(args.vocab, pm.vocab),
+                hidden=_pick(args.hidden, pm.hidden),
+                layers=_pick(args.layers, pm.layers),
+                heads=_pick(args.heads, pm.heads),
                 seed=args.seed,
-                dtype=args.dtype,
+                dtype=_pick(args.dtype, pm.dtype),
             ),
             workload=WorkloadConfig(
-                users=args.users,
-                turns=args.turns,
-                system_tokens=args.system_tokens,
-                message_tokens=args.message_tokens,
-                reply_tokens=args.reply_tokens,
+                users=_pick(args.users, pw.users),
+                turns=_pick(args.turns, pw.turns),
+                system_tokens=_pick(args.system_tokens, pw.system_tokens),
+                message_tokens=_pick(args.message_tokens, pw.message_tokens),
+                reply_tokens=_pick(args.reply_tokens, pw.reply_tokens),
                 seed=args.seed,
             ),
-            device=args.device,
+            device=device,
             gpu_block_tokens=args.gpu_block_tokens,
             block_factor=args.block_factor,
             gpu_blocks=args.gpu_blocks,
@@ -272,14 +301,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError("--device cuda: no CUDA device is available (use auto or cpu)")
 
     def show(report: dict[str, Any]) -> None:
         progress.stop()
+        if args.plot:
+            from tierkv.demo.plot import plot_ttft
+
+            report["plot"] = str(plot_ttft(report, args.plot))
         if args.json:
             _print_json(report)
         else:
@@ -289,15 +317,21 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     total = options.workload.users * options.workload.turns
+    default_primary = format_size(args.primary or profile.primary_capacity)
     with (
-        _chain(args.config, primary=format_size(args.primary or 8 << 20)) as config,
+        _chain(args.config, primary=default_primary) as config,
         _Progress(not args.json, total, "warming up", command="demo") as progress,
     ):
+        progress.update(
+            f"model: {options.model.layers} layers x {options.model.hidden} hidden on {device}"
+        )
 
         def on_turn(record: TurnRecord) -> None:
             served = sum(record.sources.values())
             progress.update(
-                f"user {record.user} turn {record.index + 1}: {served} blocks from tierkv",
+                f"user {record.user} turn {record.index + 1}: TTFT "
+                f"{record.ttft['no_cache'] * 1e3:.0f} / {record.ttft['gpu_prefix_cache'] * 1e3:.0f}"
+                f" / {record.ttft['tierkv'] * 1e3:.0f} ms, {served} blocks from tierkv",
                 advance=1,
             )
 
@@ -313,7 +347,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             )
         )
     if not report["ok"]:
-        print("tierkv: error: the runs with and without tierkv disagree", file=sys.stderr)
+        print("tierkv: error: the runs with and without a cache disagree", file=sys.stderr)
         return 1
     return 0
 
@@ -598,37 +632,44 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo",
         parents=[common],
-        help="a transformer's chat workload with and without tierkv",
-        description="Run a multi-turn chat workload on a small random-weight transformer "
-        "twice per turn, with and without tierkv, and report time to first token, hit "
-        "rate and bytes per tier, and whether both runs agree.",
+        help="a transformer's chat workload: no cache, GPU prefix cache, + tierkv",
+        description="Run a multi-turn chat workload on a random-weight transformer three "
+        "ways per turn: with no cache, with the engine's own GPU prefix cache (bounded by "
+        "its KV blocks), and with that cache plus tierkv. Report time to first token per "
+        "column, where reused blocks came from, and whether every run produced the same "
+        "tokens (exit 1 if not). On CUDA the defaults are a ~1B-parameter bfloat16 model "
+        "and a 4096-token shared prompt, fitted to the GPU's free memory; on the CPU a "
+        "4.7M-parameter float32 model. Options given override those defaults.",
     )
     demo.add_argument(
         "--config", metavar="FILE", help="YAML tier chain (default: primary + nvme in a temp dir)"
     )
     demo.add_argument("--json", action="store_true", help="print the report as JSON")
-    g = demo.add_argument_group("workload")
+    demo.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also draw TTFT per turn for the three columns (needs matplotlib)",
+    )
+    g = demo.add_argument_group("workload (defaults: by device; CPU values shown)")
+    g.add_argument("--users", type=_positive, metavar="N", help="conversations (4)")
+    g.add_argument("--turns", type=_positive, metavar="N", help="turns per user (4)")
     g.add_argument(
-        "--users", type=_positive, metavar="N", default=4, help="conversations (default 4)"
+        "--system-tokens", type=_non_negative, metavar="N", help="shared prompt (512; CUDA 4096)"
     )
     g.add_argument(
-        "--turns", type=_positive, metavar="N", default=4, help="turns per user (default 4)"
+        "--message-tokens", type=_positive, metavar="N", help="per user turn (96; CUDA 256)"
     )
     g.add_argument(
-        "--system-tokens", type=_non_negative, metavar="N", default=512, help="default 512"
+        "--reply-tokens", type=_positive, metavar="N", help="tokens decoded per turn (16)"
     )
+    g = demo.add_argument_group("model and KV cache (defaults: by device; CPU values shown)")
+    g.add_argument("--layers", type=_positive, metavar="N", help="4 (CUDA 20)")
+    g.add_argument("--hidden", type=_positive, metavar="N", help="256 (CUDA 2048)")
+    g.add_argument("--heads", type=_positive, metavar="N", help="4 (CUDA 16)")
+    g.add_argument("--vocab", type=_positive, metavar="N", help="4096 (CUDA 32000)")
     g.add_argument(
-        "--message-tokens", type=_positive, metavar="N", default=96, help="per user turn"
+        "--dtype", choices=["float32", "float16", "bfloat16"], help="float32 (CUDA bfloat16)"
     )
-    g.add_argument(
-        "--reply-tokens", type=_positive, metavar="N", default=16, help="tokens decoded per turn"
-    )
-    g = demo.add_argument_group("model and KV cache")
-    g.add_argument("--layers", type=_positive, metavar="N", default=4, help="default 4")
-    g.add_argument("--hidden", type=_positive, metavar="N", default=256, help="default 256")
-    g.add_argument("--heads", type=_positive, metavar="N", default=4, help="default 4")
-    g.add_argument("--vocab", type=_positive, metavar="N", default=4096, help="default 4096")
-    g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     g.add_argument("--seed", type=_non_negative, metavar="N", default=0, help="weights and tokens")
     g.add_argument(
@@ -646,14 +687,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         metavar="N",
         default=None,
-        help="KV cache blocks (default: one request)",
+        help="KV cache blocks per engine (default: the longest request)",
     )
     g.add_argument(
         "--primary",
         type=_size,
         metavar="SIZE",
         default=None,
-        help="primary capacity (default chain: 8MiB; overrides the config's)",
+        help="primary capacity (default chain: 8MiB, CUDA 1GiB; overrides the config's)",
     )
     g.add_argument(
         "--atol", type=float, metavar="X", default=None, help="logit tolerance (by dtype)"
