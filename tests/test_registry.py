@@ -138,3 +138,17 @@ def test_tier_rejects_a_config_of_another_type() -> None:
     primary = PrimaryTier(2, 64, pin_memory=False)
     with pytest.raises(TypeError, match="MemoryTier needs a MemoryTierConfig"):
         MemoryTier(TierConfig(type="memory"), primary.view)
+
+
+def test_a_missing_first_party_tier_says_how_to_install_it_from_the_checkout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import tierkv.registry
+
+    monkeypatch.setattr(tierkv.registry, "_entry_points", dict)  # nothing installed
+    with pytest.raises(UnknownTierType) as err:
+        get_tier_class("nvme")
+    assert (
+        "`pip install -e tiers/nvme (in a tierkv checkout: the distribution "
+        "tierkv-cache-nvme)` provides it" in str(err.value)
+    )

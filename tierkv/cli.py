@@ -43,7 +43,7 @@ from pydantic.fields import FieldInfo
 from tierkv import __version__
 from tierkv.config import CacheConfig, load_config, parse_config
 from tierkv.errors import ConfigError, PluginImportError, TierKVError, UnknownTierType
-from tierkv.registry import KNOWN_TIER_PACKAGES, get_tier_class, installed_tiers
+from tierkv.registry import KNOWN_TIER_PACKAGES, get_tier_class, install_hint, installed_tiers
 from tierkv.tier import TierConfig
 from tierkv.units import format_size, parse_duration
 
@@ -544,10 +544,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     ]
     missing = [t for t in KNOWN_TIER_PACKAGES if t not in report["types"]]
     if missing:
-        blocks.append(
-            "not installed: "
-            + ", ".join(f"{t} (pip install {KNOWN_TIER_PACKAGES[t]})" for t in missing)
-        )
+        blocks.append("not installed: " + ", ".join(f"{t} ({install_hint(t)})" for t in missing))
     for name, entry in report["types"].items():
         blocks.append("")
         if "error" in entry:

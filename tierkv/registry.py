@@ -26,6 +26,22 @@ KNOWN_TIER_PACKAGES: dict[str, str] = {
 }
 """Tier types we know of and the distribution that provides each, for error hints."""
 
+CHECKOUT_PATHS: dict[str, str] = {"nvme": "tiers/nvme", "redis": "tiers/redis", "s3": "tiers/s3"}
+"""Where a first-party tier's distribution lives in a tierkv checkout (nothing is on the
+package index yet, so that is where it installs from)."""
+
+
+def install_hint(type_name: str) -> str | None:
+    """How to install the distribution that provides `type_name`, if we know it."""
+    dist = KNOWN_TIER_PACKAGES.get(type_name)
+    if dist is None:
+        return None
+    path = CHECKOUT_PATHS.get(type_name)
+    if path is None:
+        return f"pip install {dist}"
+    return f"pip install -e {path} (in a tierkv checkout: the distribution {dist})"
+
+
 _registered: dict[str, type[SecondaryTierManager]] = {}
 
 
@@ -118,9 +134,9 @@ def _check_class(obj: object, type_name: str, origin: str) -> None:
 
 def _unknown(type_name: str) -> UnknownTierType:
     installed = ", ".join(installed_tiers()) or "none"
-    hint = KNOWN_TIER_PACKAGES.get(type_name)
+    hint = install_hint(type_name)
     fix = (
-        f"`pip install {hint}` provides it"
+        f"`{hint}` provides it"
         if hint
         else "install the package that provides it (it registers an entry point in "
         f"the {ENTRY_POINT_GROUP!r} group)"
