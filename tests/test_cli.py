@@ -471,3 +471,15 @@ def test_validate_never_prints_a_secret(tmp_path: Path, capsys: pytest.CaptureFi
     captured = capsys.readouterr()
     assert "hunter2" not in captured.err + captured.out
     assert "tiers[0]: expected a mapping" in captured.err
+
+
+def test_bench_writes_progress_lines_when_not_a_terminal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["bench", "--tiers", "cpu", "--total", "1MiB", "--block-size", "256KiB"]
+    assert main([*argv, "--keys", "0", "--repeat", "1", "--json"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert lines[0].startswith("[tierkv bench ") and lines[0].endswith("] starting")
+    assert any("cpu: repetition 1/1" in line for line in lines), lines
+    assert json.loads(captured.out)["media"][0]["medium"] == "cpu"

@@ -89,3 +89,10 @@ def test_the_readme_has_the_diagram_and_the_sizing_guide() -> None:
     guide = text[text.index("## Sizing and tuning") :]
     for knob in ("block_bytes", "primary.capacity", "promotion_reserve", "max_inflight_bytes"):
         assert knob in guide
+
+
+def test_the_plugin_skeleton_imports_what_it_uses() -> None:
+    scope: dict[str, object] = {}
+    exec(compile(snippet("## Write a tier plugin"), "README.md", "exec"), scope)
+    tier = scope["FloppyTier"]
+    assert tier.get_tier_type() == "floppy"  # type: ignore[attr-defined]
