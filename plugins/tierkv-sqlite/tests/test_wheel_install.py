@@ -101,7 +101,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         build += ["--no-build-isolation", "--no-index"]
     # else pip fetches setuptools for an isolated build, from the configured index
     _run(*build, "-w", work / "dist", source)
-    [built] = (work / "dist").glob("tierkv_sqlite-*.whl")
+    [built] = (work / "dist").glob("tierkv_cache_sqlite-*.whl")
     return built
 
 
