@@ -36,7 +36,7 @@ def plot_ttft(report: dict[str, Any], path: str | Path) -> Path:
             ax.plot(x, ys, style, label=COLUMN_TITLES[column], markersize=4)
         m, wl = report["model"], report["workload"]
         ax.set_title(
-            f"tierkv demo: {m['parameters'] / 1e6:.0f}M-parameter model on {m['device']}, "
+            f"tierkv demo: {m['parameters'] / 1e6:,.1f}M-parameter model on {m['device']}, "
             f"{wl['users']} users x {wl['turns']} turns, "
             f"{wl['system_tokens']}-token system prompt",
             fontsize=10,
