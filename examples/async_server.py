@@ -3,6 +3,7 @@
 
     python examples/async_server.py                       # primary + nvme in a temp dir
     python examples/async_server.py --config examples/chains/embedded.yaml --port 8000
+                                       # nvme under ~/.cache/tierkv/nvme ($TIERKV_NVME_PATH)
 
     curl -s localhost:8000/v1/completions -d '{"prompt": [1, 2, 3], "max_tokens": 4}'
     curl -s localhost:8000/v1/completions -d '{"prompt": "any text", "max_tokens": 4}'
@@ -27,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import sys
 import tempfile
 from collections.abc import AsyncIterator
 from http import HTTPStatus
@@ -159,6 +161,10 @@ async def serving(args: argparse.Namespace) -> AsyncIterator[CompletionServer]:
         chain = load_config(args.config) if args.config else default_chain(tmp)
         # the KV geometry and the model decide the layout and the namespace
         config = chain.model_copy(update={"layout": engine.layout, "namespace": engine.namespace})
+        for name, tier in zip(config.tier_names(), config.tiers):
+            where = getattr(tier, "path", None)
+            if where is not None:  # say where this server writes (stderr: a log line)
+                print(f"tier {name} keeps its blocks under {where}", file=sys.stderr, flush=True)
         async with TieredCache(config) as cache:
             engine.attach(cache)
             yield CompletionServer(engine, cache)

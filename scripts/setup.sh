@@ -1,22 +1,11 @@
 #!/usr/bin/env bash
-# Idempotent setup: Debian packages the tests need, a virtualenv in .venv, and the
-# dev requirements (reinstalled only when a requirements or pyproject file changed).
-# Safe to rerun; fast when nothing changed.
+# Idempotent setup: a virtualenv in .venv and the dev requirements (reinstalled only
+# when a requirements or pyproject file changed). Safe to rerun; fast when nothing
+# changed. No system packages: the tests' servers come from scripts/setup-servers.sh.
+# Every step prints a line, and pip prints one line per package, so a slow network
+# shows as progress, not as a hang.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-
-APT_PACKAGES=(redis-server openssl)   # real servers the tier tests start
-
-missing=()
-for pkg in "${APT_PACKAGES[@]}"; do
-    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
-done
-if ((${#missing[@]})); then
-    echo "setup: installing system packages: ${missing[*]}"
-    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
-fi
 
 PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
@@ -26,14 +15,25 @@ fi
 
 stamp_inputs=$(cat requirements-dev.txt $(git ls-files '*pyproject.toml' 2>/dev/null || ls pyproject.toml) | sha256sum | cut -d' ' -f1)
 if [ ! -f .venv/.setup-stamp ] || [ "$(cat .venv/.setup-stamp)" != "$stamp_inputs" ]; then
-    echo "setup: installing Python requirements into .venv"
-    log=$(mktemp)
-    if ! .venv/bin/pip install -q --disable-pip-version-check -r requirements-dev.txt >"$log" 2>&1; then
-        grep -v "is ignored: it is neither a file nor a directory" "$log" >&2 || true
-        echo "setup: pip install failed (full log: $log)" >&2
+    echo "setup: installing Python requirements into .venv (one line per package; ~2 min the first time)"
+    started=$SECONDS
+    # pip's own lines (Collecting / Installing), without the bar that a log cannot show
+    # a line every 20 s while pip is quiet (installing torch takes a while)
+    (t0=$(date +%s); while sleep 20; do echo "setup:   ... still installing ($(( $(date +%s) - t0 )) s)"; done) &
+    ticker=$!
+    trap 'kill $ticker 2>/dev/null || true' EXIT
+    set +e
+    .venv/bin/pip install --disable-pip-version-check --progress-bar off -r requirements-dev.txt 2>&1 \
+        | grep --line-buffered -E "^(Collecting|Obtaining|Building|Installing|Successfully|ERROR|error)" \
+        | sed -u "s/^/setup:   /"
+    status=${PIPESTATUS[0]}
+    set -e
+    kill $ticker 2>/dev/null || true
+    if [ "$status" -ne 0 ] || ! .venv/bin/python -c "import tierkv" 2>/dev/null; then
+        echo "setup: pip install failed (exit $status); its full output:" >&2
+        echo "  .venv/bin/pip install -r requirements-dev.txt" >&2
         exit 1
     fi
-    rm -f "$log"
-    .venv/bin/python -c "import tierkv" # fail here, loudly, if the install did not work
+    echo "setup: Python requirements installed in $((SECONDS - started)) s"
     echo "$stamp_inputs" > .venv/.setup-stamp
 fi

@@ -2,6 +2,7 @@
 # Set up (if needed) and run the whole test suite: lint, types, tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/setup-servers.sh   # redis-server for the tier tests
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
 echo "== ruff"; ruff check .

@@ -3,7 +3,9 @@ plugins, the demo's summary, and the roundtrip job."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -111,6 +113,11 @@ def broken_tier() -> Iterator[str]:
     unregister_tier("broken")
 
 
+def without_progress(stderr: str) -> list[str]:
+    """stderr's lines less the progress lines (written when stderr is not a terminal)."""
+    return [line for line in stderr.strip().splitlines() if not line.startswith("[tierkv ")]
+
+
 def chain_file(tmp_path: Path, tiers: str) -> str:
     path = tmp_path / "chain.yaml"
     path.write_text(
@@ -166,7 +173,7 @@ def test_a_tier_that_cannot_open_is_a_runtime_failure_in_one_line(
 ) -> None:
     config = chain_file(tmp_path, "[{type: broken}]")
     assert main(["demo", *TINY_DEMO, "--config", config]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
+    err = without_progress(capsys.readouterr().err)
     assert err == [
         "tierkv: error: tier 'broken' failed to open: ConnectionRefusedError: connection "
         "refused by 127.0.0.1:1 (--verbose for the traceback)"
@@ -225,23 +232,24 @@ def test_plugins_lists_packages_versions_and_config_fields(
     assert main(["plugins", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     memory = report["types"]["memory"]
-    assert memory["distribution"] == "tierkv" and memory["version"] == tierkv.__version__
+    assert memory["distribution"] == "tierkv-cache" and memory["version"] == tierkv.__version__
     assert memory["target"] == "tierkv.memory_tier:MemoryTier"
-    assert memory["fields"]["capacity"]["default"] == "1GiB"
+    capacity = memory["fields"]["capacity"]
+    assert capacity["default"] == 1 << 30 and capacity["unit"] == "bytes"
+    assert capacity["default_text"] == "1GiB"
     assert "write_policy" not in memory["fields"]  # common fields are listed once
     common = report["common_fields"]
     assert common["write_policy"]["default"] == "write_through"
-    assert common["required"]["default"] == "true"
-    assert (
-        common["job_timeout"]["default"] == "30s"
-        and common["max_inflight_bytes"]["default"] == "256MiB"
-    )
+    assert common["required"]["default"] is True and common["required"]["default_text"] == "true"
+    assert common["job_timeout"]["default"] == 30.0 and common["job_timeout"]["unit"] == "seconds"
+    assert common["job_timeout"]["default_text"] == "30s"
+    assert common["max_inflight_bytes"]["default"] == 256 << 20
+    assert common["name"]["default"] is None and not common["name"]["required"]
     nvme = report["types"].get("nvme")
     if nvme is not None:  # installed in CI and in the dev setup
-        assert nvme["distribution"] == "tierkv-nvme"
+        assert nvme["distribution"] == "tierkv-cache-nvme"
         assert (
-            nvme["fields"]["path"]["required"]
-            and nvme["fields"]["io_concurrency"]["default"] == "8"
+            nvme["fields"]["path"]["required"] and nvme["fields"]["io_concurrency"]["default"] == 8
         )
 
     assert main(["plugins"]) == 0
@@ -268,12 +276,43 @@ def test_plugins_reports_a_broken_plugin_and_exits_1(
 
 
 # -- the demo's text summary ---------------------------------------------------------------
-def test_demo_prints_the_summary(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", *TINY_DEMO]) == 0
+def test_demo_prints_three_columns_and_draws_the_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "ttft.png"
+    assert main(["demo", *TINY_DEMO, "--device", "cpu", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
-    for text in ("TTFT mean", "without tierkv", "speed-up", "primary (cpu)", "nvme", "recomputed"):
+    header = next(line for line in out.splitlines() if "no cache" in line)
+    assert header.index("no cache") < header.index("GPU prefix cache") < header.index("+ tierkv")
+    for text in (
+        "TTFT mean",
+        "speed-up",
+        "GPU prefix cache",
+        "primary (cpu)",
+        "nvme",
+        "recomputed",
+    ):
         assert text in out
     assert "correctness: greedy tokens identical in 4/4 turns" in out and ": OK" in out
+    assert f"plot: {plot}" in out
+    assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_demo_json_has_the_three_columns(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", *TINY_DEMO, "--device", "cpu", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["columns"] == ["no_cache", "gpu_prefix_cache", "tierkv"]
+    assert all(isinstance(report["ttft"][c]["mean_ms"], float) for c in report["columns"])
+    assert report["ok"] is True and isinstance(report["kv_cache"]["gpu_blocks"], int)
+
+
+def test_demo_plot_without_matplotlib_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    assert main(["demo", *TINY_DEMO, "--plot", "x.png"]) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
 
 
 def test_plain_tables_without_rich() -> None:
@@ -288,3 +327,159 @@ def test_plain_tables_without_rich() -> None:
         use_rich=False,
     )
     assert out.getvalue() == "head\nt\nname   n\na      1\nbbb   22\n"
+
+
+# -- issue 14: version, pipes, progress, validate against the machine -----------------------
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert (
+        capsys.readouterr().out.strip()
+        == f"tierkv {tierkv.__version__} (distribution tierkv-cache)"
+    )
+
+
+def test_every_command_has_a_description() -> None:
+    from tierkv.cli import build_parser
+
+    parser = build_parser()
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, command in sub.choices.items():
+        assert command.description and len(command.description) > 40, name
+        assert command.format_help().count("\n") > 3
+
+
+def test_a_closed_pipe_ends_quietly() -> None:
+    """`tierkv plugins --json | head -1`: no BrokenPipeError, no traceback."""
+    reader = subprocess.Popen(["head", "-c", "1"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    assert reader.stdin is not None
+    done = subprocess.run(
+        [sys.executable, "-m", "tierkv.cli", "plugins", "--json"],
+        stdout=reader.stdin,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=120,
+    )
+    reader.stdin.close()
+    reader.wait(timeout=30)
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
+    assert done.returncode in (0, 141)
+
+
+def test_closed_pipe_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    class Closed(io.StringIO):
+        def write(self, s: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def fileno(self) -> int:
+            return os.open(os.devnull, os.O_WRONLY)
+
+    monkeypatch.setattr(sys, "stdout", Closed())
+    assert main(["plugins", "--json"]) == 141
+
+
+def test_progress_lines_when_not_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    """Under capsys stderr is a pipe, as in CI or `tierkv demo 2> log`."""
+    assert main(["demo", *TINY_DEMO, "--json"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert lines and all(line.startswith("[tierkv demo ") for line in lines), lines
+    assert any("turn" in line for line in lines)
+    json.loads(captured.out)  # the progress never mixes into the JSON on stdout
+
+
+def test_progress_writes_a_line_per_phase_or_every_few_seconds() -> None:
+    import io
+
+    from tierkv.cli import _Progress
+
+    out = io.StringIO()
+    with _Progress(True, None, "starting", command="bench", every=3600, stream=out) as p:
+        p.update("cpu: repetition 1/3, tierkv")
+        p.update("cpu: repetition 1/3, raw")  # same phase, too soon: no line
+        p.update("nvme: repetition 1/3, tierkv")
+    text = out.getvalue().splitlines()
+    assert [line.split("] ", 1)[1] for line in text] == [
+        "starting",
+        "cpu: repetition 1/3, tierkv",
+        "nvme: repetition 1/3, tierkv",
+    ]
+    out = io.StringIO()
+    with _Progress(True, None, "starting", command="bench", every=0, stream=out) as p:
+        p.update("cpu: repetition 1/3, tierkv")
+        p.update("cpu: repetition 1/3, raw")  # `every` passed: a line
+    assert len(out.getvalue().splitlines()) == 3
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (
+            "primary: {capacity: 99999TiB}\ntiers: []\n",
+            "primary.capacity: 99999TiB is more than this machine's memory",
+        ),
+        (
+            "primary: {capacity: 1MiB}\ntiers: [{type: nvme, path: PATH/kv, capacity: 500TiB}]\n",
+            "tiers[0].capacity: 500TiB is more than the filesystem under 'PATH' holds",
+        ),
+        (
+            "primary: {capacity: 1MiB}\n"
+            "tiers: [{type: nvme, path: PATH/kv, capacity: 1MiB}, "
+            "{type: nvme, path: PATH/kv, capacity: 1MiB}]\n",
+            "tiers[1].path: 'PATH/kv' is also the path of tiers[0]",
+        ),
+        ("primary: {capacity: 1MiB}\nprimary: {capacity: 2MiB}\n", "primary: duplicate key"),
+        (
+            "primary: {capacity: 1MiB}\ntiers: [{type: memory, name: cpu}]\n",
+            "tiers[0].name: 'cpu' is the primary's name",
+        ),
+    ],
+)
+def test_validate_exits_2_naming_the_path(
+    body: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "chain.yaml"
+    path.write_text(
+        "namespace: t\nlayout: {block_bytes: 4KiB, groups: [{block_size: 16}]}\n"
+        + body.replace("PATH", str(tmp_path))
+    )
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"invalid tierkv config in {path}:" in err
+    assert message.replace("PATH", str(tmp_path)) in err, err
+
+
+def test_validate_a_file_that_is_not_utf8_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "chain.yaml"
+    path.write_bytes(b"namespace: caf\xe9\n")
+    assert main(["validate", str(path)]) == 2
+    assert "line 1, column 15: byte 0xe9 is not UTF-8" in capsys.readouterr().err
+
+
+def test_validate_never_prints_a_secret(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "chain.yaml"
+    path.write_text(
+        "namespace: t\nlayout: {block_bytes: 4KiB, groups: [{block_size: 16}]}\n"
+        "primary: {capacity: 1MiB}\n"
+        "tiers:\n  - 'redis://:hunter2@10.0.0.5:6379/0'\n"
+        "  - {type: s3, url: 's3://AKIA:hunter2@bucket/p'}\n"
+    )
+    assert main(["validate", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert "hunter2" not in captured.err + captured.out
+    assert "tiers[0]: expected a mapping" in captured.err
+
+
+def test_bench_writes_progress_lines_when_not_a_terminal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["bench", "--tiers", "cpu", "--total", "1MiB", "--block-size", "256KiB"]
+    assert main([*argv, "--keys", "0", "--repeat", "1", "--json"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert lines[0].startswith("[tierkv bench ") and lines[0].endswith("] starting")
+    assert any("cpu: repetition 1/1" in line for line in lines), lines
+    assert json.loads(captured.out)["media"][0]["medium"] == "cpu"

@@ -141,7 +141,7 @@ def test_missing_sections_are_each_reported() -> None:
 def test_tiers_shape_errors() -> None:
     base = GOOD.split("tiers:")[0]
     assert problems(base + "tiers: memory\n") == [
-        "tiers: expected a list of tier sections, got 'memory'"
+        "tiers: expected a list of tier sections (`- {type: ...}` items), got 'memory'"
     ]
     assert problems(base + "tiers:\n  - capacity: 1GiB\n") == [
         "tiers[0].type: is required (the tier type, e.g. memory, nvme)"
@@ -239,3 +239,140 @@ def test_shown_values_mask_secrets_and_url_passwords() -> None:
     assert _shown(("tiers", 0, "url"), "redis://:hunter2@h:1/0") == "'redis://:***@h:1/0'"
     assert _shown(("tiers", 0, "url"), "redis//:hunter2@h") == "'***@h'"
     assert _shown(("primary", "capacity"), "12 parsecs") == "'12 parsecs'"
+
+
+# -- issue 14: what validate must catch -----------------------------------------------------
+HEAD = "namespace: n\nlayout: {block_bytes: 4KiB, groups: [{block_size: 16}]}\n"
+
+
+def test_a_file_that_is_not_utf8_names_line_and_column(tmp_path: Path) -> None:
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes((HEAD + "primary: {capacity: 1MiB}\n# caf\xe9\n").encode("latin-1"))
+    with pytest.raises(ConfigError) as err:
+        load_config(bad)
+    assert err.value.problems == [
+        "line 4, column 6: byte 0xe9 is not UTF-8; save the file as UTF-8"
+    ]
+
+
+def test_duplicate_keys_are_rejected_by_path() -> None:
+    found = problems(
+        "namespace: a\nnamespace: b\nlayout: {block_bytes: 4KiB, groups: [{block_size: 16}]}\n"
+        "primary: {capacity: 1MiB}\n"
+        "tiers:\n  - {type: memory, capacity: 1MiB, capacity: 2MiB}\n"
+    )
+    assert found == [
+        "namespace: duplicate key (line 2; first at line 1); write each key once",
+        "tiers[0].capacity: duplicate key (line 6; first at line 6); write each key once",
+    ]
+
+
+def test_a_bad_group_kind_is_one_problem() -> None:
+    found = problems(
+        "namespace: n\nlayout: {block_bytes: 4KiB, groups: [{kind: weird, block_size: 16}]}\n"
+        "primary: {capacity: 1MiB}\n"
+    )
+    assert found == ["layout.groups[0].kind: 'weird': Input should be 'full' or 'sliding_window'"]
+
+
+def test_pin_memory_errors_speak_yaml_not_pydantic() -> None:
+    found = problems(HEAD + "primary: {capacity: 1MiB, pin_memory: maybe}\n")
+    assert found == ["primary.pin_memory: 'maybe': should be 'auto' or true or false"]
+
+
+def test_tiers_can_be_named_and_names_are_unique() -> None:
+    config = parse_config(
+        HEAD + "primary: {capacity: 1MiB}\n"
+        "tiers: [{type: memory, name: hot}, {type: memory}, {type: memory, name: cold}]\n"
+    )
+    assert config.tier_names() == ["hot", "memory", "cold"]
+    assert problems(
+        HEAD + "primary: {capacity: 1MiB}\ntiers: [{type: memory, name: a}, "
+        "{type: memory, name: a}, {type: memory, name: cpu}, {type: memory, name: 'a b'}]\n"
+    ) == [
+        "tiers[3].name: 'a b' is not a tier name (letters, digits, _ . -; at most 63, "
+        "starting with a letter or digit)",
+        "tiers[1].name: 'a' is already the name of tiers[0]; tier names must be unique "
+        "(set `name:` on one of them)",
+        "tiers[2].name: 'cpu' is the primary's name; choose another",
+    ]
+    # an explicit name may not take the name an unnamed tier gets
+    assert problems(
+        HEAD + "primary: {capacity: 1MiB}\ntiers: [{type: memory, name: nvme}, "
+        "{type: nvme, path: /tmp/x, capacity: 1MiB}]\n"
+    ) == [
+        "tiers[1]: 'nvme' is already the name of tiers[0]; tier names must be unique "
+        "(set `name:` on one of them)"
+    ]
+
+
+def test_two_tiers_on_one_path_are_rejected(tmp_path: Path) -> None:
+    chain = (
+        HEAD + "primary: {capacity: 1MiB}\ntiers:\n"
+        f"  - {{type: nvme, path: {tmp_path}/kv, capacity: 1MiB}}\n"
+        f"  - {{type: nvme, path: '{tmp_path}/kv/', capacity: 1MiB}}\n"
+        f"  - {{type: nvme, path: {tmp_path}/kv/inner, capacity: 1MiB}}\n"
+    )
+    found = problems(chain)
+    assert found[0] == f"tiers[1].path: '{tmp_path}/kv' is also the path of tiers[0]"
+    assert found[1].startswith(f"tiers[2].path: '{tmp_path}/kv/inner' and tiers[0].path")
+    assert found[1].endswith("nest; give each tier a directory of its own")
+
+
+SECRET = "hunter2"
+
+
+@pytest.mark.parametrize(
+    ("tiers", "expected"),
+    [
+        (
+            f"{{type: redis, url: 'redis://:{SECRET}@h:6379/0'}}",
+            "tiers: expected a list of tier sections (`- {type: ...}` items), got a mapping",
+        ),
+        (
+            f"['redis://:{SECRET}@h:6379/0']",
+            "tiers[0]: expected a mapping with a `type` (e.g. {type: nvme, ...}), got a string",
+        ),
+        (
+            f"['type: redis, password: {SECRET}']",
+            "tiers[0]: expected a mapping with a `type` (e.g. {type: nvme, ...}), got a string",
+        ),
+    ],
+)
+def test_tier_sections_of_the_wrong_shape_never_echo_their_value(tiers: str, expected: str) -> None:
+    assert problems(HEAD + f"primary: {{capacity: 1MiB}}\ntiers: {tiers}\n") == [expected]
+
+
+@pytest.mark.parametrize("secret", [SECRET, "se/cr+et"])
+def test_an_s3_url_with_credentials_is_never_echoed(secret: str) -> None:
+    pytest.importorskip("tierkv_s3")
+    found = problems(
+        HEAD
+        + f"primary: {{capacity: 1MiB}}\ntiers: [{{type: s3, url: 's3://AKIA:{secret}@b/p'}}]\n"
+    )
+    assert found and all(piece not in p for p in found for piece in (secret, *secret.split("/"))), (
+        found
+    )
+    assert found[0].startswith("tiers[0].url: 's3://AKIA:***@b/p'")
+
+
+def test_model_dump_masks_secrets() -> None:
+    pytest.importorskip("tierkv_redis")
+    config = parse_config(
+        HEAD + "primary: {capacity: 1MiB}\ntiers:\n"
+        f"  - {{type: redis, url: 'redis://user:{SECRET}@h:6379/0'}}\n"
+        f"  - {{type: redis, name: r2, url: 'redis://h:6379/1', password: {SECRET}}}\n"
+    )
+    dumped = config.model_dump()
+    assert dumped["tiers"][0]["url"] == "redis://user:***@h:6379/0"
+    assert dumped["tiers"][1]["password"] == "***"
+    assert dumped["tiers"][1]["name"] == "r2"
+    assert SECRET not in config.model_dump_json() and SECRET not in str(dumped)
+    assert SECRET not in repr(config)
+
+
+def test_environment_defaults_may_nest() -> None:
+    text = GOOD.replace("llama3-8b-bf16-tp1", "${NS:-${USER_NS:-x}-y}")
+    assert parse_config(text, env={}).namespace == "x-y"
+    assert parse_config(text, env={"USER_NS": "u"}).namespace == "u-y"
+    assert parse_config(text, env={"NS": "n"}).namespace == "n"

@@ -107,7 +107,8 @@ async def test_engine_reuses_blocks_from_the_tier_below_the_primary() -> None:
     assert second.tokens == first.tokens == baseline.tokens
     for a, b in zip(second.logits, baseline.logits):
         assert torch.allclose(a, b, atol=1e-4)
-    assert engine.kv.num_free == 24  # every request gave its blocks back
+    # every request gave its blocks back (no prefix caching: all free again)
+    assert engine.chunks.available == engine.chunks.num_chunks == 12
 
 
 async def test_demo_runs_agree_with_and_without_tierkv(tmp_path: Path) -> None:
@@ -134,10 +135,81 @@ async def test_demo_runs_agree_with_and_without_tierkv(tmp_path: Path) -> None:
     assert tiers["nvme"]["blocks_served"] > 0 and tiers["nvme"]["bytes_out"] > 0
     assert tiers["cpu"]["blocks_served"] > 0
     assert tiers["nvme"]["bytes_in"] == report["stored_blocks"] * report["kv_cache"]["block_bytes"]
-    assert report["prefill_tokens"]["with"] < report["prefill_tokens"]["without"]
+    # three columns, each computing less than the one before
+    assert report["columns"] == ["no_cache", "gpu_prefix_cache", "tierkv"]
+    prefill = report["prefill_tokens"]
+    assert prefill["tierkv"] < prefill["gpu_prefix_cache"] < prefill["no_cache"]
+    # the GPU prefix cache is bounded by the KV blocks: it evicted, and served less
+    gpu = report["gpu_prefix_cache"]
+    assert gpu["gpu_prefix_cache"]["evicted_blocks"] > 0
+    assert gpu["gpu_prefix_cache"]["capacity_blocks"] == gpu["tierkv"]["capacity_blocks"]
     served = sum(t["blocks_served"] for t in tiers.values())
     assert served / report["reusable_blocks"] == pytest.approx(
         sum(t["hit_rate"] for t in tiers.values())
     )
-    assert report["ttft"]["with"]["mean_ms"] > 0 and report["ttft"]["speedup"] > 0
+    shares = report["gpu_hit_rate"] + sum(t["hit_rate"] for t in tiers.values())
+    assert shares + report["recomputed_block_rate"] == pytest.approx(1.0)
+    for column in report["columns"]:
+        assert report["ttft"][column]["mean_ms"] > 0
+    assert report["ttft"]["speedup"] > 0
+    assert all(set(t["ttft"]) == set(report["columns"]) for t in report["turns"])
     assert report["chain"]["namespace"].startswith("tierkv-demo-")
+
+
+# -- the GPU prefix cache, the sizing, the plot ------------------------------------------------
+def test_chunk_allocator_keeps_finished_blocks_until_room_is_needed() -> None:
+    from tierkv.demo.prefix_cache import ChunkAllocator
+
+    alloc = ChunkAllocator(4, 2, prefix_caching=True)
+    keys = [b"a", b"b", b"c"]
+    first = alloc.allocate(3)
+    assert alloc.blocks(first[:1]) == [first[0] * 2, first[0] * 2 + 1]
+    alloc.release(first, keys[:2])  # two full blocks cached, the third chunk freed
+    assert alloc.cached == 2 and alloc.available == 4
+    hit = alloc.match(keys)  # the longest cached prefix: a, b
+    assert hit == first[:2] and alloc.available == 2  # held: not evictable
+    alloc.release(hit, keys[:2])
+    # needing all four chunks evicts the cached ones, least recently used first
+    alloc.allocate(4)
+    assert alloc.cached == 0 and alloc.evicted_chunks == 2
+    plain = ChunkAllocator(2, 2, prefix_caching=False)
+    chunks = plain.allocate(2)
+    plain.release(chunks, [b"a", b"b"])
+    assert plain.match([b"a"]) == [] and plain.available == 2
+
+
+def test_cuda_profile_is_about_a_billion_parameters_and_fits_the_memory() -> None:
+    from tierkv.demo.sizing import (
+        CPU_PROFILE,
+        CUDA_PROFILE,
+        gpu_memory_needed,
+        parameters,
+        profile_for,
+    )
+
+    assert parameters(CPU_PROFILE.model) == sum(
+        p.numel() for p in TinyDecoder(CPU_PROFILE.model).parameters()
+    )
+    assert 0.9e9 < parameters(CUDA_PROFILE.model) < 1.1e9
+    assert CUDA_PROFILE.model.dtype == "bfloat16" and CUDA_PROFILE.workload.system_tokens >= 2048
+    assert profile_for("cpu", free_bytes=1 << 40) is CPU_PROFILE
+    assert profile_for("cuda", free_bytes=80 << 30) == CUDA_PROFILE  # an H100 takes it whole
+    small = profile_for("cuda", free_bytes=6 << 30)  # a small GPU: fewer layers
+    assert small.model.layers < CUDA_PROFILE.model.layers
+    assert gpu_memory_needed(small, 16) <= 0.7 * (6 << 30)
+
+
+def test_plot_draws_the_three_columns(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from tierkv.demo.plot import plot_ttft
+
+    turns = [{"ttft": {"no_cache": 0.2, "gpu_prefix_cache": 0.1, "tierkv": 0.05}} for _ in range(4)]
+    report = {
+        "columns": ["no_cache", "gpu_prefix_cache", "tierkv"],
+        "turns": turns,
+        "model": {"parameters": 4.7e6, "device": "cpu"},
+        "workload": {"users": 2, "turns": 2, "system_tokens": 64},
+    }
+    out = plot_ttft(report, tmp_path / "ttft.png")
+    data = out.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000

@@ -46,8 +46,12 @@ def s3_endpoint(moto_server: Any) -> str:
 def test_chain_files_validate_with_their_defaults(
     name: str, tiers: list[tuple[str, str]], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = load_config(CHAINS / f"{name}.yaml", env={})  # every ${VAR:-default} unset
+    # every ${VAR:-default} unset; the nvme path defaults under $HOME
+    config = load_config(CHAINS / f"{name}.yaml", env={"HOME": "/home/someone"})
     assert [(t.type, t.write_policy) for t in config.tiers] == tiers
+    for tier in config.tiers:
+        if tier.type == "nvme":
+            assert str(tier.path) == "/home/someone/.cache/tierkv/nvme"  # type: ignore[attr-defined]
     assert main(["validate", str(CHAINS / f"{name}.yaml")]) == 0
     assert "ok (namespace 'llama3-8b-bf16-tp1', 4096 primary blocks" in capsys.readouterr().out
 
@@ -171,3 +175,28 @@ def test_async_server_serves_concurrent_completions_sharing_a_prefix(tmp_path: P
         out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert "shutting down" in out
+
+
+def test_async_server_on_the_embedded_chain_writes_under_the_users_home(tmp_path: Path) -> None:
+    """No /var/cache: the chain's default nvme path is per user, and the server says so."""
+    cmd = [
+        sys.executable, str(EXAMPLES / "async_server.py"), "--port", "0",
+        "--config", str(CHAINS / "embedded.yaml"),
+        "--layers", "1", "--hidden", "32", "--heads", "2", "--gpu-blocks", "64",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERKV_", "XDG_"))}
+    env.update(HOME=str(tmp_path), TIERKV_PRIMARY="16MiB")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        line = proc.stdout.readline()
+        assert line.startswith("listening on http://"), line + proc.stderr.read()
+        status, body = _call(line.split()[-1], "/v1/completions", {"prompt": list(range(70))})
+        assert status == 200 and len(body["tokens"]) == 16
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    where = tmp_path / ".cache" / "tierkv" / "nvme"
+    assert f"tier nvme keeps its blocks under {where}" in err
+    assert any(where.rglob("*")), "the nvme tier wrote under ~/.cache/tierkv/nvme"

@@ -34,3 +34,65 @@ def test_embedding_snippet_runs(
     out = capsys.readouterr().out
     assert out.startswith("0 {}")  # a cold cache: nothing to load
     assert "'blocks_stored': 4" in out
+
+
+def block(heading: str, language: str) -> str:
+    text = README.read_text()
+    section = text[text.index(heading) :]
+    match = re.search(rf"```{language}\n(.*?)```", section, re.S)
+    assert match, f"no {language} block under {heading!r}"
+    return match.group(1)
+
+
+def test_configure_yaml_and_embed_snippet_run_together(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Copy the Configure YAML to tiers.yaml and run the Embed snippet on it, as a reader
+    would: two KV-cache groups, so the snippet must build one key list per group."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TIERKV_PRIMARY", "64MiB")  # the YAML's default is 8GiB
+    (tmp_path / "tiers.yaml").write_text(block("## Configure", "yaml"))
+    scope: dict[str, object] = {}
+    exec(compile(snippet("## Embed it in a server"), "README.md", "exec"), scope)
+    anyio.run(scope["serve"], list(range(64)))  # type: ignore[arg-type]
+    out = capsys.readouterr().out
+    assert out.startswith("0 {}")
+    assert "'blocks_stored': 8" in out  # 4 blocks in each of the two groups
+    assert "'hot'" in out  # the tier's `name:` names it in the stats
+
+
+def test_configure_yaml_validates_from_the_shell(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tierkv.cli import main
+
+    path = tmp_path / "tiers.yaml"
+    path.write_text(block("## Configure", "yaml").replace("${TIERKV_PRIMARY:-8GiB}", "64MiB"))
+    assert main(["validate", str(path)]) == 0
+    assert "tiers: hot" in capsys.readouterr().out
+
+
+def test_the_readme_installs_from_the_checkout_only() -> None:
+    text = README.read_text()
+    # names on the index that belong to other projects are never installed
+    assert not re.search(r"pip install '?tierkv(-core)?(\[|'|\s|$)", text)
+    assert "pip install -e '.[metrics,demo,plot]'" in text
+    for dist in ("tierkv-cache-nvme", "tierkv-cache-redis", "tierkv-cache-s3"):
+        assert dist in text
+
+
+def test_the_readme_has_the_diagram_and_the_sizing_guide() -> None:
+    text = README.read_text()
+    diagram = block("## How a block moves", "mermaid")
+    for word in ("store", "cascade", "lookup", "promote"):
+        assert word in diagram
+    guide = text[text.index("## Sizing and tuning") :]
+    for knob in ("block_bytes", "primary.capacity", "promotion_reserve", "max_inflight_bytes"):
+        assert knob in guide
+
+
+def test_the_plugin_skeleton_imports_what_it_uses() -> None:
+    scope: dict[str, object] = {}
+    exec(compile(snippet("## Write a tier plugin"), "README.md", "exec"), scope)
+    tier = scope["FloppyTier"]
+    assert tier.get_tier_type() == "floppy"  # type: ignore[attr-defined]

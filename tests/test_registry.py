@@ -18,6 +18,7 @@ from tierkv.registry import (
     get_tier_class,
     installed_tiers,
     register_tier,
+    rescan,
     unregister_tier,
 )
 
@@ -32,11 +33,12 @@ def plugin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path
 
 
 def install(root: Path, dist: str, entry_points: dict[str, str], module: str = "") -> None:
-    info = root / f"{dist}-1.2.3.dist-info"
+    info = root / f"{dist.replace('-', '_')}-1.2.3.dist-info"  # as pip names it
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.2.3\n")
     lines = "\n".join(f"{k} = {v}" for k, v in entry_points.items())
     (info / "entry_points.txt").write_text(f"[tierkv.tiers]\n{lines}\n")
+    rescan()  # a distribution installed while the process runs
     if module:
         (root / f"{dist.replace('-', '_')}.py").write_text(textwrap.dedent(module))
 
@@ -44,7 +46,7 @@ def install(root: Path, dist: str, entry_points: dict[str, str], module: str = "
 def test_memory_tier_is_registered_through_the_entry_point_group() -> None:
     info = installed_tiers()["memory"]
     assert info.target == "tierkv.memory_tier:MemoryTier"
-    assert info.distribution == "tierkv"
+    assert info.distribution == "tierkv-cache"
     assert get_tier_class("memory") is MemoryTier
 
 
@@ -136,3 +138,17 @@ def test_tier_rejects_a_config_of_another_type() -> None:
     primary = PrimaryTier(2, 64, pin_memory=False)
     with pytest.raises(TypeError, match="MemoryTier needs a MemoryTierConfig"):
         MemoryTier(TierConfig(type="memory"), primary.view)
+
+
+def test_a_missing_first_party_tier_says_how_to_install_it_from_the_checkout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import tierkv.registry
+
+    monkeypatch.setattr(tierkv.registry, "_entry_points", dict)  # nothing installed
+    with pytest.raises(UnknownTierType) as err:
+        get_tier_class("nvme")
+    assert (
+        "`pip install -e tiers/nvme (in a tierkv checkout: the distribution "
+        "tierkv-cache-nvme)` provides it" in str(err.value)
+    )

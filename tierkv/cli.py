@@ -4,7 +4,8 @@
                                        without tierkv: TTFT, hit rate per tier, checks
     tierkv bench [--config FILE]       each tier's MB/s as a ratio to its raw medium,
                                        and the orchestrator's own cost
-    tierkv validate FILE [--connect]   check a YAML chain; --connect opens each tier
+    tierkv validate FILE [--connect]   check a YAML chain (and its sizes against this
+                                       machine); --connect opens each tier
     tierkv plugins                     installed tier types and their config fields
     tierkv roundtrip [--config FILE]   store -> lookup -> load of random blocks
 
@@ -13,7 +14,10 @@ tier in a temporary directory, removed afterwards.
 
 Exit codes: 0 ok, 2 bad usage or config, 1 runtime failure (a tier that cannot be
 reached, a failed check). Errors go to stderr as one line (a config error lists its
-problems one per line); --verbose adds the traceback and debug logs.
+problems one per line); --verbose adds the traceback and debug logs. When stderr is
+not a terminal, demo and bench write plain progress lines there (one per phase, or
+every few seconds) instead of a progress bar. JSON output (--json) keeps numbers and
+booleans typed.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -35,9 +40,10 @@ import anyio
 from pydantic import ByteSize, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
+from tierkv import __version__
 from tierkv.config import CacheConfig, load_config, parse_config
 from tierkv.errors import ConfigError, PluginImportError, TierKVError, UnknownTierType
-from tierkv.registry import KNOWN_TIER_PACKAGES, get_tier_class, installed_tiers
+from tierkv.registry import KNOWN_TIER_PACKAGES, get_tier_class, install_hint, installed_tiers
 from tierkv.tier import TierConfig
 from tierkv.units import format_size, parse_duration
 
@@ -110,23 +116,60 @@ def default_chain(directory: Path, *, primary: str = "8MiB") -> CacheConfig:
     )
 
 
+def load_checked(path: str) -> CacheConfig:
+    """The chain in `path`, validated and checked against this machine's memory and
+    disks (a ConfigError, exit 2, for what could never fit)."""
+    from tierkv.machine import machine_problems
+
+    config = load_config(path)
+    problems = machine_problems(config)
+    if problems:
+        raise ConfigError(problems, source=path)
+    return config
+
+
 @contextlib.contextmanager
 def _chain(path: str | None, primary: str = "8MiB") -> Iterator[CacheConfig]:
     """The chain in `path`, or the default chain in a temporary directory."""
     if path:
-        yield load_config(path)
+        yield load_checked(path)
         return
     with tempfile.TemporaryDirectory(prefix="tierkv-") as tmp:
         yield default_chain(Path(tmp), primary=primary)
 
 
 class _Progress:
-    """A rich progress bar on stderr when it is a terminal; silent otherwise."""
+    """Progress on stderr: a rich bar when stderr is a terminal (and `enabled`), plain
+    lines otherwise, so a run in a pipe, a log file or CI still shows it is alive.
 
-    def __init__(self, enabled: bool, total: int | None, description: str) -> None:
+    A line is written when the phase (the text before the first `:`) changes, or every
+    `every` seconds; each starts with `[tierkv COMMAND   12.3s]`."""
+
+    def __init__(
+        self,
+        enabled: bool,
+        total: int | None,
+        description: str,
+        *,
+        command: str = "",
+        every: float = 5.0,
+        stream: Any = None,
+    ) -> None:
         self._bar: Any = None
         self._task: Any = None
-        if not enabled or not sys.stderr.isatty():
+        self._stream = stream if stream is not None else sys.stderr
+        self._lines = not self._stream.isatty()
+        self._command = command
+        self._every = every
+        self._started = time.monotonic()
+        self._last_line = -float("inf")
+        self._last_phase: str | None = None
+        self._done = 0
+        self._total = total
+        if self._lines:
+            self._line(description, force=True)
+            return
+        if not enabled:
             return
         try:
             from rich.console import Console
@@ -161,40 +204,95 @@ class _Progress:
             self._bar = None
 
     def update(self, description: str, advance: int = 0) -> None:
-        if self._bar is not None:
+        self._done += advance
+        if self._lines:
+            self._line(description)
+        elif self._bar is not None:
             self._bar.update(self._task, description=description, advance=advance)
+
+    def _line(self, description: str, *, force: bool = False) -> None:
+        now = time.monotonic()
+        phase = description.split(":", 1)[0]
+        if not force and phase == self._last_phase and now - self._last_line < self._every:
+            return
+        self._last_phase, self._last_line = phase, now
+        count = f" ({self._done}/{self._total})" if self._total else ""
+        with contextlib.suppress(OSError, ValueError):
+            print(
+                f"[tierkv {self._command} {now - self._started:6.1f}s] {description}{count}",
+                file=self._stream,
+                flush=True,
+            )
 
 
 def _print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2, default=str))
+    print(json.dumps(data, indent=2, default=_json_value))
+
+
+def _json_value(value: Any) -> Any:
+    """Numbers stay numbers (a ByteSize is an int), enums their value, the rest text."""
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, Path):
+        return str(value)
+    return str(value)
 
 
 # -- demo ---------------------------------------------------------------------------------
+def _demo_profile(args: argparse.Namespace) -> Any:
+    """The device's defaults (a ~1B bfloat16 model on CUDA, a small one on the CPU),
+    with every option given on the command line taking precedence."""
+    import torch
+
+    from tierkv.demo.sizing import cuda_free_bytes, profile_for
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available (use auto or cpu)")
+    device = "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu"
+    free = cuda_free_bytes() if device == "cuda" else None
+    return device, profile_for(device, free_bytes=free, block_tokens=args.gpu_block_tokens)
+
+
+def _pick(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from tierkv.demo.model import ModelConfig
+    from dataclasses import replace
+
     from tierkv.demo.report import demo_summary, render
     from tierkv.demo.run import DemoOptions, TurnRecord, run_demo
     from tierkv.demo.workload import WorkloadConfig
 
+    if args.plot:
+        from tierkv.demo.plot import check_available
+
+        try:
+            check_available()
+        except ImportError as exc:
+            raise UsageError(str(exc)) from None
+    device, profile = _demo_profile(args)
+    pm, pw = profile.model, profile.workload
     try:
         options = DemoOptions(
-            model=ModelConfig(
-                vocab=args.vocab,
-                hidden=args.hidden,
-                layers=args.layers,
-                heads=args.heads,
+            model=replace(
+                pm,
+                vocab=_pick(args.vocab, pm.vocab),
+                hidden=_pick(args.hidden, pm.hidden),
+                layers=_pick(args.layers, pm.layers),
+                heads=_pick(args.heads, pm.heads),
                 seed=args.seed,
-                dtype=args.dtype,
+                dtype=_pick(args.dtype, pm.dtype),
             ),
             workload=WorkloadConfig(
-                users=args.users,
-                turns=args.turns,
-                system_tokens=args.system_tokens,
-                message_tokens=args.message_tokens,
-                reply_tokens=args.reply_tokens,
+                users=_pick(args.users, pw.users),
+                turns=_pick(args.turns, pw.turns),
+                system_tokens=_pick(args.system_tokens, pw.system_tokens),
+                message_tokens=_pick(args.message_tokens, pw.message_tokens),
+                reply_tokens=_pick(args.reply_tokens, pw.reply_tokens),
                 seed=args.seed,
             ),
-            device=args.device,
+            device=device,
             gpu_block_tokens=args.gpu_block_tokens,
             block_factor=args.block_factor,
             gpu_blocks=args.gpu_blocks,
@@ -203,14 +301,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError("--device cuda: no CUDA device is available (use auto or cpu)")
 
     def show(report: dict[str, Any]) -> None:
         progress.stop()
+        if args.plot:
+            from tierkv.demo.plot import plot_ttft
+
+            report["plot"] = str(plot_ttft(report, args.plot))
         if args.json:
             _print_json(report)
         else:
@@ -220,15 +317,21 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     total = options.workload.users * options.workload.turns
+    default_primary = format_size(args.primary or profile.primary_capacity)
     with (
-        _chain(args.config, primary=format_size(args.primary or 8 << 20)) as config,
-        _Progress(not args.json, total, "warming up") as progress,
+        _chain(args.config, primary=default_primary) as config,
+        _Progress(not args.json, total, "warming up", command="demo") as progress,
     ):
+        progress.update(
+            f"model: {options.model.layers} layers x {options.model.hidden} hidden on {device}"
+        )
 
         def on_turn(record: TurnRecord) -> None:
             served = sum(record.sources.values())
             progress.update(
-                f"user {record.user} turn {record.index + 1}: {served} blocks from tierkv",
+                f"user {record.user} turn {record.index + 1}: TTFT "
+                f"{record.ttft['no_cache'] * 1e3:.0f} / {record.ttft['gpu_prefix_cache'] * 1e3:.0f}"
+                f" / {record.ttft['tierkv'] * 1e3:.0f} ms, {served} blocks from tierkv",
                 advance=1,
             )
 
@@ -244,7 +347,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             )
         )
     if not report["ok"]:
-        print("tierkv: error: the runs with and without tierkv disagree", file=sys.stderr)
+        print("tierkv: error: the runs with and without a cache disagree", file=sys.stderr)
         return 1
     return 0
 
@@ -271,7 +374,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    with _chain(args.config) as config, _Progress(not args.json, None, "starting") as progress:
+    with (
+        _chain(args.config) as config,
+        _Progress(not args.json, None, "starting", command="bench") as progress,
+    ):
         try:
             report = anyio.run(lambda: run_bench(config, options, progress=progress.update))
         except UnknownMedium as exc:
@@ -328,7 +434,7 @@ async def _connect(config: CacheConfig) -> list[dict[str, Any]]:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    config = load_config(args.file)
+    config = load_checked(args.file)
     names = config.tier_names()
     print(
         f"{args.file}: ok (namespace {config.namespace!r}, {config.primary_blocks} primary "
@@ -370,10 +476,35 @@ def _default_text(info: FieldInfo) -> str:
     return str(value)
 
 
+def _default_value(info: FieldInfo) -> Any:
+    """A field's default as JSON: numbers and booleans typed, sizes in bytes, durations
+    in seconds, None for none or required."""
+    if info.is_required():
+        return None
+    value = info.get_default(call_default_factory=True)
+    if isinstance(value, Enum):
+        return value.value
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return int(value) if isinstance(value, ByteSize) else value
+    return str(value)
+
+
+def _unit(info: FieldInfo) -> str | None:
+    if any(getattr(m, "func", None) is parse_duration for m in info.metadata):
+        return "seconds"
+    annotation = info.annotation
+    args = getattr(annotation, "__args__", ())
+    if annotation is ByteSize or ByteSize in args:
+        return "bytes"
+    return None
+
+
 def _fields(model: type[TierConfig], skip: set[str]) -> dict[str, dict[str, Any]]:
     return {
         name: {
-            "default": _default_text(info),
+            "default": _default_value(info),
+            "default_text": _default_text(info),
+            "unit": _unit(info),
             "required": info.is_required(),
             "description": info.description or "",
         }
@@ -417,10 +548,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     ]
     missing = [t for t in KNOWN_TIER_PACKAGES if t not in report["types"]]
     if missing:
-        blocks.append(
-            "not installed: "
-            + ", ".join(f"{t} (pip install {KNOWN_TIER_PACKAGES[t]})" for t in missing)
-        )
+        blocks.append("not installed: " + ", ".join(f"{t} ({install_hint(t)})" for t in missing))
     for name, entry in report["types"].items():
         blocks.append("")
         if "error" in entry:
@@ -432,7 +560,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
         blocks.append(
             TextTable(
                 ["field", "default", "description"],
-                [[f, d["default"], d["description"]] for f, d in entry["fields"].items()],
+                [[f, d["default_text"], d["description"]] for f, d in entry["fields"].items()],
                 title=f"{name}: its own fields",
                 align="lll",
             )
@@ -441,7 +569,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     blocks.append(
         TextTable(
             ["field", "default", "description"],
-            [[f, d["default"], d["description"]] for f, d in report["common_fields"].items()],
+            [[f, d["default_text"], d["description"]] for f, d in report["common_fields"].items()],
             title="every tier also takes",
             align="lll",
         )
@@ -464,7 +592,7 @@ def _cmd_roundtrip(args: argparse.Namespace) -> int:
     from tierkv.roundtrip import run_roundtrip
 
     config = (
-        load_config(args.config)
+        load_checked(args.config)
         if args.config
         else parse_config(ROUNDTRIP_CHAIN, source="built-in chain")
     )
@@ -489,45 +617,60 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser = argparse.ArgumentParser(
         prog="tierkv",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        description="Keeps an LLM server's KV cache alive after it leaves the GPU: a chain "
+        "of storage tiers (CPU memory, NVMe, Redis, S3, plugins) with cascade down and "
+        "staged promotion up. Exit codes: 0 ok, 2 bad usage or config, 1 runtime failure.",
         parents=[common],
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"tierkv {__version__} (distribution tierkv-cache)",
+        help="print the version and exit",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser(
         "demo",
         parents=[common],
-        help="a transformer's chat workload with and without tierkv",
-        description="Run a multi-turn chat workload on a small random-weight transformer "
-        "twice per turn, with and without tierkv, and report time to first token, hit "
-        "rate and bytes per tier, and whether both runs agree.",
+        help="a transformer's chat workload: no cache, GPU prefix cache, + tierkv",
+        description="Run a multi-turn chat workload on a random-weight transformer three "
+        "ways per turn: with no cache, with the engine's own GPU prefix cache (bounded by "
+        "its KV blocks), and with that cache plus tierkv. Report time to first token per "
+        "column, where reused blocks came from, and whether every run produced the same "
+        "tokens (exit 1 if not). On CUDA the defaults are a ~1B-parameter bfloat16 model "
+        "and a 4096-token shared prompt, fitted to the GPU's free memory; on the CPU a "
+        "4.7M-parameter float32 model. Options given override those defaults.",
     )
     demo.add_argument(
         "--config", metavar="FILE", help="YAML tier chain (default: primary + nvme in a temp dir)"
     )
     demo.add_argument("--json", action="store_true", help="print the report as JSON")
-    g = demo.add_argument_group("workload")
+    demo.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also draw TTFT per turn for the three columns (needs matplotlib)",
+    )
+    g = demo.add_argument_group("workload (defaults: by device; CPU values shown)")
+    g.add_argument("--users", type=_positive, metavar="N", help="conversations (4)")
+    g.add_argument("--turns", type=_positive, metavar="N", help="turns per user (4)")
     g.add_argument(
-        "--users", type=_positive, metavar="N", default=4, help="conversations (default 4)"
+        "--system-tokens", type=_non_negative, metavar="N", help="shared prompt (512; CUDA 4096)"
     )
     g.add_argument(
-        "--turns", type=_positive, metavar="N", default=4, help="turns per user (default 4)"
+        "--message-tokens", type=_positive, metavar="N", help="per user turn (96; CUDA 256)"
     )
     g.add_argument(
-        "--system-tokens", type=_non_negative, metavar="N", default=512, help="default 512"
+        "--reply-tokens", type=_positive, metavar="N", help="tokens decoded per turn (16)"
     )
+    g = demo.add_argument_group("model and KV cache (defaults: by device; CPU values shown)")
+    g.add_argument("--layers", type=_positive, metavar="N", help="4 (CUDA 20)")
+    g.add_argument("--hidden", type=_positive, metavar="N", help="256 (CUDA 2048)")
+    g.add_argument("--heads", type=_positive, metavar="N", help="4 (CUDA 16)")
+    g.add_argument("--vocab", type=_positive, metavar="N", help="4096 (CUDA 32000)")
     g.add_argument(
-        "--message-tokens", type=_positive, metavar="N", default=96, help="per user turn"
+        "--dtype", choices=["float32", "float16", "bfloat16"], help="float32 (CUDA bfloat16)"
     )
-    g.add_argument(
-        "--reply-tokens", type=_positive, metavar="N", default=16, help="tokens decoded per turn"
-    )
-    g = demo.add_argument_group("model and KV cache")
-    g.add_argument("--layers", type=_positive, metavar="N", default=4, help="default 4")
-    g.add_argument("--hidden", type=_positive, metavar="N", default=256, help="default 256")
-    g.add_argument("--heads", type=_positive, metavar="N", default=4, help="default 4")
-    g.add_argument("--vocab", type=_positive, metavar="N", default=4096, help="default 4096")
-    g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     g.add_argument("--seed", type=_non_negative, metavar="N", default=0, help="weights and tokens")
     g.add_argument(
@@ -545,14 +688,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         metavar="N",
         default=None,
-        help="KV cache blocks (default: one request)",
+        help="KV cache blocks per engine (default: the longest request)",
     )
     g.add_argument(
         "--primary",
         type=_size,
         metavar="SIZE",
         default=None,
-        help="primary capacity (default chain: 8MiB; overrides the config's)",
+        help="primary capacity (default chain: 8MiB, CUDA 1GiB; overrides the config's)",
     )
     g.add_argument(
         "--atol", type=float, metavar="X", default=None, help="logit tolerance (by dtype)"
@@ -618,19 +761,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.set_defaults(func=_cmd_bench)
 
-    va = sub.add_parser("validate", parents=[common], help="validate a YAML tier chain")
-    va.add_argument("file")
+    va = sub.add_parser(
+        "validate",
+        parents=[common],
+        help="validate a YAML tier chain",
+        description="Check a YAML tier chain: UTF-8, no repeated keys, every field of "
+        "every tier, unique tier names and paths, and sizes this machine can hold (the "
+        "primary against its memory, each disk tier against its filesystem). Exit 2 "
+        "with one line per problem, by YAML path; secrets are never shown.",
+    )
+    va.add_argument("file", help="the YAML file")
     va.add_argument("--connect", action="store_true", help="also open each tier and time a lookup")
     va.set_defaults(func=_cmd_validate)
 
     pl = sub.add_parser(
-        "plugins", parents=[common], help="installed tier types and their config fields"
+        "plugins",
+        parents=[common],
+        help="installed tier types and their config fields",
+        description="List the tier types installed (entry points of the tierkv.tiers group "
+        "and registered classes): the package and version that provides each, its class, "
+        "its own config fields with defaults, and the fields every tier takes. Exit 1 "
+        "if a plugin fails to import.",
     )
-    pl.add_argument("--json", action="store_true")
+    pl.add_argument(
+        "--json", action="store_true", help="print as JSON (defaults typed: bytes, seconds)"
+    )
     pl.set_defaults(func=_cmd_plugins)
 
     rt = sub.add_parser(
-        "roundtrip", parents=[common], help="store -> lookup -> load of random blocks"
+        "roundtrip",
+        parents=[common],
+        help="store -> lookup -> load of random blocks",
+        description="Store random blocks through a chain, flush, look them up and load "
+        "them back, and check every byte: a quick end-to-end test of a chain. Exit 1 if "
+        "a block is missing or differs.",
     )
     rt.add_argument(
         "--config", metavar="FILE", help="YAML tier chain (default: primary + memory tier)"
@@ -657,6 +821,17 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+def _closed_pipe() -> int:
+    """The reader of stdout went away (`tierkv plugins --json | head -1`): stop quietly,
+    as a Unix tool killed by SIGPIPE does (exit 141), and point stdout at /dev/null so
+    the interpreter's last flush does not complain."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -670,7 +845,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     func: Callable[[argparse.Namespace], int] = args.func
     try:
-        return func(args)
+        code = func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        return _closed_pipe()
     except KeyboardInterrupt:
         print("tierkv: interrupted", file=sys.stderr)
         return 130
@@ -678,6 +857,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if verbose:
             traceback.print_exc()
         error = _first_leaf(raised)
+        if isinstance(error, BrokenPipeError):
+            return _closed_pipe()
         if isinstance(error, KeyboardInterrupt):
             print("tierkv: interrupted", file=sys.stderr)
             return 130

@@ -12,7 +12,7 @@ errors, dropped cascades, requests skipped while the circuit was open. Gauges: j
 bytes in flight, breaker state, primary occupancy. Summaries (count, sum, p50, p99):
 job latency and lookup latency per tier.
 
-Needs `prometheus-client` (`pip install tierkv[metrics]`), imported when this module
+Needs `prometheus-client` (the `metrics` extra of tierkv-cache), imported when this module
 is. The stats are read on the event loop that runs the cache: `serve_metrics` answers
 scrapes from that loop (an anyio TCP listener, no thread), because the cache is not
 thread-safe. To add the collector to a registry of your own, scrape that registry from
@@ -37,7 +37,8 @@ try:
     from prometheus_client.registry import Collector
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "tierkv.metrics needs prometheus-client: pip install 'tierkv[metrics]'"
+        "tierkv.metrics needs prometheus-client: pip install prometheus-client (the metrics "
+        "extra of tierkv-cache)"
     ) from exc
 
 from tierkv.orchestrator import CacheStats, TieredCache

@@ -9,6 +9,7 @@ that says what is installed and what to `pip install`. Embedders and tests may a
 from __future__ import annotations
 
 import importlib.metadata as md
+import sys
 from dataclasses import dataclass
 
 from tierkv.errors import PluginImportError, UnknownTierType
@@ -18,12 +19,28 @@ from tierkv.tier import SecondaryTierManager, TierConfig
 ENTRY_POINT_GROUP = "tierkv.tiers"
 
 KNOWN_TIER_PACKAGES: dict[str, str] = {
-    "memory": "tierkv",
-    "nvme": "tierkv-nvme",
-    "redis": "tierkv-redis",
-    "s3": "tierkv-s3",
+    "memory": "tierkv-cache",
+    "nvme": "tierkv-cache-nvme",
+    "redis": "tierkv-cache-redis",
+    "s3": "tierkv-cache-s3",
 }
 """Tier types we know of and the distribution that provides each, for error hints."""
+
+CHECKOUT_PATHS: dict[str, str] = {"nvme": "tiers/nvme", "redis": "tiers/redis", "s3": "tiers/s3"}
+"""Where a first-party tier's distribution lives in a tierkv checkout (nothing is on the
+package index yet, so that is where it installs from)."""
+
+
+def install_hint(type_name: str) -> str | None:
+    """How to install the distribution that provides `type_name`, if we know it."""
+    dist = KNOWN_TIER_PACKAGES.get(type_name)
+    if dist is None:
+        return None
+    path = CHECKOUT_PATHS.get(type_name)
+    if path is None:
+        return f"pip install {dist}"
+    return f"pip install -e {path} (in a tierkv checkout: the distribution {dist})"
+
 
 _registered: dict[str, type[SecondaryTierManager]] = {}
 
@@ -38,22 +55,29 @@ class TierPluginInfo:
     version: str | None
 
 
-def _entry_points() -> dict[str, list[md.EntryPoint]]:
-    """Entry points of the group by name, across every installed distribution.
+_scan: tuple[tuple[str, ...], dict[str, list[md.EntryPoint]]] | None = None
 
-    Walks distributions itself (rather than `entry_points(group=...)`, which keeps only
-    the first entry point of a name) so two packages claiming one type are seen."""
-    found: dict[str, list[md.EntryPoint]] = {}
-    seen: set[str] = set()
-    for dist in md.distributions():
-        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
-        if name in seen:  # the same distribution twice on sys.path: first one wins
-            continue
-        seen.add(name)
-        for ep in dist.entry_points:
-            if ep.group == ENTRY_POINT_GROUP:
-                found.setdefault(ep.name, []).append(ep)
-    return found
+
+def _entry_points() -> dict[str, list[md.EntryPoint]]:
+    """Entry points of the group by name; two packages claiming one type both appear.
+
+    Selected by group (`importlib.metadata.entry_points(group=...)` reads each
+    distribution's entry_points.txt, not its METADATA) and scanned once per process:
+    again only when `sys.path` changes or after `rescan()`."""
+    global _scan
+    key = tuple(sys.path)
+    if _scan is None or _scan[0] != key:
+        found: dict[str, list[md.EntryPoint]] = {}
+        for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+            found.setdefault(ep.name, []).append(ep)
+        _scan = (key, found)
+    return _scan[1]
+
+
+def rescan() -> None:
+    """Forget the entry points seen so far (after installing a plugin at run time)."""
+    global _scan
+    _scan = None
 
 
 def _dist_of(ep: md.EntryPoint) -> tuple[str | None, str | None]:
@@ -110,9 +134,9 @@ def _check_class(obj: object, type_name: str, origin: str) -> None:
 
 def _unknown(type_name: str) -> UnknownTierType:
     installed = ", ".join(installed_tiers()) or "none"
-    hint = KNOWN_TIER_PACKAGES.get(type_name)
+    hint = install_hint(type_name)
     fix = (
-        f"`pip install {hint}` provides it"
+        f"`{hint}` provides it"
         if hint
         else "install the package that provides it (it registers an entry point in "
         f"the {ENTRY_POINT_GROUP!r} group)"

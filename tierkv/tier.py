@@ -73,6 +73,12 @@ class TierConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: str = Field(description="the tier type, as registered in `tierkv.tiers`")
+    name: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
+        description="how stats, metrics and events name this tier (unique in a chain); "
+        "default: its type, or type-i when the chain has several of that type",
+    )
     write_policy: WritePolicy = Field(
         default="write_through",
         description="write_through: every stored block; write_back: only blocks the "

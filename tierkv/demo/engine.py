@@ -1,12 +1,12 @@
 """A minimal serving engine around `TinyDecoder`: one request at a time through the
 model, any number of requests in flight, and tierkv in the request path.
 
-With a `TieredCache` a request goes: hash the prompt's blocks -> `lookup` -> `load`
-the hit blocks into fresh KV-cache blocks through the `TransferWorker` -> prefill only
-the rest -> decode -> `store` the full blocks back (GPU -> primary, then down the
-chain). Without one, every prompt is prefilled from scratch. The engine keeps no
-prefix cache of its own: a request's KV blocks are freed when it ends, so any reuse
-comes through tierkv, and blocks really leave the KV cache and come back.
+A request goes: hash the prompt's blocks -> reuse the longest prefix still in the
+engine's own GPU prefix cache (with `prefix_caching`, bounded by its KV blocks, as a
+real engine's) -> with a `TieredCache`, `lookup` the blocks after that and `load` the
+hit into fresh KV-cache blocks through the `TransferWorker` -> prefill only the rest
+-> decode -> `store` the full blocks the GPU cache did not provide (GPU -> primary,
+then down the chain). Without either, every prompt is prefilled from scratch.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import anyio
 import torch
 
 from tierkv.demo.model import ModelConfig, PagedKVCache, TinyDecoder
+from tierkv.demo.prefix_cache import ChunkAllocator
 from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
 from tierkv.kv_blocks import KVCacheBlocks
 from tierkv.layout import GroupSpec, KVLayout
@@ -42,6 +43,7 @@ class Generation:
     total: float
     prompt_tokens: int
     reused_tokens: int = 0  # prompt tokens whose KV came from tierkv
+    gpu_hit_tokens: int = 0  # prompt tokens whose KV was still in the GPU prefix cache
     looked_up_blocks: int = 0  # full prompt blocks the request could reuse
     sources: dict[str, int] = field(default_factory=dict)  # blocks loaded per medium
     load_failures: int = 0
@@ -51,7 +53,9 @@ class Generation:
 
 class DemoEngine:
     """`TinyDecoder` plus a paged KV cache of `gpu_blocks` blocks of `gpu_block_tokens`
-    tokens; `block_factor` KV blocks make one offloaded block."""
+    tokens (rounded up to whole chunks); `block_factor` KV blocks make one offloaded
+    block. `prefix_caching` keeps finished requests' blocks as a GPU prefix cache.
+    Several engines may share one model (each has its own KV cache)."""
 
     def __init__(
         self,
@@ -61,11 +65,14 @@ class DemoEngine:
         gpu_block_tokens: int = 16,
         block_factor: int = 2,
         threaded: bool = True,
+        prefix_caching: bool = False,
     ) -> None:
         if block_factor < 1:
             raise ValueError(f"block_factor must be >= 1, got {block_factor}")
+        chunks = -(-gpu_blocks // block_factor)
         self.model = model
-        self.kv = PagedKVCache(model.config, gpu_blocks, gpu_block_tokens, model.device)
+        self.kv = PagedKVCache(model.config, chunks * block_factor, gpu_block_tokens, model.device)
+        self.chunks = ChunkAllocator(chunks, block_factor, prefix_caching=prefix_caching)
         self.block_factor = block_factor
         self.offload_tokens = gpu_block_tokens * block_factor
         self.threaded = threaded
@@ -115,35 +122,58 @@ class DemoEngine:
             return fn()
 
     async def _allocate(self, count: int) -> list[int]:
-        if count > self.kv.num_blocks:
+        """`count` chunks, waiting while other requests hold them."""
+        if count > self.chunks.num_chunks:
             raise ValueError(
-                f"a request of {count} KV blocks can never fit a KV cache of "
-                f"{self.kv.num_blocks} blocks"
+                f"a request of {count * self.block_factor} KV blocks can never fit a KV "
+                f"cache of {self.kv.num_blocks} blocks"
             )
         async with self._blocks_freed:
-            while self.kv.num_free < count:
+            while self.chunks.available < count:
                 await self._blocks_freed.wait()
-            return self.kv.allocate(count)
+            return self.chunks.allocate(count)
 
-    async def _release(self, block_ids: list[int]) -> None:
-        self.kv.release(block_ids)
+    async def _release(self, chunks: list[int], keys: list[OffloadKey]) -> None:
+        self.chunks.release(chunks, keys)
         async with self._blocks_freed:
             self._blocks_freed.notify_all()
 
     async def generate(
         self, prompt: Sequence[int], max_new_tokens: int, *, use_cache: bool = True
     ) -> Generation:
-        """Greedy decoding of `max_new_tokens` tokens after `prompt`."""
+        """Greedy decoding of `max_new_tokens` tokens after `prompt`; `use_cache`: with
+        the attached `TieredCache` (the GPU prefix cache is used either way when the
+        engine has one)."""
         if not prompt or max_new_tokens < 1:
             raise ValueError("need a non-empty prompt and at least one new token")
         prompt = list(prompt)
         cache = self.cache if use_cache else None
         started = time.perf_counter()
-        table = await self._allocate(self.kv.blocks_for(len(prompt) + max_new_tokens))
+        keys = self.block_keys(prompt)
+        # the last prompt token is always computed: its logits pick the first token
+        reusable = keys[: (len(prompt) - 1) // self.offload_tokens]
+        needed = -(-(len(prompt) + max_new_tokens) // self.offload_tokens)
+        if needed > self.chunks.num_chunks:
+            raise ValueError(
+                f"a request of {needed * self.block_factor} KV blocks can never fit a KV "
+                f"cache of {self.kv.num_blocks} blocks"
+            )
+        hit = self.chunks.match(reusable)
+        try:
+            fresh = await self._allocate(needed - len(hit))
+        except BaseException:
+            self.chunks.release(hit, [])
+            raise
+        chunks = hit + fresh
+        table = self.chunks.blocks(chunks)
+        computed_keys: list[OffloadKey] = []
         try:
             result = Generation([], [], 0.0, 0.0, len(prompt))
-            keys = self.block_keys(prompt)
-            reused = await self._reuse(cache, prompt, keys, table, result) if cache else 0
+            result.looked_up_blocks = len(reusable)
+            result.gpu_hit_tokens = len(hit) * self.offload_tokens
+            reused = result.gpu_hit_tokens
+            if cache is not None:
+                reused += await self._reuse(cache, reusable, len(hit), table, result)
             logits = await self._compute(
                 lambda: self.model(prompt[reused:], reused, table, self.kv)
             )
@@ -159,43 +189,44 @@ class DemoEngine:
                 result.tokens.append(token)
                 result.logits.append(logits)
             result.total = time.perf_counter() - started
+            # KV exists for every token but the last one generated
+            computed_keys = self.block_keys(prompt + result.tokens[:-1])
             if cache is not None:
-                # KV exists for every token but the last one generated
-                computed = prompt + result.tokens[:-1]
-                keys = self.block_keys(computed)
-                stored = await cache.store(keys, self._blocks(table, len(keys)))
+                # the blocks the GPU prefix cache did not provide: loaded ones are
+                # already present below, computed ones are new
+                new = computed_keys[len(hit) :]
+                stored = await cache.store(new, self._blocks(table, len(hit), len(new)))
                 result.stored_blocks = len(stored.stored)
                 result.rejected_blocks = len(stored.rejected)
             return result
         finally:
-            await self._release(table)
+            await self._release(chunks, computed_keys)
 
-    def _blocks(self, table: list[int], num_keys: int) -> KVCacheBlocks:
+    def _blocks(self, table: list[int], first: int, count: int) -> KVCacheBlocks:
+        """Offloaded blocks `first .. first + count` of a request as GPU blocks."""
         assert self.worker is not None
-        return KVCacheBlocks(self.worker, [table[: num_keys * self.block_factor]])
+        f = self.block_factor
+        return KVCacheBlocks(self.worker, [table[first * f : (first + count) * f]])
 
     async def _reuse(
         self,
         cache: TieredCache,
-        prompt: list[int],
-        keys: list[OffloadKey],
+        reusable: list[OffloadKey],
+        first: int,
         table: list[int],
         result: Generation,
     ) -> int:
-        """Load the longest cached prefix into `table`; return its length in tokens.
-
-        The last prompt token is always computed (its logits pick the first token),
-        so at most `(len(prompt) - 1) // offload_tokens` blocks are reused."""
-        reusable = keys[: (len(prompt) - 1) // self.offload_tokens]
-        result.looked_up_blocks = len(reusable)
-        if not reusable:
+        """Load the blocks after the GPU hit (`reusable[first:]`) that tierkv holds into
+        `table`; return how many tokens that adds."""
+        wanted_all = reusable[first:]
+        if not wanted_all:
             return 0
-        hit = await cache.lookup([reusable])
+        hit = await cache.lookup([wanted_all])
         count = hit.hit_tokens // self.offload_tokens
         if not count:
             return 0
-        wanted = reusable[:count]
-        loaded = await cache.load(wanted, self._blocks(table, count))
+        wanted = wanted_all[:count]
+        loaded = await cache.load(wanted, self._blocks(table, first, count))
         ok = set(loaded.ok_keys)
         usable = next((i for i, k in enumerate(wanted) if k not in ok), count)
         result.load_failures = len(loaded.failed_keys)
@@ -206,6 +237,13 @@ class DemoEngine:
         return result.reused_tokens
 
 
+def resolve_device(device: str = "auto") -> torch.device:
+    """`auto`: CUDA when available, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
 def build_engine(
     config: ModelConfig,
     *,
@@ -214,18 +252,16 @@ def build_engine(
     gpu_block_tokens: int = 16,
     block_factor: int = 2,
     threaded: bool = True,
+    prefix_caching: bool = False,
+    model: TinyDecoder | None = None,
 ) -> DemoEngine:
-    """The demo model on `device` (`auto`: CUDA when available) inside an engine."""
-    dev = torch.device(
-        "cuda"
-        if device == "auto" and torch.cuda.is_available()
-        else ("cpu" if device == "auto" else device)
-    )
-    model = TinyDecoder(config, dev)
+    """The demo model on `device` (`auto`: CUDA when available) inside an engine;
+    `model` shares an already built one."""
     return DemoEngine(
-        model,
+        model if model is not None else TinyDecoder(config, resolve_device(device)),
         gpu_blocks=gpu_blocks,
         gpu_block_tokens=gpu_block_tokens,
         block_factor=block_factor,
         threaded=threaded,
+        prefix_caching=prefix_caching,
     )

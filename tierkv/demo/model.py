@@ -169,21 +169,26 @@ class TinyDecoder(nn.Module):
     def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.config = config
-        gen = torch.Generator().manual_seed(config.seed)
+        dev = torch.device(device)
+        # on CUDA the weights are made there (a 1B model's float32 copy on the host
+        # would cost seconds); on the CPU the same seed gives the same weights as ever
+        gen = torch.Generator(device=dev).manual_seed(config.seed)
         h = config.hidden
-        self.embed = nn.Embedding(config.vocab, h)
-        self.layers = nn.ModuleList(_Layer(config) for _ in range(config.layers))
-        self.norm = _RMSNorm(h)
-        self.lm_head = nn.Linear(h, config.vocab, bias=False)
+        with dev:
+            self.embed = nn.Embedding(config.vocab, h)
+            self.layers = nn.ModuleList(_Layer(config) for _ in range(config.layers))
+            self.norm = _RMSNorm(h)
+            self.lm_head = nn.Linear(h, config.vocab, bias=False)
         with torch.no_grad():
             for name, param in self.named_parameters():
                 if name.endswith("norm.weight"):
                     continue
                 fan_in = param.shape[-1] if name.startswith(("layers", "lm_head")) else 1
-                param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(fan_in))
+                noise = torch.randn(param.shape, generator=gen, device=dev)
+                param.copy_(noise.div_(math.sqrt(fan_in)))
             # peaked logits (std ~3): greedy choices are far from ties
             self.lm_head.weight.mul_(3.0)
-        self.to(device=device, dtype=config.torch_dtype)
+        self.to(device=dev, dtype=config.torch_dtype)
         self.eval()
 
     @property

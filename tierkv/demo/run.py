@@ -1,10 +1,18 @@
-"""`tierkv demo`: the chat workload on the demo model, with and without tierkv.
+"""`tierkv demo`: the chat workload on the demo model, three ways.
 
-Every turn runs twice in a row on the same prompt: first without tierkv (the whole
-prompt prefilled), then with it (the cached prefix loaded through the transfer
-worker, the rest prefilled). Both runs are timed to the first token, and their
-greedy tokens and logits are compared. The conversation continues with the reply of
-the run without tierkv, so both see the same prompts whatever happens.
+Every turn runs three times on the same prompt, each on its own engine (one shared
+model, three KV caches of the same size):
+
+- `no_cache`: the whole prompt is prefilled, as an engine with no prefix cache does;
+- `gpu_prefix_cache`: the engine's own GPU prefix cache (bounded by its KV blocks, as a
+  real engine's) serves whatever prefix it still holds;
+- `tierkv`: the same GPU prefix cache, and for the blocks after its hit the tier chain:
+  looked up, loaded through the transfer worker, then the rest prefilled.
+
+Each run is timed to its first token; greedy tokens and logits of the last two are
+compared with the first. The order of the three rotates from turn to turn, so none
+always runs on a warm CPU cache. The conversation continues with the reply of the run
+without a cache, so all three see the same prompts whatever happens.
 """
 
 from __future__ import annotations
@@ -22,18 +30,25 @@ import torch
 from pydantic import ByteSize
 
 from tierkv.config import CacheConfig
-from tierkv.demo.engine import DemoEngine, Generation, build_engine
-from tierkv.demo.model import ModelConfig
+from tierkv.demo.engine import DemoEngine, Generation, build_engine, resolve_device
+from tierkv.demo.model import ModelConfig, TinyDecoder
 from tierkv.demo.report import percentile
+from tierkv.demo.sizing import gpu_blocks_for
 from tierkv.demo.workload import ChatWorkload, WorkloadConfig
 from tierkv.orchestrator import TieredCache
 from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
 from tierkv.units import format_size
 
 DEFAULT_ATOL = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 2e-1}
-"""Largest |logit difference| accepted between the runs with and without tierkv. The
-prefix KV is the same bytes either way; only the order of floating-point sums in the
+"""Largest |logit difference| accepted between a run with a cache and the run without.
+The prefix KV is the same bytes either way; only the order of floating-point sums in the
 prefill differs (a suffix computed against a loaded prefix vs the whole prompt)."""
+
+COLUMNS = ("no_cache", "gpu_prefix_cache", "tierkv")
+"""The three runs of every turn, in the report and the plot."""
+
+GPU_MEDIUM = "gpu"
+"""How the report names blocks the engine's own GPU prefix cache served."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +58,7 @@ class DemoOptions:
     device: str = "auto"
     gpu_block_tokens: int = 16
     block_factor: int = 2
-    gpu_blocks: int | None = None  # default: the longest request, plus one block
+    gpu_blocks: int | None = None  # default: the longest request
     primary_capacity: int | None = None  # overrides the chain's primary capacity
     atol: float | None = None  # default: DEFAULT_ATOL[dtype]
     threaded: bool = True
@@ -52,22 +67,38 @@ class DemoOptions:
     def tolerance(self) -> float:
         return self.atol if self.atol is not None else DEFAULT_ATOL[self.model.dtype]
 
+    def kv_blocks(self) -> int:
+        """KV blocks per engine: `gpu_blocks`, or room for the longest request, so the
+        GPU prefix cache keeps the shared system prompt warm while the users, taking
+        turns, evict each other's conversations (which tierkv then serves)."""
+        if self.gpu_blocks is not None:
+            return self.gpu_blocks
+        return gpu_blocks_for(self.workload, self.gpu_block_tokens)
+
 
 @dataclass
 class TurnRecord:
     user: int
     index: int
     prompt_tokens: int
-    ttft_without: float
-    ttft_with: float
-    reused_tokens: int
-    looked_up_blocks: int
-    sources: dict[str, int]
+    ttft: dict[str, float]  # seconds, by column
+    gpu_hit_blocks: dict[str, int]  # blocks the GPU prefix cache served, by column
+    reused_tokens: int  # tokens tierkv's tiers served (tierkv column)
+    looked_up_blocks: int  # full prompt blocks the request could reuse
+    sources: dict[str, int]  # blocks loaded per medium (tierkv column)
     load_failures: int
     stored_blocks: int
     rejected_blocks: int
     tokens_match: bool
     max_logit_diff: float
+
+    @property
+    def ttft_without(self) -> float:
+        return self.ttft["no_cache"]
+
+    @property
+    def ttft_with(self) -> float:
+        return self.ttft["tierkv"]
 
 
 def _ttft(values: list[float]) -> dict[str, float]:
@@ -94,6 +125,23 @@ def demo_config(config: CacheConfig, engine: DemoEngine, options: DemoOptions) -
     )
 
 
+def build_engines(options: DemoOptions) -> dict[str, DemoEngine]:
+    """One model, three engines with KV caches of the same size."""
+    model = TinyDecoder(options.model, resolve_device(options.device))
+    return {
+        column: build_engine(
+            options.model,
+            gpu_blocks=options.kv_blocks(),
+            gpu_block_tokens=options.gpu_block_tokens,
+            block_factor=options.block_factor,
+            threaded=options.threaded,
+            prefix_caching=column != "no_cache",
+            model=model,
+        )
+        for column in COLUMNS
+    }
+
+
 async def run_demo(
     config: CacheConfig,
     options: DemoOptions,
@@ -110,23 +158,15 @@ async def run_demo(
     `metrics_port`) is still up; the run then waits `linger` seconds before closing."""
     started = time.perf_counter()
     wl = options.workload
-    need_tokens = wl.longest_prompt + wl.reply_tokens
-    gpu_blocks = options.gpu_blocks or -(-need_tokens // options.gpu_block_tokens) + 1
-    engine = build_engine(
-        options.model,
-        device=options.device,
-        gpu_blocks=gpu_blocks,
-        gpu_block_tokens=options.gpu_block_tokens,
-        block_factor=options.block_factor,
-        threaded=options.threaded,
-    )
-    config = demo_config(config, engine, options)
+    engines = build_engines(options)
+    tiered = engines["tierkv"]
+    config = demo_config(config, tiered, options)
     workload = ChatWorkload(wl, options.model.vocab)
     records: list[TurnRecord] = []
 
     async with AsyncExitStack() as stack:
         cache = await stack.enter_async_context(TieredCache(config))
-        engine.attach(cache)
+        tiered.attach(cache)
         metrics_url = None
         if metrics_port is not None:
             from tierkv.metrics import serve_metrics
@@ -136,34 +176,42 @@ async def run_demo(
             )
             metrics_url = server.url
         # warm-up: first calls into torch pay one-time costs
-        warm = [t % options.model.vocab for t in range(engine.offload_tokens + 1)]
-        await engine.generate(warm, 2, use_cache=False)
+        warm = [t % options.model.vocab for t in range(tiered.offload_tokens + 1)]
+        await engines["no_cache"].generate(warm, 2, use_cache=False)
 
-        for turn in workload.turns():
-            base = await engine.generate(turn.prompt, wl.reply_tokens, use_cache=False)
-            tier = await engine.generate(turn.prompt, wl.reply_tokens, use_cache=True)
-            same, diff = _compare(base, tier)
+        for number, turn in enumerate(workload.turns()):
+            runs: dict[str, Generation] = {}
+            shift = number % len(COLUMNS)
+            for column in COLUMNS[shift:] + COLUMNS[:shift]:
+                runs[column] = await engines[column].generate(
+                    turn.prompt, wl.reply_tokens, use_cache=column == "tierkv"
+                )
+            base, tier = runs["no_cache"], runs["tierkv"]
+            same_gpu, diff_gpu = _compare(base, runs["gpu_prefix_cache"])
+            same_tier, diff_tier = _compare(base, tier)
             record = TurnRecord(
                 user=turn.user,
                 index=turn.index,
                 prompt_tokens=len(turn.prompt),
-                ttft_without=base.ttft,
-                ttft_with=tier.ttft,
+                ttft={c: runs[c].ttft for c in COLUMNS},
+                gpu_hit_blocks={
+                    c: runs[c].gpu_hit_tokens // tiered.offload_tokens for c in COLUMNS
+                },
                 reused_tokens=tier.reused_tokens,
                 looked_up_blocks=tier.looked_up_blocks,
                 sources=dict(tier.sources),
                 load_failures=tier.load_failures,
                 stored_blocks=tier.stored_blocks,
                 rejected_blocks=tier.rejected_blocks,
-                tokens_match=same,
-                max_logit_diff=diff,
+                tokens_match=same_gpu and same_tier,
+                max_logit_diff=max(diff_gpu, diff_tier),
             )
             records.append(record)
             workload.reply(turn, base.tokens)
             if on_turn is not None:
                 on_turn(record)
         await cache.flush()
-        report = _report(config, cache, engine, options, records)
+        report = _report(config, cache, engines, options, records)
         report["elapsed_seconds"] = time.perf_counter() - started
         report["metrics_url"] = metrics_url
         if on_report is not None:
@@ -173,17 +221,25 @@ async def run_demo(
     return report
 
 
+def _speedup(records: list[TurnRecord], slow: str, fast: str) -> float:
+    t_fast = sum(r.ttft[fast] for r in records)
+    return sum(r.ttft[slow] for r in records) / t_fast if t_fast else 0.0
+
+
 def _report(
     config: CacheConfig,
     cache: TieredCache,
-    engine: DemoEngine,
+    engines: dict[str, DemoEngine],
     options: DemoOptions,
     records: list[TurnRecord],
 ) -> dict[str, Any]:
+    tiered = engines["tierkv"]
+    ot = tiered.offload_tokens
     stats = cache.stats()
     media = [PRIMARY_MEDIUM, *cache.tier_names]
     looked_up = sum(r.looked_up_blocks for r in records)
     served = {m: sum(r.sources.get(m, 0) for r in records) for m in media}
+    gpu_served = sum(r.gpu_hit_blocks["tierkv"] for r in records)
     moved = {
         PRIMARY_MEDIUM: (stats.primary["bytes_in"], stats.primary["bytes_out"]),
         **{n: (t["bytes_in"], t["bytes_out"]) for n, t in stats.tiers.items()},
@@ -197,23 +253,19 @@ def _report(
         }
         for m in media
     }
-    without = [r.ttft_without for r in records]
-    with_ = [r.ttft_with for r in records]
     returning = [r for r in records if r.index > 0]
     tol = options.tolerance
     identical = sum(r.tokens_match for r in records)
     max_diff = max((r.max_logit_diff for r in records), default=0.0)
     correct = identical == len(records) and max_diff <= tol and not math.isnan(max_diff)
     prompt_tokens = sum(r.prompt_tokens for r in records)
-    reused = sum(r.reused_tokens for r in records)
+    gpu_only = sum(r.gpu_hit_blocks["gpu_prefix_cache"] for r in records) * ot
+    tier_reused = sum(r.reused_tokens for r in records)
 
-    def speedup(rs: list[TurnRecord]) -> float:
-        t_with = sum(r.ttft_with for r in rs)
-        return sum(r.ttft_without for r in rs) / t_with if t_with else 0.0
-
-    model = engine.model
+    model = tiered.model
     return {
         "ok": correct,
+        "columns": list(COLUMNS),
         "model": {
             **asdict(options.model),
             "parameters": sum(p.numel() for p in model.parameters()),
@@ -221,10 +273,11 @@ def _report(
             "torch_threads": torch.get_num_threads(),
         },
         "kv_cache": {
-            "gpu_blocks": engine.kv.num_blocks,
-            "gpu_block_tokens": engine.kv.block_tokens,
-            "offloaded_block_tokens": engine.offload_tokens,
+            "gpu_blocks": tiered.kv.num_blocks,
+            "gpu_block_tokens": tiered.kv.block_tokens,
+            "offloaded_block_tokens": ot,
             "block_bytes": int(config.layout.block_bytes),
+            "engines": len(engines),
         },
         "workload": asdict(options.workload),
         "chain": {
@@ -238,17 +291,33 @@ def _report(
             ],
         },
         "ttft": {
-            "without": _ttft(without),
-            "with": _ttft(with_),
-            "speedup": speedup(records),
-            "speedup_returning_turns": speedup(returning),
+            **{c: _ttft([r.ttft[c] for r in records]) for c in COLUMNS},
+            "speedup": _speedup(records, "gpu_prefix_cache", "tierkv"),
+            "speedup_vs_no_cache": _speedup(records, "no_cache", "tierkv"),
+            "speedup_returning_turns": _speedup(returning, "gpu_prefix_cache", "tierkv"),
+            "gpu_prefix_cache_vs_no_cache": _speedup(records, "no_cache", "gpu_prefix_cache"),
         },
-        "prefill_tokens": {"without": prompt_tokens, "with": prompt_tokens - reused},
+        "prefill_tokens": {
+            "no_cache": prompt_tokens,
+            "gpu_prefix_cache": prompt_tokens - gpu_only,
+            "tierkv": prompt_tokens - gpu_served * ot - tier_reused,
+        },
+        "gpu_prefix_cache": {
+            c: {
+                "hit_blocks": engines[c].chunks.hit_chunks,
+                "evicted_blocks": engines[c].chunks.evicted_chunks,
+                "capacity_blocks": engines[c].chunks.num_chunks,
+            }
+            for c in COLUMNS[1:]
+        },
         "reusable_blocks": looked_up,
         "stored_blocks": sum(r.stored_blocks for r in records),
         "rejected_blocks": sum(r.rejected_blocks for r in records),
         "load_failures": sum(r.load_failures for r in records),
-        "recomputed_block_rate": 1 - sum(served.values()) / looked_up if looked_up else 0.0,
+        "gpu_hit_rate": gpu_served / looked_up if looked_up else 0.0,
+        "recomputed_block_rate": (
+            1 - (gpu_served + sum(served.values())) / looked_up if looked_up else 0.0
+        ),
         "tiers": tiers,
         "correctness": {
             "ok": correct,

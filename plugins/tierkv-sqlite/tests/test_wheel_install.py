@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 PLUGIN_SOURCE = Path(__file__).resolve().parents[1]
-DISTRIBUTION = "tierkv-sqlite"
+DISTRIBUTION = "tierkv-cache-sqlite"
 
 
 def _site_dirs() -> list[Path]:
@@ -101,7 +101,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         build += ["--no-build-isolation", "--no-index"]
     # else pip fetches setuptools for an isolated build, from the configured index
     _run(*build, "-w", work / "dist", source)
-    [built] = (work / "dist").glob("tierkv_sqlite-*.whl")
+    [built] = (work / "dist").glob("tierkv_cache_sqlite-*.whl")
     return built
 
 
@@ -122,7 +122,7 @@ def test_wheel_installs_into_a_fresh_venv_is_discovered_and_missed_once_removed(
     assert "sqlite" not in before.stdout, "the venv must not see a tierkv-sqlite yet"
 
     installed = run(python, "-m", "pip", "install", wheel, offline=True)
-    assert "Successfully installed tierkv-sqlite-0.1.0" in installed.stdout
+    assert "Successfully installed tierkv-cache-sqlite-0.1.0" in installed.stdout
     where = run(python, "-c", "import tierkv_sqlite; print(tierkv_sqlite.__file__)")
     assert where.stdout.startswith(str(venv)), "the plugin must come from the new venv"
 
@@ -138,7 +138,7 @@ tiers:
     )
     plugins = run(python, "-m", "tierkv.cli", "plugins")
     assert "tierkv_sqlite:SqliteTier" in plugins.stdout
-    assert "tierkv-sqlite 0.1.0" in plugins.stdout
+    assert "tierkv-cache-sqlite 0.1.0" in plugins.stdout
     validated = run(python, "-m", "tierkv.cli", "validate", chain)
     assert "ok" in validated.stdout and "tiers: sqlite" in validated.stdout
     roundtrip = run(python, "-m", "tierkv.cli", "roundtrip", "--config", chain, "--blocks", "24")

@@ -29,7 +29,7 @@ tiers:
 
 def test_the_registry_finds_nvme_through_its_entry_point() -> None:
     info = installed_tiers()["nvme"]
-    assert info.distribution == "tierkv-nvme"
+    assert info.distribution == "tierkv-cache-nvme"
     assert info.target == "tierkv_nvme:NvmeTier"
     assert get_tier_class("nvme") is NvmeTier
 

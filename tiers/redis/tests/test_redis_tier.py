@@ -125,7 +125,7 @@ def test_entry_point_resolves_to_the_redis_tier() -> None:
     assert get_tier_class("redis") is RedisTier
     info = installed_tiers()["redis"]
     assert info.target == "tierkv_redis:RedisTier"
-    assert info.distribution == "tierkv-redis"
+    assert info.distribution == "tierkv-cache-redis"
 
 
 @pytest.mark.parametrize(

@@ -142,7 +142,7 @@ def test_entry_point_resolves_to_the_s3_tier() -> None:
     assert get_tier_class("s3") is S3Tier
     info = installed_tiers()["s3"]
     assert info.target == "tierkv_s3:S3Tier"
-    assert info.distribution == "tierkv-s3"
+    assert info.distribution == "tierkv-cache-s3"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# System packages the tests need and nothing else does: the real servers the tier
+# tests start (redis-server; openssl for its TLS certificates). scripts/test.sh runs
+# this; scripts/run.sh (the demo) does not need it. Idempotent; fast when installed.
+set -euo pipefail
+
+APT_PACKAGES=(redis-server openssl)
+
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+    echo "setup: installing system packages for the tests: ${missing[*]}"
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    echo "setup:   apt-get update"
+    $SUDO apt-get update -qq
+    echo "setup:   apt-get install ${missing[*]}"
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+    echo "setup:   done"
+fi

@@ -1,0 +1,102 @@
+"""Sizes in a config checked against the machine that will run it.
+
+A primary larger than the machine's memory dies in the allocator, an nvme tier larger
+than its disk fills the disk and fails writes for everyone; both are configuration
+mistakes that `tierkv validate` (and every command that loads a chain) reports up
+front, with the path, the size asked for and what the machine has.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tierkv.units import format_size
+
+if TYPE_CHECKING:
+    from tierkv.config import CacheConfig
+
+
+def physical_memory() -> int | None:
+    """Bytes of physical memory, or None where the platform does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path`, or its nearest parent that exists (a tier creates its directory)."""
+    path = Path(os.path.abspath(os.path.expanduser(path)))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def filesystem_size(path: Path) -> tuple[int, int] | None:
+    """(total bytes, device id) of the filesystem that holds `path` or would hold it."""
+    where = nearest_existing(path)
+    try:
+        st = os.statvfs(where)
+        device = os.stat(where).st_dev
+    except OSError:
+        return None
+    return st.f_blocks * st.f_frsize, device
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return format_size(n)
+
+
+def machine_problems(config: CacheConfig, *, memory: int | None = None) -> list[str]:
+    """What in `config` cannot fit this machine, one line per problem, by YAML path:
+    the primary (and in-process memory tiers) against physical memory, every tier with
+    a `path` and a `capacity` against the size of the filesystem under that path (the
+    nearest existing parent when the path does not exist yet), several such tiers on
+    one filesystem against it together."""
+    problems: list[str] = []
+    memory = physical_memory() if memory is None else memory
+    if memory:
+        asked = int(config.primary.capacity)
+        if asked > memory:
+            problems.append(
+                f"primary.capacity: {format_size(asked)} is more than this machine's "
+                f"memory ({_human(memory)}); the slab could not be allocated"
+            )
+        for i, tier in enumerate(config.tiers):
+            capacity = getattr(tier, "capacity", None)
+            if tier.type == "memory" and capacity is not None and int(capacity) > memory:
+                problems.append(
+                    f"tiers[{i}].capacity: {format_size(int(capacity))} is more than this "
+                    f"machine's memory ({_human(memory)})"
+                )
+    on_device: dict[int, list[tuple[int, int, int]]] = {}
+    for i, tier in enumerate(config.tiers):
+        path, capacity = getattr(tier, "path", None), getattr(tier, "capacity", None)
+        if tier.type == "memory" or not isinstance(path, (str, os.PathLike)) or not capacity:
+            continue
+        found = filesystem_size(Path(path))
+        if found is None:
+            continue
+        size, device = found
+        if int(capacity) > size:
+            problems.append(
+                f"tiers[{i}].capacity: {format_size(int(capacity))} is more than the "
+                f"filesystem under {str(nearest_existing(Path(path)))!r} holds "
+                f"({_human(size)} in all)"
+            )
+        else:
+            on_device.setdefault(device, []).append((i, int(capacity), size))
+    for entries in on_device.values():
+        total = sum(c for _, c, _ in entries)
+        if len(entries) > 1 and total > entries[0][1 + 1]:
+            names = " + ".join(f"tiers[{i}].capacity" for i, _, _ in entries)
+            problems.append(
+                f"{names}: {_human(total)} together is more than their shared filesystem "
+                f"holds ({_human(entries[0][2])})"
+            )
+    return problems
