@@ -17,6 +17,15 @@ stamp_inputs=$(cat requirements-dev.txt $(git ls-files '*pyproject.toml' 2>/dev/
 if [ ! -f .venv/.setup-stamp ] || [ "$(cat .venv/.setup-stamp)" != "$stamp_inputs" ]; then
     echo "setup: installing Python requirements into .venv (one line per package; ~2 min the first time)"
     started=$SECONDS
+    # distributions renamed to tierkv-cache*: drop the old editable installs of this
+    # checkout, or their entry points would claim every tier type twice
+    for old in tierkv tierkv-nvme tierkv-redis tierkv-s3 tierkv-sqlite; do
+        where=$(.venv/bin/pip show "$old" 2>/dev/null | sed -n 's/^Editable project location: //p')
+        if [ -n "$where" ] && [[ "$where" == "$PWD"* ]]; then
+            echo "setup:   removing $old (renamed: now tierkv-cache${old#tierkv})"
+            .venv/bin/pip uninstall -y -q "$old" >/dev/null
+        fi
+    done
     # pip's own lines (Collecting / Installing), without the bar that a log cannot show
     # a line every 20 s while pip is quiet (installing torch takes a while)
     (t0=$(date +%s); while sleep 20; do echo "setup:   ... still installing ($(( $(date +%s) - t0 )) s)"; done) &
