@@ -29,7 +29,8 @@ def payload(key: bytes, row: int = ROW) -> bytes:
 def make_keys(n: int, salt: str = "") -> list[bytes]:
     from vllm.v1.kv_offload.base import make_offload_key
 
-    return [make_offload_key(hashlib.sha256(f"{salt}{i}".encode()).digest()[:16], 0) for i in range(n)]
+    hashes = [hashlib.sha256(f"{salt}{i}".encode()).digest()[:16] for i in range(n)]
+    return [make_offload_key(h, 0) for h in hashes]
 
 
 class Engine:
@@ -107,7 +108,8 @@ class Engine:
             for key, chunk in zip(out.keys_to_store, out.store_spec.chunk_ids):
                 start = int(chunk) * ROW
                 self.view[start : start + ROW] = payload(key)
-            self.manager.complete_store(list(keys), ctx, True)
+            if out.keys_to_store:  # as the scheduler: only what it was told to store
+                self.manager.complete_store(list(out.keys_to_store), ctx, True)
         return list(out.keys_to_store)
 
     def lookup(self, ctx: Any, key: bytes) -> Any:
