@@ -46,6 +46,7 @@ class Engine:
         dtype: str = "float16",
         tp: int = 1,
         events: bool = False,
+        row: int = ROW,
     ) -> None:
         from vllm.v1.kv_offload.config import (
             OffloadingCacheConfig,
@@ -61,9 +62,9 @@ class Engine:
         register()  # what the vllm.general_plugins entry point does at start-up
         config = OffloadingConfig(
             groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
-            worker_kv_bytes_per_block=ROW // tp,
+            worker_kv_bytes_per_block=row // tp,
             enable_kv_cache_events=events,
-            extra_config={"cpu_bytes_to_use": ROW * chunks, "secondary_tiers": secondary_tiers},
+            extra_config={"cpu_bytes_to_use": row * chunks, "secondary_tiers": secondary_tiers},
             engine_id=f"tierkv-test-{uuid.uuid4().hex}",
             model=OffloadingModelConfig(name=model, dtype=dtype),
             cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
@@ -80,6 +81,7 @@ class Engine:
                 is_parallelism_agnostic=False,
             ),
         )
+        self.row = row
         self.spec = TieringOffloadingSpec(config)
         self.manager = self.spec.get_manager()
         self.view = self.manager.primary_tier.get_kv_memoryview().cast("B")  # flat bytes
@@ -106,8 +108,8 @@ class Engine:
             out = self.manager.prepare_store(list(keys), ctx)
             assert out is not None, "the primary had no room"
             for key, chunk in zip(out.keys_to_store, out.store_spec.chunk_ids):
-                start = int(chunk) * ROW
-                self.view[start : start + ROW] = payload(key)
+                start = int(chunk) * self.row
+                self.view[start : start + self.row] = payload(key, self.row)
             if out.keys_to_store:  # as the scheduler: only what it was told to store
                 self.manager.complete_store(list(out.keys_to_store), ctx, True)
         return list(out.keys_to_store)
@@ -139,7 +141,8 @@ class Engine:
         """primary -> GPU as the worker would: the rows' bytes, then complete_load."""
         with self.manager.lock:
             spec = self.manager.prepare_load(list(keys), ctx)
-            rows = [bytes(self.view[int(c) * ROW : (int(c) + 1) * ROW]) for c in spec.chunk_ids]
+            r = self.row
+            rows = [bytes(self.view[int(c) * r : (int(c) + 1) * r]) for c in spec.chunk_ids]
             self.manager.complete_load(list(keys), ctx)
         return rows
 
