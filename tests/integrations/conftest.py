@@ -119,17 +119,23 @@ class Engine:
             return self.manager.lookup(key, ctx)
 
     def prefix(self, ctx: Any, keys: Sequence[bytes]) -> tuple[int, bool]:
-        """(hits, still pending): keys looked up in order until the first non-HIT,
-        as the scheduler's maximal-prefix lookup does."""
+        """(hits, deferred), as vLLM's scheduler scans a request's keys
+        (`_maximal_prefix_lookup`): HIT and HIT_PENDING count, RETRY defers and the
+        scan goes on (so the tiers are asked about every key), MISS ends it."""
         from vllm.v1.kv_offload.base import LookupResult
 
+        hits, deferred = 0, False
         with self.manager.lock:
-            for i, key in enumerate(keys):
+            for key in keys:
                 result = self.manager.lookup(key, ctx)
-                if result is not LookupResult.HIT:
-                    pending = result in (LookupResult.RETRY, LookupResult.HIT_PENDING)
-                    return i, pending
-        return len(keys), False
+                if result is LookupResult.MISS:
+                    break
+                if result is LookupResult.RETRY:
+                    deferred = True
+                    continue
+                hits += 1
+                deferred |= result is LookupResult.HIT_PENDING
+        return hits, deferred
 
     def step(self) -> None:
         from vllm.v1.kv_offload.base import ScheduleEndContext
