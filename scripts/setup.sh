@@ -50,6 +50,6 @@ if [ ! -f .venv/.vllm-stamp ] || [ "$(cat .venv/.vllm-stamp)" != "$vllm_stamp" ]
         exit 1
     fi
     rm -f "$log"
-    .venv/bin/python -c "import vllm.v1.kv_offload.tiering.spec" 2>/dev/null # fail loudly here
+    .venv/bin/python -c "import vllm.v1.kv_offload.tiering.spec" # fail here, loudly, if it did not work
     echo "$vllm_stamp" > .venv/.vllm-stamp
 fi
