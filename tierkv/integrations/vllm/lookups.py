@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from tierkv.keys import OffloadKey
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Entry:
     """One key's answer. Identity matters: a late answer for a dropped entry is
     recognised (its entry is no longer the current one) and ignored."""
@@ -52,13 +52,15 @@ class LookupBook:
     # -- scheduler thread ----------------------------------------------------------
     def answer(self, key: OffloadKey, request_id: str) -> bool | None:
         """True/False once the tier has answered (or a job taught us), else None."""
-        self.apply_inbox()
+        if not self._inbox.empty():
+            self.apply_inbox()
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = _Entry()
             self._unasked.setdefault(request_id, []).append((key, entry))
-        if request_id not in entry.requests:
-            entry.requests.add(request_id)
+        requests = entry.requests
+        if request_id not in requests:
+            requests.add(request_id)
             self._by_request.setdefault(request_id, set()).add(key)
         return entry.answer
 
