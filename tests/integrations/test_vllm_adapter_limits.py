@@ -1,0 +1,107 @@
+"""The adapter's own rules under vLLM's real tiering manager: a tier that does not
+open (required: false), the cap on store bytes in flight, KV events, and removals the
+tier reports."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tierkv.jobs import ReqContext
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def wait_for(condition: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition never became true"
+        time.sleep(0.01)
+
+
+def test_a_tier_that_does_not_open_is_required_by_default(vllm: Any, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(Exception, match="nvme tier cannot use"):
+        vllm.engine(
+            [
+                vllm.entry(
+                    {"type": "nvme", "path": str(tmp_path / "file" / "kv"), "capacity": "1MiB"}
+                )
+            ]
+        )
+
+
+def test_an_optional_tier_misses_until_it_opens(vllm: Any, tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    tier = {
+        "type": "nvme",
+        "path": str(blocker / "kv"),
+        "capacity": "1MiB",
+        "required": False,
+        "recovery_after": "50ms",
+    }
+    engine = vllm.engine([vllm.entry(tier)])
+    adapter = engine.tiers[0]
+    keys = vllm.keys(2)
+    ctx = engine.new_request()
+    engine.store(ctx, keys)
+    engine.settle()  # the store job was reported (failed), nothing hangs
+    assert engine.promote(engine.new_request(), vllm.keys(2, "other")) == 0
+
+    blocker.unlink()  # the disk comes back
+    wait_for(lambda: adapter.describe()["up"])
+    more = vllm.keys(2, "later")
+    later = engine.new_request()
+    engine.store(later, more)
+    engine.finish(later)
+    engine.settle()
+    found = adapter.loop.run(adapter.tierkv_tier.lookup(more, ReqContext()), 30)
+    assert list(found) == [True, True]
+
+
+def test_stores_beyond_max_inflight_bytes_are_dropped(vllm: Any, faulty_tier_type: str) -> None:
+    engine = vllm.engine(
+        [vllm.entry({"type": "faulty", "capacity": "1MiB", "max_inflight_bytes": 8192})]
+    )
+    adapter = engine.tiers[0]
+    adapter.tierkv_tier.hang = True
+    first, second = vllm.keys(2, "a"), vllm.keys(1, "b")
+    engine.store(engine.new_request(), first)  # 8 KiB: exactly the cap, in flight
+    engine.store(engine.new_request(), second)  # over the cap: refused at once
+    results = list(adapter.get_finished_jobs())
+    assert [r.success for r in results] == [False]
+    adapter.tierkv_tier.hang = False
+    adapter.drain_jobs()
+    assert [r.success for r in adapter.get_finished_jobs()] == [True]
+    stored = [k for op, ks in adapter.tierkv_tier.calls if op == "store" for k in ks]
+    assert stored == first
+
+
+def test_stored_and_removed_blocks_become_kv_events(vllm: Any, faulty_tier_type: str) -> None:
+    engine = vllm.engine([vllm.entry({"type": "faulty", "capacity": "1MiB"})], events=True)
+    adapter = engine.tiers[0]
+    keys = vllm.keys(3)
+    ctx = engine.new_request()
+    engine.store(ctx, keys)
+    engine.finish(ctx)
+    engine.settle()
+    stored = [e for e in engine.manager.take_events() if e.ownership == "tierkv"]
+    assert [(sorted(e.keys), e.removed) for e in stored] == [(sorted(keys), False)]
+
+    # the tier drops a block on its own: an event, and lookups miss it from then on
+    reader = engine.new_request()
+    engine.manager.primary_tier.reset_cache()
+    adapter.loop.run(_report_removed(adapter, keys[:1]), 10)
+    assert engine.promote(reader, keys) == 0
+    removed = [e for e in engine.manager.take_events() if e.ownership == "tierkv"]
+    assert [(e.keys, e.removed) for e in removed] == [(keys[:1], True)]
+
+
+async def _report_removed(adapter: Any, keys: list[bytes]) -> None:
+    """What a tier does after its own eviction: delete, then report (loop thread)."""
+    await adapter.tierkv_tier.remove(keys)
+    adapter.tierkv_tier.report_removed(keys)

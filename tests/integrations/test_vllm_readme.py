@@ -1,0 +1,29 @@
+"""The README's `--kv-transfer-config` is valid JSON whose tierkv entries validate."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from tierkv.integrations.vllm import VllmGeometry, resolve_entry
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_the_readme_kv_transfer_config_validates() -> None:
+    text = README.read_text()
+    section = text[text.index("## Use with vLLM") :]
+    match = re.search(r"--kv-transfer-config '(\{.*?\})'", section, re.S)
+    assert match, "no --kv-transfer-config under 'Use with vLLM'"
+    config = json.loads(match.group(1))
+    assert config["kv_connector"] == "OffloadingConnector"
+    extra = config["kv_connector_extra_config"]
+    assert extra["spec_name"] == "TieringOffloadingSpec"
+    geometry = VllmGeometry("m", "bfloat16", (16,), 1, 16, 1 << 20, {"tp_size": 1}, {})
+    entries = extra["secondary_tiers"]
+    types = []
+    for i, entry in enumerate(entries):
+        fields = {k: v for k, v in entry.items() if k != "type"}
+        types.append(resolve_entry(fields, geometry, where=f"secondary_tiers[{i}]").tier.type)
+    assert types == ["nvme", "redis"]

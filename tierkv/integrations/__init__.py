@@ -1,0 +1,1 @@
+"""Glue that puts tierkv tiers inside other serving engines (each an optional extra)."""
