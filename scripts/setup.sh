@@ -47,18 +47,3 @@ if [ ! -f .venv/.setup-stamp ] || [ "$(cat .venv/.setup-stamp)" != "$stamp_input
     echo "$stamp_inputs" > .venv/.setup-stamp
 fi
 
-# vLLM for the tierkv.integrations.vllm tests: every package pinned in its own file and
-# installed with --no-deps, so vLLM's CUDA torch pin never replaces the CPU torch.
-vllm_stamp=$(sha256sum requirements-vllm.txt | cut -d' ' -f1)
-if [ ! -f .venv/.vllm-stamp ] || [ "$(cat .venv/.vllm-stamp)" != "$vllm_stamp" ]; then
-    echo "setup: installing vLLM (requirements-vllm.txt, --no-deps) into .venv"
-    log=$(mktemp)
-    if ! .venv/bin/pip install -q --disable-pip-version-check --no-deps -r requirements-vllm.txt >"$log" 2>&1; then
-        grep -v "is ignored: it is neither a file nor a directory" "$log" >&2 || true
-        echo "setup: vLLM install failed (full log: $log)" >&2
-        exit 1
-    fi
-    rm -f "$log"
-    .venv/bin/python -c "import vllm.v1.kv_offload.tiering.spec" # fail here, loudly, if it did not work
-    echo "$vllm_stamp" > .venv/.vllm-stamp
-fi

@@ -218,7 +218,7 @@ def vllm() -> Iterator[Harness]:
     try:
         import vllm.v1.kv_offload.tiering.spec  # noqa: F401
     except Exception as exc:
-        missing_server("vLLM 0.33 (scripts/setup.sh installs requirements-vllm.txt)", exc)
+        missing_server("vLLM 0.33 (scripts/setup-vllm.sh installs requirements-vllm.txt)", exc)
     harness = Harness()
     yield harness
     for engine in harness.engines:
