@@ -20,7 +20,7 @@ if [ ! -f .venv/.setup-stamp ] || [ "$(cat .venv/.setup-stamp)" != "$stamp_input
     # distributions renamed to tierkv-cache*: drop the old editable installs of this
     # checkout, or their entry points would claim every tier type twice
     for old in tierkv tierkv-nvme tierkv-redis tierkv-s3 tierkv-sqlite; do
-        where=$(.venv/bin/pip show "$old" 2>/dev/null | sed -n 's/^Editable project location: //p')
+        where=$(.venv/bin/pip show "$old" 2>/dev/null | sed -n 's/^Editable project location: //p' || true)
         if [ -n "$where" ] && [[ "$where" == "$PWD"* ]]; then
             echo "setup:   removing $old (renamed: now tierkv-cache${old#tierkv})"
             .venv/bin/pip uninstall -y -q "$old" >/dev/null
