@@ -4,7 +4,7 @@
 
 `DictTier` keeps framed blocks in a dict: it implements the whole contract of
 `tierkv.tier.SecondaryTierManager` (lookup, store, load, remove, per-key partial
-success, checked frames) in about forty lines. `tierkv.register_tier` makes
+success, checked frames, removals reported) in about forty lines. `tierkv.register_tier` makes
 `type: dict` usable in a chain in this process; the script then pushes blocks out of
 a tiny primary and reads them back through the new tier.
 
@@ -37,7 +37,6 @@ from tierkv import (
     parse_config,
     register_tier,
 )
-from tierkv.framing import decode_into, encode_block
 from tierkv.tier import SecondaryTierManager, TierConfig
 
 
@@ -67,8 +66,9 @@ class DictTier(SecondaryTierManager):
             if len(self.frames) >= self.config.max_blocks and key not in self.frames:
                 failed[key] = f"dict tier is full ({self.config.max_blocks} blocks)"
                 continue
-            # a frame: header (version, namespace, key, length, checksum) + payload
-            self.frames[key] = encode_block(key, self.primary.block(slot), self.primary.namespace)
+            # a frame: header (version, namespace, key, length, checksum, and a MAC
+            # when the tier's mac_key_env is set) + payload
+            self.frames[key] = self.framer.encode(key, self.primary.block(slot))
         return JobResult.partial(job, failed)
 
     async def load(self, job: JobMetadata) -> JobResult:
@@ -79,9 +79,10 @@ class DictTier(SecondaryTierManager):
                 failed[key] = "not in the dict tier"
                 continue
             try:  # checks the frame, then copies the payload into the slot
-                decode_into(key, frame, self.primary.block(slot), self.primary.namespace)
+                self.framer.decode_into(key, frame, self.primary.block(slot))
             except CorruptBlock as exc:
                 del self.frames[key]
+                self.report_removed([key])  # the cache forgets it and emits `removed`
                 failed[key] = f"corrupt block deleted: {exc}"
         return JobResult.partial(job, failed)
 
