@@ -15,7 +15,7 @@ from tierkv.bench import BenchOptions, empty_primary, run_bench
 from tierkv.cli import main
 from tierkv.config import parse_config
 from tierkv.keys import make_offload_key
-from tierkv.orchestrator import TieredCache
+from tierkv.cache import TieredCache
 
 pytestmark = pytest.mark.anyio
 

@@ -20,7 +20,7 @@ from tierkv.demo import (
     build_engine,
     run_demo,
 )
-from tierkv.orchestrator import TieredCache
+from tierkv.cache import TieredCache
 
 pytestmark = pytest.mark.anyio
 

@@ -51,7 +51,7 @@ from tierkv.jobs import JobMetadata
 from tierkv.keys import OffloadKey, make_offload_key
 from tierkv.layout import GroupSpec, KVLayout
 from tierkv.memory_tier import MemoryTierConfig
-from tierkv.orchestrator import TieredCache
+from tierkv.cache import TieredCache
 from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
 from tierkv.primary import HostSlab, PrimaryConfig
 from tierkv.tier import SecondaryTierManager, TierConfig

@@ -40,7 +40,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "tierkv.metrics needs prometheus-client: pip install 'tierkv[metrics]'"
     ) from exc
 
-from tierkv.orchestrator import CacheStats, TieredCache
+from tierkv.cache import CacheStats, TieredCache
 from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
 
 logger = logging.getLogger(__name__)

@@ -1,9 +1,12 @@
 """The eviction-policy interface the primary tier drives.
 
-A policy only orders keys; the primary decides what is evictable (ready, no readers,
-not protected) and passes that as a predicate. `admit` is all-or-nothing: it either
-finds every victim it was asked for and commits (victims out, new keys in), or
-returns None and changes nothing.
+A policy only orders keys. The primary tells it which resident keys are pinned
+(being written or read: `pin`/`unpin`); a policy keeps pinned keys out of its victim
+order, so choosing a victim never walks past them (O(1) per victim however many blocks
+are held). A caller may still veto candidates with a predicate (keys of the request
+being stored, dirty write-back blocks); that walk is bounded by what it vetoes.
+`admit` is all-or-nothing: it either finds every victim it was asked for and commits
+(victims out, new keys in), or returns None and changes nothing.
 """
 
 from __future__ import annotations
@@ -36,6 +39,20 @@ class EvictionPolicy(ABC):
         when fewer than `num_victims` evictable keys exist."""
 
     @abstractmethod
+    def candidates(self, limit: int, can_evict: CanEvict) -> list[OffloadKey]:
+        """Up to `limit` unpinned keys for which `can_evict` holds, next victim first.
+        Changes nothing."""
+
+    @abstractmethod
+    def pin(self, key: OffloadKey) -> None:
+        """Take a resident key out of the victim order until `unpin` (it is being
+        written or read). Unknown or already pinned keys are ignored."""
+
+    @abstractmethod
+    def unpin(self, key: OffloadKey) -> None:
+        """Put a pinned key back into the victim order, as most recently used."""
+
+    @abstractmethod
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         """Record a use of resident `keys`; the first key ends the most recent.
         Keys that are not resident are ignored."""
@@ -53,5 +70,5 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def eviction_order(self) -> list[OffloadKey]:
-        """Resident keys, next victim first (ignoring evictability). For tests and
-        introspection; O(n)."""
+        """Resident keys, next victim first (unpinned keys, then pinned ones). For
+        tests and introspection; O(n)."""

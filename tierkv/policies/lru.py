@@ -10,32 +10,50 @@ from tierkv.policies.base import CanEvict, EvictionPolicy
 
 
 class LRUPolicy(EvictionPolicy):
-    """Evicts the evictable key used longest ago. New keys enter as most recent."""
+    """Evicts the evictable key used longest ago. New keys enter as most recent; a
+    pinned key waits apart and re-enters as most recent when unpinned."""
 
     name = "lru"
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self._order: OrderedDict[OffloadKey, None] = OrderedDict()  # oldest first
+        self._order: OrderedDict[OffloadKey, None] = OrderedDict()  # unpinned, oldest first
+        self._pinned: dict[OffloadKey, None] = {}
+
+    def candidates(self, limit: int, can_evict: CanEvict) -> list[OffloadKey]:
+        found: list[OffloadKey] = []
+        if limit <= 0:
+            return found
+        for key in self._order:
+            if can_evict(key):
+                found.append(key)
+                if len(found) == limit:
+                    break
+        return found
 
     def admit(
         self, new_keys: Sequence[OffloadKey], num_victims: int, can_evict: CanEvict
     ) -> list[OffloadKey] | None:
-        victims: list[OffloadKey] = []
-        if num_victims > 0:
-            for key in self._order:
-                if can_evict(key):
-                    victims.append(key)
-                    if len(victims) == num_victims:
-                        break
-            if len(victims) < num_victims:
-                return None
+        victims = self.candidates(num_victims, can_evict)
+        if len(victims) < max(num_victims, 0):
+            return None
         for key in victims:
             del self._order[key]
         for key in new_keys:
+            if key in self._pinned:
+                continue
             self._order[key] = None
             self._order.move_to_end(key)
         return victims
+
+    def pin(self, key: OffloadKey) -> None:
+        if self._order.pop(key, 0) is None:
+            self._pinned[key] = None
+
+    def unpin(self, key: OffloadKey) -> None:
+        if key in self._pinned:
+            del self._pinned[key]
+            self._order[key] = None
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         for key in reversed(list(keys)):
@@ -44,12 +62,13 @@ class LRUPolicy(EvictionPolicy):
 
     def discard(self, key: OffloadKey) -> None:
         self._order.pop(key, None)
+        self._pinned.pop(key, None)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._order
+        return key in self._order or key in self._pinned
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._order) + len(self._pinned)
 
     def eviction_order(self) -> list[OffloadKey]:
-        return list(self._order)
+        return [*self._order, *self._pinned]

@@ -20,7 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from tierkv.config import parse_config
 from tierkv.keys import make_offload_key
-from tierkv.orchestrator import TieredCache
+from tierkv.cache import TieredCache
 from tierkv.registry import register_tier, unregister_tier
 from tierkv.testing import FaultyTier
 
@@ -79,7 +79,7 @@ class CacheMachine(RuleBasedStateMachine):
         for key in list(p._blocks):
             assert p.is_ready(key) and p.readers(key) == 0
         assert p.num_evictable == len(p)
-        assert self.cache._promoting == 0 and not self.cache._flights
+        assert self.cache.core.promoting == 0 and all(s.flight is None for _, s in self.cache.index.items())
 
     @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3, unique=True))
     def store(self, keys: list[bytes]) -> None:
