@@ -34,6 +34,7 @@ from tierkv.keys import OffloadKey
 from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
 
 _SHED = "promotion reserve is full (load shed); recompute"
+_NO_ROOM = "no room in the primary tier for a promotion (load shed); recompute"
 
 
 class _LoadState:
@@ -159,8 +160,14 @@ class Promoter:
     ) -> None:
         reserve = self.core.reserve_slots
         window = reserve if len(to_promote) <= reserve else max(1, reserve // 2)
-        current = self._start(s, to_promote, 0, window, ctx) if to_promote else None
-        await self._copy_out(s, dest, resident)  # overlaps stage 1 of the first window
+        primary = self.core.primary
+        first = min(window, len(to_promote))
+        if primary.num_free + primary.num_evictable >= first:
+            current = self._start(s, to_promote, 0, window, ctx) if to_promote else None
+            await self._copy_out(s, dest, resident)  # overlaps stage 1 of the first window
+        else:  # the room is held by this load's own resident blocks: copy them out first
+            await self._copy_out(s, dest, resident)
+            current = self._start(s, to_promote, 0, window, ctx) if to_promote else None
         while current is not None:
             flight, pos = current
             await flight.done.wait()
@@ -261,7 +268,7 @@ class Promoter:
                     elif key in primary:
                         outcome[key] = (None, "the block is being stored right now")
                     else:
-                        outcome[key] = (None, "no room in the primary tier for a promotion")
+                        outcome[key] = (None, _NO_ROOM)
             slot_of = dict(zip(reserved, prepared.slots))
             await self._read(reserved, slot_of, outcome, ctx)
         finally:

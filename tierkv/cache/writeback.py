@@ -192,5 +192,6 @@ class WriteBack:
         pending = [k for k in index.dirty_keys() if k not in self.demoting]
         for i in range(0, len(pending), DEMOTE_BATCH):
             await self.demote(pending[i : i + DEMOTE_BATCH])
+        self._drop_for_down_tiers(index.dirty_keys(), force=False)
         while self.demoting:
             await self.core.released.wait()
