@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tierkv.bench import BenchOptions, empty_primary, run_bench
+from tierkv.cache import TieredCache
 from tierkv.cli import main
 from tierkv.config import parse_config
 from tierkv.keys import make_offload_key
-from tierkv.cache import TieredCache
 
 pytestmark = pytest.mark.anyio
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from tierkv.cache import TieredCache
 from tierkv.config import parse_config
 from tierkv.keys import hash_token_blocks, make_offload_key
 from tierkv.metrics import TieredCacheCollector, serve_metrics
-from tierkv.cache import TieredCache
 
 pytestmark = pytest.mark.anyio
 

@@ -72,6 +72,21 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers
     from tierkv.blocks import (
         HostBlocks as HostBlocks,
     )
+    from tierkv.cache import (
+        CacheStats as CacheStats,
+    )
+    from tierkv.cache import (
+        LoadResult as LoadResult,
+    )
+    from tierkv.cache import (
+        LookupResult as LookupResult,
+    )
+    from tierkv.cache import (
+        StoreResult as StoreResult,
+    )
+    from tierkv.cache import (
+        TieredCache as TieredCache,
+    )
     from tierkv.config import (
         CacheConfig as CacheConfig,
     )
@@ -122,21 +137,6 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers
     )
     from tierkv.layout import (
         KVLayout as KVLayout,
-    )
-    from tierkv.cache import (
-        CacheStats as CacheStats,
-    )
-    from tierkv.cache import (
-        LoadResult as LoadResult,
-    )
-    from tierkv.cache import (
-        LookupResult as LookupResult,
-    )
-    from tierkv.cache import (
-        StoreResult as StoreResult,
-    )
-    from tierkv.cache import (
-        TieredCache as TieredCache,
     )
     from tierkv.registry import (
         register_tier as register_tier,

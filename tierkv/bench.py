@@ -46,13 +46,13 @@ import torch
 from pydantic import ByteSize
 
 from tierkv.blocks import HostBlocks
+from tierkv.cache import TieredCache
 from tierkv.config import CacheConfig
 from tierkv.demo.report import Block, TextTable, percentile
 from tierkv.jobs import JobMetadata
 from tierkv.keys import OffloadKey, make_offload_key
 from tierkv.layout import GroupSpec, KVLayout
 from tierkv.memory_tier import MemoryTierConfig
-from tierkv.cache import TieredCache
 from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
 from tierkv.primary import HostSlab, PrimaryConfig
 from tierkv.tier import SecondaryTierManager, TierConfig
@@ -641,9 +641,7 @@ async def bench_streaming(
                 tier.model_copy(
                     update={
                         "write_policy": "write_through",
-                        "max_inflight_bytes": max(
-                            tier.max_inflight_bytes, ByteSize(slots * block)
-                        ),
+                        "max_inflight_bytes": max(tier.max_inflight_bytes, ByteSize(slots * block)),
                         "required": True,
                     }
                 )

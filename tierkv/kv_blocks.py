@@ -73,8 +73,7 @@ class KVCacheBlocks:
                 bad = [b for b in blocks if not 0 <= b < limits[g]]
                 if bad:
                     raise ValueError(
-                        f"group {g}: GPU block ids {bad[:5]} are out of range "
-                        f"0..{limits[g] - 1}"
+                        f"group {g}: GPU block ids {bad[:5]} are out of range 0..{limits[g] - 1}"
                     )
         if direction != "store":
             return
@@ -82,9 +81,7 @@ class KVCacheBlocks:
         for index in chosen:
             g, j = self._keys[index]
             head = self.heads[g]
-            if j * self.factor - head < 0 or (j + 1) * self.factor - head > len(
-                self.gpu_blocks[g]
-            ):
+            if j * self.factor - head < 0 or (j + 1) * self.factor - head > len(self.gpu_blocks[g]):
                 raise ValueError(
                     f"group {g}: a store must cover whole offloaded blocks; offloaded block "
                     f"{j} is only partly among the GPU blocks given (block_indices head "

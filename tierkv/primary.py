@@ -190,9 +190,7 @@ class PrimaryTier:
         """Mark `keys` used; the first key ends the most recent."""
         self.policy.touch(keys)
 
-    def _victim_filter(
-        self, keys: Sequence[OffloadKey], may_evict: CanEvict | None
-    ) -> CanEvict:
+    def _victim_filter(self, keys: Sequence[OffloadKey], may_evict: CanEvict | None) -> CanEvict:
         protected = {k for k in keys if k in self._blocks}
         blocks = self._blocks
 

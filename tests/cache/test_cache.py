@@ -15,12 +15,12 @@ import anyio
 import pytest
 import torch
 
+from tierkv.cache import TieredCache
 from tierkv.config import parse_config
 from tierkv.errors import TierUnavailable
 from tierkv.events import OffloadingEvent
 from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
 from tierkv.memory_tier import MemoryTier
-from tierkv.cache import TieredCache
 from tierkv.testing import FaultyTier
 
 pytestmark = pytest.mark.anyio
@@ -659,9 +659,7 @@ async def test_a_failed_demotion_keeps_the_block_pinned_until_it_is_written(
         # nothing was freed unwritten: every block is either still dirty in the primary
         # (the policy never frees a dirty block) or in the tier
         for key in first:
-            assert key in tier.stored_keys() or (
-                key in cache.primary and cache.index.is_dirty(key)
-            )
+            assert key in tier.stored_keys() or (key in cache.primary and cache.index.is_dirty(key))
         await cache.flush()  # the retry writes the rest
         assert tier.stored_keys() == set(first)
         await cache.store(keys(4, "b"), blocks(4, seed=1))

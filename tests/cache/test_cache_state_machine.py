@@ -22,9 +22,9 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from tierkv.cache import TieredCache
 from tierkv.config import parse_config
 from tierkv.keys import make_offload_key
-from tierkv.cache import TieredCache
 from tierkv.registry import register_tier, unregister_tier
 from tierkv.testing import FaultyTier
 
@@ -91,7 +91,9 @@ class CacheMachine(RuleBasedStateMachine):
         for key in list(p._blocks):
             assert p.is_ready(key) and p.readers(key) == 0
         assert p.num_evictable == len(p)
-        assert self.cache.core.promoting == 0 and all(s.flight is None for _, s in self.cache.index.items())
+        assert self.cache.core.promoting == 0 and all(
+            s.flight is None for _, s in self.cache.index.items()
+        )
 
     @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3, unique=True))
     def store(self, keys: list[bytes]) -> None:

@@ -94,7 +94,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
                 return handle.tier
         raise KeyError(f"no tier named {name!r}; tiers: {', '.join(self.tier_names) or 'none'}")
 
-    def _removal_listener(self, handle: TierHandle) -> "_RemovalListener":
+    def _removal_listener(self, handle: TierHandle) -> _RemovalListener:
         return _RemovalListener(self, handle)
 
     def _on_removed(self, handle: TierHandle, keys: tuple[OffloadKey, ...]) -> None:
@@ -159,11 +159,11 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         core = self.core
         if core.tg is None or core.closing:
             return
+        core.closing = True  # no new work; what runs may finish
         try:
             with anyio.move_on_after(self.config.close_timeout, shield=True):
                 await self.flush()
         finally:
-            core.closing = True
             with anyio.CancelScope(shield=True):
                 await core.stop()
                 for handle in core.tiers:

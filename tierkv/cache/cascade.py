@@ -59,9 +59,13 @@ class StoreWatch:
     def placed(self, keys: Sequence[OffloadKey]) -> None:
         """`keys` are in the primary and every cascade for them has been started."""
         for key in keys:
-            if key not in self.outstanding and key not in self.accepted:
-                if self.index.is_clean(key):  # dirty blocks are never evicted anyway
-                    self.unsafe.add(key)
+            # (dirty blocks are never evicted anyway)
+            if (
+                key not in self.outstanding
+                and key not in self.accepted
+                and self.index.is_clean(key)
+            ):
+                self.unsafe.add(key)
 
     def may_evict(self, key: OffloadKey) -> bool:
         return key not in self.unsafe and self.index.is_clean(key)
@@ -105,10 +109,15 @@ class Cascader:
             return
         nbytes = len(keys) * core.block_bytes
         stats = handle.stats
-        if stats.inflight_bytes and stats.inflight_bytes + nbytes > handle.config.max_inflight_bytes:
+        if (
+            stats.inflight_bytes
+            and stats.inflight_bytes + nbytes > handle.config.max_inflight_bytes
+        ):
             handle.breaker.abandon()
             stats.drops += len(keys)
-            logger.debug("tier %s is behind: dropped a cascade of %d blocks", handle.name, len(keys))
+            logger.debug(
+                "tier %s is behind: dropped a cascade of %d blocks", handle.name, len(keys)
+            )
             return
         slots = core.primary.prepare_load(keys)  # protected until the tier answers
         stats.inflight_bytes += nbytes

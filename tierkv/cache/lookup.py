@@ -38,9 +38,7 @@ class Lookup:
         self.core = core
         self.on_hits = on_hits  # selective write-through counts hits here
 
-    async def locate(
-        self, missing: Sequence[OffloadKey], ctx: ReqContext
-    ) -> dict[OffloadKey, int]:
+    async def locate(self, missing: Sequence[OffloadKey], ctx: ReqContext) -> dict[OffloadKey, int]:
         """Ask the tiers, concurrently and once each, where `missing` keys are; return
         key -> tier index for the keys some tier holds."""
         core = self.core
@@ -102,7 +100,7 @@ class Lookup:
             raise ValueError(f"gpu_tokens must be a non-negative int, got {gpu_tokens!r}")
         for g, keys in enumerate(keys_per_group):
             check_keys(keys, f"keys_per_group[{g}]")
-        blocks = core.primary._blocks  # noqa: SLF001 - the hot path reads the table directly
+        blocks = core.primary._blocks  # the hot path reads the block table directly
         where: dict[OffloadKey, str] = {}
         missing: dict[OffloadKey, None] = {}
         asked = 0

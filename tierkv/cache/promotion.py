@@ -314,18 +314,13 @@ class Promoter:
             if not by_tier:
                 return
             results: dict[int, JobResult] = {}
-
-            async def read_from(t: int, ks: list[OffloadKey]) -> None:
-                job = JobMetadata(core.next_job_id(), tuple(ks), tuple(slot_of[k] for k in ks), ctx)
-                results[t] = await core.tiers[t].run_job("load", job, core.block_bytes)
-
             if len(by_tier) == 1:
                 ((t, ks),) = by_tier.items()
-                await read_from(t, ks)
+                await self._read_from(t, ks, slot_of, ctx, results)
             else:
                 async with anyio.create_task_group() as tg:
                     for t, ks in by_tier.items():
-                        tg.start_soon(read_from, t, ks)
+                        tg.start_soon(self._read_from, t, ks, slot_of, ctx, results)
             remaining = []
             for t, result in results.items():
                 name = core.tiers[t].name
@@ -336,3 +331,15 @@ class Promoter:
                     last_error[key] = result.error or f"tier {name} could not load it"
                     tried[key] = t
                     remaining.append(key)
+
+    async def _read_from(
+        self,
+        t: int,
+        keys: list[OffloadKey],
+        slot_of: dict[OffloadKey, int],
+        ctx: ReqContext,
+        results: dict[int, JobResult],
+    ) -> None:
+        core = self.core
+        job = JobMetadata(core.next_job_id(), tuple(keys), tuple(slot_of[k] for k in keys), ctx)
+        results[t] = await core.tiers[t].run_job("load", job, core.block_bytes)
