@@ -54,8 +54,8 @@ def assert_no_leaks(cache: TieredCache) -> None:
         assert p.readers(key) == 0, f"{key!r} leaked a reader"
     assert p.num_evictable == len(p)
     assert cache.core.promoting == 0
-    for _, state in cache.index.items():
-        assert state.flight is None and state.cascading == 0
+    assert cache.index.promoting == 0
+    assert all(cache.index.cascading(k) == 0 for k in cache.index.keys())
     assert all(h.stats.inflight_bytes == 0 for h in cache.core.tiers)
     for key in cache.index.dirty_keys():
         assert key in p, "a dirty block left the primary unwritten"

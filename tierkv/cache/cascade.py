@@ -89,7 +89,7 @@ class Cascader:
                 self.cascade(handle, keys, watch)
             elif handle.policy == "write_through_selective":
                 need = handle.config.min_hits
-                chosen = [k for k in keys if (st := index.get(k)) is not None and st.hits >= need]
+                chosen = [k for k in keys if index.hits(k) >= need]
                 if chosen:
                     self.cascade(handle, chosen, watch)
         self.writeback.admit(keys)
@@ -121,9 +121,7 @@ class Cascader:
             return
         slots = core.primary.prepare_load(keys)  # protected until the tier answers
         stats.inflight_bytes += nbytes
-        index = core.index
-        for key in keys:
-            index.state(key).cascading += 1
+        core.index.add_cascading(keys, 1)
         if watch is not None:
             watch.sent(keys)
         job = JobMetadata(core.next_job_id(), tuple(keys), tuple(slots))
@@ -140,11 +138,7 @@ class Cascader:
         finally:
             handle.stats.inflight_bytes -= nbytes
             core.primary.complete_load(job.keys)
-            index = core.index
-            for key in job.keys:
-                st = index.get(key)
-                if st is not None and st.cascading:
-                    st.cascading -= 1
+            core.index.add_cascading(job.keys, -1)
             if watch is not None:
                 watch.settled(job.keys, ok_keys)
         core.index.note_held(ok_keys, handle.index)
@@ -160,14 +154,13 @@ class Cascader:
         primary = self.core.primary
         rid = ctx.request_id
         chosen: dict[int, list[OffloadKey]] = {}
+        count_hit = index.count_hit
         for key in keys:
-            st = index.state(key)
-            if rid is not None and st.last_request == rid:
+            hits = count_hit(key, rid)
+            if hits is None:
                 continue
-            st.last_request = rid
-            st.hits += 1
             for handle in self.selective:
-                if st.hits == handle.config.min_hits and primary.is_ready(key):
+                if hits == handle.config.min_hits and primary.is_ready(key):
                     chosen.setdefault(handle.index, []).append(key)
         for i, batch in chosen.items():
             self.cascade(self.core.tiers[i], batch)

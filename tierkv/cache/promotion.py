@@ -71,12 +71,12 @@ class Promoter:
         resident: list[OffloadKey] = []
         to_promote: list[OffloadKey] = []
         for key in s.positions:
-            st = index.get(key)
+            flight = index.flight(key)
             if primary.is_ready(key):
                 resident.append(key)
-            elif st is not None and st.flight is not None:
-                st.flight.waiters[key] = st.flight.waiters.get(key, 0) + 1
-                s.waiting[key] = st.flight
+            elif flight is not None:
+                flight.waiters[key] = flight.waiters.get(key, 0) + 1
+                s.waiting[key] = flight
             else:
                 to_promote.append(key)
         if resident:
@@ -197,15 +197,15 @@ class Promoter:
         mine: list[OffloadKey] = []
         index = core.index
         for key in to_promote[pos:end]:
-            st = index.state(key)
-            if st.flight is not None:  # another load started it meanwhile: follow it
-                st.flight.waiters[key] = st.flight.waiters.get(key, 0) + 1
-                s.waiting[key] = st.flight
+            other = index.flight(key)
+            if other is not None:  # another load started it meanwhile: follow it
+                other.waiters[key] = other.waiters.get(key, 0) + 1
+                s.waiting[key] = other
             else:
                 mine.append(key)
         flight = Flight(keys=mine, waiters=dict.fromkeys(mine, 1))
         for key in mine:
-            index.state(key).flight = flight
+            index.set_flight(key, flight)
             s.waiting[key] = flight
         core.promoting += len(mine)
         core.spawn(self._run_flight, flight, ctx)
@@ -235,10 +235,7 @@ class Promoter:
     # -- stage 1 (a background job) ----------------------------------------------------
     def _next_tier(self, key: OffloadKey, after: int) -> int | None:
         """The next tier below `after` believed to hold `key` and healthy enough."""
-        st = self.core.index.get(key)
-        if st is None:
-            return None
-        mask = (st.held & ~st.lacking) >> (after + 1)
+        mask = self.core.index.held(key) >> (after + 1)
         i = after + 1
         while mask:
             if mask & 1:
@@ -280,9 +277,7 @@ class Promoter:
             core.events.drain_primary()
             for key in keys:
                 outcome.setdefault(key, (None, "promotion cancelled"))
-                st = index.get(key)
-                if st is not None and st.flight is flight:
-                    st.flight = None
+                index.end_flight(key, flight)
             for key, count in flight.waiters.items():
                 if count > 0 and outcome[key][0] is not None and primary.is_ready(key):
                     primary.prepare_load([key] * count)

@@ -173,11 +173,7 @@ class WriteBack:
             if key in ok:
                 index.clean(key, handle.index)
                 continue
-            st = index.state(key)
-            attempts = st.attempts if st.attempts is not None else {}
-            st.attempts = attempts
-            attempts[handle.index] = attempts.get(handle.index, 0) + 1
-            if attempts[handle.index] >= DEMOTE_ATTEMPTS:
+            if index.failed_write_back(key, handle.index) >= DEMOTE_ATTEMPTS:
                 self._drop(key, handle, f"{DEMOTE_ATTEMPTS} failed write-backs")
                 logger.warning(
                     "gave up writing a block back to tier %s after %d failures: %s",
