@@ -18,6 +18,7 @@ import torch
 from tierkv.primary import HostSlab
 
 _THREAD_THRESHOLD = 8 << 20  # copy in a worker thread above this many bytes per call
+_ROW_COPY_BYTES = 64 << 10  # rows this large scatter faster one copy_ at a time
 
 
 @runtime_checkable
@@ -148,6 +149,10 @@ class HostBlocks:
                 first = _run_of(slots)
                 if first is not None:
                     view.tensor[first : first + len(slots)].copy_(src)
+                elif self.block_bytes >= _ROW_COPY_BYTES:  # index_copy_ is slow on big rows
+                    slab = view.tensor
+                    for row, slot in enumerate(slots):
+                        slab[slot].copy_(src[row])
                 else:
                     view.tensor.index_copy_(0, torch.tensor(slots, dtype=torch.long), src)
 

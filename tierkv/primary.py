@@ -191,17 +191,13 @@ class PrimaryTier:
         self.policy.touch(keys)
 
     def _victim_filter(self, keys: Sequence[OffloadKey], may_evict: CanEvict | None) -> CanEvict:
+        # keys in the policy's victim order are ready and unread (the rest is pinned)
         protected = {k for k in keys if k in self._blocks}
-        blocks = self._blocks
-
-        def can_evict(key: OffloadKey) -> bool:
-            return (
-                key not in protected
-                and self._is_evictable(blocks[key])
-                and (may_evict is None or may_evict(key))
-            )
-
-        return can_evict
+        if may_evict is None:
+            return lambda key: key not in protected
+        if not protected:
+            return may_evict
+        return lambda key: key not in protected and may_evict(key)
 
     def candidates(self, limit: int, may_evict: CanEvict | None = None) -> list[OffloadKey]:
         """The next `limit` (at most) victims in policy order. Changes nothing."""
@@ -233,20 +229,21 @@ class PrimaryTier:
         fits (possibly none) instead of all or nothing."""
         new_keys = list(dict.fromkeys(k for k in keys if k not in self._blocks))
         can_evict = self._victim_filter(keys, may_evict)
-        shortfall = len(new_keys) - len(self._free)
-        if shortfall > 0:
-            found = len(self.policy.candidates(shortfall, can_evict))
-            new_keys = new_keys[: len(self._free) + found]
-            shortfall = found
-        out = self._reserve(new_keys, max(shortfall, 0), can_evict)
-        return out if out is not None else PrepareStoreOutput([], [], [])
+        admitted, victims = self.policy.admit_prefix(
+            new_keys, len(self._free), can_evict, pinned=True
+        )
+        return self._place(admitted, victims)
 
     def _reserve(
         self, new_keys: list[OffloadKey], shortfall: int, can_evict: CanEvict
     ) -> PrepareStoreOutput | None:
-        victims = self.policy.admit(new_keys, shortfall, can_evict)
+        victims = self.policy.admit(new_keys, shortfall, can_evict, pinned=True)
         if victims is None:
             return None
+        return self._place(new_keys, victims)
+
+    def _place(self, new_keys: list[OffloadKey], victims: list[OffloadKey]) -> PrepareStoreOutput:
+        """Free the victims' slots and give them to `new_keys` (WRITING, pinned)."""
         for key in victims:
             block = self._blocks.pop(key)
             self._evictable -= 1
@@ -254,11 +251,10 @@ class PrimaryTier:
         if victims:
             self._events.append(OffloadingEvent(tuple(victims), MEDIUM, removed=True))
         slots = []
-        pin = self.policy.pin
-        for key in new_keys:
-            slot = self._free.pop()
-            self._blocks[key] = _Block(slot)
-            pin(key)  # WRITING: not a victim
+        blocks, free = self._blocks, self._free
+        for key in new_keys:  # WRITING: the policy admitted them pinned
+            slot = free.pop()
+            blocks[key] = _Block(slot)
             slots.append(slot)
         return PrepareStoreOutput(new_keys, slots, victims)
 

@@ -93,8 +93,6 @@ class Cascader:
                 if chosen:
                     self.cascade(handle, chosen, watch)
         self.writeback.admit(keys)
-        if watch is not None:
-            watch.placed(keys)
 
     def cascade(
         self, handle: TierHandle, keys: Sequence[OffloadKey], watch: StoreWatch | None = None
@@ -188,19 +186,20 @@ class Cascader:
         position: dict[OffloadKey, int] = {}
         for i, key in enumerate(keys):
             position.setdefault(key, i)
-        order = list(position)
-        already = [k for k in order if k in primary]
-        new = [k for k in order if k not in primary]
+        blocks = primary._blocks  # hot path: the block table, not a method per key
+        already = [k for k in position if k in blocks]
+        new = [k for k in position if k not in blocks] if already else list(position)
         run_validate_hook(src, "store", [position[k] for k in new])
         stored: list[OffloadKey] = []
         rejected: list[OffloadKey] = []
         error: str | None = None
         watch = StoreWatch(core.index)
+        placed: list[OffloadKey] = []  # stored, not yet told to the watch (needed lazily)
         timeout = core.config.store_timeout
         deadline = anyio.current_time() + timeout
         i = 0
         while i < len(new):
-            if new[i] in primary:  # stored meanwhile by someone else
+            if new[i] in blocks:  # stored meanwhile by someone else
                 already.append(new[i])
                 i += 1
                 continue
@@ -209,7 +208,10 @@ class Cascader:
             # overlaps the cascade of the one before
             room = primary.num_free + primary.num_evictable
             size = len(new) - i if len(new) - i <= room else self.window
-            want = [k for k in new[i : i + size] if k not in primary]
+            want = [k for k in new[i : i + size] if k not in blocks]
+            if placed:  # a later window may evict: this request's earlier blocks must be safe
+                watch.placed(placed)
+                placed.clear()
             prepared = primary.prepare_store_prefix(want, may_evict=watch.may_evict)
             core.events.drain_primary()
             got = prepared.keys_to_store
@@ -245,6 +247,7 @@ class Cascader:
             stats.bytes_in += len(got) * core.block_bytes
             stored.extend(got)
             self.after_store(got, watch)
+            placed.extend(got)
             got_set, last = set(got), got[-1]
             while True:  # move past the window; keys it skipped were stored meanwhile
                 key = new[i]

@@ -128,19 +128,51 @@ class ARCPolicy(EvictionPolicy):
             self._pinned_t1 -= 1
             self._t1[key] = None
 
-    def admit(
-        self, new_keys: Sequence[OffloadKey], num_victims: int, can_evict: CanEvict
-    ) -> list[OffloadKey] | None:
-        p = self._adapted_target(new_keys)
+    def _pick(self, p: float, limit: int, can_evict: CanEvict) -> list[tuple[OffloadKey, bool]]:
         chosen: list[tuple[OffloadKey, bool]] = []
-        if num_victims > 0:
+        if limit > 0:
             for pick in self._victims(p, can_evict):
                 chosen.append(pick)
-                if len(chosen) == num_victims:
+                if len(chosen) == limit:
                     break
-            if len(chosen) < num_victims:
-                return None
-        # commit
+        return chosen
+
+    def admit(
+        self,
+        new_keys: Sequence[OffloadKey],
+        num_victims: int,
+        can_evict: CanEvict,
+        *,
+        pinned: bool = False,
+    ) -> list[OffloadKey] | None:
+        p = self._adapted_target(new_keys)
+        chosen = self._pick(p, num_victims, can_evict)
+        if len(chosen) < max(num_victims, 0):
+            return None
+        self._commit(p, chosen, new_keys, pinned)
+        return [key for key, _ in chosen]
+
+    def admit_prefix(
+        self,
+        new_keys: Sequence[OffloadKey],
+        free: int,
+        can_evict: CanEvict,
+        *,
+        pinned: bool = False,
+    ) -> tuple[list[OffloadKey], list[OffloadKey]]:
+        p = self._adapted_target(new_keys)
+        chosen = self._pick(p, len(new_keys) - free, can_evict)
+        admitted = list(new_keys[: free + len(chosen)])
+        self._commit(self._adapted_target(admitted), chosen, admitted, pinned)
+        return admitted, [key for key, _ in chosen]
+
+    def _commit(
+        self,
+        p: float,
+        chosen: Sequence[tuple[OffloadKey, bool]],
+        new_keys: Sequence[OffloadKey],
+        pinned: bool,
+    ) -> None:
         self._p = p
         for key, from_t1 in chosen:
             if from_t1:
@@ -158,8 +190,9 @@ class ARCPolicy(EvictionPolicy):
                 self._t2[key] = None
             else:
                 self._t1[key] = None
+            if pinned:
+                self.pin(key)
         self._trim_ghosts()
-        return [key for key, _ in chosen]
 
     def _trim_ghosts(self) -> None:
         c = self.capacity

@@ -32,11 +32,29 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def admit(
-        self, new_keys: Sequence[OffloadKey], num_victims: int, can_evict: CanEvict
+        self,
+        new_keys: Sequence[OffloadKey],
+        num_victims: int,
+        can_evict: CanEvict,
+        *,
+        pinned: bool = False,
     ) -> list[OffloadKey] | None:
         """Evict `num_victims` keys for which `can_evict` holds, then make `new_keys`
-        resident. Return the victims in eviction order, or None (and change nothing)
-        when fewer than `num_victims` evictable keys exist."""
+        resident (pinned at once with `pinned`: they are being written). Return the
+        victims in eviction order, or None (and change nothing) when fewer than
+        `num_victims` evictable keys exist."""
+
+    @abstractmethod
+    def admit_prefix(
+        self,
+        new_keys: Sequence[OffloadKey],
+        free: int,
+        can_evict: CanEvict,
+        *,
+        pinned: bool = False,
+    ) -> tuple[list[OffloadKey], list[OffloadKey]]:
+        """Admit the longest prefix of `new_keys` that `free` slots plus victims can
+        hold (one walk of the victim order). Returns (admitted keys, victims)."""
 
     @abstractmethod
     def candidates(self, limit: int, can_evict: CanEvict) -> list[OffloadKey]:

@@ -32,19 +32,49 @@ class LRUPolicy(EvictionPolicy):
         return found
 
     def admit(
-        self, new_keys: Sequence[OffloadKey], num_victims: int, can_evict: CanEvict
+        self,
+        new_keys: Sequence[OffloadKey],
+        num_victims: int,
+        can_evict: CanEvict,
+        *,
+        pinned: bool = False,
     ) -> list[OffloadKey] | None:
         victims = self.candidates(num_victims, can_evict)
         if len(victims) < max(num_victims, 0):
             return None
+        self._commit(victims, new_keys, pinned)
+        return victims
+
+    def admit_prefix(
+        self,
+        new_keys: Sequence[OffloadKey],
+        free: int,
+        can_evict: CanEvict,
+        *,
+        pinned: bool = False,
+    ) -> tuple[list[OffloadKey], list[OffloadKey]]:
+        victims = self.candidates(len(new_keys) - free, can_evict)
+        admitted = list(new_keys[: free + len(victims)])
+        self._commit(victims, admitted, pinned)
+        return admitted, victims
+
+    def _commit(
+        self, victims: Sequence[OffloadKey], new_keys: Sequence[OffloadKey], pinned: bool
+    ) -> None:
+        order = self._order
         for key in victims:
-            del self._order[key]
+            del order[key]
+        if pinned:
+            held = self._pinned
+            for key in new_keys:
+                if key not in order:
+                    held[key] = None
+            return
         for key in new_keys:
             if key in self._pinned:
                 continue
-            self._order[key] = None
-            self._order.move_to_end(key)
-        return victims
+            order[key] = None
+            order.move_to_end(key)
 
     def pin(self, key: OffloadKey) -> None:
         if self._order.pop(key, 0) is None:
