@@ -55,7 +55,7 @@ def assert_no_leaks(cache: TieredCache) -> None:
     assert p.num_evictable == len(p)
     assert cache.core.promoting == 0
     assert cache.index.promoting == 0
-    assert all(cache.index.cascading(k) == 0 for k in cache.index.keys())
+    assert all(cache.index.cascading(k) == 0 for k in cache.index.known_keys())
     assert all(h.stats.inflight_bytes == 0 for h in cache.core.tiers)
     for key in cache.index.dirty_keys():
         assert key in p, "a dirty block left the primary unwritten"

@@ -92,7 +92,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert p.is_ready(key) and p.readers(key) == 0
         assert p.num_evictable == len(p)
         assert self.cache.core.promoting == 0 and all(
-            self.cache.index.cascading(k) == 0 for k in self.cache.index.keys()
+            self.cache.index.cascading(k) == 0 for k in self.cache.index.known_keys()
         )
 
     @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3, unique=True))

@@ -32,6 +32,7 @@ from tierkv.cache.results import CacheStats, LoadResult, LookupResult, StoreResu
 from tierkv.cache.writeback import WriteBack
 from tierkv.config import CacheConfig, load_config
 from tierkv.errors import TierUnavailable
+from tierkv.events import OffloadingEvent
 from tierkv.health import CircuitBreaker
 from tierkv.jobs import ReqContext
 from tierkv.keys import OffloadKey
@@ -200,7 +201,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
             await core.idle.wait()
 
     # -- events and stats ---------------------------------------------------------------
-    def take_events(self) -> list:  # type: ignore[type-arg]
+    def take_events(self) -> list[OffloadingEvent]:
         """Stored/removed events of every medium since the last call, in order (the
         primary's first). The newest 65,536 are kept; `stats().primary["events_dropped"]`
         counts the rest."""

@@ -209,5 +209,5 @@ class KeyIndex:
         return attempts[tier]
 
     # -- introspection --------------------------------------------------------------------
-    def keys(self) -> list[OffloadKey]:
+    def known_keys(self) -> list[OffloadKey]:
         return list(self._entries)
