@@ -148,18 +148,13 @@ class Cascader:
         cascade to it in one batch."""
         if not self.selective:
             return
-        index = self.core.index
         primary = self.core.primary
-        rid = ctx.request_id
         chosen: dict[int, list[OffloadKey]] = {}
-        count_hit = index.count_hit
-        for key in keys:
-            hits = count_hit(key, rid)
-            if hits is None:
-                continue
-            for handle in self.selective:
-                if hits == handle.config.min_hits and primary.is_ready(key):
-                    chosen.setdefault(handle.index, []).append(key)
+        thresholds = [(h.index, h.config.min_hits) for h in self.selective]
+        for key, hits in self.core.index.count_hits(keys, ctx.request_id):
+            for i, need in thresholds:
+                if hits == need and primary.is_ready(key):
+                    chosen.setdefault(i, []).append(key)
         for i, batch in chosen.items():
             self.cascade(self.core.tiers[i], batch)
 

@@ -166,6 +166,29 @@ class KeyIndex:
         self._set(key, entry)
         return entry >> _HITS
 
+    def count_hits(
+        self, keys: Iterable[OffloadKey], request_id: str | None
+    ) -> list[tuple[OffloadKey, int]]:
+        """`count_hit` over `keys`; (key, new count) for the keys that counted."""
+        if request_id is not None:
+            counted = [(k, n) for k in keys if (n := self.count_hit(k, request_id)) is not None]
+            return counted
+        entries, get, limit = self._entries, self._entries.get, self.limit
+        out: list[tuple[OffloadKey, int]] = []
+        append = out.append
+        for key in keys:
+            entry = get(key)
+            if entry is None:
+                self._set(key, _ONE_HIT)
+                append((key, 1))
+            else:
+                entry += _ONE_HIT
+                entries[key] = entry
+                append((key, entry >> _HITS))
+        if len(entries) > limit:
+            self._trim()
+        return out
+
     def hits(self, key: OffloadKey) -> int:
         return self._entries.get(key, 0) >> _HITS
 

@@ -103,24 +103,22 @@ class Lookup:
         blocks = core.primary._blocks  # the hot path reads the block table directly
         where: dict[OffloadKey, str] = {}
         missing: dict[OffloadKey, None] = {}
-        asked = 0
+        on_gpu = 0
         for g, keys in enumerate(keys_per_group):
-            skip = min(len(keys), gpu_tokens // groups[g].block_size)
-            for key in keys[:skip]:
+            skip = min(len(keys), gpu_tokens // groups[g].block_size) if gpu_tokens else 0
+            for key in keys[:skip] if skip else ():
                 where[key] = _GPU
-            for key in keys[skip:]:
-                if key in where or key in missing:
-                    continue
-                asked += 1
+                on_gpu += 1
+            for key in keys[skip:] if skip else keys:
                 block = blocks.get(key)
                 if block is not None and block.ready:
                     where[key] = PRIMARY_MEDIUM
-                else:
+                elif key not in where:
                     missing[key] = None
         ps = core.primary_stats
         ps.lookups += 1
-        ps.lookup_keys += asked
-        ps.hits += asked - len(missing)
+        ps.lookup_keys += len(where) - on_gpu + len(missing)
+        ps.hits += len(where) - on_gpu
         ps.misses += len(missing)
         if missing:
             tiers = core.tiers
@@ -130,21 +128,35 @@ class Lookup:
         if len(groups) == 1 and groups[0].kind == "full":
             keys = keys_per_group[0]
             end = len(keys)
-            for j, key in enumerate(keys):
-                if key not in where:
-                    end = j
-                    break
+            if missing:
+                for j, key in enumerate(keys):
+                    if key not in where:
+                        end = j
+                        break
             tokens = end * groups[0].block_size
             ranges = [GroupHit(0, end)]
         else:
             present = [[k in where for k in keys] for keys in keys_per_group]
             tokens, ranges = combine_group_hits(groups, present)
-        group_keys = tuple(
-            tuple(k for k in keys[r.first : r.end] if where[k] != _GPU)
-            for keys, r in zip(keys_per_group, ranges)
-        )
+        if gpu_tokens:
+            group_keys = tuple(
+                tuple(k for k in keys[r.first : r.end] if where[k] != _GPU)
+                for keys, r in zip(keys_per_group, ranges)
+            )
+        else:
+            group_keys = tuple(
+                tuple(keys[r.first : r.end]) for keys, r in zip(keys_per_group, ranges)
+            )
         locations = {k: where[k] for keys in group_keys for k in keys}
-        core.primary.touch([k for k, m in locations.items() if m == PRIMARY_MEDIUM])
+        if missing:
+            core.primary.touch([k for k, m in locations.items() if m == PRIMARY_MEDIUM])
+        else:
+            core.primary.touch(list(locations))
         if self.on_hits is not None:
-            self.on_hits(list(dict.fromkeys(k for keys in keys_per_group for k in keys)), ctx)
+            self.on_hits(  # one group's keys are distinct (prefix-chained hashes)
+                keys_per_group[0]
+                if len(keys_per_group) == 1
+                else list(dict.fromkeys(k for keys in keys_per_group for k in keys)),
+                ctx,
+            )
         return LookupResult(tokens, group_keys, tuple(ranges), MappingProxyType(locations))
