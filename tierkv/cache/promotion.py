@@ -18,6 +18,7 @@ cancelled load never strands a reservation.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from types import MappingProxyType
 
@@ -54,6 +55,8 @@ class _LoadState:
 
 
 class Promoter:
+    stage1_windows = 2  # windows read from the tiers at once by one load
+
     def __init__(self, core: CacheCore, lookup: Lookup) -> None:
         self.core = core
         self.lookup = lookup
@@ -158,24 +161,48 @@ class Promoter:
         to_promote: list[OffloadKey],
         ctx: ReqContext,
     ) -> None:
-        reserve = self.core.reserve_slots
+        core = self.core
+        primary = core.primary
+        reserve = core.reserve_slots
         window = reserve if len(to_promote) <= reserve else max(1, reserve // 2)
-        primary = self.core.primary
+        inflight: deque[Flight] = deque()
+        pos = 0
+
+        def fill() -> None:
+            """Keep stage 1 busy: a second window reads while the first does, when the
+            reserve and the primary have room for it; the first one always starts (or
+            the rest is shed)."""
+            nonlocal pos
+            while pos < len(to_promote) and len(inflight) < self.stage1_windows:
+                size = min(window, len(to_promote) - pos)
+                if inflight and (
+                    core.reserve_slots - core.promoting < size
+                    or primary.num_free + primary.num_evictable < size + window
+                ):
+                    return  # wait for this load's own window instead
+                started = self._start(s, to_promote, pos, window, ctx)
+                if started is None:  # shed under contention
+                    pos = len(to_promote)
+                    return
+                flight, pos = started
+                inflight.append(flight)
+
         first = min(window, len(to_promote))
         if primary.num_free + primary.num_evictable >= first:
-            current = self._start(s, to_promote, 0, window, ctx) if to_promote else None
-            await self._copy_out(s, dest, resident)  # overlaps stage 1 of the first window
+            fill()
+            await self._copy_out(s, dest, resident)  # overlaps stage 1 of the first windows
         else:  # the room is held by this load's own resident blocks: copy them out first
             await self._copy_out(s, dest, resident)
-            current = self._start(s, to_promote, 0, window, ctx) if to_promote else None
-        while current is not None:
-            flight, pos = current
+            fill()
+        while inflight or pos < len(to_promote):
+            if not inflight:
+                fill()
+                continue
+            flight = inflight.popleft()
             await flight.done.wait()
             got = self._collect(s, flight, flight.keys)
-            current = (
-                self._start(s, to_promote, pos, window, ctx) if pos < len(to_promote) else None
-            )
-            await self._copy_out(s, dest, got)  # overlaps stage 1 of the next window
+            fill()
+            await self._copy_out(s, dest, got)  # overlaps stage 1 of the next windows
 
     def _start(
         self,
