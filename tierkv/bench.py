@@ -875,7 +875,7 @@ async def _bench_bookkeeping(
         for chunk in calls:
             await cache.load(chunk, out[: len(chunk)])
         per["host_load"].append((time.perf_counter() - t0) / (len(calls) * big))
-        fresh = [_keys(big, f"host-{rep}-{i}") for i in range(len(calls))]
+        fresh = [_keys(big, f"host-{time.time_ns()}-{i}") for i in range(len(calls))]
         t0 = time.perf_counter()
         for chunk in fresh:
             await cache.store(chunk, tensor)

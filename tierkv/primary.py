@@ -77,7 +77,7 @@ class PrepareStoreOutput(NamedTuple):
     evicted_keys: list[OffloadKey]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Block:
     slot: int
     ready: bool = False

@@ -207,7 +207,8 @@ class Cascader:
             if placed:  # a later window may evict: this request's earlier blocks must be safe
                 watch.placed(placed)
                 placed.clear()
-            prepared = primary.prepare_store_prefix(want, may_evict=watch.may_evict)
+            veto = watch.may_evict if watch.unsafe or core.index.dirty_count else None
+            prepared = primary.prepare_store_prefix(want, may_evict=veto)
             core.events.drain_primary()
             got = prepared.keys_to_store
             if not got:

@@ -43,9 +43,13 @@ class _LoadState:
     it took."""
 
     def __init__(self, keys: list[OffloadKey]) -> None:
-        self.positions: dict[OffloadKey, list[int]] = {}
+        # where each key goes in the destination: its first index, and any repeats
+        self.first: dict[OffloadKey, int] = {}
+        self.repeats: dict[OffloadKey, list[int]] = {}
+        first = self.first
         for i, key in enumerate(keys):
-            self.positions.setdefault(key, []).append(i)
+            if first.setdefault(key, i) != i:
+                self.repeats.setdefault(key, []).append(i)
         self.holding: set[OffloadKey] = set()  # keys this call holds one reader on
         self.loaded: set[OffloadKey] = set()
         self.sources: dict[OffloadKey, str] = {}
@@ -73,11 +77,12 @@ class Promoter:
         s = _LoadState(keys)
         resident: list[OffloadKey] = []
         to_promote: list[OffloadKey] = []
-        for key in s.positions:
-            flight = index.flight(key)
-            if primary.is_ready(key):
+        blocks = primary._blocks  # the hot path reads the block table directly
+        for key in s.first:
+            block = blocks.get(key)
+            if block is not None and block.ready:
                 resident.append(key)
-            elif flight is not None:
+            elif (flight := index.flight(key)) is not None:
                 flight.waiters[key] = flight.waiters.get(key, 0) + 1
                 s.waiting[key] = flight
             else:
@@ -85,8 +90,7 @@ class Promoter:
         if resident:
             primary.prepare_load(resident)
             s.holding.update(resident)
-            for key in resident:
-                s.sources[key] = PRIMARY_MEDIUM
+            s.sources.update(dict.fromkeys(resident, PRIMARY_MEDIUM))
         try:
             unknown = [k for k in to_promote if index.location(k) is None]
             if unknown:
@@ -122,9 +126,12 @@ class Promoter:
         stats.load_jobs += 1
         stats.blocks_loaded += len(s.loaded)
         stats.bytes_out += len(s.loaded) * core.block_bytes
-        order = list(s.positions)
-        ok = tuple(k for k in order if k in s.loaded)
-        failed = tuple(k for k in order if k not in s.loaded)
+        loaded = s.loaded
+        if len(loaded) == len(s.first):
+            ok, failed = tuple(s.first), ()
+        else:
+            ok = tuple(k for k in s.first if k in loaded)
+            failed = tuple(k for k in s.first if k not in loaded)
         return LoadResult(
             ok_keys=ok,
             failed_keys=failed,
@@ -139,14 +146,14 @@ class Promoter:
         if not keys:
             return
         primary = self.core.primary
-        indices: list[int] = []
-        slots: list[int] = []
-        for key in keys:
-            slot = primary.slot_of(key)
-            assert slot is not None
-            for i in s.positions[key]:
-                indices.append(i)
-                slots.append(slot)
+        blocks, first = primary._blocks, s.first
+        indices = [first[k] for k in keys]
+        slots = [blocks[k].slot for k in keys]
+        if s.repeats:
+            for key in keys:
+                for i in s.repeats.get(key, ()):
+                    indices.append(i)
+                    slots.append(blocks[key].slot)
         await dest.copy_from_slots(primary.view, indices, slots)
         s.loaded.update(keys)
         primary.complete_load(list(keys))
