@@ -306,3 +306,55 @@ async def test_a_tier_reporting_a_removal_updates_the_index_and_emits_an_event()
         tier.report_removed([ks[0]])
         assert cache.index.location(ks[0]) is None
         assert cache.take_events() == [OffloadingEvent((ks[0],), "memory", removed=True)]
+
+
+async def test_tiers_holding_parts_of_one_request_are_read_concurrently(
+    faulty_tier_type: str,
+) -> None:
+    config = {
+        "namespace": "split",
+        "layout": {"block_bytes": 1024, "groups": [{"block_size": 16}]},
+        "primary": {"capacity": 8 * 1024, "pin_memory": False},
+        "tiers": [
+            {"type": "faulty", "write_policy": "write_through_selective", "min_hits": 99},
+            {"type": "memory"},
+        ],
+        "promotion_reserve": 1.0,
+    }
+    async with TieredCache(parse_config(config)) as cache:
+        ks, blocks = keys(4), data(4, 1024, seed=7)
+        await cache.store(ks, blocks)
+        await cache.flush()
+        faulty = cache.tier("faulty")
+        assert isinstance(faulty, FaultyTier)
+        for k in ks[:2]:  # the faulty tier (first in the chain) holds the first half
+            await faulty.store(_direct_job(cache, [k]))
+        await cache.store(keys(8, "filler"), data(8, 1024, seed=8))
+        await cache.flush()
+        await cache.tier("memory").remove(ks[:2])
+        hit = await cache.lookup([ks])
+        assert [hit.locations[k] for k in ks] == ["faulty", "faulty", "memory", "memory"]
+        faulty.gate = anyio.Event()
+        out = torch.zeros_like(blocks)
+        result: list[Any] = []
+        async with anyio.create_task_group() as tg:
+
+            async def load() -> None:
+                result.append(await cache.load(ks, out))
+
+            tg.start_soon(load)
+            with anyio.fail_after(2):  # the memory tier's job runs while faulty's waits
+                while cache.stats().tiers["memory"]["load_jobs"] == 0:
+                    await anyio.sleep(0.005)
+            assert cache.stats().tiers["faulty"]["load_jobs"] == 0
+            faulty.gate.set()
+        assert result[0].ok and dict(result[0].sources) == dict(hit.locations)
+        assert torch.equal(out, blocks)
+
+
+def _direct_job(cache: TieredCache, ks: list[OffloadKey]) -> Any:
+    """A job storing the bytes of `ks` from their primary slots straight into a tier."""
+    from tierkv.jobs import JobMetadata
+
+    slots = [cache.primary.slot_of(k) for k in ks]
+    return JobMetadata(50_000 + len(ks), tuple(ks), tuple(s for s in slots if s is not None))
