@@ -127,6 +127,8 @@ class Promoter:
         stats.blocks_loaded += len(s.loaded)
         stats.bytes_out += len(s.loaded) * core.block_bytes
         loaded = s.loaded
+        ok: tuple[OffloadKey, ...]
+        failed: tuple[OffloadKey, ...]
         if len(loaded) == len(s.first):
             ok, failed = tuple(s.first), ()
         else:
