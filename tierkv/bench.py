@@ -32,6 +32,7 @@ resident and of unknown keys, and loads, `--lookup-batch` keys per call.
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 import statistics
 import time
@@ -845,6 +846,9 @@ async def bench_orchestrator(
     }
 
 
+_FRESH = itertools.count()
+
+
 async def _bench_bookkeeping(
     cache: TieredCache,
     keys: list[OffloadKey],
@@ -875,7 +879,7 @@ async def _bench_bookkeeping(
         for chunk in calls:
             await cache.load(chunk, out[: len(chunk)])
         per["host_load"].append((time.perf_counter() - t0) / (len(calls) * big))
-        fresh = [_keys(big, f"host-{time.time_ns()}-{i}") for i in range(len(calls))]
+        fresh = [_keys(big, f"h{next(_FRESH)}") for _ in calls]  # never stored before
         t0 = time.perf_counter()
         for chunk in fresh:
             await cache.store(chunk, tensor)
