@@ -244,18 +244,16 @@ class PrimaryTier:
 
     def _place(self, new_keys: list[OffloadKey], victims: list[OffloadKey]) -> PrepareStoreOutput:
         """Free the victims' slots and give them to `new_keys` (WRITING, pinned)."""
-        for key in victims:
-            block = self._blocks.pop(key)
-            self._evictable -= 1
-            self._free.append(block.slot)
-        if victims:
-            self._events.append(OffloadingEvent(tuple(victims), MEDIUM, removed=True))
-        slots = []
         blocks, free = self._blocks, self._free
-        for key in new_keys:  # WRITING: the policy admitted them pinned
-            slot = free.pop()
+        if victims:
+            pop = blocks.pop
+            free.extend([pop(key).slot for key in victims])
+            self._evictable -= len(victims)
+            self._events.append(OffloadingEvent(tuple(victims), MEDIUM, removed=True))
+        slots = free[len(free) - len(new_keys) :][::-1] if new_keys else []
+        del free[len(free) - len(new_keys) :]
+        for key, slot in zip(new_keys, slots):  # WRITING: the policy admitted them pinned
             blocks[key] = _Block(slot)
-            slots.append(slot)
         return PrepareStoreOutput(new_keys, slots, victims)
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
@@ -264,18 +262,26 @@ class PrimaryTier:
         Keys that are not being written (already ready, unknown) are left alone, so
         the whole key list of a `prepare_store` call may be passed back."""
         done: list[OffloadKey] = []
-        for key in keys:
-            block = self._blocks.get(key)
-            if block is None or block.ready:
-                continue
-            if success:
+        blocks = self._blocks
+        if success:
+            unread: list[OffloadKey] = []
+            for key in keys:
+                block = blocks.get(key)
+                if block is None or block.ready:
+                    continue
                 block.ready = True
                 if block.readers == 0:
-                    self._evictable += 1
-                    self.policy.unpin(key)
+                    unread.append(key)
                 done.append(key)
-            else:
-                del self._blocks[key]
+            if unread:
+                self._evictable += len(unread)
+                self.policy.unpin_many(unread)
+        else:
+            for key in keys:
+                block = blocks.get(key)
+                if block is None or block.ready:
+                    continue
+                del blocks[key]
                 self.policy.discard(key)
                 self._free.append(block.slot)
         if done:

@@ -184,7 +184,8 @@ class Cascader:
         blocks = primary._blocks  # hot path: the block table, not a method per key
         already = [k for k in position if k in blocks]
         new = [k for k in position if k not in blocks] if already else list(position)
-        run_validate_hook(src, "store", [position[k] for k in new])
+        if hasattr(src, "validate"):  # e.g. KVCacheBlocks: GPU block ids, coverage
+            run_validate_hook(src, "store", [position[k] for k in new])
         stored: list[OffloadKey] = []
         rejected: list[OffloadKey] = []
         error: str | None = None
@@ -244,6 +245,9 @@ class Cascader:
             stored.extend(got)
             self.after_store(got, watch)
             placed.extend(got)
+            if len(want) == size:  # nothing was skipped: the window is a prefix of `new[i:]`
+                i += len(got)
+                continue
             got_set, last = set(got), got[-1]
             while True:  # move past the window; keys it skipped were stored meanwhile
                 key = new[i]

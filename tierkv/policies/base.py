@@ -70,6 +70,11 @@ class EvictionPolicy(ABC):
     def unpin(self, key: OffloadKey) -> None:
         """Put a pinned key back into the victim order, as most recently used."""
 
+    def unpin_many(self, keys: Iterable[OffloadKey]) -> None:
+        """`unpin` each key, in order."""
+        for key in keys:
+            self.unpin(key)
+
     @abstractmethod
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         """Record a use of resident `keys`; the first key ends the most recent.

@@ -85,6 +85,13 @@ class LRUPolicy(EvictionPolicy):
             del self._pinned[key]
             self._order[key] = None
 
+    def unpin_many(self, keys: Iterable[OffloadKey]) -> None:
+        pinned, order = self._pinned, self._order
+        for key in keys:
+            if key in pinned:
+                del pinned[key]
+                order[key] = None
+
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         for key in reversed(list(keys)):
             if key in self._order:
