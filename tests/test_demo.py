@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 import torch
 
-from tierkv.cache import TieredCache
 from tierkv.config import parse_config
 from tierkv.demo import (
     ChatWorkload,
@@ -21,6 +20,7 @@ from tierkv.demo import (
     build_engine,
     run_demo,
 )
+from tierkv.orchestrator import TieredCache
 
 pytestmark = pytest.mark.anyio
 

@@ -11,10 +11,10 @@ import anyio
 import pytest
 import torch
 
-from tierkv.cache import TieredCache
 from tierkv.config import parse_config
 from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
 from tierkv.kv_blocks import KVCacheBlocks
+from tierkv.orchestrator import TieredCache
 from tierkv.worker import TransferWorker, required_block_bytes
 
 pytestmark = pytest.mark.anyio
