@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tierkv.bench import BenchOptions, empty_primary, run_bench
+from tierkv.cache import TieredCache
 from tierkv.cli import main
 from tierkv.config import parse_config
 from tierkv.keys import make_offload_key
-from tierkv.orchestrator import TieredCache
 
 pytestmark = pytest.mark.anyio
 
@@ -69,6 +69,18 @@ def test_default_chain_measures_primary_and_nvme_against_raw_media(
     assert orch["resident_keys"] == 512 and orch["keys_per_call"] == 64
     for op in ("store", "lookup_hit", "lookup_miss", "load"):
         assert orch[f"{op}_keys_per_s"] == pytest.approx(64 * orch[f"{op}_calls_per_s"])
+    assert orch["load_1024_us_per_block"] > 0 and orch["host_copy_us_per_key"] > 0
+    # streaming: 4 x the total (4 MiB) through a primary of total / 4 (4 blocks here)
+    stream = report["streaming"]
+    assert stream["request_bytes"] == 4 << 20 and stream["primary_bytes"] == 4 * (128 << 10)
+    assert stream["blocks"] == 32 and stream["windows"] == 32  # reserve 2 slots: windows of 1
+    for phase in ("store", "load"):
+        assert stream[f"{phase}_ratio"] == pytest.approx(
+            stream[f"{phase}_MBps"] / stream[f"raw_{phase}_MBps"]
+        )
+    assert stream["promotion_vs_slower_stage"] == pytest.approx(
+        stream["load_seconds"] / max(stream["stage1_seconds"], stream["stage2_seconds"])
+    )
 
 
 def test_a_tier_without_a_raw_baseline_gets_numbers_but_no_ratio(
@@ -87,6 +99,8 @@ def test_text_summary_names_every_medium(capsys: pytest.CaptureFixture[str]) -> 
     out = capsys.readouterr().out
     assert "nvme" in out and "ratio" in out and "os.pwrite/os.pread" in out
     assert "orchestrator bookkeeping, 512 resident keys" in out
+    assert "streaming: one 4MiB request through a 512KiB primary" in out
+    assert "x the slower stage" in out and "us/block on 1,024-block loads" in out
 
 
 def test_a_tier_that_loses_blocks_fails_the_bench(

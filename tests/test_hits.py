@@ -86,3 +86,42 @@ def test_hit_is_the_largest_servable_prefix(
 
     best = max(t for t in range(0, 16 * 13, 1) if t == 0 or serves(t))
     assert tokens == best
+
+
+def _brute_group_limit(group: GroupSpec, present: list[bool], limit: int) -> int:
+    """The definition, candidate by candidate (O(blocks x window))."""
+    bs = group.block_size
+    for n in range(min(limit // bs, len(present)), 0, -1):
+        tokens = n * bs
+        if group.kind == "full" or group.window is None:
+            first = 0
+        else:
+            first = max(0, tokens - (group.window - 1)) // bs
+        if all(present[first:n]):
+            return tokens
+    return 0
+
+
+@given(
+    present=st.lists(st.booleans(), max_size=40),
+    block_size=st.sampled_from([1, 4, 16]),
+    window=st.integers(1, 80),
+    limit=st.integers(0, 700),
+)
+def test_one_pass_sliding_window_limit_matches_the_definition(
+    present: list[bool], block_size: int, window: int, limit: int
+) -> None:
+    from tierkv.hits import _group_limit
+
+    group = sliding(block_size, window)
+    assert _group_limit(group, present, limit) == _brute_group_limit(group, present, limit)
+
+
+def test_sliding_window_hit_over_a_long_prompt_is_linear() -> None:
+    # 8,192 blocks, window 32,768 tokens: the old narrowing re-scanned the window per
+    # candidate; one pass answers at once (counted, not timed: one missing block)
+    group = sliding(16, 32768)
+    present = [True] * 8192
+    present[7000] = False
+    tokens, ranges = combine_group_hits([group], [present])
+    assert tokens == 7000 * 16 and ranges == [GroupHit(4952, 7000)]

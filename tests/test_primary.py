@@ -242,3 +242,26 @@ def test_arc_primary_evicts_from_t1_before_t2() -> None:
     p.touch([A, B])  # A, B seen again -> T2
     out = p.prepare_store([E])
     assert out is not None and out.evicted_keys == [C]  # oldest of T1
+
+
+def test_prepare_store_prefix_reserves_the_longest_prefix_that_fits() -> None:
+    p = make("lru")
+    store(p, A, B)
+    p.prepare_load([A])  # A held: not a victim
+    out = p.prepare_store_prefix([C, D, E, F])
+    assert out.keys_to_store == [C, D, E] and out.evicted_keys == [B]
+    p.complete_store(out.keys_to_store)
+    assert p.prepare_store_prefix([F]).keys_to_store == [F]  # evicts C (oldest unheld)
+    p.complete_store([F])
+    vetoed = p.prepare_store_prefix([b"G"], may_evict=lambda k: False)
+    assert vetoed.keys_to_store == [] and len(p) == 4  # nothing changed
+
+
+def test_may_evict_vetoes_victims_without_changing_anything() -> None:
+    p = make("lru")
+    store(p, A, B, C, D)
+    assert p.prepare_store([E], may_evict=lambda k: k not in (A, B, C, D)) is None
+    assert len(p) == 4 and p.num_evictable == 4
+    out = p.prepare_store([E], may_evict=lambda k: k != A)
+    assert out is not None and out.evicted_keys == [B]
+    assert p.candidates(2) == [A, C]  # the veto was for that call only

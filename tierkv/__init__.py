@@ -19,11 +19,11 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
     # embedding the cache
-    "TieredCache": "tierkv.orchestrator",
-    "CacheStats": "tierkv.orchestrator",
-    "LoadResult": "tierkv.orchestrator",
-    "LookupResult": "tierkv.orchestrator",
-    "StoreResult": "tierkv.orchestrator",
+    "TieredCache": "tierkv.cache",
+    "CacheStats": "tierkv.cache",
+    "LoadResult": "tierkv.cache",
+    "LookupResult": "tierkv.cache",
+    "StoreResult": "tierkv.cache",
     "CacheConfig": "tierkv.config",
     "load_config": "tierkv.config",
     "parse_config": "tierkv.config",
@@ -72,6 +72,21 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # the same names, eagerly, for type checkers
     from tierkv.blocks import (
         HostBlocks as HostBlocks,
+    )
+    from tierkv.cache import (
+        CacheStats as CacheStats,
+    )
+    from tierkv.cache import (
+        LoadResult as LoadResult,
+    )
+    from tierkv.cache import (
+        LookupResult as LookupResult,
+    )
+    from tierkv.cache import (
+        StoreResult as StoreResult,
+    )
+    from tierkv.cache import (
+        TieredCache as TieredCache,
     )
     from tierkv.config import (
         CacheConfig as CacheConfig,
@@ -129,21 +144,6 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers
     )
     from tierkv.layout import (
         KVLayout as KVLayout,
-    )
-    from tierkv.orchestrator import (
-        CacheStats as CacheStats,
-    )
-    from tierkv.orchestrator import (
-        LoadResult as LoadResult,
-    )
-    from tierkv.orchestrator import (
-        LookupResult as LookupResult,
-    )
-    from tierkv.orchestrator import (
-        StoreResult as StoreResult,
-    )
-    from tierkv.orchestrator import (
-        TieredCache as TieredCache,
     )
     from tierkv.registry import (
         register_tier as register_tier,

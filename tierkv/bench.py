@@ -32,6 +32,7 @@ resident and of unknown keys, and loads, `--lookup-batch` keys per call.
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 import statistics
 import time
@@ -46,13 +47,14 @@ import torch
 from pydantic import ByteSize
 
 from tierkv.bench_integrity import bench_integrity, integrity_summary
+from tierkv.blocks import HostBlocks
+from tierkv.cache import TieredCache
 from tierkv.config import CacheConfig
 from tierkv.demo.report import Block, TextTable, percentile
 from tierkv.jobs import JobMetadata
 from tierkv.keys import OffloadKey, make_offload_key
 from tierkv.layout import GroupSpec, KVLayout
 from tierkv.memory_tier import MemoryTierConfig
-from tierkv.orchestrator import TieredCache
 from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
 from tierkv.primary import HostSlab, PrimaryConfig
 from tierkv.tier import SecondaryTierManager, TierConfig
@@ -72,6 +74,11 @@ class BenchOptions:
     orchestrator_keys: int = 1_000_000  # 0: skip the orchestrator measurement
     lookup_batch: int = 128
     seed: int = 0
+    # the streaming phase (a chain with an nvme tier): one request of `streaming_bytes`
+    # (default 4 x total_bytes: 1 GiB) through a primary of `streaming_primary_bytes`
+    # (default total_bytes / 4: 64 MiB); 0 skips it
+    streaming_bytes: int | None = None
+    streaming_primary_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_bytes", "batch", "concurrency", "repeat", "lookup_batch"):
@@ -91,6 +98,20 @@ class BenchOptions:
     @property
     def num_blocks(self) -> int:
         return self.total_bytes // self.block_bytes
+
+    @property
+    def streaming_blocks(self) -> int:
+        total = 4 * self.total_bytes if self.streaming_bytes is None else self.streaming_bytes
+        return total // self.block_bytes
+
+    @property
+    def streaming_primary_blocks(self) -> int:
+        size = (
+            self.total_bytes // 4
+            if self.streaming_primary_bytes is None
+            else self.streaming_primary_bytes
+        )
+        return max(4, size // self.block_bytes)
 
 
 # -- driving batches --------------------------------------------------------------------
@@ -590,6 +611,140 @@ async def _tierkv_rep(
     return store, load
 
 
+# -- streaming through a small primary ---------------------------------------------------
+async def bench_streaming(
+    chain: CacheConfig, options: BenchOptions, progress: Callable[[str], None]
+) -> dict[str, Any] | None:
+    """One request much larger than the primary (`streaming_blocks` blocks through a
+    primary of `streaming_primary_blocks`), stored with one `store` call and loaded with
+    one `load` call through the chain's nvme tier, against raw `pwrite`/`pread` of the
+    same bytes at the tier's concurrency; and the promotion's wall time against each of
+    its stages alone (stage 1: the tier's load jobs into primary slots, window by
+    window; stage 2: the copies from the slots to the destination)."""
+    tier = next((t for t in chain.tiers if t.type == "nvme"), None)
+    n = options.streaming_blocks
+    if tier is None or n == 0:
+        return None
+    block = options.block_bytes
+    slots = options.streaming_primary_blocks
+    run_tag = f"{os.getpid()}-{time.time_ns()}"
+    config = chain.model_copy(
+        update={
+            "namespace": f"tierkv-bench-stream-{run_tag}",
+            "layout": KVLayout(
+                block_bytes=ByteSize(block), groups=(GroupSpec(block_size=BLOCK_TOKENS),)
+            ),
+            "primary": PrimaryConfig(
+                capacity=ByteSize(slots * block),
+                eviction="lru",
+                pin_memory=chain.primary.pin_memory,
+            ),
+            "tiers": [
+                tier.model_copy(
+                    update={
+                        "write_policy": "write_through",
+                        "max_inflight_bytes": max(tier.max_inflight_bytes, ByteSize(slots * block)),
+                        "required": True,
+                    }
+                )
+            ],
+        }
+    )
+    progress(f"streaming: {format_size(n * block)} through a {format_size(slots * block)} primary")
+    gen = torch.Generator().manual_seed(options.seed + 1)
+    data = torch.randint(0, 256, (n, block), dtype=torch.uint8, generator=gen)
+    out = torch.zeros_like(data)
+    raw = RawFile(tier, block)
+    times: dict[str, list[float]] = {
+        k: [] for k in ("store", "load", "raw_store", "raw_load", "stage1", "stage2")
+    }
+    windows = 0
+    await raw.open()
+    try:
+        for rep in range(options.repeat):
+            progress(f"streaming: repetition {rep + 1}/{options.repeat}, raw")
+            t0 = time.perf_counter()
+            await raw.store(data, (0, n))
+            times["raw_store"].append(time.perf_counter() - t0)
+            await raw.before_load(None)
+            t0 = time.perf_counter()
+            await raw.load(out, (0, n))
+            times["raw_load"].append(time.perf_counter() - t0)
+            if not torch.equal(out, data):
+                raise BenchFailure("streaming (raw): blocks read back differ")
+            out.zero_()
+            await raw.cleanup(n)
+            progress(f"streaming: repetition {rep + 1}/{options.repeat}, tierkv")
+            keys = _keys(n, f"s{rep}-{run_tag}")
+            async with TieredCache(config) as cache:
+                cache.primary.view.tensor.zero_()
+                name = cache.tier_names[0]
+                t0 = time.perf_counter()
+                stored = await cache.store(keys, data)
+                await cache.flush()
+                times["store"].append(time.perf_counter() - t0)
+                if not stored.ok:
+                    raise BenchFailure(f"streaming: {len(stored.rejected)} blocks rejected")
+                empty_primary(cache)
+                await raw.before_load(cache.tier(name))
+                t0 = time.perf_counter()
+                loaded = await cache.load(keys, out)
+                times["load"].append(time.perf_counter() - t0)
+                if not loaded.ok or not torch.equal(out, data):
+                    raise BenchFailure(
+                        f"streaming: {len(loaded.failed_keys)} blocks failed to load"
+                        if not loaded.ok
+                        else "streaming: blocks loaded back differ"
+                    )
+                out.zero_()
+                # each stage alone, over the same windows the promotion used
+                window = max(1, cache.core.reserve_slots // 2)
+                windows = -(-n // window)
+                empty_primary(cache)
+                await raw.before_load(cache.tier(name))
+                nvme = cache.tier(name)
+                dest = HostBlocks(out, block, writable=True)
+                stage1 = stage2 = 0.0
+                for a in range(0, n, window):
+                    ks = tuple(keys[a : a + window])
+                    rows = list(range(len(ks)))
+                    t0 = time.perf_counter()
+                    result = await nvme.load(JobMetadata(a + 1, ks, tuple(rows)))
+                    stage1 += time.perf_counter() - t0
+                    if not result.ok:
+                        raise BenchFailure(f"streaming: stage 1 alone failed: {result.error}")
+                    t0 = time.perf_counter()
+                    await dest.copy_from_slots(
+                        cache.primary.view, list(range(a, a + len(ks))), rows
+                    )
+                    stage2 += time.perf_counter() - t0
+                if not torch.equal(out, data):
+                    raise BenchFailure("streaming: stages alone read back different blocks")
+                out.zero_()
+                times["stage1"].append(stage1)
+                times["stage2"].append(stage2)
+                await nvme.remove(keys)
+    finally:
+        await raw.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    nbytes = n * block
+    return {
+        "request_bytes": nbytes,
+        "primary_bytes": slots * block,
+        "blocks": n,
+        "windows": windows,
+        "baseline": raw.description,
+        **{f"{k}_seconds": v for k, v in med.items()},
+        "store_MBps": nbytes / med["store"] / 1e6,
+        "load_MBps": nbytes / med["load"] / 1e6,
+        "raw_store_MBps": nbytes / med["raw_store"] / 1e6,
+        "raw_load_MBps": nbytes / med["raw_load"] / 1e6,
+        "store_ratio": med["raw_store"] / med["store"],
+        "load_ratio": med["raw_load"] / med["load"],
+        "promotion_vs_slower_stage": med["load"] / max(med["stage1"], med["stage2"]),
+    }
+
+
 # -- the orchestrator's own cost ----------------------------------------------------------
 class _NoCopy:
     """A block source and destination that moves no bytes: what remains of a store or
@@ -678,15 +833,73 @@ async def bench_orchestrator(
                         await cache.lookup([chunk])
                     done += len(chunk)
                 rates[name].append(done / (time.perf_counter() - t0))
+        bookkeeping = await _bench_bookkeeping(cache, keys, block_bytes, options, progress)
         resident = len(cache.primary)
     return {
         "resident_keys": resident,
         "keys_per_call": per_call,
+        **bookkeeping,
         **{f"{name}_keys_per_s": statistics.median(values) for name, values in rates.items()},
         **{
             f"{name}_calls_per_s": statistics.median(values) / per_call
             for name, values in rates.items()
         },
+    }
+
+
+_FRESH = itertools.count()
+
+
+async def _bench_bookkeeping(
+    cache: TieredCache,
+    keys: list[OffloadKey],
+    block_bytes: int,
+    options: BenchOptions,
+    progress: Callable[[str], None],
+) -> dict[str, float]:
+    """Per block: a 1,024-block load of resident keys with no copies (what the cache
+    adds to a load), and the host-tensor store/load path beyond its own copy (the
+    same rows moved by one `index_copy_`/`index_select` into the same kind of slots).
+    Medians of `repeat` runs of 16 calls each."""
+    n = len(keys)
+    big = min(1024, n)
+    calls = [keys[i : i + big] for i in range(0, min(n, 16 * big), big)]
+    tensor = torch.randint(0, 256, (big, block_bytes), dtype=torch.uint8)
+    out = torch.zeros_like(tensor)
+    slab = cache.primary.view.tensor
+    per: dict[str, list[float]] = {
+        k: [] for k in ("load_1024", "host_store", "host_load", "raw_store", "raw_load")
+    }
+    for rep in range(options.repeat):
+        progress(f"orchestrator: 1,024-block calls, repetition {rep + 1}/{options.repeat}")
+        t0 = time.perf_counter()
+        for chunk in calls:
+            await cache.load(chunk, _NoCopy(len(chunk)))
+        per["load_1024"].append((time.perf_counter() - t0) / (len(calls) * big))
+        t0 = time.perf_counter()
+        for chunk in calls:
+            await cache.load(chunk, out[: len(chunk)])
+        per["host_load"].append((time.perf_counter() - t0) / (len(calls) * big))
+        fresh = [_keys(big, f"h{next(_FRESH)}") for _ in calls]  # never stored before
+        t0 = time.perf_counter()
+        for chunk in fresh:
+            await cache.store(chunk, tensor)
+        per["host_store"].append((time.perf_counter() - t0) / (len(calls) * big))
+        slots = torch.randperm(slab.shape[0])[:big]
+        t0 = time.perf_counter()
+        for _ in calls:
+            slab.index_copy_(0, slots, tensor)
+        per["raw_store"].append((time.perf_counter() - t0) / (len(calls) * big))
+        t0 = time.perf_counter()
+        for _ in calls:
+            torch.index_select(slab, 0, slots, out=out)
+        per["raw_load"].append((time.perf_counter() - t0) / (len(calls) * big))
+    med = {k: statistics.median(v) * 1e6 for k, v in per.items()}
+    return {
+        "load_1024_us_per_block": med["load_1024"],
+        "host_store_us_per_key_beyond_copy": med["host_store"] - med["raw_store"],
+        "host_load_us_per_key_beyond_copy": med["host_load"] - med["raw_load"],
+        "host_copy_us_per_key": (med["raw_store"] + med["raw_load"]) / 2,
     }
 
 
@@ -736,6 +949,7 @@ async def _run_bench(
             else raw_baseline_for(tier, options.block_bytes)
         )
         results.append(await _bench_medium(chain, medium, tier, raw, data, options, say))
+    streaming = await bench_streaming(chain, options, say)
     orchestrator = (
         await bench_orchestrator(chain, options, say) if options.orchestrator_keys else None
     )
@@ -748,6 +962,7 @@ async def _run_bench(
         "repeat": options.repeat,
         "torch_threads": torch.get_num_threads(),  # during the bench
         "media": results,
+        "streaming": streaming,
         "orchestrator": orchestrator,
         "integrity": bench_integrity(options.block_bytes),
         "elapsed_seconds": time.perf_counter() - started,
@@ -818,6 +1033,41 @@ def bench_summary(report: dict[str, Any]) -> list[Block]:
                 title=f"orchestrator bookkeeping, {orch['resident_keys']:,} resident keys, "
                 f"{orch['keys_per_call']} keys per call, no I/O",
             )
+        )
+    stream = report.get("streaming")
+    if stream:
+        blocks.append("")
+        blocks.append(
+            TextTable(
+                ["phase", "tierkv MB/s", "raw MB/s", "ratio (target >= 0.8)"],
+                [
+                    [
+                        phase,
+                        f"{stream[f'{phase}_MBps']:,.0f}",
+                        f"{stream[f'raw_{phase}_MBps']:,.0f}",
+                        f"{stream[f'{phase}_ratio']:.2f}",
+                    ]
+                    for phase in ("store", "load")
+                ],
+                title=f"streaming: one {format_size(stream['request_bytes'])} request "
+                f"through a {format_size(stream['primary_bytes'])} primary and nvme "
+                f"(raw = {stream['baseline']})",
+            )
+        )
+        blocks.append(
+            f"  promotion: {stream['load_seconds'] * 1e3:,.0f} ms in {stream['windows']} "
+            f"windows; stage 1 alone {stream['stage1_seconds'] * 1e3:,.0f} ms, stage 2 "
+            f"alone {stream['stage2_seconds'] * 1e3:,.0f} ms: "
+            f"{stream['promotion_vs_slower_stage']:.2f}x the slower stage (target <= 1.25)"
+        )
+    if orch and "load_1024_us_per_block" in orch:
+        blocks.append(
+            f"  bookkeeping: {orch['load_1024_us_per_block']:.2f} us/block on 1,024-block "
+            f"loads (target <= 5); lookup {1e6 / orch['lookup_hit_keys_per_s']:.2f} us/key "
+            f"at {orch['resident_keys']:,} resident keys (target <= 1); host tensor "
+            f"store {orch['host_store_us_per_key_beyond_copy']:.2f} / load "
+            f"{orch['host_load_us_per_key_beyond_copy']:.2f} us/key beyond the copy "
+            f"(target <= 2)"
         )
     if report.get("integrity"):
         blocks += ["", *integrity_summary(report["integrity"])]

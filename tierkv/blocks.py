@@ -18,6 +18,7 @@ import torch
 from tierkv.primary import HostSlab
 
 _THREAD_THRESHOLD = 8 << 20  # copy in a worker thread above this many bytes per call
+_ROW_COPY_BYTES = 64 << 10  # rows this large scatter faster one copy_ at a time
 
 
 @runtime_checkable
@@ -69,8 +70,25 @@ def _as_byte_view(obj: BufferLike, index: int, block_bytes: int, writable: bool)
     return view
 
 
+def _run_of(values: Sequence[int]) -> int | None:
+    """The first value when `values` is a run `v, v+1, ...`, else None."""
+    if not values:
+        return None
+    first = values[0]
+    if values[-1] - first != len(values) - 1:
+        return None
+    for offset, v in enumerate(values):
+        if v != first + offset:
+            return None
+    return first
+
+
 class HostBlocks:
-    """Blocks in host memory: a sequence of buffers, or one `[n, block_bytes]` tensor."""
+    """Blocks in host memory: a sequence of buffers, or one `[n, block_bytes]` tensor.
+
+    A 2-D contiguous CPU tensor is kept whole (no per-block wrapping) and copied with
+    one `index_copy_` / `index_select` per call, which costs about the same for one
+    block as for a thousand; anything else is wrapped block by block."""
 
     def __init__(
         self,
@@ -79,13 +97,23 @@ class HostBlocks:
         *,
         writable: bool = False,
     ) -> None:
-        items: Sequence[BufferLike]
+        self.block_bytes = block_bytes
+        self._matrix: torch.Tensor | None = None
+        self._views: list[memoryview] = []
+        self._tensors: list[torch.Tensor | None] = []
         if isinstance(blocks, torch.Tensor):
             if blocks.dim() != 2:
                 raise ValueError(
                     f"a block tensor must be 2-D [n, block_bytes]; got shape {tuple(blocks.shape)}"
                 )
-            items = list(blocks.unbind(0))
+            if blocks.is_contiguous() and blocks.device.type == "cpu":
+                row = int(blocks.shape[1]) * blocks.element_size()
+                if blocks.shape[0] and row != block_bytes:
+                    raise ValueError(f"block 0 is {row} bytes; blocks are {block_bytes} bytes")
+                self._matrix = blocks.view(torch.uint8).reshape(int(blocks.shape[0]), row)
+                self._count = int(blocks.shape[0])
+                return
+            items: Sequence[BufferLike] = list(blocks.unbind(0))
         else:
             items = blocks
         self._views = [_as_byte_view(b, i, block_bytes, writable) for i, b in enumerate(items)]
@@ -93,10 +121,10 @@ class HostBlocks:
         self._tensors = [
             b.view(torch.uint8).reshape(-1) if isinstance(b, torch.Tensor) else None for b in items
         ]
-        self.block_bytes = block_bytes
+        self._count = len(self._views)
 
     def __len__(self) -> int:
-        return len(self._views)
+        return self._count
 
     async def _run(self, fn: object, count: int) -> None:
         assert callable(fn)
@@ -108,6 +136,29 @@ class HostBlocks:
     async def copy_to_slots(
         self, view: HostSlab, indices: Sequence[int], slots: Sequence[int]
     ) -> None:
+        matrix = self._matrix
+        if matrix is not None:
+
+            def copy_matrix() -> None:
+                start = _run_of(indices)
+                src = (
+                    matrix[start : start + len(indices)]
+                    if start is not None
+                    else matrix.index_select(0, torch.tensor(indices, dtype=torch.long))
+                )
+                first = _run_of(slots)
+                if first is not None:
+                    view.tensor[first : first + len(slots)].copy_(src)
+                elif self.block_bytes >= _ROW_COPY_BYTES:  # index_copy_ is slow on big rows
+                    slab = view.tensor
+                    for row, slot in enumerate(slots):
+                        slab[slot].copy_(src[row])
+                else:
+                    view.tensor.index_copy_(0, torch.tensor(slots, dtype=torch.long), src)
+
+            await self._run(copy_matrix, len(slots))
+            return
+
         def copy() -> None:
             for i, slot in zip(indices, slots):
                 tensor = self._tensors[i]
@@ -121,6 +172,32 @@ class HostBlocks:
     async def copy_from_slots(
         self, view: HostSlab, indices: Sequence[int], slots: Sequence[int]
     ) -> None:
+        matrix = self._matrix
+        if matrix is not None:
+
+            def copy_matrix() -> None:
+                first = _run_of(slots)
+                start = _run_of(indices)
+                if first is not None and start is not None:
+                    matrix[start : start + len(indices)].copy_(
+                        view.tensor[first : first + len(slots)]
+                    )
+                    return
+                slot_index = torch.tensor(slots, dtype=torch.long)
+                if start is not None:
+                    torch.index_select(
+                        view.tensor, 0, slot_index, out=matrix[start : start + len(indices)]
+                    )
+                else:
+                    matrix.index_copy_(
+                        0,
+                        torch.tensor(indices, dtype=torch.long),
+                        view.tensor.index_select(0, slot_index),
+                    )
+
+            await self._run(copy_matrix, len(slots))
+            return
+
         def copy() -> None:
             for i, slot in zip(indices, slots):
                 tensor = self._tensors[i]

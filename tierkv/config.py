@@ -68,7 +68,22 @@ class CacheConfig(BaseModel):
         "hold at once; the rest stays free for stores",
     )
     lookup_timeout: Duration | None = Field(
-        default=None, description="a tier that does not answer a lookup in time is a miss"
+        default=0.05,
+        description="a tier that does not answer a lookup in time is a miss (null: no limit)",
+    )
+    store_timeout: Duration = Field(
+        default=30.0,
+        gt=0,
+        description="how long a store larger than the primary's free room may wait for "
+        "cascades to release slots before the rest of it is rejected",
+    )
+    write_back_max_dirty: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="share of primary slots that may hold blocks not yet written to a "
+        "write_back tier; past it they are written back (or, while the tier is down, "
+        "dropped and counted)",
     )
     write_back_headroom: float = Field(
         default=0.125,

@@ -7,6 +7,10 @@ window `W` only needs the blocks holding the last `W - 1` tokens before `L` (the
 token attends to itself and the `W - 1` before it). The combined hit is the largest
 `L` every group can serve, each group aligned down to its own block size: the
 candidate only shrinks, so narrowing group by group until nothing changes finds it.
+
+Each group's narrowing is one pass over its blocks: a full-attention group stops at
+its first missing block; a sliding-window group tracks, for every block, how many
+present blocks end there in a row, and walks the candidates down once.
 """
 
 from __future__ import annotations
@@ -43,12 +47,18 @@ def _group_limit(group: GroupSpec, present: Sequence[bool], limit: int) -> int:
             if not present[i]:
                 return i * bs
         return n * bs
+    # run[j]: present blocks in a row ending at block j (0 when j is missing)
+    run = [0] * n
+    count = 0
+    for j in range(n):
+        count = count + 1 if present[j] else 0
+        run[j] = count
+    span = group.window - 1
     while n > 0:
-        first, end = _needed_range(group, n * bs)
-        missing = [j for j in range(first, end) if not present[j]]
-        if not missing:
+        first = max(0, n * bs - span) // bs
+        if n - first <= 0 or run[n - 1] >= n - first:
             return n * bs
-        n = missing[-1]  # every candidate above the last missing block needs it
+        n -= 1 + run[n - 1]  # every candidate above the last missing block needs it
     return 0
 
 

@@ -81,6 +81,31 @@ class KVCacheBlocks:
         """How many keys each group contributes, in order."""
         return list(self._counts)
 
+    def validate(self, direction: Direction, indices: Sequence[int] | None = None) -> None:
+        """Check a request before the cache reserves, evicts or promotes anything: GPU
+        block ids in range, and for a store, that the keys at `indices` (all keys when
+        None) cover whole offloaded blocks. Raises ValueError; changes nothing."""
+        limits = getattr(self.worker, "num_gpu_blocks", None)
+        if limits is not None:
+            for g, blocks in enumerate(self.gpu_blocks):
+                bad = [b for b in blocks if not 0 <= b < limits[g]]
+                if bad:
+                    raise ValueError(
+                        f"group {g}: GPU block ids {bad[:5]} are out of range 0..{limits[g] - 1}"
+                    )
+        if direction != "store":
+            return
+        chosen = range(len(self._keys)) if indices is None else indices
+        for index in chosen:
+            g, j = self._keys[index]
+            head = self.heads[g]
+            if j * self.factor - head < 0 or (j + 1) * self.factor - head > len(self.gpu_blocks[g]):
+                raise ValueError(
+                    f"group {g}: a store must cover whole offloaded blocks; offloaded block "
+                    f"{j} is only partly among the GPU blocks given (block_indices head "
+                    f"{head}, {len(self.gpu_blocks[g])} GPU blocks, factor {self.factor})"
+                )
+
     def _check_view(self, view: HostSlab) -> None:
         if view.num_blocks != self.worker.num_slots or view.block_bytes != self.worker.block_bytes:
             raise ValueError("this KVCacheBlocks' worker was built over another primary slab")

@@ -41,7 +41,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "extra of tierkv-cache)"
     ) from exc
 
-from tierkv.orchestrator import CacheStats, TieredCache
+from tierkv.cache import CacheStats, TieredCache
 from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
 
 logger = logging.getLogger(__name__)

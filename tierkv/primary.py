@@ -8,9 +8,14 @@ through a small life cycle:
                         \--complete_store(fail)--> freed
 
 A WRITING slot is neither readable nor evictable; a READY slot with readers (jobs
-reading it: a load to the GPU, a cascade to a lower tier) is not evictable. The number
-of evictable blocks is kept as a counter, so a store that cannot fit is refused in
-O(len(keys)) without scanning the slab.
+reading it: a load to the GPU, a cascade to a lower tier) is not evictable. Such
+blocks are *pinned* in the eviction policy, which keeps them out of its victim order:
+choosing victims never walks past held blocks. The number of evictable blocks is kept
+as a counter, so a store that cannot fit is refused in O(len(keys)).
+
+The cache may veto further victims (`may_evict`: dirty write-back blocks, keys of the
+request being stored); `prepare_store_prefix` reserves the longest prefix of a key
+list that fits, which is how a store larger than the slab streams through it.
 
 Not thread-safe: the orchestrator drives it from the event loop thread.
 """
@@ -29,7 +34,7 @@ from tierkv.errors import BlockStateError, ConfigError
 from tierkv.events import OffloadingEvent
 from tierkv.keys import OffloadKey
 from tierkv.layout import KVLayout
-from tierkv.policies import EvictionPolicy, make_policy
+from tierkv.policies import CanEvict, EvictionPolicy, make_policy
 from tierkv.slab import PrimaryView
 from tierkv.units import Size, format_size
 
@@ -72,7 +77,7 @@ class PrepareStoreOutput(NamedTuple):
     evicted_keys: list[OffloadKey]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Block:
     slot: int
     ready: bool = False
@@ -185,41 +190,70 @@ class PrimaryTier:
         """Mark `keys` used; the first key ends the most recent."""
         self.policy.touch(keys)
 
-    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
+    def _victim_filter(self, keys: Sequence[OffloadKey], may_evict: CanEvict | None) -> CanEvict:
+        # keys in the policy's victim order are ready and unread (the rest is pinned)
+        protected = {k for k in keys if k in self._blocks}
+        if may_evict is None:
+            return lambda key: key not in protected
+        if not protected:
+            return may_evict
+        return lambda key: key not in protected and may_evict(key)
+
+    def candidates(self, limit: int, may_evict: CanEvict | None = None) -> list[OffloadKey]:
+        """The next `limit` (at most) victims in policy order. Changes nothing."""
+        return self.policy.candidates(limit, self._victim_filter((), may_evict))
+
+    def prepare_store(
+        self, keys: Sequence[OffloadKey], *, may_evict: CanEvict | None = None
+    ) -> PrepareStoreOutput | None:
         """Reserve slots for the `keys` not yet resident, evicting if needed.
 
         Returns None, changing nothing, when not enough slots can be freed. Keys in
-        `keys` are never evicted by this call. The reserved slots are WRITING until
-        `complete_store`.
+        `keys` are never evicted by this call, nor keys `may_evict` refuses. The
+        reserved slots are WRITING until `complete_store`.
         """
         new_keys = list(dict.fromkeys(k for k in keys if k not in self._blocks))
         shortfall = len(new_keys) - len(self._free)
-        protected: set[OffloadKey] = set()
-        if shortfall > 0:
-            protected = {k for k in keys if k in self._blocks}
-            protected_evictable = sum(1 for k in protected if self._is_evictable(self._blocks[k]))
+        if shortfall > 0 and may_evict is None:
+            protected_evictable = sum(
+                1 for k in set(keys) if k in self._blocks and self._is_evictable(self._blocks[k])
+            )
             if self._evictable - protected_evictable < shortfall:
                 return None
-        blocks = self._blocks
+        return self._reserve(new_keys, max(shortfall, 0), self._victim_filter(keys, may_evict))
 
-        def can_evict(key: OffloadKey) -> bool:
-            return key not in protected and self._is_evictable(blocks[key])
+    def prepare_store_prefix(
+        self, keys: Sequence[OffloadKey], *, may_evict: CanEvict | None = None
+    ) -> PrepareStoreOutput:
+        """Like `prepare_store`, but reserve the longest prefix of the new keys that
+        fits (possibly none) instead of all or nothing."""
+        new_keys = list(dict.fromkeys(k for k in keys if k not in self._blocks))
+        can_evict = self._victim_filter(keys, may_evict)
+        admitted, victims = self.policy.admit_prefix(
+            new_keys, len(self._free), can_evict, pinned=True
+        )
+        return self._place(admitted, victims)
 
-        victims = self.policy.admit(new_keys, max(shortfall, 0), can_evict)
-        if victims is None:  # the counter said yes; the policy disagrees: refuse safely
-            logger.error("eviction policy found fewer victims than the evictable count")
+    def _reserve(
+        self, new_keys: list[OffloadKey], shortfall: int, can_evict: CanEvict
+    ) -> PrepareStoreOutput | None:
+        victims = self.policy.admit(new_keys, shortfall, can_evict, pinned=True)
+        if victims is None:
             return None
-        for key in victims:
-            block = self._blocks.pop(key)
-            self._evictable -= 1
-            self._free.append(block.slot)
+        return self._place(new_keys, victims)
+
+    def _place(self, new_keys: list[OffloadKey], victims: list[OffloadKey]) -> PrepareStoreOutput:
+        """Free the victims' slots and give them to `new_keys` (WRITING, pinned)."""
+        blocks, free = self._blocks, self._free
         if victims:
+            pop = blocks.pop
+            free.extend([pop(key).slot for key in victims])
+            self._evictable -= len(victims)
             self._events.append(OffloadingEvent(tuple(victims), MEDIUM, removed=True))
-        slots = []
-        for key in new_keys:
-            slot = self._free.pop()
-            self._blocks[key] = _Block(slot)
-            slots.append(slot)
+        slots = free[len(free) - len(new_keys) :][::-1] if new_keys else []
+        del free[len(free) - len(new_keys) :]
+        for key, slot in zip(new_keys, slots):  # WRITING: the policy admitted them pinned
+            blocks[key] = _Block(slot)
         return PrepareStoreOutput(new_keys, slots, victims)
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
@@ -228,17 +262,26 @@ class PrimaryTier:
         Keys that are not being written (already ready, unknown) are left alone, so
         the whole key list of a `prepare_store` call may be passed back."""
         done: list[OffloadKey] = []
-        for key in keys:
-            block = self._blocks.get(key)
-            if block is None or block.ready:
-                continue
-            if success:
+        blocks = self._blocks
+        if success:
+            unread: list[OffloadKey] = []
+            for key in keys:
+                block = blocks.get(key)
+                if block is None or block.ready:
+                    continue
                 block.ready = True
                 if block.readers == 0:
-                    self._evictable += 1
+                    unread.append(key)
                 done.append(key)
-            else:
-                del self._blocks[key]
+            if unread:
+                self._evictable += len(unread)
+                self.policy.unpin_many(unread)
+        else:
+            for key in keys:
+                block = blocks.get(key)
+                if block is None or block.ready:
+                    continue
+                del blocks[key]
                 self.policy.discard(key)
                 self._free.append(block.slot)
         if done:
@@ -259,6 +302,7 @@ class PrimaryTier:
             block = self._blocks[key]
             if block.readers == 0:
                 self._evictable -= 1
+                self.policy.pin(key)
             block.readers += 1
             slots.append(block.slot)
         return slots
@@ -279,6 +323,7 @@ class PrimaryTier:
             block.readers -= count
             if block.readers == 0:
                 self._evictable += 1
+                self.policy.unpin(key)
 
     def take_events(self) -> list[OffloadingEvent]:
         """Events since the last call, oldest first."""

@@ -105,3 +105,26 @@ def test_ghost_lists_stay_bounded_and_lists_disjoint(ops: list[tuple[str, int]])
         assert len(t1) + len(t2) + len(b1) + len(b2) <= 2 * c
         assert not (t1 & t2) and not ((t1 | t2) & (b1 | b2)) and not (b1 & b2)
         assert 0 <= arc.target <= c
+
+
+def test_pinned_keys_leave_the_victim_order_and_keep_their_list() -> None:
+    arc = ARCPolicy(4)
+    arc.admit([A, B, C, D], 0, always)
+    arc.touch([B])  # B -> T2
+    arc.pin(A)
+    arc.pin(B)
+    seen: list[bytes] = []
+
+    def spy(key: bytes) -> bool:
+        seen.append(key)
+        return True
+
+    assert arc.candidates(2, spy) == [C, D] and A not in seen and B not in seen
+    assert len(arc) == 4 and A in arc and B in arc
+    assert set(arc.t1) == {A, C, D} and arc.t2 == [B]
+    arc.unpin(A)
+    arc.unpin(B)
+    assert arc.candidates(4, always) == [C, D, A, B]
+    arc.pin(C)
+    arc.discard(C)
+    assert C not in arc and len(arc) == 3

@@ -49,3 +49,23 @@ def test_make_policy_names() -> None:
 
     with pytest.raises(ValueError, match="unknown eviction policy 'fifo'; choose one of arc, lru"):
         make_policy("fifo", 2)
+
+
+def test_pinned_keys_are_never_walked_and_return_as_most_recent() -> None:
+    lru = LRUPolicy(4)
+    lru.admit([A, B, C, D], 0, always)
+    lru.pin(A)
+    lru.pin(B)
+    seen: list[bytes] = []
+
+    def spy(key: bytes) -> bool:
+        seen.append(key)
+        return True
+
+    assert lru.candidates(1, spy) == [C] and seen == [C]  # A and B not even looked at
+    assert lru.eviction_order() == [C, D, A, B] and len(lru) == 4 and A in lru
+    lru.unpin(A)
+    assert lru.eviction_order() == [C, D, A, B]
+    assert lru.admit([E], 2, always) == [C, D]
+    lru.discard(B)
+    assert B not in lru and lru.candidates(5, always) == [A, E]

@@ -1,9 +1,12 @@
 """The eviction-policy interface the primary tier drives.
 
-A policy only orders keys; the primary decides what is evictable (ready, no readers,
-not protected) and passes that as a predicate. `admit` is all-or-nothing: it either
-finds every victim it was asked for and commits (victims out, new keys in), or
-returns None and changes nothing.
+A policy only orders keys. The primary tells it which resident keys are pinned
+(being written or read: `pin`/`unpin`); a policy keeps pinned keys out of its victim
+order, so choosing a victim never walks past them (O(1) per victim however many blocks
+are held). A caller may still veto candidates with a predicate (keys of the request
+being stored, dirty write-back blocks); that walk is bounded by what it vetoes.
+`admit` is all-or-nothing: it either finds every victim it was asked for and commits
+(victims out, new keys in), or returns None and changes nothing.
 """
 
 from __future__ import annotations
@@ -29,11 +32,48 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def admit(
-        self, new_keys: Sequence[OffloadKey], num_victims: int, can_evict: CanEvict
+        self,
+        new_keys: Sequence[OffloadKey],
+        num_victims: int,
+        can_evict: CanEvict,
+        *,
+        pinned: bool = False,
     ) -> list[OffloadKey] | None:
         """Evict `num_victims` keys for which `can_evict` holds, then make `new_keys`
-        resident. Return the victims in eviction order, or None (and change nothing)
-        when fewer than `num_victims` evictable keys exist."""
+        resident (pinned at once with `pinned`: they are being written). Return the
+        victims in eviction order, or None (and change nothing) when fewer than
+        `num_victims` evictable keys exist."""
+
+    @abstractmethod
+    def admit_prefix(
+        self,
+        new_keys: Sequence[OffloadKey],
+        free: int,
+        can_evict: CanEvict,
+        *,
+        pinned: bool = False,
+    ) -> tuple[list[OffloadKey], list[OffloadKey]]:
+        """Admit the longest prefix of `new_keys` that `free` slots plus victims can
+        hold (one walk of the victim order). Returns (admitted keys, victims)."""
+
+    @abstractmethod
+    def candidates(self, limit: int, can_evict: CanEvict) -> list[OffloadKey]:
+        """Up to `limit` unpinned keys for which `can_evict` holds, next victim first.
+        Changes nothing."""
+
+    @abstractmethod
+    def pin(self, key: OffloadKey) -> None:
+        """Take a resident key out of the victim order until `unpin` (it is being
+        written or read). Unknown or already pinned keys are ignored."""
+
+    @abstractmethod
+    def unpin(self, key: OffloadKey) -> None:
+        """Put a pinned key back into the victim order, as most recently used."""
+
+    def unpin_many(self, keys: Iterable[OffloadKey]) -> None:
+        """`unpin` each key, in order."""
+        for key in keys:
+            self.unpin(key)
 
     @abstractmethod
     def touch(self, keys: Iterable[OffloadKey]) -> None:
@@ -53,5 +93,5 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def eviction_order(self) -> list[OffloadKey]:
-        """Resident keys, next victim first (ignoring evictability). For tests and
-        introspection; O(n)."""
+        """Resident keys, next victim first (unpinned keys, then pinned ones). For
+        tests and introspection; O(n)."""

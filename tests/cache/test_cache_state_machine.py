@@ -5,6 +5,10 @@ stored bytes can be corrupted) under a tiny primary. Random stores, lookups, loa
 evictions, outages and corruptions. Every block's content is a function of its key,
 so the check is simple: every load returns exactly the bytes stored under that key or
 reports the key failed; and at the end no slot, reader or reservation leaked.
+
+Stores and loads larger than the primary (issue 10) stream through it: a store keeps
+the longest prefix (nothing rejected before something stored), a load promotes in
+windows and still returns the right bytes.
 """
 
 from __future__ import annotations
@@ -18,9 +22,9 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from tierkv.cache import TieredCache
 from tierkv.config import parse_config
 from tierkv.keys import make_offload_key
-from tierkv.orchestrator import TieredCache
 from tierkv.registry import register_tier, unregister_tier
 from tierkv.testing import FaultyTier
 
@@ -40,6 +44,8 @@ def as_blocks(keys: list[bytes]) -> torch.Tensor:
 
 
 class CacheMachine(RuleBasedStateMachine):
+    FAULTY_POLICY = "write_through"
+
     def __init__(self) -> None:
         super().__init__()
         register_tier(FaultyTier)
@@ -51,10 +57,16 @@ class CacheMachine(RuleBasedStateMachine):
                 "layout": {"block_bytes": BLOCK, "groups": [{"block_size": 4}]},
                 "primary": {"capacity": 4 * BLOCK, "eviction": "arc", "pin_memory": False},
                 "tiers": [
-                    {"type": "faulty", "failure_threshold": 2, "recovery_after": 0},
+                    {
+                        "type": "faulty",
+                        "failure_threshold": 2,
+                        "recovery_after": 0,
+                        "write_policy": self.FAULTY_POLICY,
+                    },
                     {"type": "memory", "capacity": 6 * (BLOCK + 64)},
                 ],
                 "promotion_reserve": 1.0,
+                "store_timeout": "2s",
             }
         )
         self.cache = TieredCache(config)
@@ -79,12 +91,27 @@ class CacheMachine(RuleBasedStateMachine):
         for key in list(p._blocks):
             assert p.is_ready(key) and p.readers(key) == 0
         assert p.num_evictable == len(p)
-        assert self.cache._promoting == 0 and not self.cache._flights
+        assert self.cache.core.promoting == 0 and all(
+            self.cache.index.cascading(k) == 0 for k in self.cache.index.known_keys()
+        )
 
     @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3, unique=True))
     def store(self, keys: list[bytes]) -> None:
         result: Any = self.portal.call(self.cache.store, keys, as_blocks(keys))
         assert set(result.stored) | set(result.already_present) | set(result.rejected) == set(keys)
+
+    @rule(keys=st.lists(st.sampled_from(KEYS), min_size=5, max_size=10, unique=True))
+    def store_larger_than_the_primary(self, keys: list[bytes]) -> None:
+        result: Any = self.portal.call(self.cache.store, keys, as_blocks(keys))
+        assert set(result.stored) | set(result.already_present) | set(result.rejected) == set(keys)
+        if result.rejected:
+            first_rejected = min(keys.index(k) for k in result.rejected)
+            assert all(keys.index(k) < first_rejected for k in result.stored), "not a prefix"
+            assert result.error
+
+    @rule(keys=st.lists(st.sampled_from(KEYS), min_size=5, max_size=10, unique=True))
+    def streaming_load(self, keys: list[bytes]) -> None:
+        self.load(keys)
 
     @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=4, unique=True))
     def lookup_then_load(self, keys: list[bytes]) -> None:
@@ -93,6 +120,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.load(list(hit.keys_to_load))
 
     @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=4, unique=True))
+    def load_few(self, keys: list[bytes]) -> None:
+        self.load(keys)
+
     def load(self, keys: list[bytes]) -> None:
         if not keys:
             return
@@ -132,7 +162,21 @@ class CacheMachine(RuleBasedStateMachine):
         p = self.cache.primary
         assert p.num_free + len(p) == p.num_blocks
         assert 0 <= p.num_evictable <= len(p)
+        assert len(p.policy) == len(p)
+        assert all(k in p for k in self.cache.index.dirty_keys())
 
 
 CacheMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
 TestCacheMachine = CacheMachine.TestCase
+
+
+class WriteBackCacheMachine(CacheMachine):
+    """The same, with the faulty tier written back on eviction instead of through."""
+
+    FAULTY_POLICY = "write_back"
+
+
+WriteBackCacheMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None
+)
+TestWriteBackCacheMachine = WriteBackCacheMachine.TestCase

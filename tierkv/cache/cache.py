@@ -1,0 +1,282 @@
+"""`TieredCache`: the asyncio component an inference server embeds.
+
+    async with TieredCache.from_yaml("tiers.yaml") as cache:
+        hit = await cache.lookup(keys_per_group, ctx)
+        await cache.store(keys, source_blocks)
+        result = await cache.load(hit.keys_to_load, destination_blocks, ctx)
+
+The facade over the parts of `tierkv.cache`: lookup (`lookup.py`), store and cascade
+(`cascade.py`), promotion (`promotion.py`), write-back (`writeback.py`), all sharing
+one `CacheCore` (primary, tier handles, the per-key index, events, background task
+group). Nothing a tier does raises into the caller: failures, timeouts and open
+circuit breakers become misses and failed keys, which the server recomputes. Every
+background job belongs to the cache's task group, so `close()` leaves nothing running.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
+from types import TracebackType
+
+import anyio
+
+from tierkv.cache.cascade import Cascader
+from tierkv.cache.core import CacheCore
+from tierkv.cache.guard import TierHandle
+from tierkv.cache.lookup import Lookup
+from tierkv.cache.promotion import Promoter
+from tierkv.cache.results import CacheStats, LoadResult, LookupResult, StoreResult
+from tierkv.cache.writeback import WriteBack
+from tierkv.config import CacheConfig, load_config
+from tierkv.errors import TierUnavailable
+from tierkv.events import OffloadingEvent
+from tierkv.health import CircuitBreaker
+from tierkv.jobs import ReqContext
+from tierkv.keys import OffloadKey
+from tierkv.primary import PrimaryTier
+from tierkv.registry import create_tier
+from tierkv.stats import TierStats
+from tierkv.tier import SecondaryTierManager
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_CTX = ReqContext()
+
+
+class TieredCache(AbstractAsyncContextManager["TieredCache"]):
+    """The primary tier plus a chain of secondary tiers, driven from one event loop.
+
+    Use `async with` (or `open()` and `close()`, which may run in different tasks).
+    """
+
+    def __init__(self, config: CacheConfig) -> None:
+        self.config = config
+        self.primary = PrimaryTier.from_config(config.primary, config.layout, config.namespace)
+        self.block_bytes = self.primary.view.block_bytes
+        handles: list[TierHandle] = []
+        for i, (name, tier_config) in enumerate(zip(config.tier_names(), config.tiers)):
+            tier = create_tier(tier_config, self.primary.view)
+            handle = TierHandle(
+                index=i,
+                name=name,
+                tier=tier,
+                config=tier_config,
+                breaker=CircuitBreaker(
+                    name, tier_config.failure_threshold, tier_config.recovery_after
+                ),
+                stats=TierStats(),
+            )
+            tier.set_removal_listener(self._removal_listener(handle))
+            handles.append(handle)
+        self.core = CacheCore(config, self.primary, handles)
+        self.index = self.core.index
+        self.writeback = WriteBack(self.core)
+        self.cascader = Cascader(self.core, self.writeback)
+        self._lookup = Lookup(self.core, self.cascader.count_hits)
+        self.promoter = Promoter(self.core, self._lookup)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> TieredCache:
+        """A cache for the YAML chain at `path` (not yet open)."""
+        return cls(load_config(path))
+
+    # -- life cycle ---------------------------------------------------------------------
+    @property
+    def tier_names(self) -> list[str]:
+        return [h.name for h in self.core.tiers]
+
+    def tier(self, name: str) -> SecondaryTierManager:
+        """The secondary tier called `name` (its type, or `type-i` when repeated)."""
+        for handle in self.core.tiers:
+            if handle.name == name:
+                return handle.tier
+        raise KeyError(f"no tier named {name!r}; tiers: {', '.join(self.tier_names) or 'none'}")
+
+    def _removal_listener(self, handle: TierHandle) -> _RemovalListener:
+        return _RemovalListener(self, handle)
+
+    def _on_removed(self, handle: TierHandle, keys: tuple[OffloadKey, ...]) -> None:
+        """A tier reported blocks it no longer holds: forget them there, tell the
+        event stream (after the primary's own events)."""
+        for key in keys:
+            self.core.index.note_missing(key, handle.index)
+        self.core.emit_tier(handle, keys, removed=True)
+
+    @property
+    def is_open(self) -> bool:
+        return self.core.is_open
+
+    async def open(self) -> None:
+        """Open every tier (in chain order) and start background work."""
+        core = self.core
+        if core.tg is not None:
+            raise RuntimeError("the cache is already open")
+        try:
+            for handle in core.tiers:
+                try:
+                    await handle.tier.open()
+                except Exception as exc:
+                    message = f"tier {handle.name!r} failed to open: {type(exc).__name__}: {exc}"
+                    if handle.config.required:
+                        raise TierUnavailable(message) from exc
+                    logger.error(
+                        "%s; running without it and retrying every %gs",
+                        message,
+                        handle.config.recovery_after,
+                    )
+                    continue
+                handle.opened = True
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                for handle in reversed(core.tiers):
+                    await self._close_tier(handle)
+            raise
+        await core.start()
+        tg = core.check_open()
+        if self.writeback.enabled:
+            tg.start_soon(self.writeback.run)
+        for handle in core.tiers:
+            if not handle.opened:
+                tg.start_soon(self._reopen, handle)
+
+    async def _reopen(self, handle: TierHandle) -> None:
+        """Retry opening an optional tier until it works; until then it is skipped."""
+        while not handle.opened:
+            await anyio.sleep(max(handle.config.recovery_after, 0.01))
+            try:
+                await handle.tier.open()
+            except Exception as exc:
+                logger.debug("tier %s still fails to open: %s", handle.name, exc)
+                continue
+            handle.opened = True
+            logger.warning("tier %s opened; the cache uses it from now on", handle.name)
+
+    async def close(self) -> None:
+        """Let background jobs finish (up to `close_timeout`, flushing write-back
+        blocks), cancel what is left, and close every tier."""
+        core = self.core
+        if core.tg is None or core.closing:
+            return
+        core.closing = True  # no new work; what runs may finish
+        try:
+            with anyio.move_on_after(self.config.close_timeout, shield=True):
+                await self.flush()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await core.stop()
+                for handle in core.tiers:
+                    await self._close_tier(handle)
+
+    async def _close_tier(self, handle: TierHandle) -> None:
+        if not handle.opened:
+            return
+        handle.opened = False
+        try:
+            await handle.tier.close()
+        except Exception:
+            logger.exception("tier %s failed to close", handle.name)
+
+    async def __aenter__(self) -> TieredCache:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def flush(self) -> None:
+        """Wait until every background cascade and promotion has finished, and offer
+        every pending write-back block to its tiers once more (blocks whose write-back
+        fails stay dirty in the primary for the next attempt)."""
+        core = self.core
+        await self.writeback.flush()
+        while core.background:
+            await core.idle.wait()
+
+    # -- events and stats ---------------------------------------------------------------
+    def take_events(self) -> list[OffloadingEvent]:
+        """Stored/removed events of every medium since the last call, in order (the
+        primary's first). The newest 65,536 are kept; `stats().primary["events_dropped"]`
+        counts the rest."""
+        return self.core.events.take()
+
+    def stats(self) -> CacheStats:
+        core = self.core
+        primary = core.primary_stats.snapshot()
+        primary.update(
+            blocks=self.primary.num_blocks,
+            resident=len(self.primary),
+            free=self.primary.num_free,
+            evictable=self.primary.num_evictable,
+            promoting=core.promoting,
+            write_back_pending=core.index.dirty_count,
+            events_dropped=core.events.dropped,
+            background_jobs=core.background,
+            indexed_keys=len(core.index),
+            **core.counters,
+        )
+        tiers = {}
+        for handle in core.tiers:
+            handle.stats.breaker = handle.breaker.state.value if handle.opened else "not_open"
+            tiers[handle.name] = handle.stats.snapshot()
+        return CacheStats(primary, tiers)
+
+    # -- the three calls ----------------------------------------------------------------
+    async def lookup(
+        self,
+        keys_per_group: Sequence[Sequence[OffloadKey]],
+        ctx: ReqContext | None = None,
+        *,
+        gpu_tokens: int = 0,
+    ) -> LookupResult:
+        """The longest prefix the cache can serve, and where its blocks live.
+
+        `keys_per_group[g]` are the request's block keys of group `g`, in order;
+        `gpu_tokens` is how many leading tokens the GPU already holds (their blocks
+        count as present and are neither asked about nor listed to load). The primary
+        answers first; the tiers are asked concurrently, once each, only about keys
+        the primary lacks, under `lookup_timeout`. Nothing is reserved: `load` does.
+        """
+        self.core.check_open()
+        return await self._lookup.lookup(keys_per_group, ctx or _DEFAULT_CTX, gpu_tokens)
+
+    async def store(self, keys: Sequence[OffloadKey], source: object) -> StoreResult:
+        """Copy blocks into the chain: into the primary, streaming through it to the
+        write-through tiers when it cannot keep them all.
+
+        `source` holds one block per key: a `BlockSource` (e.g. `KVCacheBlocks`), a
+        `[n, block_bytes]` uint8 CPU tensor, or a sequence of buffers. The whole
+        request is checked before anything changes. Returns when every block is
+        resident or accepted by a tier, or reports the rest rejected with a reason.
+        """
+        return await self.cascader.store(keys, source)
+
+    async def load(
+        self, keys: Sequence[OffloadKey], destination: object, ctx: ReqContext | None = None
+    ) -> LoadResult:
+        """Copy the blocks of `keys` into `destination`, promoting from lower tiers.
+
+        `destination` holds one writable block per key: a `BlockDestination`, a
+        `[n, block_bytes]` uint8 CPU tensor or a sequence of writable buffers. Keys
+        that cannot be served are reported failed with a reason; nothing raises for
+        a tier's failure.
+        """
+        return await self.promoter.load(keys, destination, ctx or _DEFAULT_CTX)
+
+
+class _RemovalListener:
+    """The callable a tier reports removals to."""
+
+    def __init__(self, cache: TieredCache, handle: TierHandle) -> None:
+        self._cache = cache
+        self._handle = handle
+
+    def __call__(self, keys: tuple[OffloadKey, ...]) -> None:
+        self._cache._on_removed(self._handle, keys)

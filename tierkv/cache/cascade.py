@@ -1,0 +1,271 @@
+"""Down the chain: `store` and the cascades it starts.
+
+A store places blocks in key order (a stored prefix is useful, a suffix without its
+prefix is not). The primary is a cache and a staging area: blocks are copied in
+windows into the room the primary has; each window is sent on to the write-through
+tiers at once (one job per tier per window), and its slots become evictable when
+every tier it was sent to has answered. When the primary has no room left, the next
+window waits (up to `store_timeout`) for slots to be released and then evicts blocks
+some tier already accepted, so a store of any size streams through the primary while
+the chain has room somewhere. Blocks of the request that no tier accepted are never
+evicted by the request itself; when nothing in flight can make room, the rest is
+rejected at once with the reason. Nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import anyio
+
+from tierkv.cache.core import CacheCore
+from tierkv.cache.guard import TierHandle
+from tierkv.cache.index import KeyIndex
+from tierkv.cache.results import StoreResult
+from tierkv.cache.validate import check_keys, checked_source, run_validate_hook
+from tierkv.cache.writeback import WriteBack
+from tierkv.jobs import JobMetadata, ReqContext
+from tierkv.keys import OffloadKey
+
+logger = logging.getLogger(__name__)
+
+
+class StoreWatch:
+    """What one store's cascades did: keys of the request that no tier accepted (and
+    that no cascade still carries) are `unsafe` to evict while the store runs."""
+
+    def __init__(self, index: KeyIndex) -> None:
+        self.index = index
+        self.outstanding: dict[OffloadKey, int] = {}
+        self.accepted: set[OffloadKey] = set()
+        self.unsafe: set[OffloadKey] = set()
+
+    def sent(self, keys: Sequence[OffloadKey]) -> None:
+        for key in keys:
+            self.outstanding[key] = self.outstanding.get(key, 0) + 1
+
+    def settled(self, keys: Sequence[OffloadKey], ok_keys: Sequence[OffloadKey]) -> None:
+        self.accepted.update(ok_keys)
+        for key in keys:
+            left = self.outstanding.get(key, 1) - 1
+            if left > 0:
+                self.outstanding[key] = left
+                continue
+            self.outstanding.pop(key, None)
+            if key not in self.accepted:
+                self.unsafe.add(key)
+
+    def placed(self, keys: Sequence[OffloadKey]) -> None:
+        """`keys` are in the primary and every cascade for them has been started."""
+        for key in keys:
+            # (dirty blocks are never evicted anyway)
+            if (
+                key not in self.outstanding
+                and key not in self.accepted
+                and self.index.is_clean(key)
+            ):
+                self.unsafe.add(key)
+
+    def may_evict(self, key: OffloadKey) -> bool:
+        return key not in self.unsafe and self.index.is_clean(key)
+
+
+class Cascader:
+    def __init__(self, core: CacheCore, writeback: WriteBack) -> None:
+        self.core = core
+        self.writeback = writeback
+        self.selective = [h for h in core.tiers if h.policy == "write_through_selective"]
+        self.window = max(1, core.primary.num_blocks // 4)
+
+    # -- cascades ----------------------------------------------------------------------
+    def after_store(self, keys: Sequence[OffloadKey], watch: StoreWatch | None = None) -> None:
+        """Send freshly stored `keys` on, per each tier's write policy."""
+        if not keys:
+            return
+        index = self.core.index
+        for handle in self.core.tiers:
+            if handle.policy == "write_through":
+                self.cascade(handle, keys, watch)
+            elif handle.policy == "write_through_selective":
+                need = handle.config.min_hits
+                chosen = [k for k in keys if index.hits(k) >= need]
+                if chosen:
+                    self.cascade(handle, chosen, watch)
+        self.writeback.admit(keys)
+
+    def cascade(
+        self, handle: TierHandle, keys: Sequence[OffloadKey], watch: StoreWatch | None = None
+    ) -> None:
+        """Send `keys` (ready in the primary) to `handle` in the background, or drop
+        them (tier down, or too far behind)."""
+        core = self.core
+        if not core.is_open:
+            return
+        if not handle.usable():
+            handle.stats.skipped_unhealthy += len(keys)
+            return
+        nbytes = len(keys) * core.block_bytes
+        stats = handle.stats
+        if (
+            stats.inflight_bytes
+            and stats.inflight_bytes + nbytes > handle.config.max_inflight_bytes
+        ):
+            handle.breaker.abandon()
+            stats.drops += len(keys)
+            logger.debug(
+                "tier %s is behind: dropped a cascade of %d blocks", handle.name, len(keys)
+            )
+            return
+        slots = core.primary.prepare_load(keys)  # protected until the tier answers
+        stats.inflight_bytes += nbytes
+        core.index.add_cascading(keys, 1)
+        if watch is not None:
+            watch.sent(keys)
+        job = JobMetadata(core.next_job_id(), tuple(keys), tuple(slots))
+        core.spawn(self._cascade_job, handle, job, nbytes, watch)
+
+    async def _cascade_job(
+        self, handle: TierHandle, job: JobMetadata, nbytes: int, watch: StoreWatch | None
+    ) -> None:
+        core = self.core
+        ok_keys: Sequence[OffloadKey] = ()
+        try:
+            result = await handle.run_job("store", job, core.block_bytes)
+            ok_keys = result.ok_keys
+        finally:
+            handle.stats.inflight_bytes -= nbytes
+            core.primary.complete_load(job.keys)
+            core.index.add_cascading(job.keys, -1)
+            if watch is not None:
+                watch.settled(job.keys, ok_keys)
+        core.index.note_held(ok_keys, handle.index)
+        core.emit_tier(handle, ok_keys, removed=False)
+
+    def count_hits(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """Selective write-through: one hit per key per request (a request that looks
+        up again is not a new hit); keys reaching a tier's `min_hits` while resident
+        cascade to it in one batch."""
+        if not self.selective:
+            return
+        primary = self.core.primary
+        chosen: dict[int, list[OffloadKey]] = {}
+        thresholds = [(h.index, h.config.min_hits) for h in self.selective]
+        for key, hits in self.core.index.count_hits(keys, ctx.request_id):
+            for i, need in thresholds:
+                if hits == need and primary.is_ready(key):
+                    chosen.setdefault(i, []).append(key)
+        for i, batch in chosen.items():
+            self.cascade(self.core.tiers[i], batch)
+
+    # -- store -------------------------------------------------------------------------
+    def _streams(self) -> bool:
+        """Whether a block that leaves the primary can land somewhere below."""
+        return any(
+            h.opened and h.policy in ("write_through", "write_back") for h in self.core.tiers
+        )
+
+    def _may_free_room(self) -> bool:
+        """Whether something in flight will release primary slots."""
+        core = self.core
+        p = core.primary
+        return core.background > 0 or core.promoting > 0 or p.num_evictable < len(p)
+
+    async def store(self, keys: Sequence[OffloadKey], source: object) -> StoreResult:
+        core = self.core
+        core.check_open()
+        keys = list(keys)
+        check_keys(keys, "keys")
+        src = checked_source(source, len(keys), core.block_bytes)
+        primary = core.primary
+        position: dict[OffloadKey, int] = {}
+        for i, key in enumerate(keys):
+            position.setdefault(key, i)
+        blocks = primary._blocks  # hot path: the block table, not a method per key
+        already = [k for k in position if k in blocks]
+        new = [k for k in position if k not in blocks] if already else list(position)
+        if hasattr(src, "validate"):  # e.g. KVCacheBlocks: GPU block ids, coverage
+            run_validate_hook(src, "store", [position[k] for k in new])
+        stored: list[OffloadKey] = []
+        rejected: list[OffloadKey] = []
+        error: str | None = None
+        watch = StoreWatch(core.index)
+        placed: list[OffloadKey] = []  # stored, not yet told to the watch (needed lazily)
+        timeout = core.config.store_timeout
+        deadline = anyio.current_time() + timeout
+        i = 0
+        while i < len(new):
+            if new[i] in blocks:  # stored meanwhile by someone else
+                already.append(new[i])
+                i += 1
+                continue
+            # a request that fits the room is one window (one job per tier); a larger
+            # one streams in windows of a quarter of the primary, so copying a window
+            # overlaps the cascade of the one before
+            room = primary.num_free + primary.num_evictable
+            size = len(new) - i if len(new) - i <= room else self.window
+            want = [k for k in new[i : i + size] if k not in blocks]
+            if placed:  # a later window may evict: this request's earlier blocks must be safe
+                watch.placed(placed)
+                placed.clear()
+            veto = watch.may_evict if watch.unsafe or core.index.dirty_count else None
+            prepared = primary.prepare_store_prefix(want, may_evict=veto)
+            core.events.drain_primary()
+            got = prepared.keys_to_store
+            if not got:
+                if self.writeback.enabled and await self.writeback.make_room(len(want)):
+                    continue
+                if not self._streams() or not self._may_free_room():
+                    error = (
+                        "the primary tier has no room: its blocks are held by reads, writes "
+                        "or cascades, or no lower tier accepted the blocks that would make room"
+                    )
+                    break
+                left = deadline - anyio.current_time()
+                if left <= 0:
+                    error = f"no room in the primary tier within store_timeout ({timeout:g}s)"
+                    break
+                core.counters["store_waits"] += 1
+                with anyio.move_on_after(left):
+                    await core.released.wait()
+                continue
+            success = False
+            try:
+                await src.copy_to_slots(primary.view, [position[k] for k in got], prepared.slots)
+                success = True
+            finally:
+                primary.complete_store(got, success=success)
+                core.events.drain_primary()
+                if not success:
+                    core.released.notify()
+            stats = core.primary_stats
+            stats.store_jobs += 1
+            stats.blocks_stored += len(got)
+            stats.bytes_in += len(got) * core.block_bytes
+            stored.extend(got)
+            self.after_store(got, watch)
+            placed.extend(got)
+            if len(want) == size:  # nothing was skipped: the window is a prefix of `new[i:]`
+                i += len(got)
+                continue
+            got_set, last = set(got), got[-1]
+            while True:  # move past the window; keys it skipped were stored meanwhile
+                key = new[i]
+                i += 1
+                if key not in got_set:
+                    already.append(key)
+                if key == last:
+                    break
+        if error is not None:
+            rejected = [k for k in new[i:] if k not in primary]
+            already.extend(k for k in new[i:] if k in primary)
+            core.primary_stats.drops += len(rejected)
+            core.counters["store_rejected"] += len(rejected)
+            if not rejected:
+                error = None
+        return StoreResult(
+            stored=tuple(stored),
+            already_present=tuple(already),
+            rejected=tuple(rejected),
+            error=error,
+        )

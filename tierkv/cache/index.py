@@ -1,0 +1,236 @@
+"""The cache's one authoritative per-key state.
+
+For every key the cache knows about beyond the primary's own block table: which tiers
+hold it (learnt from a confirmed store, a lookup answer, a tier's removal report),
+which tiers failed to serve it (a claim not to believe again), which write-back tiers
+it still has to reach (dirty), how many cascades carry it now, its hit count for
+selective write-through, and the promotion it is part of.
+
+One entry per key, packed into one int (tier bits: tier `i` is `1 << i`):
+
+    bits  0..15  held       tiers believed to hold the key
+    bits 16..31  lacking    tiers whose claim failed on load (until stored there again)
+    bits 32..47  dirty      write-back tiers the key has yet to reach
+    bits 48..63  cascading  cascade jobs carrying the key now
+    bits 64..    hits       lookups that counted (one per request)
+
+An int entry creates no object for the garbage collector to trace, which keeps
+bookkeeping for a million keys flat. Short-lived attachments live beside the entry and
+only while they exist: the promotion `Flight` a key is part of, failed write-back
+attempts, and the last request that counted a hit. Entries that pin nothing (not
+dirty, cascading or promoting) are forgotten oldest first past `limit`; a forgotten key
+costs one more tier lookup.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import anyio
+
+from tierkv.keys import OffloadKey
+
+MAX_TIERS = 16
+_MASK = (1 << 16) - 1
+_LACKING = 16
+_DIRTY = 32
+_CASCADING = 48
+_HITS = 64
+_ONE_CASCADE = 1 << _CASCADING
+_ONE_HIT = 1 << _HITS
+
+
+@dataclass
+class Flight:
+    """One promotion window several loads may wait on (single flight)."""
+
+    keys: list[OffloadKey]
+    done: anyio.Event = field(default_factory=anyio.Event)
+    waiters: dict[OffloadKey, int] = field(default_factory=dict)
+    outcome: dict[OffloadKey, tuple[str | None, str | None]] = field(default_factory=dict)
+    granted: dict[OffloadKey, int] = field(default_factory=dict)  # readers taken for waiters
+
+
+def lowest_bit(mask: int) -> int | None:
+    """Index of the lowest set bit (the highest tier in the chain), or None."""
+    return (mask & -mask).bit_length() - 1 if mask else None
+
+
+class KeyIndex:
+    """Key -> packed state, bounded; see the module docstring."""
+
+    def __init__(self, limit: int) -> None:
+        self._entries: OrderedDict[OffloadKey, int] = OrderedDict()
+        self._dirty: dict[OffloadKey, None] = {}  # dirty keys, oldest first
+        self._flights: dict[OffloadKey, Flight] = {}
+        self._attempts: dict[OffloadKey, dict[int, int]] = {}
+        self._requests: dict[OffloadKey, str] = {}
+        self.limit = limit
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def _set(self, key: OffloadKey, entry: int) -> None:
+        entries = self._entries
+        new = key not in entries
+        entries[key] = entry
+        if new and len(entries) > self.limit:
+            self._trim()
+
+    def _busy(self, key: OffloadKey, entry: int) -> bool:
+        return bool((entry >> _DIRTY) & 0xFFFFFFFF) or key in self._flights
+
+    def _trim(self) -> None:
+        entries = self._entries
+        for _ in range(min(64, len(entries))):
+            if len(entries) <= self.limit:
+                return
+            key, entry = entries.popitem(last=False)
+            if self._busy(key, entry):
+                entries[key] = entry  # still in use: keep, look further
+            else:
+                self._requests.pop(key, None)
+
+    # -- where a key is ---------------------------------------------------------------
+    def held(self, key: OffloadKey) -> int:
+        """Tier bits believed to hold `key` (claims that failed left out)."""
+        entry = self._entries.get(key, 0)
+        return entry & ~(entry >> _LACKING) & _MASK
+
+    def location(self, key: OffloadKey) -> int | None:
+        """The highest tier believed to hold `key`."""
+        return lowest_bit(self.held(key))
+
+    def note_held(self, keys: Iterable[OffloadKey], tier: int) -> None:
+        bit = 1 << tier
+        get = self._entries.get
+        for key in keys:
+            self._set(key, (get(key, 0) | bit) & ~(bit << _LACKING))
+
+    def note_missing(self, key: OffloadKey, tier: int) -> None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries[key] = entry & ~(1 << tier)
+
+    def note_failed(self, key: OffloadKey, tier: int) -> None:
+        """`tier` could not serve `key`: do not believe its claim again."""
+        bit = 1 << tier
+        self._set(key, (self._entries.get(key, 0) & ~bit) | (bit << _LACKING))
+
+    def believes(self, key: OffloadKey, tier: int) -> bool:
+        return not (self._entries.get(key, 0) >> (_LACKING + tier)) & 1
+
+    # -- cascades and promotions ----------------------------------------------------------
+    def add_cascading(self, keys: Iterable[OffloadKey], delta: int) -> None:
+        """One more (delta 1) or one fewer (delta -1) cascade carries each key."""
+        get = self._entries.get
+        for key in keys:
+            entry = get(key, 0)
+            if delta < 0 and not (entry >> _CASCADING) & _MASK:
+                continue
+            self._set(key, entry + delta * _ONE_CASCADE)
+
+    def cascading(self, key: OffloadKey) -> int:
+        return (self._entries.get(key, 0) >> _CASCADING) & _MASK
+
+    def flight(self, key: OffloadKey) -> Flight | None:
+        return self._flights.get(key)
+
+    def set_flight(self, key: OffloadKey, flight: Flight) -> None:
+        self._flights[key] = flight
+        if key not in self._entries:
+            self._set(key, 0)
+
+    def end_flight(self, key: OffloadKey, flight: Flight) -> None:
+        if self._flights.get(key) is flight:
+            del self._flights[key]
+
+    @property
+    def promoting(self) -> int:
+        return len(self._flights)
+
+    # -- selective write-through ------------------------------------------------------------
+    def count_hit(self, key: OffloadKey, request_id: str | None) -> int | None:
+        """Count a hit (once per request id; every call when None). The new count, or
+        None when this request already counted."""
+        if request_id is not None:
+            if self._requests.get(key) == request_id:
+                return None
+            self._requests[key] = request_id
+        entry = self._entries.get(key, 0) + _ONE_HIT
+        self._set(key, entry)
+        return entry >> _HITS
+
+    def count_hits(
+        self, keys: Iterable[OffloadKey], request_id: str | None
+    ) -> list[tuple[OffloadKey, int]]:
+        """`count_hit` over `keys`; (key, new count) for the keys that counted."""
+        if request_id is not None:
+            counted = [(k, n) for k in keys if (n := self.count_hit(k, request_id)) is not None]
+            return counted
+        entries, get, limit = self._entries, self._entries.get, self.limit
+        out: list[tuple[OffloadKey, int]] = []
+        append = out.append
+        for key in keys:
+            entry = get(key)
+            if entry is None:
+                self._set(key, _ONE_HIT)
+                append((key, 1))
+            else:
+                entry += _ONE_HIT
+                entries[key] = entry
+                append((key, entry >> _HITS))
+        if len(entries) > limit:
+            self._trim()
+        return out
+
+    def hits(self, key: OffloadKey) -> int:
+        return self._entries.get(key, 0) >> _HITS
+
+    # -- write-back ----------------------------------------------------------------------
+    @property
+    def dirty_count(self) -> int:
+        return len(self._dirty)
+
+    def dirty_keys(self) -> list[OffloadKey]:
+        return list(self._dirty)
+
+    def is_dirty(self, key: OffloadKey) -> bool:
+        return key in self._dirty
+
+    def is_clean(self, key: OffloadKey) -> bool:
+        return key not in self._dirty
+
+    def mark_dirty(self, key: OffloadKey, tiers: int) -> None:
+        if tiers:
+            self._set(key, self._entries.get(key, 0) | ((tiers & _MASK) << _DIRTY))
+            self._dirty[key] = None
+
+    def clean(self, key: OffloadKey, tier: int) -> None:
+        entry = self._entries.get(key, 0) & ~(1 << (_DIRTY + tier))
+        if key in self._entries:
+            self._entries[key] = entry
+        attempts = self._attempts.get(key)
+        if attempts is not None:
+            attempts.pop(tier, None)
+        if not (entry >> _DIRTY) & _MASK:
+            self._dirty.pop(key, None)
+            self._attempts.pop(key, None)
+
+    def pending_for(self, key: OffloadKey, tier: int) -> bool:
+        return bool((self._entries.get(key, 0) >> (_DIRTY + tier)) & 1)
+
+    def failed_write_back(self, key: OffloadKey, tier: int) -> int:
+        """Count a failed write-back of `key` to `tier`; the attempts so far."""
+        attempts = self._attempts.setdefault(key, {})
+        attempts[tier] = attempts.get(tier, 0) + 1
+        return attempts[tier]
+
+    # -- introspection --------------------------------------------------------------------
+    def known_keys(self) -> list[OffloadKey]:
+        return list(self._entries)

@@ -1,0 +1,162 @@
+"""Lookup: the longest prefix the chain can serve, and where each needed block is.
+
+The primary answers first (a dict probe per key). Keys it lacks go to the secondary
+tiers concurrently, each tier asked once, under `lookup_timeout`, and only about keys
+the index does not already place in a tier above it. A key is located in the highest
+tier that claims it and whose claim has not failed before. The hit is then combined
+across groups in one pass per group (`tierkv.hits`). The hit is the truth whatever
+the primary's size: the promotion reserve bounds staging in `load`, not the hit.
+
+Tokens the GPU already holds (`gpu_tokens`) count as present and are not asked about.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from types import MappingProxyType
+
+import anyio
+
+from tierkv.cache.core import CacheCore
+from tierkv.cache.guard import TierHandle
+from tierkv.cache.results import LookupResult
+from tierkv.cache.validate import check_keys
+from tierkv.hits import GroupHit, combine_group_hits
+from tierkv.jobs import ReqContext
+from tierkv.keys import OffloadKey
+from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
+
+_GPU = "gpu"
+
+
+class Lookup:
+    def __init__(
+        self,
+        core: CacheCore,
+        on_hits: Callable[[Sequence[OffloadKey], ReqContext], None] | None = None,
+    ) -> None:
+        self.core = core
+        self.on_hits = on_hits  # selective write-through counts hits here
+
+    async def locate(self, missing: Sequence[OffloadKey], ctx: ReqContext) -> dict[OffloadKey, int]:
+        """Ask the tiers, concurrently and once each, where `missing` keys are; return
+        key -> tier index for the keys some tier holds."""
+        core = self.core
+        if not missing or not core.tiers:
+            return {}
+        index = core.index
+        timeout = core.config.lookup_timeout
+        known = {k: index.location(k) for k in missing}
+        asks: list[tuple[TierHandle, list[OffloadKey]]] = []
+        for handle in core.tiers:
+            i = handle.index
+            ask = [k for k in missing if (loc := known[k]) is None or loc >= i]
+            if ask:
+                asks.append((handle, ask))
+        answers: list[list[bool] | None] = [None] * len(asks)
+
+        async def ask_one(n: int, handle: TierHandle, keys: list[OffloadKey]) -> None:
+            answers[n] = await handle.lookup(keys, ctx, timeout)
+
+        if len(asks) == 1:
+            await ask_one(0, *asks[0])
+        else:
+            async with anyio.create_task_group() as tg:
+                for n, (handle, keys) in enumerate(asks):
+                    tg.start_soon(ask_one, n, handle, keys)
+        found: dict[OffloadKey, int] = {}
+        for (handle, keys), flags in zip(asks, answers):
+            if flags is None:
+                continue
+            i = handle.index
+            hits = 0
+            for key, present in zip(keys, flags):
+                if present and index.believes(key, i):
+                    hits += 1
+                    prev = found.get(key)
+                    if prev is None or i < prev:
+                        found[key] = i
+                elif not present:
+                    index.note_missing(key, i)
+            handle.stats.hits += hits
+            handle.stats.misses += len(keys) - hits
+        for key, i in found.items():
+            index.note_held((key,), i)
+        return found
+
+    async def lookup(
+        self,
+        keys_per_group: Sequence[Sequence[OffloadKey]],
+        ctx: ReqContext,
+        gpu_tokens: int = 0,
+    ) -> LookupResult:
+        core = self.core
+        groups = core.config.layout.groups
+        if len(keys_per_group) != len(groups):
+            raise ValueError(
+                f"lookup got keys for {len(keys_per_group)} groups; the layout has {len(groups)}"
+            )
+        if isinstance(gpu_tokens, bool) or not isinstance(gpu_tokens, int) or gpu_tokens < 0:
+            raise ValueError(f"gpu_tokens must be a non-negative int, got {gpu_tokens!r}")
+        for g, keys in enumerate(keys_per_group):
+            check_keys(keys, f"keys_per_group[{g}]")
+        blocks = core.primary._blocks  # the hot path reads the block table directly
+        where: dict[OffloadKey, str] = {}
+        missing: dict[OffloadKey, None] = {}
+        on_gpu = 0
+        for g, keys in enumerate(keys_per_group):
+            skip = min(len(keys), gpu_tokens // groups[g].block_size) if gpu_tokens else 0
+            for key in keys[:skip] if skip else ():
+                where[key] = _GPU
+                on_gpu += 1
+            for key in keys[skip:] if skip else keys:
+                block = blocks.get(key)
+                if block is not None and block.ready:
+                    where[key] = PRIMARY_MEDIUM
+                elif key not in where:
+                    missing[key] = None
+        ps = core.primary_stats
+        ps.lookups += 1
+        ps.lookup_keys += len(where) - on_gpu + len(missing)
+        ps.hits += len(where) - on_gpu
+        ps.misses += len(missing)
+        if missing:
+            tiers = core.tiers
+            for key, i in (await self.locate(list(missing), ctx)).items():
+                where[key] = tiers[i].name
+
+        if len(groups) == 1 and groups[0].kind == "full":
+            keys = keys_per_group[0]
+            end = len(keys)
+            if missing:
+                for j, key in enumerate(keys):
+                    if key not in where:
+                        end = j
+                        break
+            tokens = end * groups[0].block_size
+            ranges = [GroupHit(0, end)]
+        else:
+            present = [[k in where for k in keys] for keys in keys_per_group]
+            tokens, ranges = combine_group_hits(groups, present)
+        if gpu_tokens:
+            group_keys = tuple(
+                tuple(k for k in keys[r.first : r.end] if where[k] != _GPU)
+                for keys, r in zip(keys_per_group, ranges)
+            )
+        else:
+            group_keys = tuple(
+                tuple(keys[r.first : r.end]) for keys, r in zip(keys_per_group, ranges)
+            )
+        locations = {k: where[k] for keys in group_keys for k in keys}
+        if missing:
+            core.primary.touch([k for k, m in locations.items() if m == PRIMARY_MEDIUM])
+        else:
+            core.primary.touch(list(locations))
+        if self.on_hits is not None:
+            self.on_hits(  # one group's keys are distinct (prefix-chained hashes)
+                keys_per_group[0]
+                if len(keys_per_group) == 1
+                else list(dict.fromkeys(k for keys in keys_per_group for k in keys)),
+                ctx,
+            )
+        return LookupResult(tokens, group_keys, tuple(ranges), MappingProxyType(locations))

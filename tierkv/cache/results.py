@@ -1,0 +1,82 @@
+"""What `TieredCache` hands back: the results of lookup, store and load, and stats."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from tierkv.hits import GroupHit
+from tierkv.keys import OffloadKey
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """What a lookup found.
+
+    `hit_tokens` is the longest prefix every group can serve (tokens the GPU already
+    holds included). `group_keys[g]` are the keys group `g` needs loaded to serve it
+    (every block before the hit for a full-attention group, only the window's blocks
+    for a sliding-window group; blocks the GPU already holds left out), and
+    `group_ranges[g]` the block indices of the needed range. `locations` says where
+    each needed key lives now: `"cpu"` (the primary) or a secondary tier's name.
+    """
+
+    hit_tokens: int
+    group_keys: tuple[tuple[OffloadKey, ...], ...]
+    group_ranges: tuple[GroupHit, ...]
+    locations: Mapping[OffloadKey, str]
+
+    @property
+    def keys_to_load(self) -> tuple[OffloadKey, ...]:
+        """All needed keys, group by group: what to pass to `load`."""
+        return tuple(k for keys in self.group_keys for k in keys)
+
+    def count_in(self, medium: str) -> int:
+        """How many needed blocks live in `medium` now."""
+        return sum(1 for m in self.locations.values() if m == medium)
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    """`stored` are resident in the primary or accepted by at least one tier (a store
+    larger than the primary streams through it); `already_present` were in the
+    primary before; `rejected` could not be placed (nothing changed for them; the
+    server may simply not cache them), with the reason in `error`. A partial store
+    keeps the longest prefix: every rejected key comes after every stored one."""
+
+    stored: tuple[OffloadKey, ...] = ()
+    already_present: tuple[OffloadKey, ...] = ()
+    rejected: tuple[OffloadKey, ...] = ()
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.rejected and self.error is None
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """`ok_keys` are in the destination; `failed_keys` are not (recompute them), with a
+    reason each in `errors`. `sources` says which medium served each ok key."""
+
+    ok_keys: tuple[OffloadKey, ...] = ()
+    failed_keys: tuple[OffloadKey, ...] = ()
+    errors: Mapping[OffloadKey, str] = field(default_factory=lambda: MappingProxyType({}))
+    sources: Mapping[OffloadKey, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed_keys
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Counters per medium: `primary` and each secondary tier by name, in chain order."""
+
+    primary: dict[str, Any]
+    tiers: dict[str, dict[str, Any]]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"primary": self.primary, "tiers": self.tiers}
