@@ -110,11 +110,9 @@ async def main() -> None:
     async with TieredCache(config) as cache:
         for start in range(0, len(keys), 4):  # a request's worth at a time
             result = await cache.store(keys[start : start + 4], blocks[start : start + 4])
+            # back to back into an 8-block primary: blocks it cannot keep stream
+            # through it to the tier; store returns once each is held somewhere
             assert result.ok, result.error
-            # store returns once the blocks are in the primary; they stay protected
-            # there until the tier has them. Requests here come back to back in an
-            # 8-block primary, so wait for the cascade before the next one.
-            await cache.flush()
 
         out = torch.empty_like(blocks)
         served: dict[str, int] = {}

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from tierkv.cache import TieredCache
 from tierkv.config import parse_config
 from tierkv.demo import (
     ChatWorkload,
@@ -20,7 +21,6 @@ from tierkv.demo import (
     build_engine,
     run_demo,
 )
-from tierkv.orchestrator import TieredCache
 
 pytestmark = pytest.mark.anyio
 

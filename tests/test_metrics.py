@@ -16,10 +16,10 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from tierkv.cache import TieredCache
 from tierkv.config import parse_config
 from tierkv.keys import hash_token_blocks, make_offload_key
 from tierkv.metrics import TieredCacheCollector, serve_metrics
-from tierkv.orchestrator import TieredCache
 
 pytestmark = pytest.mark.anyio
 
@@ -85,7 +85,7 @@ async def test_scrape_finds_tier_series_over_http() -> None:
 
 
 def test_collector_takes_any_stats_source() -> None:
-    from tierkv.orchestrator import CacheStats
+    from tierkv.cache import CacheStats
 
     stats = CacheStats({"hits": 3, "blocks": 2}, {"nvme": {"errors": 1, "breaker": "open"}})
     families = {f.name: f for f in TieredCacheCollector(lambda: stats, namespace="n").collect()}

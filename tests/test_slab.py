@@ -52,7 +52,7 @@ def test_bad_slabs_are_refused_with_a_reason(
 def test_the_plugin_contract_imports_no_torch_and_no_cache() -> None:
     code = (
         "import sys, tierkv.tier, tierkv.framing;"
-        "heavy = ('torch', 'tierkv.primary', 'tierkv.orchestrator');"
+        "heavy = ('torch', 'tierkv.primary', 'tierkv.cache');"
         "print(','.join(m for m in heavy if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

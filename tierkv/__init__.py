@@ -30,7 +30,7 @@ _EXPORTS: dict[str, str] = {
     "KVLayout": "tierkv.layout",
     "GroupSpec": "tierkv.layout",
     "HostBlocks": "tierkv.blocks",
-    "KVCacheBlocks": "tierkv.kv_blocks",
+    "KVCacheBlocks": "tierkv.gpu.kv_blocks",
     "TransferWorker": "tierkv.gpu.worker",
     "required_block_bytes": "tierkv.gpu.geometry",
     "OffloadingEvent": "tierkv.events",
@@ -115,6 +115,9 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers
     from tierkv.gpu.geometry import (
         required_block_bytes as required_block_bytes,
     )
+    from tierkv.gpu.kv_blocks import (
+        KVCacheBlocks as KVCacheBlocks,
+    )
     from tierkv.gpu.worker import (
         TransferWorker as TransferWorker,
     )
@@ -135,9 +138,6 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers
     )
     from tierkv.keys import (
         make_offload_key as make_offload_key,
-    )
-    from tierkv.kv_blocks import (
-        KVCacheBlocks as KVCacheBlocks,
     )
     from tierkv.layout import (
         GroupSpec as GroupSpec,

@@ -211,8 +211,8 @@ async def test_write_back_follows_the_eviction_order(faulty_tier_type: str) -> N
 
 # -- validation before mutation ------------------------------------------------------------
 async def test_bad_gpu_block_ids_change_nothing() -> None:
-    from tierkv.kv_blocks import KVCacheBlocks
-    from tierkv.worker import TransferWorker, required_block_bytes
+    from tierkv.gpu import TransferWorker, required_block_bytes
+    from tierkv.gpu.kv_blocks import KVCacheBlocks
 
     kv = [[torch.zeros(8, 64, dtype=torch.float16)]]
     block_bytes = required_block_bytes(kv, 1)

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from tierkv.gpu import TransferSpec, TransferSpecError, TransferWorker
+from tierkv.gpu.kv_blocks import KVCacheBlocks
 from tierkv.gpu.streams import Completion, is_stream
-from tierkv.kv_blocks import KVCacheBlocks
 from tierkv.layout import GroupSpec, KVLayout
 from tierkv.primary import PrimaryTier
 

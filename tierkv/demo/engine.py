@@ -20,13 +20,13 @@ from typing import TypeVar
 import anyio
 import torch
 
+from tierkv.cache import TieredCache
 from tierkv.demo.model import ModelConfig, PagedKVCache, TinyDecoder
 from tierkv.demo.prefix_cache import ChunkAllocator
+from tierkv.gpu import TransferWorker, required_block_bytes
+from tierkv.gpu.kv_blocks import KVCacheBlocks
 from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
-from tierkv.kv_blocks import KVCacheBlocks
 from tierkv.layout import GroupSpec, KVLayout
-from tierkv.orchestrator import TieredCache
-from tierkv.worker import TransferWorker, required_block_bytes
 
 T = TypeVar("T")
 

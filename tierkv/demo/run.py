@@ -29,13 +29,13 @@ import anyio
 import torch
 from pydantic import ByteSize
 
+from tierkv.cache import TieredCache
 from tierkv.config import CacheConfig
 from tierkv.demo.engine import DemoEngine, Generation, build_engine, resolve_device
 from tierkv.demo.model import ModelConfig, TinyDecoder
 from tierkv.demo.report import percentile
 from tierkv.demo.sizing import gpu_blocks_for
 from tierkv.demo.workload import ChatWorkload, WorkloadConfig
-from tierkv.orchestrator import TieredCache
 from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
 from tierkv.units import format_size
 

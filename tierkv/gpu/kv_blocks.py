@@ -85,19 +85,25 @@ class KVCacheBlocks:
         """Check a request before the cache reserves, evicts or promotes anything: GPU
         block ids in range, and for a store, that the keys at `indices` (all keys when
         None) cover whole offloaded blocks. Raises ValueError; changes nothing."""
-        limits = getattr(self.worker, "num_gpu_blocks", None)
-        if limits is not None:
-            for g, blocks in enumerate(self.gpu_blocks):
-                bad = [b for b in blocks if not 0 <= b < limits[g]]
-                if bad:
-                    raise ValueError(
-                        f"group {g}: GPU block ids {bad[:5]} are out of range 0..{limits[g] - 1}"
-                    )
+        limits = self.worker.num_gpu_blocks
+        for g, blocks in enumerate(self.gpu_blocks):
+            bad = blocks[(blocks < 0) | (blocks >= limits[g])]
+            if bad.size:
+                raise ValueError(
+                    f"group {g}: GPU block ids {bad[:5].tolist()} are out of range "
+                    f"0..{limits[g] - 1}"
+                )
         if direction != "store":
             return
-        chosen = range(len(self._keys)) if indices is None else indices
-        for index in chosen:
-            g, j = self._keys[index]
+        chosen = (
+            np.arange(len(self), dtype=np.int64)
+            if indices is None
+            else np.asarray(indices, dtype=np.int64).reshape(-1)
+        )
+        if chosen.size and (chosen.min() < 0 or chosen.max() >= len(self)):
+            raise ValueError(f"key indices must be in 0..{len(self) - 1}")
+        for index in chosen.tolist():
+            g, j = int(self._key_group[index]), int(self._key_block[index])
             head = self.heads[g]
             if j * self.factor - head < 0 or (j + 1) * self.factor - head > len(self.gpu_blocks[g]):
                 raise ValueError(
