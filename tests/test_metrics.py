@@ -140,3 +140,71 @@ def test_demo_serves_metrics_while_it_runs(tmp_path: Path) -> None:
     assert proc.returncode == 130, err.decode()
     assert "tierkv_loaded_bytes_total" in text and 'tier="cpu"' in text
     assert list(tmp_path.iterdir()) == []  # the default chain's temp directory is gone
+
+
+async def test_cache_wide_counters_follow_stats() -> None:
+    """The cache's own counters (not per tier) are exported with their stats values:
+    a store larger than a primary with no tier below rejects the rest, and a scrape
+    shows exactly the count the StoreResult gave."""
+    chain = """
+namespace: metrics-cache
+layout: {block_bytes: 4KiB, groups: [{block_size: 16}]}
+primary: {capacity: 16KiB, pin_memory: false}
+tiers: []
+"""
+    keys = [
+        make_offload_key(h, 0)
+        for h in hash_token_blocks(list(range(16 * 6)), 16, namespace="metrics-cache")
+    ]
+    async with TieredCache(parse_config(chain)) as cache:
+        result = await cache.store(keys, torch.zeros(6, 4096, dtype=torch.uint8))
+        stats = cache.stats().primary
+        got = samples(generate(cache))
+    ns = frozenset({("namespace", "metrics-cache")})
+    assert len(result.rejected) == 2  # 4 blocks fit, no tier to stream the rest to
+    assert got[("tierkv_store_rejected_blocks_total", ns)] == 2
+    for field, name in (
+        ("store_rejected", "tierkv_store_rejected_blocks_total"),
+        ("store_waits", "tierkv_store_waits_total"),
+        ("write_back_dropped", "tierkv_write_back_dropped_blocks_total"),
+        ("promotions_shed", "tierkv_promotions_shed_blocks_total"),
+        ("events_dropped", "tierkv_events_dropped_total"),
+        ("background_jobs", "tierkv_background_jobs"),
+        ("indexed_keys", "tierkv_indexed_keys"),
+    ):
+        assert got[(name, ns)] == stats[field], name
+
+
+def test_every_cache_wide_stat_is_exported() -> None:
+    """A counter the cache adds to stats().primary gets a series, or is an occupancy
+    state of tierkv_primary_blocks, or a per-medium field: none is left unexported."""
+    from tierkv.metrics import CACHE_COUNTERS, CACHE_GAUGES, COUNTERS, GAUGES, PRIMARY_GAUGES
+
+    async def primary_fields() -> set[str]:
+        async with TieredCache(parse_config(CHAIN)) as cache:
+            return set(cache.stats().primary)
+
+    fields = anyio.run(primary_fields)
+    exported = {*CACHE_COUNTERS, *CACHE_GAUGES, *COUNTERS, *GAUGES, *PRIMARY_GAUGES}
+    per_medium_extras = {"breaker", "job_latency", "lookup_latency"}  # not for the primary
+    assert fields - exported - per_medium_extras == set()
+
+
+def test_cache_wide_series_have_help_text() -> None:
+    from tierkv.cache import CacheStats
+
+    stats = CacheStats({"store_waits": 3, "indexed_keys": 7}, {})
+    families = {f.name: f for f in TieredCacheCollector(lambda: stats, namespace="n").collect()}
+    assert families["tierkv_store_waits"].type == "counter"
+    assert families["tierkv_store_waits"].documentation.startswith("Times a store waited")
+    assert families["tierkv_indexed_keys"].type == "gauge"
+    assert [s.value for s in families["tierkv_indexed_keys"].samples] == [7]
+    assert "tierkv_promotions_shed_blocks" not in families  # absent from stats: no series
+
+
+def generate(cache: TieredCache) -> str:
+    from prometheus_client import generate_latest
+
+    from tierkv.metrics import registry_for
+
+    return generate_latest(registry_for(cache)).decode()

@@ -10,7 +10,9 @@ and `namespace`. Counters: lookups, keys looked up, hits, misses, lookup timeout
 store/load jobs, blocks and bytes stored into / loaded out of the medium, failed keys,
 errors, dropped cascades, requests skipped while the circuit was open. Gauges: jobs and
 bytes in flight, breaker state, primary occupancy. Summaries (count, sum, p50, p99):
-job latency and lookup latency per tier.
+job latency and lookup latency per tier. Cache-wide series (`namespace` only): rejected
+store blocks, store waits, dropped write-back blocks, shed promotions, dropped events
+(counters), background jobs and indexed keys (gauges).
 
 Needs `prometheus-client` (the `metrics` extra of tierkv-cache), imported when this module
 is. The stats are read on the event loop that runs the cache: `serve_metrics` answers
@@ -76,6 +78,42 @@ SUMMARIES: dict[str, tuple[str, str]] = {
 }
 BREAKER_STATES = ("closed", "open", "half_open")
 PRIMARY_GAUGES = ("blocks", "resident", "free", "evictable", "promoting", "write_back_pending")
+CACHE_COUNTERS: dict[str, tuple[str, str]] = {
+    # cache-wide fields of stats().primary -> (metric name without prefix/suffix, help)
+    "store_rejected": (
+        "store_rejected_blocks",
+        "Blocks a store reported rejected: no room in the primary, and no tier below "
+        "accepted the blocks that would free it, within store_timeout",
+    ),
+    "store_waits": (
+        "store_waits",
+        "Times a store waited for cascades to release primary slots (not rejected)",
+    ),
+    "write_back_dropped": (
+        "write_back_dropped_blocks",
+        "Dirty blocks given up for a write-back tier: past write_back_max_dirty while the "
+        "tier was down, or after repeated failed write-backs",
+    ),
+    "promotions_shed": (
+        "promotions_shed_blocks",
+        "Blocks a load reported failed (recompute) because other loads held the whole "
+        "promotion reserve",
+    ),
+    "events_dropped": (
+        "events_dropped",
+        "Stored/removed events discarded unread (take_events keeps the newest 65,536)",
+    ),
+}
+CACHE_GAUGES: dict[str, tuple[str, str]] = {
+    "background_jobs": (
+        "background_jobs",
+        "Background cascades, promotions and write-backs running now",
+    ),
+    "indexed_keys": (
+        "indexed_keys",
+        "Keys in the cache's per-key index (tier locations, dirty, cascading, promoting)",
+    ),
+}
 
 
 def _summary(name: str, doc: str) -> Metric:
@@ -153,6 +191,20 @@ class TieredCacheCollector(Collector):
         yield from summaries.values()
         yield breaker
         yield primary
+        yield from self._cache_wide(stats.primary)
+
+    def _cache_wide(self, data: Mapping[str, Any]) -> Iterable[Metric]:
+        """The cache's own counters and gauges (one series each, not per tier)."""
+        for f, (name, doc) in CACHE_COUNTERS.items():
+            if f in data:
+                counter = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["namespace"])
+                counter.add_metric([self.namespace], float(data[f]))
+                yield counter
+        for f, (name, doc) in CACHE_GAUGES.items():
+            if f in data:
+                gauge = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["namespace"])
+                gauge.add_metric([self.namespace], float(data[f]))
+                yield gauge
 
 
 def registry_for(source: TieredCache | Callable[[], CacheStats]) -> CollectorRegistry:
