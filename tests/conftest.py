@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,3 +50,41 @@ def moto_server() -> Iterator[Any]:
         missing_server("tierkv-s3 and moto", exc)
     with server:
         yield server
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_section(heading: str) -> str:
+    """The README from `heading` on (the tests that run its snippets read it)."""
+    text = README.read_text()
+    return text[text.index(heading) :]
+
+
+@pytest.fixture
+def readme_block() -> Callable[..., str]:
+    """`readme_block(heading, language="python")`: the first fenced block of
+    `language` under `heading` in the README."""
+
+    def block(heading: str, language: str = "python") -> str:
+        match = re.search(rf"```{language}\n(.*?)```", readme_section(heading), re.S)
+        assert match, f"no {language} block under {heading!r}"
+        return match.group(1)
+
+    return block
+
+
+@pytest.fixture
+def chain_file(tmp_path: Path) -> Callable[..., str]:
+    """`chain_file(tiers, primary="1MiB", namespace="t")`: the path of a small chain
+    (4KiB blocks, one group) written under `tmp_path`; `tiers` is a YAML flow list."""
+
+    def write(tiers: str, *, primary: str = "1MiB", namespace: str = "t") -> str:
+        path = tmp_path / "chain.yaml"
+        path.write_text(
+            f"namespace: {namespace}\nlayout: {{block_bytes: 4KiB, groups: [{{block_size: 16}}]}}\n"
+            f"primary: {{capacity: {primary}, pin_memory: false}}\ntiers: {tiers}\n"
+        )
+        return str(path)
+
+    return write

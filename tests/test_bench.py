@@ -5,6 +5,7 @@ rate, and failures reported. Numbers are only checked to exist, never timed."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +30,6 @@ def bench_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]
     assert main(["bench", *TINY, *args]) == 0, capsys.readouterr().err
     report: dict[str, Any] = json.loads(capsys.readouterr().out)
     return report
-
-
-def write_chain(tmp_path: Path, tiers: str) -> str:
-    path = tmp_path / "chain.yaml"
-    path.write_text(
-        "namespace: bench-test\nlayout: {block_bytes: 4KiB, groups: [{block_size: 16}]}\n"
-        f"primary: {{capacity: 64KiB, pin_memory: false}}\ntiers:\n{tiers}"
-    )
-    return str(path)
 
 
 def check_medium(entry: dict[str, Any], with_ratio: bool) -> None:
@@ -84,9 +76,9 @@ def test_default_chain_measures_primary_and_nvme_against_raw_media(
 
 
 def test_a_tier_without_a_raw_baseline_gets_numbers_but_no_ratio(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], chain_file: Callable[..., str]
 ) -> None:
-    chain = write_chain(tmp_path, "  - {type: memory, capacity: 8MiB}\n")
+    chain = chain_file("[{type: memory, capacity: 8MiB}]", primary="64KiB")
     report = bench_json(capsys, "--config", chain, "--tiers", "memory", "--keys", "0")
     [memory] = report["media"]
     assert memory["medium"] == "memory" and memory["baseline"] is None
@@ -104,10 +96,10 @@ def test_text_summary_names_every_medium(capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_a_tier_that_loses_blocks_fails_the_bench(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], chain_file: Callable[..., str]
 ) -> None:
     # the tier keeps 256 KiB of the 1 MiB stored: the loads must come back failed
-    chain = write_chain(tmp_path, "  - {type: memory, capacity: 300KiB}\n")
+    chain = chain_file("[{type: memory, capacity: 300KiB}]", primary="64KiB")
     assert main(["bench", *TINY, "--config", chain, "--tiers", "memory"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     err = [line for line in err if not line.startswith("[tierkv bench ")]  # progress lines

@@ -8,7 +8,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,15 +118,6 @@ def without_progress(stderr: str) -> list[str]:
     return [line for line in stderr.strip().splitlines() if not line.startswith("[tierkv ")]
 
 
-def chain_file(tmp_path: Path, tiers: str) -> str:
-    path = tmp_path / "chain.yaml"
-    path.write_text(
-        "namespace: t\nlayout: {block_bytes: 4KiB, groups: [{block_size: 16}]}\n"
-        f"primary: {{capacity: 1MiB, pin_memory: false}}\ntiers: {tiers}\n"
-    )
-    return str(path)
-
-
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -169,9 +160,12 @@ def test_demo_on_cuda_without_a_device_is_a_usage_error(
 
 
 def test_a_tier_that_cannot_open_is_a_runtime_failure_in_one_line(
-    tmp_path: Path, broken_tier: str, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    broken_tier: str,
+    capsys: pytest.CaptureFixture[str],
+    chain_file: Callable[..., str],
 ) -> None:
-    config = chain_file(tmp_path, "[{type: broken}]")
+    config = chain_file("[{type: broken}]")
     assert main(["demo", *TINY_DEMO, "--config", config]) == 1
     err = without_progress(capsys.readouterr().err)
     assert err == [
@@ -185,9 +179,9 @@ def test_a_tier_that_cannot_open_is_a_runtime_failure_in_one_line(
 
 
 def test_a_bad_config_is_exit_2_for_every_command(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], chain_file: Callable[..., str]
 ) -> None:
-    config = chain_file(tmp_path, "[{type: memory, capactiy: 1GiB}]")
+    config = chain_file("[{type: memory, capactiy: 1GiB}]")
     for command in ("demo", "bench", "validate"):
         argv = [command, config] if command == "validate" else [command, "--config", config]
         assert main(argv) == 2
@@ -197,11 +191,9 @@ def test_a_bad_config_is_exit_2_for_every_command(
 
 # -- validate --connect --------------------------------------------------------------------
 def test_validate_connect_opens_each_tier_and_times_it(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], chain_file: Callable[..., str]
 ) -> None:
-    config = chain_file(
-        tmp_path, f"[{{type: memory}}, {{type: nvme, path: {tmp_path}/kv, capacity: 1MiB}}]"
-    )
+    config = chain_file(f"[{{type: memory}}, {{type: nvme, path: {tmp_path}/kv, capacity: 1MiB}}]")
     assert main(["validate", "--connect", config]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].endswith("tiers: memory, nvme)")
@@ -210,9 +202,12 @@ def test_validate_connect_opens_each_tier_and_times_it(
 
 
 def test_validate_connect_reports_a_tier_it_cannot_reach(
-    tmp_path: Path, broken_tier: str, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    broken_tier: str,
+    capsys: pytest.CaptureFixture[str],
+    chain_file: Callable[..., str],
 ) -> None:
-    config = chain_file(tmp_path, "[{type: memory}, {type: broken}]")
+    config = chain_file("[{type: memory}, {type: broken}]")
     assert main(["validate", config]) == 0  # the file itself is fine
     capsys.readouterr()
     assert main(["validate", "--connect", config]) == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -11,16 +12,11 @@ import pytest
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def snippet(heading: str) -> str:
-    text = README.read_text()
-    section = text[text.index(heading) :]
-    match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match, f"no python block under {heading!r}"
-    return match.group(1)
-
-
 def test_embedding_snippet_runs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    readme_block: Callable[..., str],
 ) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tiers.yaml").write_text(
@@ -28,7 +24,7 @@ def test_embedding_snippet_runs(
         "primary: {capacity: 1MiB, pin_memory: auto}\ntiers: [{type: memory}]\n"
     )
     scope: dict[str, object] = {}
-    exec(compile(snippet("## Embed it in a server"), "README.md", "exec"), scope)
+    exec(compile(readme_block("## Embed it in a server"), "README.md", "exec"), scope)
     serve = scope["serve"]
     anyio.run(serve, list(range(64)))  # type: ignore[arg-type]
     out = capsys.readouterr().out
@@ -36,24 +32,19 @@ def test_embedding_snippet_runs(
     assert "'blocks_stored': 4" in out
 
 
-def block(heading: str, language: str) -> str:
-    text = README.read_text()
-    section = text[text.index(heading) :]
-    match = re.search(rf"```{language}\n(.*?)```", section, re.S)
-    assert match, f"no {language} block under {heading!r}"
-    return match.group(1)
-
-
 def test_configure_yaml_and_embed_snippet_run_together(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    readme_block: Callable[..., str],
 ) -> None:
     """Copy the Configure YAML to tiers.yaml and run the Embed snippet on it, as a reader
     would: two KV-cache groups, so the snippet must build one key list per group."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TIERKV_PRIMARY", "64MiB")  # the YAML's default is 8GiB
-    (tmp_path / "tiers.yaml").write_text(block("## Configure", "yaml"))
+    (tmp_path / "tiers.yaml").write_text(readme_block("## Configure", "yaml"))
     scope: dict[str, object] = {}
-    exec(compile(snippet("## Embed it in a server"), "README.md", "exec"), scope)
+    exec(compile(readme_block("## Embed it in a server"), "README.md", "exec"), scope)
     anyio.run(scope["serve"], list(range(64)))  # type: ignore[arg-type]
     out = capsys.readouterr().out
     assert out.startswith("0 {}")
@@ -62,12 +53,14 @@ def test_configure_yaml_and_embed_snippet_run_together(
 
 
 def test_configure_yaml_validates_from_the_shell(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], readme_block: Callable[..., str]
 ) -> None:
     from tierkv.cli import main
 
     path = tmp_path / "tiers.yaml"
-    path.write_text(block("## Configure", "yaml").replace("${TIERKV_PRIMARY:-8GiB}", "64MiB"))
+    path.write_text(
+        readme_block("## Configure", "yaml").replace("${TIERKV_PRIMARY:-8GiB}", "64MiB")
+    )
     assert main(["validate", str(path)]) == 0
     assert "tiers: hot" in capsys.readouterr().out
 
@@ -81,9 +74,9 @@ def test_the_readme_installs_from_the_checkout_only() -> None:
         assert dist in text
 
 
-def test_the_readme_has_the_diagram_and_the_sizing_guide() -> None:
+def test_the_readme_has_the_diagram_and_the_sizing_guide(readme_block: Callable[..., str]) -> None:
     text = README.read_text()
-    diagram = block("## How a block moves", "mermaid")
+    diagram = readme_block("## How a block moves", "mermaid")
     for word in ("store", "cascade", "lookup", "promote"):
         assert word in diagram
     guide = text[text.index("## Sizing and tuning") :]
@@ -91,8 +84,8 @@ def test_the_readme_has_the_diagram_and_the_sizing_guide() -> None:
         assert knob in guide
 
 
-def test_the_plugin_skeleton_imports_what_it_uses() -> None:
+def test_the_plugin_skeleton_imports_what_it_uses(readme_block: Callable[..., str]) -> None:
     scope: dict[str, object] = {}
-    exec(compile(snippet("## Write a tier plugin"), "README.md", "exec"), scope)
+    exec(compile(readme_block("## Write a tier plugin"), "README.md", "exec"), scope)
     tier = scope["FloppyTier"]
     assert tier.get_tier_type() == "floppy"  # type: ignore[attr-defined]

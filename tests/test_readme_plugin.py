@@ -3,26 +3,18 @@ and a tier made from it keeps the contract's shape."""
 
 from __future__ import annotations
 
-import re
 import sys
-from pathlib import Path
+from collections.abc import Callable
 
 import anyio
 
-README = Path(__file__).resolve().parents[1] / "README.md"
 
-
-def plugin_snippet() -> str:
-    text = README.read_text()
-    section = text[text.index("## Write a tier plugin") :]
-    match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match, "no python block under the plugin section"
-    return match.group(1)
-
-
-def test_the_skeleton_runs_with_only_its_own_imports() -> None:
+def test_the_skeleton_runs_with_only_its_own_imports(readme_block: Callable[..., str]) -> None:
     scope: dict[str, object] = {"__name__": "readme_plugin"}
-    exec(compile(plugin_snippet(), "README.md", "exec", dont_inherit=True), scope)
+    exec(
+        compile(readme_block("## Write a tier plugin"), "README.md", "exec", dont_inherit=True),
+        scope,
+    )
     from tierkv.jobs import JobMetadata
     from tierkv.keys import make_offload_key
     from tierkv.slab import PrimaryView

@@ -410,38 +410,54 @@ def raw_baseline_for(tier: TierConfig, block_bytes: int) -> RawMedium | None:
 
 
 # -- one medium -------------------------------------------------------------------------
-def _bench_config(
-    chain: CacheConfig, tier: TierConfig | None, options: BenchOptions, namespace: str
+def _bench_chain(
+    chain: CacheConfig,
+    namespace: str,
+    block_bytes: int,
+    primary_blocks: int,
+    tiers: Sequence[TierConfig],
+    *,
+    pin_memory: bool | None = None,
+    **settings: Any,
 ) -> CacheConfig:
-    n = options.num_blocks
-    tiers: list[TierConfig] = []
-    if tier is not None:
-        total = ByteSize(n * options.block_bytes + options.block_bytes)
-        tiers = [
-            tier.model_copy(
-                update={
-                    "write_policy": "write_through",
-                    "max_inflight_bytes": max(tier.max_inflight_bytes, total),
-                    "required": True,  # a tier that cannot open is an error here
-                }
-            )
-        ]
+    """`chain` rebuilt for one measurement: its own namespace, one group of
+    `block_bytes` blocks, an LRU primary of `primary_blocks` blocks (pinned as the
+    chain says unless `pin_memory` is given), `tiers`, and any cache-wide `settings`."""
     return chain.model_copy(
         update={
             "namespace": namespace,
             "layout": KVLayout(
-                block_bytes=ByteSize(options.block_bytes),
-                groups=(GroupSpec(block_size=BLOCK_TOKENS),),
+                block_bytes=ByteSize(block_bytes), groups=(GroupSpec(block_size=BLOCK_TOKENS),)
             ),
             "primary": PrimaryConfig(
-                capacity=ByteSize(n * options.block_bytes),
+                capacity=ByteSize(primary_blocks * block_bytes),
                 eviction="lru",
-                pin_memory=chain.primary.pin_memory,
+                pin_memory=chain.primary.pin_memory if pin_memory is None else pin_memory,
             ),
-            "tiers": tiers,
-            "promotion_reserve": 1.0,
+            "tiers": list(tiers),
+            **settings,
         }
     )
+
+
+def _written_through(tier: TierConfig, inflight_bytes: int) -> TierConfig:
+    """`tier` as the bench drives it: write-through, room for `inflight_bytes` in
+    flight, and required (a tier that cannot open is an error here)."""
+    return tier.model_copy(
+        update={
+            "write_policy": "write_through",
+            "max_inflight_bytes": max(tier.max_inflight_bytes, ByteSize(inflight_bytes)),
+            "required": True,
+        }
+    )
+
+
+def _bench_config(
+    chain: CacheConfig, tier: TierConfig | None, options: BenchOptions, namespace: str
+) -> CacheConfig:
+    n, block = options.num_blocks, options.block_bytes
+    tiers = [] if tier is None else [_written_through(tier, n * block + block)]
+    return _bench_chain(chain, namespace, block, n, tiers, promotion_reserve=1.0)
 
 
 def _keys(n: int, tag: str) -> list[OffloadKey]:
@@ -628,27 +644,12 @@ async def bench_streaming(
     block = options.block_bytes
     slots = options.streaming_primary_blocks
     run_tag = f"{os.getpid()}-{time.time_ns()}"
-    config = chain.model_copy(
-        update={
-            "namespace": f"tierkv-bench-stream-{run_tag}",
-            "layout": KVLayout(
-                block_bytes=ByteSize(block), groups=(GroupSpec(block_size=BLOCK_TOKENS),)
-            ),
-            "primary": PrimaryConfig(
-                capacity=ByteSize(slots * block),
-                eviction="lru",
-                pin_memory=chain.primary.pin_memory,
-            ),
-            "tiers": [
-                tier.model_copy(
-                    update={
-                        "write_policy": "write_through",
-                        "max_inflight_bytes": max(tier.max_inflight_bytes, ByteSize(slots * block)),
-                        "required": True,
-                    }
-                )
-            ],
-        }
+    config = _bench_chain(
+        chain,
+        f"tierkv-bench-stream-{run_tag}",
+        block,
+        slots,
+        [_written_through(tier, slots * block)],
     )
     progress(f"streaming: {format_size(n * block)} through a {format_size(slots * block)} primary")
     gen = torch.Generator().manual_seed(options.seed + 1)
@@ -779,25 +780,16 @@ async def bench_orchestrator(
     n = options.orchestrator_keys
     per_call = options.lookup_batch
     block_bytes = 64
-    config = chain.model_copy(
-        update={
-            "namespace": f"tierkv-bench-orchestrator-{os.getpid()}",
-            "layout": KVLayout(
-                block_bytes=ByteSize(block_bytes), groups=(GroupSpec(block_size=BLOCK_TOKENS),)
-            ),
-            "primary": PrimaryConfig(
-                capacity=ByteSize(n * block_bytes), eviction="lru", pin_memory=False
-            ),
-            "tiers": [
-                MemoryTierConfig.model_validate(
-                    {
-                        "type": "memory",
-                        "write_policy": "write_through_selective",
-                        "min_hits": 2**31,
-                    }
-                )
-            ],
-        }
+    never_cascaded = MemoryTierConfig.model_validate(
+        {"type": "memory", "write_policy": "write_through_selective", "min_hits": 2**31}
+    )
+    config = _bench_chain(
+        chain,
+        f"tierkv-bench-orchestrator-{os.getpid()}",
+        block_bytes,
+        n,
+        [never_cascaded],
+        pin_memory=False,
     )
     progress(f"orchestrator: making {n:,} keys")
     keys = _keys(n, "orch")

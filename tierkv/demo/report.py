@@ -170,7 +170,7 @@ def demo_summary(report: dict[str, Any]) -> list[Block]:
     )
     blocks.append(
         f"stored {report['stored_blocks']:,} new blocks ({report['rejected_blocks']:,} "
-        f"rejected: primary full); {report['load_failures']:,} blocks failed to load"
+        f"rejected: no room in the chain); {report['load_failures']:,} blocks failed to load"
     )
     blocks.append("")
     verdict = "OK" if corr["ok"] else "FAILED"
