@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierkv.units import format_size, parse_duration
+from tierkv.units import approx_size, format_size, parse_duration
 
 
 @pytest.mark.parametrize(
@@ -34,3 +34,10 @@ def test_format_size_picks_exact_unit() -> None:
     assert format_size(3 * 2**30) == "3GiB"
     assert format_size(1536) == "1536B"
     assert format_size(0) == "0B"
+
+
+def test_approx_size_rounds_to_one_decimal_in_the_largest_unit() -> None:
+    assert approx_size(1536 << 10) == "1.5MiB"
+    assert approx_size(3 << 40, sep=" ") == "3.0 TiB"
+    assert approx_size(2048) == "2.0KiB"
+    assert approx_size(100, sep=" ") == "100 B"

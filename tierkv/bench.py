@@ -50,13 +50,14 @@ from tierkv.bench_integrity import bench_integrity, integrity_summary
 from tierkv.blocks import HostBlocks
 from tierkv.cache import TieredCache
 from tierkv.config import CacheConfig
-from tierkv.demo.report import Block, TextTable, percentile
+from tierkv.demo.report import Block, TextTable
 from tierkv.jobs import JobMetadata
 from tierkv.keys import OffloadKey, make_offload_key
 from tierkv.layout import GroupSpec, KVLayout
 from tierkv.memory_tier import MemoryTierConfig
 from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
 from tierkv.primary import HostSlab, PrimaryConfig
+from tierkv.stats import percentile
 from tierkv.tier import SecondaryTierManager, TierConfig
 from tierkv.units import format_size
 

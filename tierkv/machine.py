@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tierkv.units import format_size
+from tierkv.units import approx_size, format_size
 
 if TYPE_CHECKING:
     from tierkv.config import CacheConfig
@@ -46,10 +46,8 @@ def filesystem_size(path: Path) -> tuple[int, int] | None:
 
 
 def _human(n: int) -> str:
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
-        if n >= scale:
-            return f"{n / scale:.1f}{unit}"
-    return format_size(n)
+    """Approximate above a MiB (`1.5GiB`), exact below (`512KiB`)."""
+    return approx_size(n) if n >= 2**20 else format_size(n)
 
 
 def machine_problems(config: CacheConfig, *, memory: int | None = None) -> list[str]:

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """The `q` quantile (0..1) of `values` by nearest rank; 0 when empty."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
 class LatencySummary:
@@ -23,10 +30,7 @@ class LatencySummary:
         self.max = max(self.max, seconds)
 
     def percentile(self, q: float) -> float:
-        if not self._samples:
-            return 0.0
-        ordered = sorted(self._samples)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+        return percentile(self._samples, q)
 
     def snapshot(self) -> dict[str, float]:
         return {

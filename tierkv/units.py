@@ -44,3 +44,12 @@ def format_size(num_bytes: int) -> str:
         if num_bytes and num_bytes % scale == 0:
             return f"{num_bytes // scale}{unit}"
     return f"{num_bytes}B"
+
+
+def approx_size(num_bytes: float, *, sep: str = "") -> str:
+    """`1572864` -> `1.5MiB` (`1.5 MiB` with `sep=" "`): one decimal in the largest
+    binary unit reached, for reports and messages where exactness does not matter."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f}{sep}{unit}"
+    return f"{int(num_bytes)}{sep}B"

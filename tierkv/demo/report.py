@@ -5,11 +5,11 @@ rich is missing)."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
+from tierkv.units import approx_size
 
 
 @dataclass
@@ -83,17 +83,9 @@ def _render_plain(blocks: list[Block], out: TextIO) -> None:
             print("  ".join(parts).rstrip(), file=out)
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The `q` quantile (0..1) of `values` by nearest rank; 0 when empty."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
-
-
 def human_bytes(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
+    """`1.5 MiB`: one decimal, for tables."""
+    return approx_size(n, sep=" ")
 
 
 COLUMN_TITLES = {

@@ -33,10 +33,10 @@ from tierkv.cache import TieredCache
 from tierkv.config import CacheConfig
 from tierkv.demo.engine import DemoEngine, Generation, build_engine, resolve_device
 from tierkv.demo.model import ModelConfig, TinyDecoder
-from tierkv.demo.report import percentile
 from tierkv.demo.sizing import gpu_blocks_for
 from tierkv.demo.workload import ChatWorkload, WorkloadConfig
 from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
+from tierkv.stats import percentile
 from tierkv.units import format_size
 
 DEFAULT_ATOL = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 2e-1}
