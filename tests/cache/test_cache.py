@@ -470,6 +470,24 @@ async def test_back_pressure_drops_cascades_instead_of_queueing(faulty_tier_type
         assert tier.stored_keys() == set(keys(2, "a"))
 
 
+async def test_a_streaming_store_waits_for_a_tier_behind_instead_of_dropping(
+    faulty_tier_type: str,
+) -> None:
+    # 24 blocks through an 8-block primary, a tier that takes 2 blocks in flight at a
+    # time: every window reaches the tier, none is dropped
+    config = chain([faulty(max_inflight_bytes=BLOCK * 2, delay=0.005)], blocks=8)
+    async with open_cache(config) as cache:
+        tier = cache.tier("faulty")
+        assert isinstance(tier, FaultyTier)
+        ks = keys(24, "s")
+        result = await cache.store(ks, blocks(24))
+        assert result.ok and result.stored == tuple(ks)
+        await cache.flush()
+        assert cache.stats().tiers["faulty"]["drops"] == 0
+        assert tier.stored_keys() == set(ks)
+        assert cache.stats().primary["store_waits"] > 0
+
+
 async def test_nothing_a_tier_does_raises_into_the_caller(faulty_tier_type: str) -> None:
     async with open_cache(chain([faulty()])) as cache:
         tier = cache.tier("faulty")

@@ -165,6 +165,20 @@ class Cascader:
             h.opened and h.policy in ("write_through", "write_back") for h in self.core.tiers
         )
 
+    def _behind(self, nbytes: int) -> bool:
+        """Whether a write-through tier would drop a cascade of `nbytes` now (it already
+        has `max_inflight_bytes` in flight)."""
+        for h in self.core.tiers:
+            stats = h.stats
+            if (
+                h.policy == "write_through"
+                and stats.inflight_bytes
+                and stats.inflight_bytes + nbytes > h.config.max_inflight_bytes
+                and h.usable()
+            ):
+                return True
+        return False
+
     def _may_free_room(self) -> bool:
         """Whether something in flight will release primary slots."""
         core = self.core
@@ -193,6 +207,7 @@ class Cascader:
         placed: list[OffloadKey] = []  # stored, not yet told to the watch (needed lazily)
         timeout = core.config.store_timeout
         deadline = anyio.current_time() + timeout
+        streaming = False
         i = 0
         while i < len(new):
             if new[i] in blocks:  # stored meanwhile by someone else
@@ -204,6 +219,18 @@ class Cascader:
             # overlaps the cascade of the one before
             room = primary.num_free + primary.num_evictable
             size = len(new) - i if len(new) - i <= room else self.window
+            streaming = streaming or size < len(new) - i
+            if streaming and self._behind(size * core.block_bytes):
+                # a streaming store waits for a write-through tier that is behind rather
+                # than have the window's cascade dropped: its blocks must leave the
+                # primary to make room for the next windows (a store that fits the
+                # primary never waits here; its cascade is dropped and counted instead)
+                left = deadline - anyio.current_time()
+                if left > 0:
+                    core.counters["store_waits"] += 1
+                    with anyio.move_on_after(left):
+                        await core.released.wait()
+                    continue
             want = [k for k in new[i : i + size] if k not in blocks]
             if placed:  # a later window may evict: this request's earlier blocks must be safe
                 watch.placed(placed)
