@@ -23,7 +23,9 @@ touches a primary slot.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import threading
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import anyio
@@ -32,7 +34,15 @@ import anyio.to_thread
 from tierkv.jobs import JobMetadata, JobResult
 from tierkv.keys import OffloadKey
 
-__all__ = ["Batch", "JobAborted", "Work", "in_thread", "run_job"]
+__all__ = [
+    "Batch",
+    "JobAborted",
+    "SlotGuard",
+    "Work",
+    "in_thread",
+    "in_thread_abandoned_on_cancel",
+    "run_job",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +76,43 @@ async def in_thread(
         with anyio.CancelScope(shield=True):
             return await anyio.to_thread.run_sync(func, *args, limiter=limiter)
     return await anyio.to_thread.run_sync(func, *args, limiter=limiter)
+
+
+class SlotGuard:
+    """Lets a thread that may outlive its job touch the job's slots only while the job
+    lives.
+
+    A thread doing network I/O (a socket waiting on a frozen server) cannot be
+    interrupted, so a job that must end at its deadline leaves it behind
+    (`in_thread_abandoned_on_cancel`). Such a thread reads or writes slots only inside
+    `with guard.hold() as alive:` and only when `alive`; the job calls `close()` when
+    it ends, which waits for a holder to finish its one block and makes every later
+    `hold()` see False. After `close()` returns no thread of the job touches a slot."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._alive = True
+
+    @contextmanager
+    def hold(self) -> Iterator[bool]:
+        """Worker thread: True while the job lives; the job cannot end meanwhile."""
+        with self._lock:
+            yield self._alive
+
+    def close(self) -> None:
+        """The job ended: wait for the current holder (one block's copy or check, well
+        under a millisecond), then refuse every later one."""
+        with self._lock:
+            self._alive = False
+
+
+async def in_thread_abandoned_on_cancel(
+    func: Callable[..., T], *args: Any, limiter: anyio.CapacityLimiter | None = None
+) -> T:
+    """Run blocking network I/O `func(*args)` in a worker thread; cancelling the caller
+    returns at once and leaves the thread to finish on its own (bounded by its socket
+    timeouts). `func` must touch slots only under a `SlotGuard` that the job closes."""
+    return await anyio.to_thread.run_sync(func, *args, limiter=limiter, abandon_on_cancel=True)
 
 
 def per_key(job: JobMetadata) -> list[Batch]:
