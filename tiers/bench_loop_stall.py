@@ -1,6 +1,7 @@
 """How long the remote tiers keep the event loop busy: the longest stall per job.
 
     .venv/bin/python tiers/bench_loop_stall.py [--blocks 64] [--block-mib 2] [--repeats 3]
+        [--tiers redis,s3]
 
 Runs a store and a load job of `--blocks` blocks against a real redis-server and moto's
 S3 server (both on loopback, started here) while a watcher task measures the gaps
@@ -106,12 +107,15 @@ async def measure(
         await tier.close()
 
 
-async def main_async(blocks: int, block_mib: int, repeats: int) -> None:
+async def main_async(blocks: int, block_mib: int, repeats: int, tiers: set[str]) -> None:
     block = block_mib << 20
     view = PrimaryView(bytearray(2 * blocks * block), block, "loop-stall")
-    with RedisServer() as redis:
-        config = RedisTierConfig(url=redis.url)
-        await measure("redis", RedisTier(config, view), view, blocks, repeats)
+    if "redis" in tiers:
+        with RedisServer() as redis:
+            config = RedisTierConfig(url=redis.url)
+            await measure("redis", RedisTier(config, view), view, blocks, repeats)
+    if "s3" not in tiers:
+        return
     with MotoServer() as moto:
         moto.create_bucket("stall")
         s3_config = S3TierConfig.model_validate(
@@ -132,8 +136,12 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=64)
     parser.add_argument("--block-mib", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tiers", default="redis,s3", help="comma-separated: redis, s3")
     args = parser.parse_args()
-    asyncio.run(main_async(args.blocks, args.block_mib, args.repeats))
+    tiers = set(args.tiers.split(","))
+    if not tiers or not tiers <= {"redis", "s3"}:
+        parser.error(f"--tiers takes redis and/or s3, got {args.tiers!r}")
+    asyncio.run(main_async(args.blocks, args.block_mib, args.repeats, tiers))
 
 
 if __name__ == "__main__":
