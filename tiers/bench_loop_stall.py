@@ -9,6 +9,14 @@ between its turns on the loop: a gap is how long any other request of the server
 have waited to run. Prints the longest gap per job (the worst over `--repeats`) and the
 job's wall time. What stalls the loop is CPU work done on the loop thread (framing,
 checksums, joins, the client's parsing), so the numbers compare code, not media.
+
+The first line, `idle`, is the same watcher while the loop only sleeps: the machine's
+own floor (other processes, the scheduler). On a shared, oversubscribed machine the
+wall-time stall says little below it; the loop-thread CPU per turn still does. A
+collection of Python's cyclic garbage collector holds the GIL for as long as it runs
+(up to ~0.2 s here with botocore's models in memory), whichever thread triggered it;
+servers freeze long-lived objects after start-up (`gc.freeze()`, as vLLM does) to keep
+it short, and this script does not.
 """
 
 from __future__ import annotations
@@ -107,7 +115,32 @@ async def measure(
         await tier.close()
 
 
+class _Slept:
+    ok = True
+
+
+async def idle_floor(repeats: int, seconds: float = 0.5) -> None:
+    """Print the watcher's longest gap while the loop only sleeps."""
+    stalls, cpus = [], []
+    for _ in range(repeats):
+
+        async def sleep() -> JobResult:
+            await asyncio.sleep(seconds)
+            return _Slept()  # type: ignore[return-value]
+
+        stall, cpu, _total, _wall, _ok = await longest_stall(sleep)
+        stalls.append(stall)
+        cpus.append(cpu)
+    print(
+        f"idle   {seconds:.1f} s asleep: longest stall median "
+        f"{statistics.median(stalls) * 1e3:6.2f} ms (worst {max(stalls) * 1e3:6.2f}), "
+        f"loop-thread CPU per turn median {statistics.median(cpus) * 1e3:6.2f} ms "
+        f"(worst {max(cpus) * 1e3:6.2f})"
+    )
+
+
 async def main_async(blocks: int, block_mib: int, repeats: int, tiers: set[str]) -> None:
+    await idle_floor(repeats)
     block = block_mib << 20
     view = PrimaryView(bytearray(2 * blocks * block), block, "loop-stall")
     if "redis" in tiers:
