@@ -27,7 +27,7 @@ which no other request of the server progresses. Lookups and removals are small 
 stay on the asyncio client.
 
 A thread waiting on a frozen Redis cannot be interrupted, so a job at its deadline
-leaves it behind (`in_thread_abandoned_on_cancel`): its socket timeout, at most
+leaves it behind (`IOThreads`): its socket timeout, at most
 `job_timeout`, frees it soon after, and it touches the job's slots only under the job's
 `SlotGuard`, which the job closes before it returns. A late store may still land in
 Redis (as with any client whose command was sent); a late load never writes a slot.
@@ -56,7 +56,7 @@ from redis.exceptions import (
 )
 from redis.retry import Retry as SyncRetry
 
-from tierkv.runner import SlotGuard, in_thread_abandoned_on_cancel
+from tierkv.runner import IOThreads, SlotGuard
 from tierkv.tier import (
     Batch,
     CorruptBlock,
@@ -124,8 +124,9 @@ class RedisTier(SecondaryTierManager):
         # commands in flight across all jobs and lookups of this tier; never more
         # than the connection pool holds
         self._gate: anyio.Semaphore | None = None
-        # one worker thread per connection: a thread holds its connection for its batch
-        self._threads = anyio.CapacityLimiter(self.config.max_connections)
+        # one worker thread per connection (a thread holds its connection for its
+        # batch); made by open(), let go by close()
+        self._threads: IOThreads | None = None
         self._inflight = InFlightJobs(self.name)
 
     @staticmethod
@@ -208,6 +209,7 @@ class RedisTier(SecondaryTierManager):
             ) from None
         self._client = client
         self._sync = sync
+        self._threads = IOThreads(self.config.max_connections, f"tierkv-{self.name}")
         self._gate = anyio.Semaphore(self.config.max_connections)
         logger.info("redis tier open: %s, names %s*", self.config.safe_url, self._names.prefix)
 
@@ -215,6 +217,9 @@ class RedisTier(SecondaryTierManager):
         await self._inflight.drain()
         client, self._client = self._client, None
         sync, self._sync = self._sync, None
+        threads, self._threads = self._threads, None
+        if threads is not None:
+            threads.close()
         if client is not None:
             await client.aclose()
         if sync is not None:
@@ -276,10 +281,10 @@ class RedisTier(SecondaryTierManager):
             guard.close()  # threads left behind by the deadline touch no slot from now on
 
     # -- stores and loads: one worker-thread hop per batch, I/O included ------------
-    def _sync_client(self) -> SyncClient:
-        if self._sync is None:
+    def _sync_client(self) -> tuple[SyncClient, IOThreads]:
+        if self._sync is None or self._threads is None:
             raise TierUnavailable(f"tier {self.name!r} is not open; call open() first")
-        return self._sync
+        return self._sync, self._threads
 
     async def store(self, job: JobMetadata) -> JobResult:
         async with self._inflight.job():
@@ -288,10 +293,8 @@ class RedisTier(SecondaryTierManager):
     async def _store_batch(
         self, client: Client, batch: Batch, guard: SlotGuard
     ) -> dict[OffloadKey, str]:
-        sync = self._sync_client()
-        return await in_thread_abandoned_on_cancel(
-            self._store_in_thread, sync, batch, guard, limiter=self._threads
-        )
+        sync, threads = self._sync_client()
+        return await threads.run(self._store_in_thread, sync, batch, guard)
 
     def _store_in_thread(
         self, sync: SyncClient, batch: Batch, guard: SlotGuard
@@ -347,10 +350,8 @@ class RedisTier(SecondaryTierManager):
     async def _load_batch(
         self, client: Client, batch: Batch, guard: SlotGuard
     ) -> dict[OffloadKey, str]:
-        sync = self._sync_client()
-        errors, doomed, gone = await in_thread_abandoned_on_cancel(
-            self._load_in_thread, sync, batch, guard, limiter=self._threads
-        )
+        sync, threads = self._sync_client()
+        errors, doomed, gone = await threads.run(self._load_in_thread, sync, batch, guard)
         if doomed:
             try:
                 await self._unlink(client, doomed)

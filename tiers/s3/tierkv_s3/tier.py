@@ -52,7 +52,7 @@ from aiobotocore.session import AioSession  # type: ignore[import-untyped]
 from botocore.config import Config  # type: ignore[import-untyped]
 from s3fs import S3FileSystem  # type: ignore[import-untyped]
 
-from tierkv.runner import SlotGuard, in_thread_abandoned_on_cancel
+from tierkv.runner import IOThreads, SlotGuard
 from tierkv.tier import (
     Batch,
     CorruptBlock,
@@ -133,8 +133,9 @@ class S3Tier(SecondaryTierManager):
         self._fs: S3FileSystem | None = None
         self._client: Any = None  # the aiobotocore client s3fs made; closed by close()
         self._sync: Any = None  # botocore client of single PUTs and GETs, in worker threads
-        # one worker thread per request in flight: a thread holds its connection
-        self._threads = anyio.CapacityLimiter(c.max_concurrency)
+        # one worker thread per request in flight (a thread holds its connection);
+        # made by open(), let go by close()
+        self._threads: IOThreads | None = None
         self._gate: anyio.Semaphore | None = None
         self._present: OrderedDict[OffloadKey, float] = OrderedDict()
         self._unaborted: list[tuple[str, str]] = []  # (object key, upload id)
@@ -257,6 +258,7 @@ class S3Tier(SecondaryTierManager):
                 f"cannot set up the S3 client for {self._endpoint}: {type(exc).__name__}: {exc}"
             ) from None
         self._fs, self._client, self._sync = fs, client, sync
+        self._threads = IOThreads(self.config.max_concurrency, f"tierkv-{self.name}")
         self._gate = anyio.Semaphore(self.config.max_concurrency)
         logger.info("s3 tier open: %r", self)
 
@@ -274,11 +276,19 @@ class S3Tier(SecondaryTierManager):
                     await self._sweep_uploads(fs, name, self.config.request_timeout)
         client, self._client, self._fs = self._client, None, None
         sync, self._sync = self._sync, None
+        threads, self._threads = self._threads, None
+        if threads is not None:
+            threads.close()
         self._present.clear()
         if client is not None:
             await client.close()
         if sync is not None:
             await in_thread(sync.close)
+
+    def _sync_client(self) -> tuple[Any, IOThreads]:
+        if self._sync is None or self._threads is None:
+            raise TierUnavailable(f"tier {self.name!r} is not open; call open() first")
+        return self._sync, self._threads
 
     def _require_fs(self) -> tuple[S3FileSystem, anyio.Semaphore]:
         if self._inflight.closing:
@@ -358,13 +368,11 @@ class S3Tier(SecondaryTierManager):
             )
             await self._put_multipart(fs, key, frame)
         else:
-            sync = self._sync
+            sync, threads = self._sync_client()
             framed: list[bytes] = []  # the frame, made once, kept for a retry
             await self._call(
                 f"store of {self._names.url(key)}",
-                lambda: in_thread_abandoned_on_cancel(
-                    self._put_in_thread, sync, key, slot, guard, framed, limiter=self._threads
-                ),
+                lambda: threads.run(self._put_in_thread, sync, key, slot, guard, framed),
             )
         self._saw(key)
 
@@ -526,13 +534,10 @@ class S3Tier(SecondaryTierManager):
         self, fs: S3FileSystem, key: OffloadKey, slot: int, guard: SlotGuard
     ) -> None:
         url = self._names.url(key)
-        sync = self._sync
+        sync, threads = self._sync_client()
         try:
             corrupt = await self._call(
-                f"load of {url}",
-                lambda: in_thread_abandoned_on_cancel(
-                    self._get_in_thread, sync, key, slot, guard, limiter=self._threads
-                ),
+                f"load of {url}", lambda: threads.run(self._get_in_thread, sync, key, slot, guard)
             )
         except S3Failure as failure:
             self._present.pop(key, None)  # a failed load withdraws the cached claim
