@@ -18,6 +18,13 @@ Blocking calls and whole-block CPU work (framing, checksums, copies of MiB-sized
 blocks) go through `in_thread`: anyio's worker threads, whose cancellation waits for
 the thread to return, so after `run_job` returns or is cancelled no thread of it still
 touches a primary slot.
+
+Network I/O through a synchronous client is the exception: a thread waiting on a frozen
+server cannot be interrupted, and waiting for it would keep the job past its deadline.
+Such calls go through `IOThreads.run` (or `in_thread_abandoned_on_cancel`), whose
+cancellation returns at once and leaves the thread to its socket timeouts; the thread
+reads or writes slots only under the job's `SlotGuard`, which the job closes before it
+returns, so the promise above holds for them too.
 """
 
 from __future__ import annotations
