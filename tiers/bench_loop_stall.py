@@ -1,6 +1,7 @@
 """How long the remote tiers keep the event loop busy: the longest stall per job.
 
     .venv/bin/python tiers/bench_loop_stall.py [--blocks 64] [--block-mib 2] [--repeats 3]
+        [--tiers redis,s3] [--freeze-gc]
 
 Runs a store and a load job of `--blocks` blocks against a real redis-server and moto's
 S3 server (both on loopback, started here) while a watcher task measures the gaps
@@ -8,12 +9,21 @@ between its turns on the loop: a gap is how long any other request of the server
 have waited to run. Prints the longest gap per job (the worst over `--repeats`) and the
 job's wall time. What stalls the loop is CPU work done on the loop thread (framing,
 checksums, joins, the client's parsing), so the numbers compare code, not media.
+
+The first line, `idle`, is the same watcher while the loop only sleeps: the machine's
+own floor (other processes, the scheduler). On a shared, oversubscribed machine the
+wall-time stall says little below it; the loop-thread CPU per turn still does. A
+collection of Python's cyclic garbage collector holds the GIL for as long as it runs
+(up to ~0.2 s here with botocore's models in memory), whichever thread triggered it;
+servers freeze long-lived objects after start-up (`gc.freeze()`, as vLLM does) to keep
+it short; `--freeze-gc` does the same once the tier is open and the slab filled.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import random
 import statistics
 import time
@@ -69,13 +79,21 @@ async def longest_stall(
 
 
 async def measure(
-    label: str, tier: SecondaryTierManager, view: PrimaryView, blocks: int, repeats: int
+    label: str,
+    tier: SecondaryTierManager,
+    view: PrimaryView,
+    blocks: int,
+    repeats: int,
+    freeze_gc: bool = False,
 ) -> None:
     rng = random.Random(0)
     await tier.open()
     try:
         for slot in range(blocks):
             view.block(slot)[:] = rng.randbytes(view.block_bytes)
+        if freeze_gc:  # what a server does once it is up
+            gc.collect()
+            gc.freeze()
         stalls: dict[str, list[float]] = {"store": [], "load": []}
         cpus: dict[str, list[float]] = {"store": [], "load": []}
         totals: dict[str, list[float]] = {"store": [], "load": []}
@@ -106,12 +124,42 @@ async def measure(
         await tier.close()
 
 
-async def main_async(blocks: int, block_mib: int, repeats: int) -> None:
+class _Slept:
+    ok = True
+
+
+async def idle_floor(repeats: int, seconds: float = 0.5) -> None:
+    """Print the watcher's longest gap while the loop only sleeps."""
+    stalls, cpus = [], []
+    for _ in range(repeats):
+
+        async def sleep() -> JobResult:
+            await asyncio.sleep(seconds)
+            return _Slept()  # type: ignore[return-value]
+
+        stall, cpu, _total, _wall, _ok = await longest_stall(sleep)
+        stalls.append(stall)
+        cpus.append(cpu)
+    print(
+        f"idle   {seconds:.1f} s asleep: longest stall median "
+        f"{statistics.median(stalls) * 1e3:6.2f} ms (worst {max(stalls) * 1e3:6.2f}), "
+        f"loop-thread CPU per turn median {statistics.median(cpus) * 1e3:6.2f} ms "
+        f"(worst {max(cpus) * 1e3:6.2f})"
+    )
+
+
+async def main_async(
+    blocks: int, block_mib: int, repeats: int, tiers: set[str], freeze_gc: bool = False
+) -> None:
+    await idle_floor(repeats)
     block = block_mib << 20
     view = PrimaryView(bytearray(2 * blocks * block), block, "loop-stall")
-    with RedisServer() as redis:
-        config = RedisTierConfig(url=redis.url)
-        await measure("redis", RedisTier(config, view), view, blocks, repeats)
+    if "redis" in tiers:
+        with RedisServer() as redis:
+            config = RedisTierConfig(url=redis.url)
+            await measure("redis", RedisTier(config, view), view, blocks, repeats, freeze_gc)
+    if "s3" not in tiers:
+        return
     with MotoServer() as moto:
         moto.create_bucket("stall")
         s3_config = S3TierConfig.model_validate(
@@ -124,7 +172,7 @@ async def main_async(blocks: int, block_mib: int, repeats: int) -> None:
                 "job_timeout": "600s",
             }
         )
-        await measure("s3", S3Tier(s3_config, view), view, blocks, repeats)
+        await measure("s3", S3Tier(s3_config, view), view, blocks, repeats, freeze_gc)
 
 
 def main() -> None:
@@ -132,8 +180,15 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=64)
     parser.add_argument("--block-mib", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tiers", default="redis,s3", help="comma-separated: redis, s3")
+    parser.add_argument(
+        "--freeze-gc", action="store_true", help="gc.freeze() once a tier is open, as servers do"
+    )
     args = parser.parse_args()
-    asyncio.run(main_async(args.blocks, args.block_mib, args.repeats))
+    tiers = set(args.tiers.split(","))
+    if not tiers or not tiers <= {"redis", "s3"}:
+        parser.error(f"--tiers takes redis and/or s3, got {args.tiers!r}")
+    asyncio.run(main_async(args.blocks, args.block_mib, args.repeats, tiers, args.freeze_gc))
 
 
 if __name__ == "__main__":

@@ -18,10 +18,19 @@ time, by the contract's `run_job`. The first connection-level failure of a job
 message naming the server, so a dead Redis answers a job within about
 `socket_timeout`. The client reconnects by itself on the next job once Redis is back.
 
-Framing, checksums, MACs and the copies that join a frame run in worker threads (one
-hop per batch, `in_thread`), never on the event loop: a 2 MiB block costs ~0.4 ms to
-frame and ~0.3 ms to check, which on the loop would stall every other request of the
-server for ~25 ms per 64-block job.
+Stores and loads run whole in worker threads, one hop per batch: framing, checksums,
+MACs, the copies that join a frame, and the network I/O itself through redis-py's
+synchronous client (its own blocking connection pool of `max_connections`). On the
+event loop they cost ~0.4 ms to frame and ~0.3 ms to check a 2 MiB block, plus the
+asyncio client's own sends and reply parsing: 13-27 ms of stall per 64-block job, during
+which no other request of the server progresses. Lookups and removals are small and
+stay on the asyncio client.
+
+A thread waiting on a frozen Redis cannot be interrupted, so a job at its deadline
+leaves it behind (`IOThreads`): its socket timeout, at most
+`job_timeout`, frees it soon after, and it touches the job's slots only under the job's
+`SlotGuard`, which the job closes before it returns. A late store may still land in
+Redis (as with any client whose command was sent); a late load never writes a slot.
 """
 
 from __future__ import annotations
@@ -35,6 +44,9 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.client import Redis as SyncRedis
+from redis.cluster import RedisCluster as SyncRedisCluster
+from redis.connection import BlockingConnectionPool
 from redis.exceptions import (
     AuthenticationError,
     ConnectionError,
@@ -42,7 +54,9 @@ from redis.exceptions import (
     RedisError,
     ResponseError,
 )
+from redis.retry import Retry as SyncRetry
 
+from tierkv.runner import IOThreads, SlotGuard
 from tierkv.tier import (
     Batch,
     CorruptBlock,
@@ -66,15 +80,12 @@ from tierkv_redis.wire import pack_set, send_sets
 logger = logging.getLogger(__name__)
 
 Client: TypeAlias = Redis | RedisCluster
-BatchOp: TypeAlias = Callable[[Client, Batch], Awaitable[dict[OffloadKey, str]]]
+SyncClient: TypeAlias = SyncRedis | SyncRedisCluster
+BatchOp: TypeAlias = Callable[[Client, Batch, SlotGuard], Awaitable[dict[OffloadKey, str]]]
 
 # Bytes read from the socket per parser feed: redis-py's 64 KiB default costs about a
 # third more CPU per MiB-sized GET than 256 KiB (measured, hiredis parser).
 _SOCKET_READ_SIZE = 256 * 1024
-
-_FRAMING_THREADS = 2
-"""Worker threads framing and checking blocks, per tier: more would only compete with
-the event loop for the GIL (and the cores) while hashing and copying."""
 
 # Errors that say "the server is not answering" rather than "this command failed".
 _UNREACHABLE = (RedisError, OSError, TimeoutError)
@@ -108,11 +119,14 @@ class RedisTier(SecondaryTierManager):
         )
         ttl = self.config.ttl
         self._ttl_ms: int | None = None if ttl is None else max(1, round(ttl * 1000))
-        self._client: Client | None = None
+        self._client: Client | None = None  # lookups, removals, deletions
+        self._sync: SyncClient | None = None  # stores and loads, in worker threads
         # commands in flight across all jobs and lookups of this tier; never more
         # than the connection pool holds
         self._gate: anyio.Semaphore | None = None
-        self._cpu = anyio.CapacityLimiter(_FRAMING_THREADS)
+        # one worker thread per connection (a thread holds its connection for its
+        # batch); made by open(), let go by close()
+        self._threads: IOThreads | None = None
         self._inflight = InFlightJobs(self.name)
 
     @staticmethod
@@ -141,6 +155,34 @@ class RedisTier(SecondaryTierManager):
             return RedisCluster.from_url(c.url, **kwargs)
         return Redis.from_url(c.url, **kwargs)
 
+    def _make_sync_client(self) -> SyncClient:
+        """Worker thread (a cluster client connects while it is made): the synchronous
+        client of stores and loads. Its socket timeout is at most `job_timeout`: a
+        thread a job left behind on a frozen server is freed about when the job was."""
+        c = self.config
+        timeout = min(c.socket_timeout, c.job_timeout)
+        kwargs: dict[str, Any] = {
+            "max_connections": c.max_connections,
+            "socket_timeout": timeout,
+            "socket_connect_timeout": timeout,
+            # as the asyncio client: one immediate retry of a connection a restart
+            # closed, none of a timeout
+            "retry": SyncRetry(NoBackoff(), 1, supported_errors=(ConnectionError,)),
+        }
+        if c.password is not None:
+            kwargs["password"] = c.password.get_secret_value()
+        if c.cluster:
+            return SyncRedisCluster.from_url(c.url, **kwargs)
+        pool = BlockingConnectionPool.from_url(
+            c.url,
+            # a thread waits this long for a connection that threads a job left
+            # behind on a frozen server still hold
+            timeout=timeout,
+            socket_read_size=_SOCKET_READ_SIZE,
+            **kwargs,
+        )
+        return SyncRedis(connection_pool=pool)
+
     async def open(self) -> None:
         """Connect and PING. Raises TierUnavailable when Redis is unreachable or
         refuses the credentials; the tier may be opened again later."""
@@ -153,6 +195,7 @@ class RedisTier(SecondaryTierManager):
                 if isinstance(client, RedisCluster):
                     await client.initialize()
                 await client.ping()
+                sync = await in_thread(self._make_sync_client)
         except AuthenticationError as exc:
             await client.aclose()
             raise TierUnavailable(
@@ -165,14 +208,22 @@ class RedisTier(SecondaryTierManager):
                 f"redis at {self.config.safe_url} is unreachable: {type(exc).__name__}: {exc}"
             ) from None
         self._client = client
+        self._sync = sync
+        self._threads = IOThreads(self.config.max_connections, f"tierkv-{self.name}")
         self._gate = anyio.Semaphore(self.config.max_connections)
         logger.info("redis tier open: %s, names %s*", self.config.safe_url, self._names.prefix)
 
     async def close(self) -> None:
         await self._inflight.drain()
         client, self._client = self._client, None
+        sync, self._sync = self._sync, None
+        threads, self._threads = self._threads, None
+        if threads is not None:
+            threads.close()
         if client is not None:
             await client.aclose()
+        if sync is not None:
+            await in_thread(sync.close)
 
     def _require_client(self) -> tuple[Client, anyio.Semaphore]:
         if self._inflight.closing:
@@ -208,70 +259,69 @@ class RedisTier(SecondaryTierManager):
 
     async def _run_job(self, job: JobMetadata, op: BatchOp, verb: str) -> JobResult:
         client, gate = self._require_client()
+        guard = SlotGuard()
 
         async def work(batch: Batch) -> dict[OffloadKey, str]:
             try:
                 async with gate:
-                    return await op(client, batch)
+                    return await op(client, batch, guard)
             except _UNREACHABLE as exc:  # the server, not this batch: abort the job
                 raise JobAborted(self._unreachable(exc)) from None
 
-        return await run_job(
-            job,
-            work,
-            label=f"redis {verb}",
-            concurrency=self.config.max_connections,
-            timeout=self.config.job_timeout,
-            batches=self._plan(job),
-        )
+        try:
+            return await run_job(
+                job,
+                work,
+                label=f"redis {verb}",
+                concurrency=self.config.max_connections,
+                timeout=self.config.job_timeout,
+                batches=self._plan(job),
+            )
+        finally:
+            guard.close()  # threads left behind by the deadline touch no slot from now on
 
-    # -- off the event loop: framing and checking, one thread hop per batch ---------
-    def _frames(self, batch: Batch) -> list[bytes]:
-        """Worker thread: the whole frame of each block of `batch`."""
-        return [self.framer.encode(key, self.primary.block(slot)) for key, slot in batch]
-
-    def _packed_sets(self, batch: Batch, px: int | None) -> list[bytes]:
-        """Worker thread: the finished RESP SET command of each block of `batch`."""
-        packed = []
-        for key, slot in batch:
-            payload = self.primary.block(slot)
-            header = self.framer.encode_header(key, payload)
-            packed.append(pack_set(self._names.main(key).encode(), header, payload, px))
-        return packed
-
-    def _check_frames(
-        self, items: list[tuple[OffloadKey, int, list[bytes]]]
-    ) -> dict[OffloadKey, str]:
-        """Worker thread: check each block's frame (its parts joined) and copy its
-        payload into its slot; the keys whose frame failed a check, with the reason."""
-        corrupt: dict[OffloadKey, str] = {}
-        for key, slot, parts in items:
-            frame = parts[0] if len(parts) == 1 else b"".join(parts)
-            try:
-                self.framer.decode_into(key, frame, self.primary.block(slot))
-            except CorruptBlock as exc:
-                corrupt[key] = f"corrupt block deleted: {exc}"
-        return corrupt
+    # -- stores and loads: one worker-thread hop per batch, I/O included ------------
+    def _sync_client(self) -> tuple[SyncClient, IOThreads]:
+        if self._sync is None or self._threads is None:
+            raise TierUnavailable(f"tier {self.name!r} is not open; call open() first")
+        return self._sync, self._threads
 
     async def store(self, job: JobMetadata) -> JobResult:
         async with self._inflight.job():
             return await self._run_job(job, self._store_batch, "store")
 
-    async def _store_batch(self, client: Client, batch: Batch) -> dict[OffloadKey, str]:
+    async def _store_batch(
+        self, client: Client, batch: Batch, guard: SlotGuard
+    ) -> dict[OffloadKey, str]:
+        sync, threads = self._sync_client()
+        return await threads.run(self._store_in_thread, sync, batch, guard)
+
+    def _store_in_thread(
+        self, sync: SyncClient, batch: Batch, guard: SlotGuard
+    ) -> dict[OffloadKey, str]:
+        """Worker thread: frame each block of `batch` (reading its slot while the job
+        lives) and SET it; the keys Redis refused, with the reason."""
         px = self._ttl_ms
-        if isinstance(client, Redis) and all(self._names.parts_of(k) == 1 for k, _ in batch):
-            packed = await in_thread(self._packed_sets, batch, px, limiter=self._cpu)
-            outcomes = await send_sets(client.connection_pool, packed)
+        single = all(self._names.parts_of(k) == 1 for k, _ in batch)
+        ended = {key: "redis store: the job ended before this block was read" for key, _ in batch}
+        if isinstance(sync, SyncRedis) and single:
+            packed = []
+            for key, slot in batch:
+                with guard.hold() as alive:
+                    if not alive:
+                        return ended
+                    payload = self.primary.block(slot)
+                    header = self.framer.encode_header(key, payload)
+                    packed.append(pack_set(self._names.main(key).encode(), header, payload, px))
+            outcomes = send_sets(sync.connection_pool, packed)
             return {key: _command_error(exc) for (key, _), exc in zip(batch, outcomes) if exc}
-        frames = await in_thread(self._frames, batch, limiter=self._cpu)
-        if len(batch) == 1 and self._names.parts_of(batch[0][0]) == 1:
-            key = batch[0][0]
-            try:
-                await client.set(self._names.main(key), frames[0], px=px)
-            except ResponseError as exc:
-                return {key: _command_error(exc)}
-            return {}
-        pipe = client.pipeline(transaction=False)
+        frames = []
+        for key, slot in batch:
+            with guard.hold() as alive:
+                if not alive:
+                    return ended
+                frames.append(self.framer.encode(key, self.primary.block(slot)))
+        pipe = sync.pipeline(transaction=False)
         commands: list[OffloadKey] = []  # which key each queued command belongs to
         part_size = self._names.part_size
         for (key, _slot), whole in zip(batch, frames):
@@ -284,7 +334,7 @@ class RedisTier(SecondaryTierManager):
                 commands.append(key)
             pipe.set(names[0], frame[:part_size], px=px)
             commands.append(key)
-        results = await pipe.execute(raise_on_error=False)
+        results = pipe.execute(raise_on_error=False)
         errors: dict[OffloadKey, str] = {}
         for key, result in zip(commands, results):
             if isinstance(result, BaseException) and key not in errors:
@@ -297,33 +347,45 @@ class RedisTier(SecondaryTierManager):
         async with self._inflight.job():
             return await self._run_job(job, self._load_batch, "load")
 
-    def _queue_get(self, pipe: Any, name: str) -> None:
-        if self._ttl_ms is None:
-            pipe.get(name)
-        else:  # a hit keeps the block alive for another ttl
-            pipe.getex(name, px=self._ttl_ms)
+    async def _load_batch(
+        self, client: Client, batch: Batch, guard: SlotGuard
+    ) -> dict[OffloadKey, str]:
+        sync, threads = self._sync_client()
+        errors, doomed, gone = await threads.run(self._load_in_thread, sync, batch, guard)
+        if doomed:
+            try:
+                await self._unlink(client, doomed)
+            except _UNREACHABLE as exc:  # the loads themselves are done; just say so
+                logger.warning("redis: could not delete %d bad blocks: %s", len(doomed), exc)
+        # gone, or deleted here: either way this tier no longer holds them
+        self.report_removed([*gone, *(k for k in doomed if k not in gone)])
+        return errors
 
-    async def _load_batch(self, client: Client, batch: Batch) -> dict[OffloadKey, str]:
+    def _load_in_thread(
+        self, sync: SyncClient, batch: Batch, guard: SlotGuard
+    ) -> tuple[dict[OffloadKey, str], list[OffloadKey], list[OffloadKey]]:
+        """Worker thread: GET each block of `batch`, check its frame and copy its payload
+        into its slot while the job lives. Returns (failed keys with the reason, keys
+        whose stored values must be deleted, keys Redis no longer has)."""
         values: list[Any]
         if len(batch) == 1 and self._names.parts_of(batch[0][0]) == 1:
             name = self._names.main(batch[0][0])
             try:
                 if self._ttl_ms is None:
-                    values = [await client.get(name)]
+                    values = [sync.get(name)]
                 else:
-                    values = [await client.getex(name, px=self._ttl_ms)]
+                    values = [sync.getex(name, px=self._ttl_ms)]
             except ResponseError as exc:
                 values = [exc]
         else:
-            pipe = client.pipeline(transaction=False)
+            pipe = sync.pipeline(transaction=False)
             for key, _ in batch:
                 for name in self._names.all(key):
                     self._queue_get(pipe, name)
-            values = await pipe.execute(raise_on_error=False)
+            values = pipe.execute(raise_on_error=False)
         errors: dict[OffloadKey, str] = {}
         doomed: list[OffloadKey] = []  # keys whose stored values must go
         gone: list[OffloadKey] = []  # keys Redis no longer has (expired, evicted)
-        whole: list[tuple[OffloadKey, int, list[bytes]]] = []
         at = 0
         for key, slot in batch:
             count = self._names.parts_of(key)
@@ -346,19 +408,23 @@ class RedisTier(SecondaryTierManager):
                 errors[key] = f"{missing} of {count} parts missing (evicted or expired); deleted"
                 doomed.append(key)
                 continue
-            whole.append((key, slot, parts))
-        if whole:
-            corrupt = await in_thread(self._check_frames, whole, limiter=self._cpu)
-            errors.update(corrupt)
-            doomed.extend(corrupt)
-        if doomed:
-            try:
-                await self._unlink(client, doomed)
-            except _UNREACHABLE as exc:  # the loads themselves are done; just say so
-                logger.warning("redis: could not delete %d bad blocks: %s", len(doomed), exc)
-        # gone, or deleted here: either way this tier no longer holds them
-        self.report_removed([*gone, *(k for k in doomed if k not in gone)])
-        return errors
+            frame = parts[0] if count == 1 else b"".join(parts)
+            with guard.hold() as alive:
+                if not alive:
+                    errors[key] = "redis load: the job ended before this block was written"
+                    continue
+                try:
+                    self.framer.decode_into(key, frame, self.primary.block(slot))
+                except CorruptBlock as exc:
+                    errors[key] = f"corrupt block deleted: {exc}"
+                    doomed.append(key)
+        return errors, doomed, gone
+
+    def _queue_get(self, pipe: Any, name: str) -> None:
+        if self._ttl_ms is None:
+            pipe.get(name)
+        else:  # a hit keeps the block alive for another ttl
+            pipe.getex(name, px=self._ttl_ms)
 
     async def _unlink(self, client: Client, keys: Sequence[OffloadKey]) -> None:
         pipe = client.pipeline(transaction=False)

@@ -23,6 +23,7 @@ from botocore.exceptions import (  # type: ignore[import-untyped]
     ConnectTimeoutError,
     EndpointConnectionError,
     HTTPClientError,
+    ReadTimeoutError,
 )
 
 T = TypeVar("T")
@@ -92,7 +93,7 @@ def classify(exc: BaseException) -> tuple[Kind, str]:
         return "fatal", text
     if isinstance(exc, (EndpointConnectionError, ConnectTimeoutError, ConnectionRefusedError)):
         return "unreachable", f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError, ReadTimeoutError)):
         return "retry", "timed out"
     if isinstance(exc, (HTTPClientError, ConnectionError)):
         return "retry", f"connection lost: {type(exc).__name__}: {exc}"

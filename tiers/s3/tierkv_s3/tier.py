@@ -7,16 +7,24 @@ whole; a multipart upload that fails or is cancelled is aborted (`_put_multipart
 Bytes read back are untrusted: an object failing any frame check (checksum, and the
 MAC when `mac_key_env` is set) fails its key, is deleted and `report_removed`; so is a
 block a load finds gone (deleted behind the tier's back, a bucket lifecycle rule).
-Nothing is ever unpickled. Framing, checksums, MACs and the copies around them run in
-worker threads (`in_thread`), not on the event loop.
+Nothing is ever unpickled.
 
-s3fs runs in asynchronous mode on the caller's event loop (`_cat_file`, and `_call_s3`
-for PUT, multipart uploads, HEAD and batched DELETE), with its listings cache and its own retries
-off: `retry.call_with_retries` is the one retry policy. A job moves its keys with up
-to `max_concurrency` requests at once (the contract's `run_job`); a key that fails
-(throttled past `retries`, a 5xx, a timeout) fails alone and the others go on. A
-failure that would fail every key alike (endpoint unreachable, bucket gone, access
-denied) aborts the rest of the job at once.
+A block's PUT or GET runs whole in a worker thread, framing or checking included,
+through a synchronous botocore client (same credentials and settings as s3fs's): on the
+event loop, aiohttp assembling 2 MiB bodies, botocore signing them and the frame's
+checksum stalled every other request of the server by 14-88 ms per 64-block job. Each
+attempt is bounded by `request_timeout` on the loop; a thread an attempt or the job's
+deadline leaves behind is freed by its own socket timeouts (at most `request_timeout`)
+and touches the job's slots only under the job's `SlotGuard`, which the job closes
+before it returns.
+
+s3fs runs in asynchronous mode on the caller's event loop for the rest (multipart
+uploads of frames of at least 2 x `part_size`, HEAD, batched DELETE), with its listings
+cache and its own retries off: `retry.call_with_retries` is the one retry policy. A
+job moves its keys with up to `max_concurrency` requests at once (the contract's
+`run_job`); a key that fails (throttled past `retries`, a 5xx, a timeout) fails alone
+and the others go on. A failure that would fail every key alike (endpoint unreachable,
+bucket gone, access denied) aborts the rest of the job at once.
 
 A `CreateMultipartUpload` that timed out may still have created an upload at S3 after
 the client gave up (and with `retries`, even when the store then succeeds): its key is
@@ -31,6 +39,7 @@ block deleted behind the tier's back is reported absent from then on.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -38,9 +47,12 @@ from functools import partial
 from typing import Any, TypeVar
 
 import anyio
+import botocore.session  # type: ignore[import-untyped]
 from aiobotocore.session import AioSession  # type: ignore[import-untyped]
+from botocore.config import Config  # type: ignore[import-untyped]
 from s3fs import S3FileSystem  # type: ignore[import-untyped]
 
+from tierkv.runner import IOThreads, SlotGuard
 from tierkv.tier import (
     Batch,
     CorruptBlock,
@@ -77,6 +89,8 @@ _FRAMING_THREADS = 2
 the event loop for the GIL while hashing and copying)."""
 
 _SESSIONS: dict[str | None, AioSession] = {}
+_SYNC_SESSIONS: dict[str | None, Any] = {}
+_SYNC_SESSIONS_LOCK = threading.Lock()
 
 
 def _shared_session(profile: str | None) -> AioSession:
@@ -88,6 +102,21 @@ def _shared_session(profile: str | None) -> AioSession:
     if session is None:
         session = _SESSIONS[profile] = AioSession(profile=profile)
     return session
+
+
+def _shared_sync_session(profile: str | None) -> Any:
+    """Worker thread: the synchronous botocore session of `profile`, one per process
+    like `_shared_session` (a session is not safe to make clients from concurrently,
+    hence the lock)."""
+    with _SYNC_SESSIONS_LOCK:
+        session = _SYNC_SESSIONS.get(profile)
+        if session is None:
+            session = _SYNC_SESSIONS[profile] = botocore.session.Session(profile=profile)
+        return session
+
+
+class JobEnded(Exception):
+    """A worker thread found its job over before it touched the job's slot."""
 
 
 class S3Tier(SecondaryTierManager):
@@ -103,6 +132,10 @@ class S3Tier(SecondaryTierManager):
         self._endpoint = redact_url(c.endpoint_url) if c.endpoint_url else "AWS S3"
         self._fs: S3FileSystem | None = None
         self._client: Any = None  # the aiobotocore client s3fs made; closed by close()
+        self._sync: Any = None  # botocore client of single PUTs and GETs, in worker threads
+        # one worker thread per request in flight (a thread holds its connection);
+        # made by open(), let go by close()
+        self._threads: IOThreads | None = None
         self._gate: anyio.Semaphore | None = None
         self._present: OrderedDict[OffloadKey, float] = OrderedDict()
         self._unaborted: list[tuple[str, str]] = []  # (object key, upload id)
@@ -119,9 +152,9 @@ class S3Tier(SecondaryTierManager):
         return f"S3Tier(s3://{self._names.bucket}/{self._names.root}/, {self._endpoint})"
 
     # -- life cycle -----------------------------------------------------------------
-    def _make_fs(self) -> S3FileSystem:
+    def _config_kwargs(self) -> dict[str, Any]:
         c = self.config
-        config_kwargs: dict[str, Any] = {
+        return {
             "connect_timeout": c.request_timeout,
             "read_timeout": c.request_timeout,
             "max_pool_connections": c.max_concurrency,
@@ -130,6 +163,30 @@ class S3Tier(SecondaryTierManager):
             "request_checksum_calculation": "when_required",
             "response_checksum_validation": "when_required",
         }
+
+    def _make_sync_client(self) -> Any:
+        """Worker thread: the synchronous botocore client of single PUTs and GETs. Its
+        timeouts are at most `job_timeout`, so a thread left behind by a deadline is
+        freed about when its job was."""
+        c = self.config
+        config_kwargs = self._config_kwargs()
+        timeout = min(c.request_timeout, c.job_timeout)
+        config_kwargs["connect_timeout"] = config_kwargs["read_timeout"] = timeout
+        kwargs: dict[str, Any] = {"endpoint_url": c.endpoint_url, "config": Config(**config_kwargs)}
+        if c.region:
+            kwargs["region_name"] = c.region
+        if c.access_key_id is not None and c.secret_access_key is not None:
+            kwargs["aws_access_key_id"] = c.access_key_id
+            kwargs["aws_secret_access_key"] = c.secret_access_key.get_secret_value()
+            if c.session_token is not None:
+                kwargs["aws_session_token"] = c.session_token.get_secret_value()
+        session = _shared_sync_session(c.profile)
+        with _SYNC_SESSIONS_LOCK:
+            return session.create_client("s3", **kwargs)
+
+    def _make_fs(self) -> S3FileSystem:
+        c = self.config
+        config_kwargs = self._config_kwargs()
         kwargs: dict[str, Any] = {}
         if c.access_key_id is not None and c.secret_access_key is not None:
             kwargs["key"] = c.access_key_id
@@ -193,7 +250,15 @@ class S3Tier(SecondaryTierManager):
                     f"({failure}); check the credentials ({self.config.credential_source})"
                 ) from None
             raise TierUnavailable(f"S3 at {self._endpoint} is unavailable: {failure}") from None
-        self._fs, self._client = fs, client
+        try:
+            sync = await in_thread(self._make_sync_client)
+        except Exception as exc:
+            await client.close()
+            raise TierUnavailable(
+                f"cannot set up the S3 client for {self._endpoint}: {type(exc).__name__}: {exc}"
+            ) from None
+        self._fs, self._client, self._sync = fs, client, sync
+        self._threads = IOThreads(self.config.max_concurrency, f"tierkv-{self.name}")
         self._gate = anyio.Semaphore(self.config.max_concurrency)
         logger.info("s3 tier open: %r", self)
 
@@ -210,9 +275,20 @@ class S3Tier(SecondaryTierManager):
                 with anyio.CancelScope(shield=True):
                     await self._sweep_uploads(fs, name, self.config.request_timeout)
         client, self._client, self._fs = self._client, None, None
+        sync, self._sync = self._sync, None
+        threads, self._threads = self._threads, None
+        if threads is not None:
+            threads.close()
         self._present.clear()
         if client is not None:
             await client.close()
+        if sync is not None:
+            await in_thread(sync.close)
+
+    def _sync_client(self) -> tuple[Any, IOThreads]:
+        if self._sync is None or self._threads is None:
+            raise TierUnavailable(f"tier {self.name!r} is not open; call open() first")
+        return self._sync, self._threads
 
     def _require_fs(self) -> tuple[S3FileSystem, anyio.Semaphore]:
         if self._inflight.closing:
@@ -243,18 +319,20 @@ class S3Tier(SecondaryTierManager):
     async def _run_job(
         self,
         job: JobMetadata,
-        one: Callable[[S3FileSystem, OffloadKey, int], Awaitable[None]],
+        one: Callable[[S3FileSystem, OffloadKey, int, SlotGuard], Awaitable[None]],
         verb: str,
     ) -> JobResult:
-        """Run `one(fs, key, slot)` for every key, at most max_concurrency at a time.
-        `one` raises S3Failure to fail its key."""
+        """Run `one(fs, key, slot, guard)` for every key, at most max_concurrency at a
+        time. `one` raises S3Failure to fail its key; a thread it leaves behind touches
+        slots only under `guard`, closed before this returns."""
         fs, gate = self._require_fs()
+        guard = SlotGuard()
 
         async def work(batch: Batch) -> dict[OffloadKey, str] | None:
             [(key, slot)] = batch
             try:
                 async with gate:
-                    await one(fs, key, slot)
+                    await one(fs, key, slot, guard)
             except S3Failure as failure:
                 if failure.kind in JOB_WIDE:
                     raise JobAborted(str(failure)) from None
@@ -265,36 +343,50 @@ class S3Tier(SecondaryTierManager):
             for key in keys:
                 self._present.pop(key, None)
 
-        return await run_job(
-            job,
-            work,
-            label=f"s3 {verb}",
-            concurrency=self.config.max_concurrency,
-            timeout=self.config.job_timeout,
-            on_late=forget,
-        )
+        try:
+            return await run_job(
+                job,
+                work,
+                label=f"s3 {verb}",
+                concurrency=self.config.max_concurrency,
+                timeout=self.config.job_timeout,
+                on_late=forget,
+            )
+        finally:
+            guard.close()  # threads left behind touch no slot from now on
 
     async def store(self, job: JobMetadata) -> JobResult:
         async with self._inflight.job():
             return await self._run_job(job, self._store_one, "store")
 
-    async def _store_one(self, fs: S3FileSystem, key: OffloadKey, slot: int) -> None:
-        frame = await in_thread(
-            self.framer.encode, key, self.primary.block(slot), limiter=self._cpu
-        )
-        if len(frame) >= 2 * int(self.config.part_size):
+    async def _store_one(
+        self, fs: S3FileSystem, key: OffloadKey, slot: int, guard: SlotGuard
+    ) -> None:
+        if self.framer.frame_bytes(key, self.primary.block_bytes) >= 2 * int(self.config.part_size):
+            frame = await in_thread(
+                self.framer.encode, key, self.primary.block(slot), limiter=self._cpu
+            )
             await self._put_multipart(fs, key, frame)
         else:
+            sync, threads = self._sync_client()
+            framed: list[bytes] = []  # the frame, made once, kept for a retry
             await self._call(
                 f"store of {self._names.url(key)}",
-                lambda: fs._call_s3(
-                    "put_object",
-                    Bucket=self._names.bucket,
-                    Key=self._names.key(key),
-                    Body=frame,
-                ),
+                lambda: threads.run(self._put_in_thread, sync, key, slot, guard, framed),
             )
         self._saw(key)
+
+    def _put_in_thread(
+        self, sync: Any, key: OffloadKey, slot: int, guard: SlotGuard, framed: list[bytes]
+    ) -> None:
+        """Worker thread: frame the block (reading its slot while the job lives; once
+        per store, a retry reuses it) and PUT it."""
+        if not framed:
+            with guard.hold() as alive:
+                if not alive:
+                    raise JobEnded("s3 store: the job ended before this block was read")
+                framed.append(self.framer.encode(key, self.primary.block(slot)))
+        sync.put_object(Bucket=self._names.bucket, Key=self._names.key(key), Body=framed[0])
 
     async def _put_multipart(self, fs: S3FileSystem, key: OffloadKey, frame: bytes) -> None:
         """Upload `frame` in parts of `part_size`, up to `max_concurrency` at once.
@@ -438,12 +530,14 @@ class S3Tier(SecondaryTierManager):
         async with self._inflight.job():
             return await self._run_job(job, self._load_one, "load")
 
-    async def _load_one(self, fs: S3FileSystem, key: OffloadKey, slot: int) -> None:
+    async def _load_one(
+        self, fs: S3FileSystem, key: OffloadKey, slot: int, guard: SlotGuard
+    ) -> None:
         url = self._names.url(key)
+        sync, threads = self._sync_client()
         try:
-            # max_concurrency=1: one GET, no HEAD first to size a concurrent read
-            frame = await self._call(
-                f"load of {url}", lambda: fs._cat_file(self._names.path(key), max_concurrency=1)
+            corrupt = await self._call(
+                f"load of {url}", lambda: threads.run(self._get_in_thread, sync, key, slot, guard)
             )
         except S3Failure as failure:
             self._present.pop(key, None)  # a failed load withdraws the cached claim
@@ -451,16 +545,29 @@ class S3Tier(SecondaryTierManager):
                 self.report_removed([key])  # gone behind the tier's back
                 raise S3Failure("missing", f"{url} is not in s3") from None
             raise
-        try:
-            await in_thread(
-                self.framer.decode_into, key, frame, self.primary.block(slot), limiter=self._cpu
-            )
-        except CorruptBlock as exc:
+        if corrupt is not None:
             self._present.pop(key, None)
             await self._delete_quietly(fs, key)
             self.report_removed([key])
-            raise S3Failure("fatal", f"corrupt block deleted: {url}: {exc}") from None
+            raise S3Failure("fatal", f"corrupt block deleted: {url}: {corrupt}") from None
         self._saw(key)
+
+    def _get_in_thread(
+        self, sync: Any, key: OffloadKey, slot: int, guard: SlotGuard
+    ) -> CorruptBlock | None:
+        """Worker thread: GET the object, check its frame and copy the payload into the
+        slot while the job lives; the frame's failed check, if any."""
+        reply = sync.get_object(Bucket=self._names.bucket, Key=self._names.key(key))
+        with reply["Body"] as body:
+            frame = body.read()
+        with guard.hold() as alive:
+            if not alive:
+                raise JobEnded("s3 load: the job ended before this block was written")
+            try:
+                self.framer.decode_into(key, frame, self.primary.block(slot))
+            except CorruptBlock as exc:
+                return exc
+        return None
 
     async def _delete_quietly(self, fs: S3FileSystem, key: OffloadKey) -> None:
         try:
