@@ -86,6 +86,7 @@ def test_default_chain_measures_primary_and_nvme_against_raw_media(
         for side in (phase, f"raw_{phase}", f"one_file_{phase}"):
             low, high = stream[f"{side}_spread_seconds"]
             assert 0 < low <= stream[f"{side}_seconds"] <= high
+            assert stream[f"{side}_cpu_us_per_block"] >= 0
     assert stream["promotion_vs_slower_stage"] == pytest.approx(
         stream["load_seconds"] / max(stream["stage1_seconds"], stream["stage2_seconds"])
     )

@@ -692,7 +692,9 @@ async def bench_streaming(
     """One request much larger than the primary (`streaming_blocks` blocks through a
     primary of `streaming_primary_blocks`), stored with one `store` call and loaded with
     one `load` call through the chain's nvme tier, against raw `pwrite`/`pread` of the
-    same bytes at the tier's concurrency; and the promotion's wall time against each of
+    same bytes at the tier's concurrency, one file per block as the tier stores them
+    (`RawBlockFiles`: the ratios) and one big file (`RawFile`: for reference); wall
+    time and CPU per block of each; and the promotion's wall time against each of
     its stages alone (stage 1: the tier's load jobs into primary slots, window by
     window; stage 2: the copies from the slots to the destination)."""
     tier = next((t for t in chain.tiers if t.type == "nvme"), None)
@@ -743,6 +745,7 @@ async def bench_streaming(
             "stage2",
         )
     }
+    cpu: dict[str, list[float]] = {k: [] for k in times if not k.startswith("stage")}
     windows = 0
     await raw.open()
     await one_file.open()
@@ -750,13 +753,15 @@ async def bench_streaming(
         for rep in range(options.repeat):
             for label, medium in (("raw", raw), ("one_file", one_file)):
                 progress(f"streaming: repetition {rep + 1}/{options.repeat}, {label}")
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 await medium.store(data, (0, n))
                 times[f"{label}_store"].append(time.perf_counter() - t0)
+                cpu[f"{label}_store"].append(time.process_time() - c0)
                 await medium.before_load(None)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 await medium.load(out, (0, n))
                 times[f"{label}_load"].append(time.perf_counter() - t0)
+                cpu[f"{label}_load"].append(time.process_time() - c0)
                 if not torch.equal(out, data):
                     raise BenchFailure(f"streaming ({label}): blocks read back differ")
                 out.zero_()
@@ -766,17 +771,19 @@ async def bench_streaming(
             async with TieredCache(config) as cache:
                 cache.primary.view.tensor.zero_()
                 name = cache.tier_names[0]
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 stored = await cache.store(keys, data)
                 await cache.flush()
                 times["store"].append(time.perf_counter() - t0)
+                cpu["store"].append(time.process_time() - c0)
                 if not stored.ok:
                     raise BenchFailure(f"streaming: {len(stored.rejected)} blocks rejected")
                 empty_primary(cache)
                 await raw.before_load(cache.tier(name))
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 loaded = await cache.load(keys, out)
                 times["load"].append(time.perf_counter() - t0)
+                cpu["load"].append(time.process_time() - c0)
                 if not loaded.ok or not torch.equal(out, data):
                     raise BenchFailure(
                         f"streaming: {len(loaded.failed_keys)} blocks failed to load"
@@ -825,6 +832,9 @@ async def bench_streaming(
         "one_file_baseline": one_file.description,
         **{f"{k}_seconds": v for k, v in med.items()},
         **{f"{k}_spread_seconds": [min(v), max(v)] for k, v in times.items()},
+        # CPU seconds of this process (all threads) per block: steadier than wall time
+        # on a shared machine, and what a busy server pays
+        **{f"{k}_cpu_us_per_block": statistics.median(v) / n * 1e6 for k, v in cpu.items()},
         "store_MBps": nbytes / med["store"] / 1e6,
         "load_MBps": nbytes / med["load"] / 1e6,
         "raw_store_MBps": nbytes / med["raw_store"] / 1e6,
@@ -1149,6 +1159,7 @@ def bench_summary(report: dict[str, Any]) -> list[Block]:
                     "ratio (target >= 0.8)",
                     "one-file MB/s",
                     "ratio to one file",
+                    "CPU us/block tierkv / raw / one-file",
                 ],
                 [
                     [
@@ -1158,6 +1169,10 @@ def bench_summary(report: dict[str, Any]) -> list[Block]:
                         f"{stream[f'{phase}_ratio']:.2f}",
                         rate(f"one_file_{phase}"),
                         f"{stream[f'one_file_{phase}_ratio']:.2f}",
+                        " / ".join(
+                            f"{stream[f'{side}_cpu_us_per_block']:,.0f}"
+                            for side in (phase, f"raw_{phase}", f"one_file_{phase}")
+                        ),
                     ]
                     for phase in ("store", "load")
                 ],
