@@ -66,10 +66,19 @@ def test_default_chain_measures_primary_and_nvme_against_raw_media(
     stream = report["streaming"]
     assert stream["request_bytes"] == 4 << 20 and stream["primary_bytes"] == 4 * (128 << 10)
     assert stream["blocks"] == 32 and stream["windows"] == 32  # reserve 2 slots: windows of 1
+    assert stream["baseline"].startswith("one file per block")
+    assert stream["one_file_baseline"].startswith("os.pwrite/os.pread")
     for phase in ("store", "load"):
         assert stream[f"{phase}_ratio"] == pytest.approx(
             stream[f"{phase}_MBps"] / stream[f"raw_{phase}_MBps"]
         )
+        assert stream[f"one_file_{phase}_ratio"] == pytest.approx(
+            stream[f"{phase}_MBps"] / stream[f"one_file_{phase}_MBps"]
+        )
+        for side in (phase, f"raw_{phase}", f"one_file_{phase}"):
+            low, high = stream[f"{side}_spread_seconds"]
+            assert 0 < low <= stream[f"{side}_seconds"] <= high
+            assert stream[f"{side}_cpu_us_per_block"] >= 0
     assert stream["promotion_vs_slower_stage"] == pytest.approx(
         stream["load_seconds"] / max(stream["stage1_seconds"], stream["stage2_seconds"])
     )
@@ -86,12 +95,25 @@ def test_a_tier_without_a_raw_baseline_gets_numbers_but_no_ratio(
     assert report["orchestrator"] is None
 
 
+def test_streaming_baselines_leave_no_file_behind(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    disk = tmp_path / "nvme"
+    chain = write_chain(
+        tmp_path, f"  - {{type: nvme, path: {disk}, capacity: 64MiB, fsync: always}}\n"
+    )
+    report = bench_json(capsys, "--config", chain, "--tiers", "cpu", "--keys", "0")
+    assert "fdatasync" in report["streaming"]["baseline"]
+    assert not [p for p in disk.iterdir() if p.name.startswith(".tierkv-bench-raw")]
+
+
 def test_text_summary_names_every_medium(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", *TINY[:-1], "--tiers", "nvme"]) == 0
     out = capsys.readouterr().out
     assert "nvme" in out and "ratio" in out and "os.pwrite/os.pread" in out
     assert "orchestrator bookkeeping, 512 resident keys" in out
     assert "streaming: one 4MiB request through a 512KiB primary" in out
+    assert "raw = one file per block" in out and "one-file = os.pwrite/os.pread" in out
     assert "x the slower stage" in out and "us/block on 1,024-block loads" in out
 
 

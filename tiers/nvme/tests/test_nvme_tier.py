@@ -213,8 +213,8 @@ async def test_a_block_being_read_is_not_evicted(rig, monkeypatch: pytest.Monkey
     await tier.open()
     a, b, c = rig.keys(3)
     _, stored = await rig.store(tier, [a, b])  # a is the least recently used
-    gate = _Gate(blockfile.read_block)
-    monkeypatch.setattr(blockfile, "read_block", gate)
+    gate = _Gate(blockfile.read_blocks)
+    monkeypatch.setattr(blockfile, "read_blocks", gate)
     loaded: list[Any] = []
 
     async def load_a() -> None:
@@ -312,4 +312,35 @@ async def test_describe_reports_what_the_tier_holds(rig) -> None:
     assert info["blocks"] == 2
     assert info["used_bytes"] == 2 * rig.footprint()
     assert info["fsync"] == "never"
+    await tier.close()
+
+
+async def test_one_thread_call_reads_good_missing_and_corrupt_blocks_each_on_its_own(
+    rig,
+) -> None:
+    """A load whose blocks share one worker-thread call (`blockfile.read_blocks` opens
+    and prefetches them together): each key gets its own outcome, only the checked
+    blocks count as loaded, the corrupt file goes, and no descriptor stays open."""
+    tier = rig.tier(io_concurrency=1)  # one call reads the whole job
+    await tier.open()
+    keys = rig.keys(6)
+    result, stored = await rig.store(tier, keys)
+    assert result.ok, result.error
+    gone, flipped, short = keys[1], keys[3], keys[4]
+    tier.path_of(gone).unlink()
+    frame = bytearray(tier.path_of(flipped).read_bytes())
+    frame[-1] ^= 0xFF  # a payload bit: only the checksum can tell
+    tier.path_of(flipped).write_bytes(frame)
+    tier.path_of(short).write_bytes(tier.path_of(short).read_bytes()[:-1])
+    fds_before = len(os.listdir("/proc/self/fd"))
+
+    result, data = await rig.load(tier, keys)
+
+    assert set(result.failed_keys) == {gone, flipped, short}
+    for key in set(keys) - {gone, flipped, short}:
+        assert data[key] == stored[key]
+    assert "checksum" in (result.error or "") or "corrupt" in (result.error or "")
+    assert not tier.path_of(flipped).exists() and not tier.path_of(short).exists()
+    assert await tier.lookup(keys, CTX) == [k not in (gone, flipped, short) for k in keys]
+    assert len(os.listdir("/proc/self/fd")) == fds_before
     await tier.close()

@@ -607,15 +607,7 @@ class NvmeTier(SecondaryTierManager):
         self, items: list[tuple[RelPath, OffloadKey, memoryview]]
     ) -> list[Exception | None]:
         """Worker thread: read and check each block into its slot; one outcome each."""
-        outcomes: list[Exception | None] = []
-        for rel, key, dest in items:
-            try:
-                blockfile.read_block(self._root_fd, rel, key, dest, self.framer)
-            except Exception as exc:  # reported per key by the caller
-                outcomes.append(exc)
-            else:
-                outcomes.append(None)
-        return outcomes
+        return blockfile.read_blocks(self._root_fd, items, self.framer)
 
     def _describe_error(self, error: Exception, action: str, key: OffloadKey) -> str:
         if isinstance(error, CorruptBlock):
