@@ -96,11 +96,11 @@ def test_a_tier_without_a_raw_baseline_gets_numbers_but_no_ratio(
 
 
 def test_streaming_baselines_leave_no_file_behind(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], chain_file: Callable[..., str]
 ) -> None:
     disk = tmp_path / "nvme"
-    chain = write_chain(
-        tmp_path, f"  - {{type: nvme, path: {disk}, capacity: 64MiB, fsync: always}}\n"
+    chain = chain_file(
+        f"[{{type: nvme, path: {disk}, capacity: 64MiB, fsync: always}}]", primary="64KiB"
     )
     report = bench_json(capsys, "--config", chain, "--tiers", "cpu", "--keys", "0")
     assert "fdatasync" in report["streaming"]["baseline"]
