@@ -3,6 +3,7 @@ server would meet, found by review, written before its fix."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -99,3 +100,26 @@ async def test_a_load_still_promoting_when_close_begins_ends_with_failed_keys(
         assert_idle(cache)
     finally:
         await cache.close()
+
+
+async def test_a_block_the_tier_evicts_before_its_store_is_answered_is_not_believed_held(
+    tmp_path: Path,
+) -> None:
+    """nvme with room for a few blocks, several cascades at once: a block evicted by
+    one job (reported removed) while the job that stored it is still running was then
+    emitted as `stored` after its `removed` event and believed held by the index."""
+    nvme = {"type": "nvme", "path": str(tmp_path / "nvme"), "capacity": 6 * 4096}
+    async with TieredCache(parse_config(chain([{**nvme, "fsync": "never"}], blocks=16))) as cache:
+        tier = cache.tier("nvme")
+        ks = keys(64)
+        for w in range(16):
+            await cache.store(ks[4 * w : 4 * w + 4], data(4, w))
+        await cache.flush()
+        held_by_events: dict[OffloadKey, bool] = {}
+        for event in cache.take_events():
+            if event.medium == "nvme":
+                for key in event.keys:
+                    held_by_events[key] = not event.removed
+        really = {k for k in ks if k in tier._index}  # type: ignore[attr-defined]
+        assert {k for k, held in held_by_events.items() if held} == really
+        assert {k for k in ks if cache.core.index.held(k) & 1} == really

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import anyio
@@ -32,6 +32,9 @@ class TierHandle:
     breaker: CircuitBreaker
     stats: TierStats
     opened: bool = False
+    # keys the tier reported removed while a store job runs, per running job: a key
+    # evicted before its own store was answered is not held, whatever the answer says
+    _removed_during: dict[int, set[OffloadKey]] = field(default_factory=dict)
 
     @property
     def bit(self) -> int:
@@ -40,6 +43,11 @@ class TierHandle:
     @property
     def policy(self) -> str:
         return self.config.write_policy
+
+    def note_removed(self, keys: Sequence[OffloadKey]) -> None:
+        """The tier reported `keys` removed: running store jobs must not count them."""
+        for removed in self._removed_during.values():
+            removed.update(keys)
 
     def usable(self) -> bool:
         """Open and its breaker lets a request through (a half-open probe counts)."""
@@ -57,6 +65,8 @@ class TierHandle:
         started = anyio.current_time()
         stats.inflight_jobs += 1
         healthy = True
+        if kind == "store":
+            self._removed_during[job.job_id] = set()
         try:
             with anyio.fail_after(self.config.job_timeout):
                 op = self.tier.store if kind == "store" else self.tier.load
@@ -77,6 +87,7 @@ class TierHandle:
             )
         finally:
             stats.inflight_jobs -= 1
+            removed = self._removed_during.pop(job.job_id, None)
         if kind == "store" and job.keys and not result.ok_keys and result.error:
             healthy = False  # a tier that can store nothing is down, raised or not
         if healthy:
@@ -84,6 +95,13 @@ class TierHandle:
         else:
             stats.errors += 1
             self.breaker.record_failure()
+        if removed and not removed.isdisjoint(result.ok_keys):
+            result = JobResult(
+                job.job_id,
+                tuple(k for k in result.ok_keys if k not in removed),
+                (*result.failed_keys, *(k for k in result.ok_keys if k in removed)),
+                result.error or f"tier {self.name} removed a block before its store was answered",
+            )
         stats.job_latency.add(anyio.current_time() - started)
         moved = len(result.ok_keys) * block_bytes
         if kind == "store":
