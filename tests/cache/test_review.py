@@ -123,3 +123,34 @@ async def test_a_block_the_tier_evicts_before_its_store_is_answered_is_not_belie
         really = {k for k in ks if k in tier._index}  # type: ignore[attr-defined]
         assert {k for k, held in held_by_events.items() if held} == really
         assert {k for k in ks if cache.core.index.held(k) & 1} == really
+
+
+async def test_gpu_blocks_whose_worker_copies_into_another_cache_are_refused_first() -> None:
+    """A `KVCacheBlocks` over a worker built for another cache's slab of the same shape
+    passed the shape check, so a store copied the GPU bytes into the other slab and
+    this cache then served its own uninitialised slot as the block."""
+    from tierkv.gpu import TransferWorker, required_block_bytes
+    from tierkv.gpu.kv_blocks import KVCacheBlocks
+
+    kv = [[torch.arange(8 * 64, dtype=torch.float16).reshape(8, 64)]]
+    block_bytes = required_block_bytes(kv, 1)
+    config = parse_config(
+        {
+            "namespace": "gpu",
+            "layout": {"block_bytes": block_bytes, "groups": [{"block_size": 16}]},
+            "primary": {"capacity": 2 * block_bytes, "pin_memory": False},
+            "tiers": [],
+        }
+    )
+    async with TieredCache(config) as other, TieredCache(config) as cache:
+        foreign = TransferWorker(kv, other.primary.view, config.layout, gpu_block_size=16)
+        resident = keys(2, "resident")
+        assert (await cache.store(resident, data(2)[:, :block_bytes])).ok
+        cache.take_events()
+        with pytest.raises(ValueError, match="another primary slab"):
+            await cache.store(keys(1, "new"), KVCacheBlocks(foreign, [[3]]))
+        with pytest.raises(ValueError, match="another primary slab"):
+            await cache.load(resident[:1], KVCacheBlocks(foreign, [[5]]))
+        assert set(cache.primary._blocks) == set(resident)  # nothing evicted
+        assert cache.take_events() == []
+        assert_idle(cache)

@@ -185,7 +185,7 @@ class Cascader:
         already = [k for k in position if k in blocks]
         new = [k for k in position if k not in blocks] if already else list(position)
         if hasattr(src, "validate"):  # e.g. KVCacheBlocks: GPU block ids, coverage
-            run_validate_hook(src, "store", [position[k] for k in new])
+            run_validate_hook(src, "store", [position[k] for k in new], primary.view)
         stored: list[OffloadKey] = []
         rejected: list[OffloadKey] = []
         error: str | None = None

@@ -73,7 +73,7 @@ class Promoter:
         core.check_open()
         keys = list(keys)
         check_keys(keys, "keys")
-        dest = checked_destination(destination, len(keys), core.block_bytes)
+        dest = checked_destination(destination, len(keys), core.block_bytes, core.primary.view)
         primary, index = core.primary, core.index
         s = _LoadState(keys)
         resident: list[OffloadKey] = []
