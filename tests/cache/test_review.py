@@ -194,3 +194,23 @@ async def test_cancelled_stores_and_loads_leak_no_slot_and_serve_no_wrong_byte(
         await cache.flush()
         assert_idle(cache)
         assert all(cache.core.index.flight(k) is None for k in family)
+
+
+async def test_a_store_waiting_on_a_hung_write_back_tier_keeps_its_store_timeout(
+    faulty_tier_type: str,
+) -> None:
+    """A store that needs the room of dirty blocks wrote them back on its own path
+    without a deadline, so a write-back tier that hangs (breaker still closed) held the
+    store for the tier's whole job_timeout, far past store_timeout."""
+    tiers = [{"type": "faulty", "write_policy": "write_back", "job_timeout": "1h"}]
+    config = chain(tiers, blocks=8, store_timeout=0.1, write_back_max_dirty=1.0)
+    async with TieredCache(parse_config(config)) as cache:
+        tier = cache.tier("faulty")
+        assert isinstance(tier, FaultyTier)
+        tier.hang = True
+        assert (await cache.store(keys(8), data(8))).ok  # the primary is full of dirty blocks
+        with anyio.fail_after(20):  # store_timeout is 0.1 s; the tier answers in an hour
+            result = await cache.store(keys(4, "more"), data(4, 1))
+        assert result.rejected and result.error
+        assert set(cache.primary._blocks) == set(keys(8))  # dirty blocks are never dropped
+        tier.hang = False

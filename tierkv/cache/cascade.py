@@ -213,8 +213,12 @@ class Cascader:
             core.events.drain_primary()
             got = prepared.keys_to_store
             if not got:
-                if self.writeback.enabled and await self.writeback.make_room(len(want)):
-                    continue
+                if self.writeback.enabled:  # dirty victims: write them back, within the deadline
+                    made = False
+                    with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                        made = await self.writeback.make_room(len(want))
+                    if made:
+                        continue
                 if not self._streams() or not self._may_free_room():
                     error = (
                         "the primary tier has no room: its blocks are held by reads, writes "
