@@ -214,3 +214,90 @@ async def test_a_store_waiting_on_a_hung_write_back_tier_keeps_its_store_timeout
         assert result.rejected and result.error
         assert set(cache.primary._blocks) == set(keys(8))  # dirty blocks are never dropped
         tier.hang = False
+
+
+async def test_nvme_losing_its_directory_mid_run_falls_back_to_redis_byte_identical(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """A primary much smaller than the data, nvme above redis: the nvme directory
+    vanishes mid-run (every read and write now fails). Loads fall back to redis and are
+    byte-identical; stores keep streaming into redis; nothing is leaked."""
+    import shutil
+
+    tiers = [
+        {"type": "nvme", "path": str(tmp_path / "nvme"), "capacity": "1MiB", "fsync": "never"},
+        {"type": "redis", "url": redis_url},
+    ]
+    async with TieredCache(parse_config(chain(tiers, blocks=8))) as cache:
+        ks, blocks = keys(32), data(32)
+        assert (await cache.store(ks, blocks)).ok
+        await cache.flush()
+        shutil.rmtree(tmp_path / "nvme")
+        out = torch.zeros(32, BLOCK, dtype=torch.uint8)
+        result = await cache.load(ks, out)
+        assert set(result.ok_keys) | set(result.failed_keys) == set(ks)
+        for i, key in enumerate(ks):
+            if key in result.ok_keys:
+                assert torch.equal(out[i], blocks[i])
+        assert {result.sources[k] for k in result.ok_keys} <= {"cpu", "redis"}
+        assert len(result.failed_keys) == 0  # redis holds every block
+        more, more_blocks = keys(32, "more"), data(32, 1)
+        stored = await cache.store(more, more_blocks)
+        assert stored.ok
+        await cache.flush()
+        hit = await cache.lookup([more])
+        out = torch.zeros(len(hit.keys_to_load), BLOCK, dtype=torch.uint8)
+        result = await cache.load(hit.keys_to_load, out)
+        assert hit.hit_tokens == 32 * 16 and result.ok
+        assert torch.equal(out, more_blocks)
+        await cache.flush()
+        assert_idle(cache)
+
+
+async def test_close_writes_dirty_blocks_back_and_a_new_cache_serves_them(tmp_path: Path) -> None:
+    """Write-back blocks that never had to leave the primary reach the tier at close()."""
+    tiers = [
+        {
+            "type": "nvme",
+            "path": str(tmp_path / "nvme"),
+            "capacity": "1MiB",
+            "fsync": "never",
+            "write_policy": "write_back",
+        }
+    ]
+    ks, blocks = keys(4), data(4)
+    async with TieredCache(parse_config(chain(tiers, blocks=8))) as cache:
+        assert (await cache.store(ks, blocks)).ok
+        assert cache.stats().primary["write_back_pending"] == 4
+    async with TieredCache(parse_config(chain(tiers, blocks=8))) as cache:
+        hit = await cache.lookup([ks])
+        assert hit.hit_tokens == 4 * 16
+        out = torch.zeros(4, BLOCK, dtype=torch.uint8)
+        assert (await cache.load(ks, out)).ok
+        assert torch.equal(out, blocks)
+
+
+async def test_a_tier_answering_one_key_twice_and_another_not_at_all_is_held_to_once(
+    faulty_tier_type: str,
+) -> None:
+    """The guard holds a tier to 'every key exactly once': a store answer naming one key
+    twice and leaving another out passed as complete, so the event named the key
+    twice and the forgotten key got no reason."""
+    from tierkv.jobs import JobMetadata, JobResult
+
+    async with TieredCache(parse_config(chain([{"type": "faulty"}], blocks=8))) as cache:
+        tier = cache.tier("faulty")
+
+        async def store(job: JobMetadata) -> JobResult:
+            return JobResult(job.job_id, (job.keys[0], job.keys[0]), ())
+
+        tier.store = store  # type: ignore[method-assign]
+        ks = keys(2)
+        cache.take_events()
+        assert (await cache.store(ks, data(2))).ok
+        await cache.flush()
+        tier_events = [e for e in cache.take_events() if e.medium == "faulty"]
+        assert [e.keys for e in tier_events] == [(ks[0],)]
+        stats = cache.stats().tiers["faulty"]
+        assert stats["blocks_stored"] == 1 and stats["failed_keys"] == 1
+        assert cache.core.index.held(ks[1]) == 0

@@ -122,8 +122,8 @@ class TierHandle:
         if not isinstance(result, JobResult) or result.job_id != job.job_id:
             return JobResult.failure(job, f"tier {self.name} returned a result for another job")
         keys = set(job.keys)
-        ok = [k for k in result.ok_keys if k in keys]
-        if len(ok) == len(job.keys) and not result.failed_keys:
+        ok = list(dict.fromkeys(k for k in result.ok_keys if k in keys))  # once each
+        if len(ok) == len(job.keys) == len(result.ok_keys) and not result.failed_keys:
             return result
         ok_set = set(ok)
         failed = [k for k in job.keys if k not in ok_set]
