@@ -301,3 +301,20 @@ async def test_a_tier_answering_one_key_twice_and_another_not_at_all_is_held_to_
         stats = cache.stats().tiers["faulty"]
         assert stats["blocks_stored"] == 1 and stats["failed_keys"] == 1
         assert cache.core.index.held(ks[1]) == 0
+
+
+async def test_close_counts_dirty_blocks_it_could_not_write_back(faulty_tier_type: str) -> None:
+    """close() with a write-back tier down left its dirty blocks unwritten and uncounted:
+    they vanished with the primary, with no `write_back_dropped` and no warning."""
+    tiers = [{"type": "faulty", "write_policy": "write_back", "recovery_after": "1h"}]
+    cache = TieredCache(parse_config(chain(tiers, blocks=8, close_timeout=1)))
+    async with cache:
+        tier = cache.tier("faulty")
+        assert isinstance(tier, FaultyTier)
+        tier.down = True
+        assert (await cache.store(keys(4), data(4))).ok
+        assert cache.stats().primary["write_back_pending"] == 4
+    stats = cache.stats()
+    assert stats.primary["write_back_pending"] == 0
+    assert stats.primary["write_back_dropped"] == 4
+    assert stats.tiers["faulty"]["drops"] == 4

@@ -168,6 +168,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         finally:
             with anyio.CancelScope(shield=True):
                 await core.stop()
+                self.writeback.drop_unwritten()
                 for handle in core.tiers:
                     await self._close_tier(handle)
 

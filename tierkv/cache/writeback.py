@@ -182,6 +182,24 @@ class WriteBack:
                     result.error,
                 )
 
+    def drop_unwritten(self) -> int:
+        """At close: dirty blocks still unwritten (their tier down or too slow) are no
+        longer owed to it; count them as dropped and warn, rather than lose them
+        silently. Returns how many blocks were dropped."""
+        index = self.core.index
+        keys = index.dirty_keys()
+        for key in keys:
+            for handle in self.handles:
+                if index.pending_for(key, handle.index):
+                    self._drop(key, handle, "the cache closed before it was written back")
+        if keys:
+            logger.warning(
+                "closed with %d block(s) not written back to their write_back tier "
+                "(counted in write_back_dropped)",
+                len(keys),
+            )
+        return len(keys)
+
     async def flush(self) -> None:
         """Offer every dirty block to its tiers once more."""
         index = self.core.index
