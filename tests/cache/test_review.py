@@ -318,3 +318,35 @@ async def test_close_counts_dirty_blocks_it_could_not_write_back(faulty_tier_typ
     assert stats.primary["write_back_pending"] == 0
     assert stats.primary["write_back_dropped"] == 4
     assert stats.tiers["faulty"]["drops"] == 4
+
+
+async def test_a_block_the_upper_tier_lost_is_still_a_hit_in_the_tier_below(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """redis above nvme, both hold a prefix; redis restarts empty (it reports nothing).
+    Lookup asked only redis (the index placed the keys there) and reported a miss
+    although nvme, healthy, holds every block."""
+    from tierkv_redis.testing import RedisServer
+
+    (tmp_path / "redis").mkdir()
+    with RedisServer(tmp_path / "redis") as server:
+        tiers = [
+            {"type": "redis", "url": server.url},
+            {"type": "nvme", "path": str(tmp_path / "nvme"), "capacity": "1MiB", "fsync": "never"},
+        ]
+        async with TieredCache(parse_config(chain(tiers, blocks=8))) as cache:
+            ks, blocks = keys(16), data(16)
+            assert (await cache.store(ks, blocks)).ok
+            await cache.flush()
+            assert (await cache.store(keys(8, "filler"), data(8, 1))).ok
+            await cache.flush()
+            assert not any(k in cache.primary for k in ks)
+            server.stop()
+            server.start()  # empty: nothing is persisted
+            hit = await cache.lookup([ks])
+            assert hit.hit_tokens == 16 * 16
+            assert set(hit.locations.values()) == {"nvme"}
+            out = torch.zeros(16, BLOCK, dtype=torch.uint8)
+            result = await cache.load(hit.keys_to_load, out)
+            assert result.ok and torch.equal(out, blocks)
+            assert_idle(cache)
