@@ -114,7 +114,12 @@ async def run(args: argparse.Namespace) -> int:
                     "capacity": f"{args.nvme_mib}MiB",
                     "fsync": "never",
                 },
-                {"type": "redis", "url": server.url, "recovery_after": "2s"},
+                {
+                    "type": "redis",
+                    "url": server.url,
+                    "recovery_after": "2s",
+                    "write_policy": args.redis_policy,
+                },
             ],
         }
     )
@@ -165,6 +170,7 @@ async def run(args: argparse.Namespace) -> int:
     print("primary:", {k: stats.primary[k] for k in sorted(stats.primary)})
     for name, tier in stats.tiers.items():
         keep = ("blocks_stored", "blocks_loaded", "errors", "failed_keys", "drops", "breaker")
+        keep += ("skipped_unhealthy",)
         print(f"{name}:", {k: tier.get(k) for k in keep})
     print(
         f"wrong blocks: {soak.wrong}; exceptions: {len(soak.errors)}; leaked slots: {leaked}; "
@@ -185,6 +191,9 @@ def main() -> None:
     parser.add_argument("--primary-mib", type=int, default=16)
     parser.add_argument("--nvme-mib", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--redis-policy", default="write_through", choices=["write_through", "write_back"]
+    )
     args = parser.parse_args()
     sys.exit(anyio.run(run, args))
 

@@ -350,3 +350,32 @@ async def test_a_block_the_upper_tier_lost_is_still_a_hit_in_the_tier_below(
             result = await cache.load(hit.keys_to_load, out)
             assert result.ok and torch.equal(out, blocks)
             assert_idle(cache)
+
+
+async def test_a_write_back_tier_whose_probe_hangs_does_not_stop_caching(
+    faulty_tier_type: str,
+) -> None:
+    """The soak's redis outage: the breaker half-open with its one probe in flight
+    (hanging). Half-open counted as healthy, so every stored block became dirty, none
+    could be written or dropped, and once the primary was all dirty stores were
+    rejected (soak: 173 blocks rejected while redis was down)."""
+    tiers = [{"type": "faulty", "write_policy": "write_back", "recovery_after": 0.01}]
+    config = chain(tiers, blocks=16, store_timeout=0.2)
+    async with TieredCache(parse_config(config)) as cache:
+        tier = cache.tier("faulty")
+        assert isinstance(tier, FaultyTier)
+        tier.down = True
+        i = 0
+        while cache.stats().tiers["faulty"]["breaker"] != "open":
+            await cache.store(keys(4, f"wb{i}"), data(4, i))
+            await cache.flush()
+            i += 1
+        await anyio.sleep(0.05)  # half-open: the next write-back is the probe, and hangs
+        tier.down, tier.gate = False, anyio.Event()
+        rejected = 0
+        for j in range(i, i + 12):
+            result = await cache.store(keys(4, f"wb{j}"), data(4, j))
+            rejected += len(result.rejected)
+        assert rejected == 0
+        assert cache.stats().primary["write_back_pending"] <= 8 + 4
+        tier.gate.set()

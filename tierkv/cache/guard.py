@@ -54,8 +54,9 @@ class TierHandle:
         return self.opened and self.breaker.allow()
 
     def healthy(self) -> bool:
-        """Open and its breaker is not open; asks for no probe."""
-        return self.opened and self.breaker.state.value != "open"
+        """Open and its breaker closed; asks for no probe. A half-open tier is still
+        proving itself (its one probe may hang): write-back must not count on it."""
+        return self.opened and self.breaker.state.value == "closed"
 
     async def run_job(
         self, kind: Literal["store", "load"], job: JobMetadata, block_bytes: int

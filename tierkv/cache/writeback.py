@@ -6,7 +6,7 @@ policy's next victims are dirty (a store or promotion needs their room, or clean
 room falls below `write_back_headroom`), they are written back, then become clean
 victims. The dirty set is bounded (`write_back_max_dirty`): past the bound the oldest
 dirty blocks are written back even without pressure; while a write-back tier is down
-(breaker open, not open yet) blocks past the bound are dropped for it and counted, so
+(breaker open or half-open, not open yet) blocks past the bound are dropped for it and counted, so
 the cache keeps caching. A block a tier keeps failing is given up after
 `DEMOTE_ATTEMPTS` and counted too.
 """
