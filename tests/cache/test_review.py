@@ -379,3 +379,63 @@ async def test_a_write_back_tier_whose_probe_hangs_does_not_stop_caching(
         assert rejected == 0
         assert cache.stats().primary["write_back_pending"] <= 8 + 4
         tier.gate.set()
+
+
+class _GatedDestination:
+    """A load destination whose copy waits for `gate` (a load in progress)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.gate = anyio.Event()
+
+    def __len__(self) -> int:
+        return self.count
+
+    async def copy_from_slots(self, view: Any, indices: Any, slots: Any) -> None:
+        await self.gate.wait()
+
+
+async def test_a_store_that_found_no_room_rechecks_after_writing_back(
+    faulty_tier_type: str, tmp_path: Path
+) -> None:
+    """Soak with redis as a write-back tier, killed: a store found no room (dirty blocks
+    and blocks read by loads), wrote back (awaiting the tier), and meanwhile the loads
+    finished; it then judged 'nothing in flight can make room' on the stale state and
+    rejected blocks although clean evictable slots were there (soak: 156 blocks)."""
+    tiers = [
+        {"type": "faulty", "write_policy": "write_back", "recovery_after": "1h"},
+        {"type": "nvme", "path": str(tmp_path / "nvme"), "capacity": "1MiB", "fsync": "never"},
+    ]
+    async with TieredCache(parse_config(chain(tiers, blocks=8))) as cache:
+        tier = cache.tier("faulty")
+        assert isinstance(tier, FaultyTier)
+        read = keys(4, "read")
+        assert (await cache.store(read, data(4))).ok
+        await cache.flush()
+        for k in read:  # written back: clean
+            assert cache.core.index.is_clean(k)
+        tier.down = True
+        i = 0
+        while cache.stats().tiers["faulty"]["breaker"] != "open":  # failed lookups open it
+            await cache.lookup([keys(1, f"x{i}")])
+            i += 1
+        dirty = keys(4, "dirty")
+        assert (await cache.store(dirty, data(4, 9))).ok
+        resident = set(cache.primary._blocks)
+        assert len(resident) == 8 and set(read) <= resident
+        assert all(cache.core.index.is_dirty(k) for k in resident - set(read))
+        dest = _GatedDestination(4)
+        make_room = cache.writeback.make_room
+
+        async def make_room_while_loads_finish(wanted: int) -> bool:
+            dest.gate.set()  # the load finishes while the write-back runs
+            await anyio.wait_all_tasks_blocked()
+            return await make_room(wanted)
+
+        cache.writeback.make_room = make_room_while_loads_finish  # type: ignore[method-assign]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cache.load, read, dest)
+            await anyio.wait_all_tasks_blocked()
+            assert all(cache.primary.readers(k) == 1 for k in read)
+            result = await cache.store(keys(4, "new"), data(4, 5))
+        assert result.ok, result.error

@@ -165,6 +165,15 @@ class Cascader:
             h.opened and h.policy in ("write_through", "write_back") for h in self.core.tiers
         )
 
+    def _room_now(self, want: Sequence[OffloadKey], watch: StoreWatch) -> bool:
+        """Whether a slot for the next key is there now (free, or a victim this store
+        may evict): the next window then places at least one block."""
+        primary = self.core.primary
+        if primary.num_free:
+            return True
+        wanted = set(want)
+        return bool(primary.candidates(1, lambda k: k not in wanted and watch.may_evict(k)))
+
     def _may_free_room(self) -> bool:
         """Whether something in flight will release primary slots."""
         core = self.core
@@ -217,7 +226,7 @@ class Cascader:
                     made = False
                     with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
                         made = await self.writeback.make_room(len(want))
-                    if made:
+                    if made or self._room_now(want, watch):  # loads may have let go meanwhile
                         continue
                 if not self._streams() or not self._may_free_room():
                     error = (
