@@ -101,6 +101,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
     def _on_removed(self, handle: TierHandle, keys: tuple[OffloadKey, ...]) -> None:
         """A tier reported blocks it no longer holds: forget them there, tell the
         event stream (after the primary's own events)."""
+        handle.note_removed(keys)
         for key in keys:
             self.core.index.note_missing(key, handle.index)
         self.core.emit_tier(handle, keys, removed=True)
@@ -167,6 +168,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         finally:
             with anyio.CancelScope(shield=True):
                 await core.stop()
+                self.writeback.drop_unwritten()
                 for handle in core.tiers:
                     await self._close_tier(handle)
 

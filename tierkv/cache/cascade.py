@@ -179,6 +179,15 @@ class Cascader:
                 return True
         return False
 
+    def _room_now(self, want: Sequence[OffloadKey], watch: StoreWatch) -> bool:
+        """Whether a slot for the next key is there now (free, or a victim this store
+        may evict): the next window then places at least one block."""
+        primary = self.core.primary
+        if primary.num_free:
+            return True
+        wanted = set(want)
+        return bool(primary.candidates(1, lambda k: k not in wanted and watch.may_evict(k)))
+
     def _may_free_room(self) -> bool:
         """Whether something in flight will release primary slots."""
         core = self.core
@@ -199,7 +208,7 @@ class Cascader:
         already = [k for k in position if k in blocks]
         new = [k for k in position if k not in blocks] if already else list(position)
         if hasattr(src, "validate"):  # e.g. KVCacheBlocks: GPU block ids, coverage
-            run_validate_hook(src, "store", [position[k] for k in new])
+            run_validate_hook(src, "store", [position[k] for k in new], primary.view)
         stored: list[OffloadKey] = []
         rejected: list[OffloadKey] = []
         error: str | None = None
@@ -240,8 +249,12 @@ class Cascader:
             core.events.drain_primary()
             got = prepared.keys_to_store
             if not got:
-                if self.writeback.enabled and await self.writeback.make_room(len(want)):
-                    continue
+                if self.writeback.enabled:  # dirty victims: write them back, within the deadline
+                    made = False
+                    with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                        made = await self.writeback.make_room(len(want))
+                    if made or self._room_now(want, watch):  # loads may have let go meanwhile
+                        continue
                 if not self._streams() or not self._may_free_room():
                     error = (
                         "the primary tier has no room: its blocks are held by reads, writes "

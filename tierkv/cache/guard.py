@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import anyio
@@ -32,6 +32,9 @@ class TierHandle:
     breaker: CircuitBreaker
     stats: TierStats
     opened: bool = False
+    # keys the tier reported removed while a store job runs, per running job: a key
+    # evicted before its own store was answered is not held, whatever the answer says
+    _removed_during: dict[int, set[OffloadKey]] = field(default_factory=dict)
 
     @property
     def bit(self) -> int:
@@ -41,13 +44,19 @@ class TierHandle:
     def policy(self) -> str:
         return self.config.write_policy
 
+    def note_removed(self, keys: Sequence[OffloadKey]) -> None:
+        """The tier reported `keys` removed: running store jobs must not count them."""
+        for removed in self._removed_during.values():
+            removed.update(keys)
+
     def usable(self) -> bool:
         """Open and its breaker lets a request through (a half-open probe counts)."""
         return self.opened and self.breaker.allow()
 
     def healthy(self) -> bool:
-        """Open and its breaker is not open; asks for no probe."""
-        return self.opened and self.breaker.state.value != "open"
+        """Open and its breaker closed; asks for no probe. A half-open tier is still
+        proving itself (its one probe may hang): write-back must not count on it."""
+        return self.opened and self.breaker.state.value == "closed"
 
     async def run_job(
         self, kind: Literal["store", "load"], job: JobMetadata, block_bytes: int
@@ -57,6 +66,8 @@ class TierHandle:
         started = anyio.current_time()
         stats.inflight_jobs += 1
         healthy = True
+        if kind == "store":
+            self._removed_during[job.job_id] = set()
         try:
             with anyio.fail_after(self.config.job_timeout):
                 op = self.tier.store if kind == "store" else self.tier.load
@@ -77,6 +88,7 @@ class TierHandle:
             )
         finally:
             stats.inflight_jobs -= 1
+            removed = self._removed_during.pop(job.job_id, None)
         if kind == "store" and job.keys and not result.ok_keys and result.error:
             healthy = False  # a tier that can store nothing is down, raised or not
         if healthy:
@@ -84,6 +96,13 @@ class TierHandle:
         else:
             stats.errors += 1
             self.breaker.record_failure()
+        if removed and not removed.isdisjoint(result.ok_keys):
+            result = JobResult(
+                job.job_id,
+                tuple(k for k in result.ok_keys if k not in removed),
+                (*result.failed_keys, *(k for k in result.ok_keys if k in removed)),
+                result.error or f"tier {self.name} removed a block before its store was answered",
+            )
         stats.job_latency.add(anyio.current_time() - started)
         moved = len(result.ok_keys) * block_bytes
         if kind == "store":
@@ -104,8 +123,8 @@ class TierHandle:
         if not isinstance(result, JobResult) or result.job_id != job.job_id:
             return JobResult.failure(job, f"tier {self.name} returned a result for another job")
         keys = set(job.keys)
-        ok = [k for k in result.ok_keys if k in keys]
-        if len(ok) == len(job.keys) and not result.failed_keys:
+        ok = list(dict.fromkeys(k for k in result.ok_keys if k in keys))  # once each
+        if len(ok) == len(job.keys) == len(result.ok_keys) and not result.failed_keys:
             return result
         ok_set = set(ok)
         failed = [k for k in job.keys if k not in ok_set]

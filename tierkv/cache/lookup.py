@@ -40,12 +40,16 @@ class Lookup:
 
     async def locate(self, missing: Sequence[OffloadKey], ctx: ReqContext) -> dict[OffloadKey, int]:
         """Ask the tiers, concurrently and once each, where `missing` keys are; return
-        key -> tier index for the keys some tier holds."""
+        key -> tier index for the keys some tier holds.
+
+        A tier is asked only about keys the index does not place in a tier above it. A
+        key the index placed that its tier now denies (or fails to answer for) is asked
+        once more of the tiers below believed to hold it: a tier that lost a block
+        without telling (a redis restarted empty) must not hide the copy below."""
         core = self.core
         if not missing or not core.tiers:
             return {}
         index = core.index
-        timeout = core.config.lookup_timeout
         known = {k: index.location(k) for k in missing}
         asks: list[tuple[TierHandle, list[OffloadKey]]] = []
         for handle in core.tiers:
@@ -53,6 +57,28 @@ class Lookup:
             ask = [k for k in missing if (loc := known[k]) is None or loc >= i]
             if ask:
                 asks.append((handle, ask))
+        found = await self._ask(asks, ctx)
+        again = [
+            k
+            for k in missing
+            if k not in found and (loc := known[k]) is not None and index.held(k) >> (loc + 1)
+        ]
+        if again:  # rare: only after a tier denied (or failed) what the index placed there
+            asks = []
+            for handle in core.tiers:
+                i = handle.index
+                ask = [k for k in again if i > (known[k] or 0) and index.held(k) >> i & 1]
+                if ask:
+                    asks.append((handle, ask))
+            found.update(await self._ask(asks, ctx))
+        return found
+
+    async def _ask(
+        self, asks: list[tuple[TierHandle, list[OffloadKey]]], ctx: ReqContext
+    ) -> dict[OffloadKey, int]:
+        """One round: each tier asked (concurrently) about its keys in `asks`."""
+        index = self.core.index
+        timeout = self.core.config.lookup_timeout
         answers: list[list[bool] | None] = [None] * len(asks)
 
         async def ask_one(n: int, handle: TierHandle, keys: list[OffloadKey]) -> None:
@@ -60,7 +86,7 @@ class Lookup:
 
         if len(asks) == 1:
             await ask_one(0, *asks[0])
-        else:
+        elif asks:
             async with anyio.create_task_group() as tg:
                 for n, (handle, keys) in enumerate(asks):
                     tg.start_soon(ask_one, n, handle, keys)

@@ -35,6 +35,7 @@ from tierkv.keys import OffloadKey
 from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
 
 _SHED = "promotion reserve is full (load shed); recompute"
+_CLOSING = "the cache is closing; recompute"
 _NO_ROOM = "no room in the primary tier for a promotion (load shed); recompute"
 
 
@@ -72,7 +73,7 @@ class Promoter:
         core.check_open()
         keys = list(keys)
         check_keys(keys, "keys")
-        dest = checked_destination(destination, len(keys), core.block_bytes)
+        dest = checked_destination(destination, len(keys), core.block_bytes, core.primary.view)
         primary, index = core.primary, core.index
         s = _LoadState(keys)
         resident: list[OffloadKey] = []
@@ -223,6 +224,10 @@ class Promoter:
     ) -> tuple[Flight, int] | None:
         """Start stage 1 for the next window, or shed the rest under contention."""
         core = self.core
+        if not core.is_open:  # close() began: no new background work; the rest misses
+            for key in to_promote[pos:]:
+                s.errors[key] = _CLOSING
+            return None
         room = core.reserve_slots - core.promoting
         if room <= 0:
             for key in to_promote[pos:]:

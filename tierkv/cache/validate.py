@@ -14,6 +14,7 @@ from typing import Literal
 
 from tierkv.blocks import BlockDestination, BlockSource, as_destination, as_source
 from tierkv.keys import OffloadKey
+from tierkv.primary import HostSlab
 
 
 def check_keys(keys: Sequence[OffloadKey], what: str) -> None:
@@ -28,10 +29,17 @@ def check_keys(keys: Sequence[OffloadKey], what: str) -> None:
 
 
 def run_validate_hook(
-    adapter: object, direction: Literal["store", "load"], indices: Sequence[int] | None = None
+    adapter: object,
+    direction: Literal["store", "load"],
+    indices: Sequence[int] | None = None,
+    view: HostSlab | None = None,
 ) -> None:
     """Call the adapter's `validate(direction, indices)` if it has one (`KVCacheBlocks`
-    checks its GPU block ids and coverage there)."""
+    checks its GPU block ids and coverage there), and its `check_view(view)` if it has
+    one (`KVCacheBlocks`: its worker copies into this cache's slab, not another's)."""
+    check_view = getattr(adapter, "check_view", None)
+    if view is not None and callable(check_view):
+        check_view(view)
     hook = getattr(adapter, "validate", None)
     if callable(hook):
         hook(direction, indices)
@@ -43,8 +51,10 @@ def checked_source(obj: object, count: int, block_bytes: int) -> BlockSource:
     return as_source(obj, count, block_bytes)
 
 
-def checked_destination(obj: object, count: int, block_bytes: int) -> BlockDestination:
+def checked_destination(
+    obj: object, count: int, block_bytes: int, view: HostSlab | None = None
+) -> BlockDestination:
     """`obj` as a destination of `count` blocks, fully checked (ValueError otherwise)."""
     dest = as_destination(obj, count, block_bytes)
-    run_validate_hook(dest, "load")
+    run_validate_hook(dest, "load", None, view)
     return dest

@@ -6,7 +6,7 @@ policy's next victims are dirty (a store or promotion needs their room, or clean
 room falls below `write_back_headroom`), they are written back, then become clean
 victims. The dirty set is bounded (`write_back_max_dirty`): past the bound the oldest
 dirty blocks are written back even without pressure; while a write-back tier is down
-(breaker open, not open yet) blocks past the bound are dropped for it and counted, so
+(breaker open or half-open, not open yet) blocks past the bound are dropped for it and counted, so
 the cache keeps caching. A block a tier keeps failing is given up after
 `DEMOTE_ATTEMPTS` and counted too.
 """
@@ -181,6 +181,24 @@ class WriteBack:
                     DEMOTE_ATTEMPTS,
                     result.error,
                 )
+
+    def drop_unwritten(self) -> int:
+        """At close: dirty blocks still unwritten (their tier down or too slow) are no
+        longer owed to it; count them as dropped and warn, rather than lose them
+        silently. Returns how many blocks were dropped."""
+        index = self.core.index
+        keys = index.dirty_keys()
+        for key in keys:
+            for handle in self.handles:
+                if index.pending_for(key, handle.index):
+                    self._drop(key, handle, "the cache closed before it was written back")
+        if keys:
+            logger.warning(
+                "closed with %d block(s) not written back to their write_back tier "
+                "(counted in write_back_dropped)",
+                len(keys),
+            )
+        return len(keys)
 
     async def flush(self) -> None:
         """Offer every dirty block to its tiers once more."""

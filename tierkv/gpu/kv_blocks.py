@@ -112,8 +112,15 @@ class KVCacheBlocks:
                     f"{head}, {len(self.gpu_blocks[g])} GPU blocks, factor {self.factor})"
                 )
 
-    def _check_view(self, view: HostSlab) -> None:
-        if view.num_blocks != self.worker.num_slots or view.block_bytes != self.worker.block_bytes:
+    def check_view(self, view: HostSlab) -> None:
+        """The worker copies to and from its own slab: it must be `view`'s (a worker of
+        another cache with the same shape would copy into that cache's slots)."""
+        slab = self.worker._slab
+        if (
+            view.num_blocks != self.worker.num_slots
+            or view.block_bytes != self.worker.block_bytes
+            or view.tensor.data_ptr() != slab.data_ptr()
+        ):
             raise ValueError("this KVCacheBlocks' worker was built over another primary slab")
 
     def _specs(
@@ -160,7 +167,7 @@ class KVCacheBlocks:
     async def _move(
         self, direction: Direction, view: HostSlab, indices: Sequence[int], slots: Sequence[int]
     ) -> None:
-        self._check_view(view)
+        self.check_view(view)
         specs = self._specs(direction, indices, slots)
         if not specs:
             return
