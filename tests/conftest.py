@@ -33,8 +33,8 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
         from tierkv_redis.testing import RedisServer
 
         server = RedisServer(tmp_path)
-    except Exception as exc:  # tierkv-redis or redis-server missing
-        missing_server("tierkv-redis and a redis-server", exc)
+    except Exception as exc:  # tierkv-cache-redis or redis-server missing
+        missing_server("tierkv-cache-redis and a redis-server", exc)
     with server:
         yield server.url
 
@@ -46,8 +46,8 @@ def moto_server() -> Iterator[Any]:
         from tierkv_s3.testing import MotoServer
 
         server = MotoServer()
-    except Exception as exc:  # tierkv-s3 or moto missing
-        missing_server("tierkv-s3 and moto", exc)
+    except Exception as exc:  # tierkv-cache-s3 or moto missing
+        missing_server("tierkv-cache-s3 and moto", exc)
     with server:
         yield server
 

@@ -51,7 +51,7 @@ DEFAULT_SECONDARY: dict[str, Any] = {"type": "nvme", "capacity": "4GiB", "fsync"
 """The tier of the default chain, under a temporary directory (`path` is added).
 fsync is off: the directory is deleted when the command ends."""
 FALLBACK_SECONDARY: dict[str, Any] = {"type": "memory", "capacity": "4GiB"}
-"""Used instead when tierkv-nvme is not installed."""
+"""Used instead when tierkv-cache-nvme is not installed."""
 
 
 class UsageError(Exception):
@@ -94,7 +94,7 @@ def _port(text: str) -> int:
 
 def default_chain(directory: Path, *, primary: str = "8MiB") -> CacheConfig:
     """The primary plus an nvme tier under `directory` (the memory tier when
-    tierkv-nvme is not installed). Layout and namespace are placeholders: the demo
+    tierkv-cache-nvme is not installed). Layout and namespace are placeholders: the demo
     and the bench set their own."""
     secondary = dict(DEFAULT_SECONDARY, path=str(directory / "nvme"))
     try:

@@ -1,4 +1,4 @@
-"""tierkv-nvme: the `nvme` tier, KV-cache blocks as checksummed files on a local disk.
+"""tierkv-cache-nvme: the `nvme` tier, KV-cache blocks as checksummed files on a local disk.
 
 Installed, it registers itself in the `tierkv.tiers` entry-point group, so a YAML
 chain can say

@@ -1,4 +1,4 @@
-"""tierkv-redis: the `redis` tier. KV-cache blocks in Redis or Redis Cluster, framed
+"""tierkv-cache-redis: the `redis` tier. KV-cache blocks in Redis or Redis Cluster, framed
 and checked, shared by every inference server that points at the same server and
 namespace."""
 

@@ -1,4 +1,4 @@
-"""tierkv-s3: the `s3` tier. KV-cache blocks as objects in S3 or any S3-compatible
+"""tierkv-cache-s3: the `s3` tier. KV-cache blocks as objects in S3 or any S3-compatible
 store, framed and checked, shared by every inference server that can reach the bucket."""
 
 from __future__ import annotations
