@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tierkv.cache import TieredCache
+from tierkv.cache.results import StoreResult
 from tierkv.config import parse_config
 from tierkv.errors import TierUnavailable
 from tierkv.events import OffloadingEvent
@@ -54,6 +55,7 @@ def assert_no_leaks(cache: TieredCache) -> None:
         assert p.readers(key) == 0, f"{key!r} leaked a reader"
     assert p.num_evictable == len(p)
     assert cache.core.promoting == 0
+    assert cache.core.staging == 0
     assert cache.index.promoting == 0
     assert all(cache.index.cascading(k) == 0 for k in cache.index.known_keys())
     assert all(h.stats.inflight_bytes == 0 for h in cache.core.tiers)
@@ -713,3 +715,35 @@ async def test_events_are_bounded_when_nobody_takes_them() -> None:
         events = cache.take_events()
         assert len(events) == 5 and events[-1].keys == tuple(keys(1, "e7"))
         assert cache.stats().primary["events_dropped"] == 3
+
+
+async def test_streaming_stores_leave_room_for_promotions(faulty_tier_type: str) -> None:
+    # two stores of 24 blocks each stream through an 8-block primary (reserve 4) while a
+    # slow tier keeps their windows pinned; a load of a 4-block prefix the tier alone
+    # holds, issued while the stores wait for room, is promoted in full instead of
+    # being shed for lack of room (the stores leave the reserve's room free)
+    config = chain([faulty(delay=0.01)], blocks=8, promotion_reserve=0.5)
+    async with open_cache(config) as cache:
+        prefix, data = keys(4, "p"), blocks(4, seed=1)
+        assert (await cache.store(prefix, data)).ok
+        await cache.flush()
+        assert (await cache.store(keys(8, "filler"), blocks(8, seed=2))).ok
+        await cache.flush()
+        assert not any(k in cache.primary for k in prefix)
+        hit = await cache.lookup([prefix])
+        assert hit.keys_to_load == tuple(prefix)
+        results: list[StoreResult] = []
+
+        async def stream(tag: str) -> None:
+            results.append(await cache.store(keys(24, tag), blocks(24, seed=3)))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stream, "s1")
+            tg.start_soon(stream, "s2")
+            while cache.stats().primary["store_waits"] == 0:
+                await anyio.sleep(0)
+            out = empty(4)
+            loaded = await cache.load(prefix, out)
+        assert loaded.ok_keys == tuple(prefix), dict(loaded.errors)
+        assert torch.equal(out, data)
+        assert all(r.ok for r in results)

@@ -194,6 +194,20 @@ class Cascader:
         p = core.primary
         return core.background > 0 or core.promoting > 0 or p.num_evictable < len(p)
 
+    def _set_aside(self) -> int:
+        """Slots a store leaves free or evictable for promotions: the part of the
+        promotion reserve no flight holds yet (a flight counts once it has its slots,
+        so one that started but has not placed yet still finds its room). Loads are on
+        the request's critical path and shed rather than wait; stores may wait. Without
+        this, streaming stores pin every slot while their windows cascade and loads of
+        lower-tier hits find no room. None when no secondary tier is open (nothing to
+        promote from), and never so much that a store lacks one window of the primary."""
+        core = self.core
+        if not any(h.opened for h in core.tiers):
+            return 0
+        cap = core.primary.num_blocks - self.window
+        return max(0, min(core.reserve_slots - core.staging, cap))
+
     async def store(self, keys: Sequence[OffloadKey], source: object) -> StoreResult:
         core = self.core
         core.check_open()
@@ -227,7 +241,23 @@ class Cascader:
             # one streams in windows of a quarter of the primary, so copying a window
             # overlaps the cascade of the one before
             room = primary.num_free + primary.num_evictable
-            size = len(new) - i if len(new) - i <= room else self.window
+            # a streaming store leaves the promotions' share of the room alone (a request
+            # that fits the room is placed at once, as before): when only that share is
+            # left it waits for its own cascades (or anything else in flight) to release
+            # slots; when nothing can, or the deadline passed, it takes the share anyway
+            # (a store always progresses)
+            streams = streaming or len(new) - i > room
+            aside = self._set_aside() if room and streams else 0
+            if aside and room <= aside:
+                left = deadline - anyio.current_time()
+                if left > 0 and self._may_free_room():
+                    core.counters["store_waits"] += 1
+                    with anyio.move_on_after(left):
+                        await core.released.wait()
+                    continue
+                aside = 0
+            room -= aside
+            size = len(new) - i if len(new) - i <= room else min(self.window, room)
             streaming = streaming or size < len(new) - i
             if streaming and self._behind(size * core.block_bytes):
                 # a streaming store waits for a write-through tier that is behind rather

@@ -84,7 +84,8 @@ class CacheCore:
         self.events = EventLog(primary)
         self.primary_stats = TierStats()
         self.reserve_slots = max(1, int(config.promotion_reserve * primary.num_blocks))
-        self.promoting = 0
+        self.promoting = 0  # keys in promotion flights (what the reserve caps)
+        self.staging = 0  # primary slots those flights hold while they read
         self.released = Signal()
         self.job_ids = itertools.count(1)
         self.tg: TaskGroup | None = None

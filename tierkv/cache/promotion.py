@@ -298,6 +298,7 @@ class Promoter:
             prepared = primary.prepare_store_prefix(keys, may_evict=index.is_clean)
             core.events.drain_primary()
             reserved = prepared.keys_to_store
+            core.staging += len(reserved)
             rset = set(reserved)
             for key in keys:
                 if key not in rset:
@@ -311,6 +312,7 @@ class Promoter:
             await self._read(reserved, slot_of, outcome, ctx)
         finally:
             core.promoting -= len(keys)
+            core.staging -= len(reserved)
             ok = [k for k in reserved if outcome.get(k, (None, None))[0] is not None]
             ok_set = set(ok)
             primary.complete_store(ok, success=True)
