@@ -31,7 +31,16 @@ from tierkv.jobs import JobMetadata, JobResult, ReqContext
 from tierkv.keys import OffloadKey
 from tierkv.mac import MacKey, load_mac_key
 from tierkv.redact import redact_url
-from tierkv.runner import Batch, JobAborted, in_batches, in_thread, per_key, run_job
+from tierkv.runner import (
+    Batch,
+    IOThreads,
+    JobAborted,
+    SlotGuard,
+    in_batches,
+    in_thread,
+    per_key,
+    run_job,
+)
 from tierkv.slab import PrimaryView
 from tierkv.units import Duration, Size
 
@@ -42,6 +51,7 @@ __all__ = [
     "Duration",
     "Framer",
     "InFlightJobs",
+    "IOThreads",
     "JobAborted",
     "JobMetadata",
     "JobResult",
@@ -50,6 +60,7 @@ __all__ = [
     "RemovalListener",
     "ReqContext",
     "SecondaryTierManager",
+    "SlotGuard",
     "Size",
     "TierConfig",
     "TierUnavailable",

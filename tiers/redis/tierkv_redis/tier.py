@@ -56,11 +56,11 @@ from redis.exceptions import (
 )
 from redis.retry import Retry as SyncRetry
 
-from tierkv.runner import IOThreads, SlotGuard
 from tierkv.tier import (
     Batch,
     CorruptBlock,
     InFlightJobs,
+    IOThreads,
     JobAborted,
     JobMetadata,
     JobResult,
@@ -68,6 +68,7 @@ from tierkv.tier import (
     PrimaryView,
     ReqContext,
     SecondaryTierManager,
+    SlotGuard,
     TierConfig,
     TierUnavailable,
     in_thread,

@@ -52,11 +52,11 @@ from aiobotocore.session import AioSession  # type: ignore[import-untyped]
 from botocore.config import Config  # type: ignore[import-untyped]
 from s3fs import S3FileSystem  # type: ignore[import-untyped]
 
-from tierkv.runner import IOThreads, SlotGuard
 from tierkv.tier import (
     Batch,
     CorruptBlock,
     InFlightJobs,
+    IOThreads,
     JobAborted,
     JobMetadata,
     JobResult,
@@ -64,6 +64,7 @@ from tierkv.tier import (
     PrimaryView,
     ReqContext,
     SecondaryTierManager,
+    SlotGuard,
     TierConfig,
     TierUnavailable,
     in_thread,
