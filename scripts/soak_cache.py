@@ -162,7 +162,7 @@ async def run(args: argparse.Namespace) -> int:
         await cache.flush()
         p = cache.primary
         leaked = p.num_blocks - p.num_free - p.num_evictable
-        pinned = sum(1 for k in list(p._blocks) if p.readers(k) or not p.is_ready(k))
+        pinned = sum(1 for k in p.keys() if p.readers(k) or not p.is_ready(k))
         stats = cache.stats()
     server.close()
     print("counts:", dict(soak.counts))
@@ -174,11 +174,11 @@ async def run(args: argparse.Namespace) -> int:
         print(f"{name}:", {k: tier.get(k) for k in keep})
     print(
         f"wrong blocks: {soak.wrong}; exceptions: {len(soak.errors)}; leaked slots: {leaked}; "
-        f"pinned after idle: {pinned}; promoting: {cache.core.promoting}"
+        f"pinned after idle: {pinned}; promoting: {cache.core.index.promoting}"
     )
     for line in Counter(soak.errors).most_common(5):
         print("  exception:", line)
-    bad = soak.wrong or soak.errors or leaked or pinned or cache.core.promoting
+    bad = soak.wrong or soak.errors or leaked or pinned or cache.core.index.promoting
     return 1 if bad else 0
 
 

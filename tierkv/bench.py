@@ -794,7 +794,7 @@ async def bench_streaming(
                     )
                 out.zero_()
                 # each stage alone, over the same windows the promotion used
-                window = max(1, cache.core.reserve_slots // 2)
+                window = max(1, cache.primary.promotion_share // 2)
                 windows = -(-n // window)
                 empty_primary(cache)
                 await raw.before_load(cache.tier(name))

@@ -65,7 +65,14 @@ class CacheConfig(BaseModel):
         gt=0,
         le=1,
         description="share of primary slots that promotions (loads from lower tiers) may "
-        "hold at once; the rest stays free for stores",
+        "hold at once; stores leave the part no promotion holds free for them",
+    )
+    promotion_wait: Duration = Field(
+        default=0.005,
+        ge=0,
+        description="how long a load may wait in all for primary room to promote its "
+        "blocks before the rest is shed as misses: added time to first token vs "
+        "recomputing those blocks (0: shed at once)",
     )
     lookup_timeout: Duration | None = Field(
         default=0.05,

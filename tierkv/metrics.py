@@ -96,8 +96,12 @@ CACHE_COUNTERS: dict[str, tuple[str, str]] = {
     ),
     "promotions_shed": (
         "promotions_shed_blocks",
-        "Blocks a load reported failed (recompute) because other loads held the whole "
-        "promotion reserve",
+        "Blocks a load reported failed (recompute): no primary room for their promotion "
+        "within promotion_wait",
+    ),
+    "promotion_waits": (
+        "promotion_waits",
+        "Times a load was woken by room released for its promotion (waited, not shed)",
     ),
     "events_dropped": (
         "events_dropped",

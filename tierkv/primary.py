@@ -17,6 +17,14 @@ The cache may veto further victims (`may_evict`: dirty write-back blocks, keys o
 request being stored); `prepare_store_prefix` reserves the longest prefix of a key
 list that fits, which is how a store larger than the slab streams through it.
 
+The primary also owns its *room*: who may take how many slots. Promotions (blocks read
+up from a lower tier for a load) hold at most `promotion_share` slots at once while
+they are written (`prepare_promotion`); stores leave the part of that share no
+promotion holds yet free or evictable (`store_room`), so neither starves the other.
+A store or promotion that finds no room waits in `wait_for_room`, and is woken only
+when room it can use is released (`tierkv.room`). The cache asks through this API and
+never reads the block table itself.
+
 Not thread-safe: the orchestrator drives it from the event loop thread.
 """
 
@@ -35,6 +43,7 @@ from tierkv.events import OffloadingEvent
 from tierkv.keys import OffloadKey
 from tierkv.layout import KVLayout
 from tierkv.policies import CanEvict, EvictionPolicy, make_policy
+from tierkv.room import Kind, RoomWaiters
 from tierkv.slab import PrimaryView
 from tierkv.units import Size, format_size
 
@@ -77,11 +86,20 @@ class PrepareStoreOutput(NamedTuple):
     evicted_keys: list[OffloadKey]
 
 
+class Partition(NamedTuple):
+    """A request's keys by where they stand in the primary, each list in key order."""
+
+    resident: list[OffloadKey]  # ready: readable now
+    in_flight: list[OffloadKey]  # being written (a store or a promotion)
+    absent: list[OffloadKey]
+
+
 @dataclass(slots=True)
 class _Block:
     slot: int
     ready: bool = False
     readers: int = 0
+    staged: bool = False  # written by a promotion: counts against its share
 
 
 def resolve_pin_memory(setting: Literal["auto"] | bool) -> bool:
@@ -123,6 +141,9 @@ class PrimaryTier:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives slot 0 first
         self._evictable = 0
         self._events: list[OffloadingEvent] = []
+        self.promotion_share = 0  # slots promotions may hold at once (`set_promotion_share`)
+        self._staged = 0  # slots promotions hold now
+        self._waiters = RoomWaiters()
 
     @classmethod
     def from_config(cls, config: PrimaryConfig, layout: KVLayout, namespace: str) -> PrimaryTier:
@@ -154,11 +175,30 @@ class PrimaryTier:
         """Ready blocks with no readers: what a store may evict. O(1)."""
         return self._evictable
 
+    @property
+    def num_staged(self) -> int:
+        """Slots promotions hold now (being written from a lower tier)."""
+        return self._staged
+
+    @property
+    def num_held(self) -> int:
+        """Slots neither free nor evictable: being written or read."""
+        return self.num_blocks - len(self._free) - self._evictable
+
+    @property
+    def wakeups(self) -> int:
+        """Waiters woken for room so far (each only for room it could use)."""
+        return self._waiters.wakeups
+
     def __contains__(self, key: object) -> bool:
         return key in self._blocks
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def keys(self) -> list[OffloadKey]:
+        """Every key with a slot (ready or being written). O(n): for introspection."""
+        return list(self._blocks)
 
     def slot_of(self, key: OffloadKey) -> int | None:
         block = self._blocks.get(key)
@@ -174,6 +214,62 @@ class PrimaryTier:
 
     def _is_evictable(self, block: _Block) -> bool:
         return block.ready and block.readers == 0
+
+    def partition(self, keys: Iterable[OffloadKey]) -> Partition:
+        """Split `keys` into resident (ready), in flight (being written) and absent."""
+        resident: list[OffloadKey] = []
+        in_flight: list[OffloadKey] = []
+        absent: list[OffloadKey] = []
+        get = self._blocks.get
+        for key in keys:
+            block = get(key)
+            if block is None:
+                absent.append(key)
+            elif block.ready:
+                resident.append(key)
+            else:
+                in_flight.append(key)
+        return Partition(resident, in_flight, absent)
+
+    def ready_keys(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+        """The keys of `keys` that are ready here, in order (a lookup's first pass)."""
+        get = self._blocks.get
+        return [k for k in keys if (b := get(k)) is not None and b.ready]
+
+    # -- room: who may take how many slots --------------------------------------------
+    def set_promotion_share(self, slots: int) -> None:
+        """Let promotions hold up to `slots` slots at once (0: no promotions, stores
+        set nothing aside). At most every slot."""
+        self.promotion_share = max(0, min(int(slots), self.num_blocks))
+        self._wake()
+
+    def _aside(self) -> int:
+        """Room stores leave alone for promotions: the share no promotion holds yet,
+        never so much that a store lacks a quarter of the primary."""
+        cap = self.num_blocks - max(1, self.num_blocks // 4)
+        return max(0, min(self.promotion_share - self._staged, cap))
+
+    def store_room(self, *, take_aside: bool = False) -> int:
+        """Slots a store may take now (free or evictable), less the promotions' part
+        unless `take_aside` (nothing in flight can release room: a store always
+        progresses)."""
+        room = len(self._free) + self._evictable
+        return room if take_aside else max(0, room - self._aside())
+
+    def promotion_room(self) -> int:
+        """Slots a promotion may take now: free or evictable, within the share."""
+        return max(0, min(self.promotion_share - self._staged, len(self._free) + self._evictable))
+
+    async def wait_for_room(self, kind: Kind, need: int, timeout: float) -> bool:
+        """Wait (up to `timeout` s) until room of `kind` covering `need` slots is
+        released. True when woken (check again: a veto may still refuse it)."""
+        return await self._waiters.wait(kind, need, timeout)
+
+    def _wake(self) -> None:
+        if self._waiters:
+            self._waiters.wake(
+                {Kind.PROMOTION: self.promotion_room(), Kind.STORE: self.store_room()}
+            )
 
     # -- operations ---------------------------------------------------------------
     def lookup(self, keys: Sequence[OffloadKey]) -> int:
@@ -234,6 +330,22 @@ class PrimaryTier:
         )
         return self._place(admitted, victims)
 
+    def prepare_promotion(
+        self, keys: Sequence[OffloadKey], *, may_evict: CanEvict | None = None
+    ) -> PrepareStoreOutput:
+        """Reserve slots for the longest prefix of `keys` (none resident) that fits the
+        promotions' share and the room, evicting only what `may_evict` allows. The
+        slots are WRITING and count against the share until `complete_store`."""
+        room = self.promotion_share - self._staged
+        if room <= 0:
+            return PrepareStoreOutput([], [], [])
+        prepared = self.prepare_store_prefix(keys[:room], may_evict=may_evict)
+        blocks = self._blocks
+        for key in prepared.keys_to_store:
+            blocks[key].staged = True
+        self._staged += len(prepared.keys_to_store)
+        return prepared
+
     def _reserve(
         self, new_keys: list[OffloadKey], shortfall: int, can_evict: CanEvict
     ) -> PrepareStoreOutput | None:
@@ -257,12 +369,14 @@ class PrimaryTier:
         return PrepareStoreOutput(new_keys, slots, victims)
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
-        """Finish a store: WRITING keys become READY, or on failure are freed.
+        """Finish a store or promotion: WRITING keys become READY, or on failure are
+        freed; a promotion's slots go back to its share either way.
 
         Keys that are not being written (already ready, unknown) are left alone, so
         the whole key list of a `prepare_store` call may be passed back."""
         done: list[OffloadKey] = []
         blocks = self._blocks
+        staged = 0
         if success:
             unread: list[OffloadKey] = []
             for key in keys:
@@ -270,6 +384,9 @@ class PrimaryTier:
                 if block is None or block.ready:
                     continue
                 block.ready = True
+                if block.staged:
+                    block.staged = False
+                    staged += 1
                 if block.readers == 0:
                     unread.append(key)
                 done.append(key)
@@ -281,11 +398,14 @@ class PrimaryTier:
                 block = blocks.get(key)
                 if block is None or block.ready:
                     continue
+                staged += block.staged
                 del blocks[key]
                 self.policy.discard(key)
                 self._free.append(block.slot)
+        self._staged -= staged
         if done:
             self._events.append(OffloadingEvent(tuple(done), MEDIUM, removed=False))
+        self._wake()
 
     def prepare_load(self, keys: Sequence[OffloadKey]) -> list[int]:
         """Add a reader to each key and return their slots in key order.
@@ -318,12 +438,16 @@ class PrimaryTier:
             block = self._blocks.get(key)
             if block is None or block.readers < count:
                 raise BlockStateError(f"complete_load({key.hex()}) without a matching prepare_load")
+        released = False
         for key, count in pending.items():
             block = self._blocks[key]
             block.readers -= count
             if block.readers == 0:
                 self._evictable += 1
                 self.policy.unpin(key)
+                released = True
+        if released:
+            self._wake()
 
     def take_events(self) -> list[OffloadingEvent]:
         """Events since the last call, oldest first."""

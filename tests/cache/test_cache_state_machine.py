@@ -88,10 +88,10 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _check_no_leaks(self) -> None:
         p = self.cache.primary
-        for key in list(p._blocks):
+        for key in p.keys():
             assert p.is_ready(key) and p.readers(key) == 0
         assert p.num_evictable == len(p)
-        assert self.cache.core.promoting == 0 and all(
+        assert self.cache.core.index.promoting == 0 and all(
             self.cache.index.cascading(k) == 0 for k in self.cache.index.known_keys()
         )
 

@@ -45,8 +45,8 @@ def assert_idle(cache: TieredCache) -> None:
     """Nothing pinned, nothing leaked: every slot is free or evictable."""
     p = cache.primary
     assert p.num_free + p.num_evictable == p.num_blocks
-    assert all(p.readers(k) == 0 and p.is_ready(k) for k in list(p._blocks))
-    assert cache.core.promoting == 0
+    assert all(p.readers(k) == 0 and p.is_ready(k) for k in p.keys())
+    assert cache.core.index.promoting == 0
     assert cache.core.index.promoting == 0
 
 
@@ -78,7 +78,7 @@ async def test_a_load_still_promoting_when_close_begins_ends_with_failed_keys(
     async with anyio.create_task_group() as tg:
         tg.start_soon(load)
         await anyio.wait_all_tasks_blocked()
-        assert cache.core.promoting > 0  # the first windows wait on the tier
+        assert cache.core.index.promoting > 0  # the first windows wait on the tier
         tg.start_soon(cache.close)
         await anyio.wait_all_tasks_blocked()
         tier.gate.set()
@@ -151,7 +151,7 @@ async def test_gpu_blocks_whose_worker_copies_into_another_cache_are_refused_fir
             await cache.store(keys(1, "new"), KVCacheBlocks(foreign, [[3]]))
         with pytest.raises(ValueError, match="another primary slab"):
             await cache.load(resident[:1], KVCacheBlocks(foreign, [[5]]))
-        assert set(cache.primary._blocks) == set(resident)  # nothing evicted
+        assert set(cache.primary.keys()) == set(resident)  # nothing evicted
         assert cache.take_events() == []
         assert_idle(cache)
 
@@ -212,7 +212,7 @@ async def test_a_store_waiting_on_a_hung_write_back_tier_keeps_its_store_timeout
         with anyio.fail_after(20):  # store_timeout is 0.1 s; the tier answers in an hour
             result = await cache.store(keys(4, "more"), data(4, 1))
         assert result.rejected and result.error
-        assert set(cache.primary._blocks) == set(keys(8))  # dirty blocks are never dropped
+        assert set(cache.primary.keys()) == set(keys(8))  # dirty blocks are never dropped
         tier.hang = False
 
 
@@ -421,7 +421,7 @@ async def test_a_store_that_found_no_room_rechecks_after_writing_back(
             i += 1
         dirty = keys(4, "dirty")
         assert (await cache.store(dirty, data(4, 9))).ok
-        resident = set(cache.primary._blocks)
+        resident = set(cache.primary.keys())
         assert len(resident) == 8 and set(read) <= resident
         assert all(cache.core.index.is_dirty(k) for k in resident - set(read))
         dest = _GatedDestination(4)

@@ -57,8 +57,8 @@ async def opened(config: dict[str, Any]) -> AsyncIterator[TieredCache]:
         yield cache
         await cache.flush()
         p = cache.primary
-        assert all(p.readers(k) == 0 and p.is_ready(k) for k in list(p._blocks))
-        assert cache.core.promoting == 0
+        assert all(p.readers(k) == 0 and p.is_ready(k) for k in p.keys())
+        assert cache.core.index.promoting == 0
 
 
 async def push_out(cache: TieredCache, n: int = 32) -> None:
@@ -234,7 +234,7 @@ async def test_bad_gpu_block_ids_change_nothing() -> None:
             await cache.store(keys(2, "new"), KVCacheBlocks(worker, [[4, 99]]))
         with pytest.raises(ValueError, match="out of range"):
             await cache.load(keys(2, "new"), KVCacheBlocks(worker, [[-1, 5]]))
-        assert set(cache.primary._blocks) == set(resident)  # nothing evicted
+        assert set(cache.primary.keys()) == set(resident)  # nothing evicted
         assert cache.take_events() == []  # no event
         assert cache.stats().tiers["memory"]["load_jobs"] == 0  # nothing promoted
 

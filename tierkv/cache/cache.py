@@ -217,7 +217,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
             resident=len(self.primary),
             free=self.primary.num_free,
             evictable=self.primary.num_evictable,
-            promoting=core.promoting,
+            promoting=self.primary.num_staged,
             write_back_pending=core.index.dirty_count,
             events_dropped=core.events.dropped,
             background_jobs=core.background,

@@ -27,6 +27,7 @@ from tierkv.cache.validate import check_keys, checked_source, run_validate_hook
 from tierkv.cache.writeback import WriteBack
 from tierkv.jobs import JobMetadata, ReqContext
 from tierkv.keys import OffloadKey
+from tierkv.room import Kind
 
 logger = logging.getLogger(__name__)
 
@@ -179,34 +180,69 @@ class Cascader:
                 return True
         return False
 
-    def _room_now(self, want: Sequence[OffloadKey], watch: StoreWatch) -> bool:
+    def _may_free_room(self) -> bool:
+        """Whether something in flight will release primary slots."""
+        primary = self.core.primary
+        return self.core.background > 0 or primary.num_staged > 0 or primary.num_held > 0
+
+    def _window(self, rest: int, deadline: float) -> int:
+        """How many of the `rest` blocks the next window places: all when they fit the
+        store's room, else a quarter of the primary (so copying a window overlaps the
+        cascade of the one before), less when the room is smaller; 0 for no room now.
+        The promotions' unheld share is taken only when nothing in flight can release
+        room, or the deadline passed: a store always progresses."""
+        room = self._room(deadline)
+        return rest if rest <= room else min(self.window, room)
+
+    def _room(self, deadline: float) -> int:
+        """The store's room now (see `_window`)."""
+        primary = self.core.primary
+        room = primary.store_room()
+        if not room and (not self._may_free_room() or anyio.current_time() >= deadline):
+            room = primary.store_room(take_aside=True)
+        return room
+
+    async def _wait(self, deadline: float) -> bool:
+        """Wait, up to `deadline`, until room a store can use is released. False when
+        the deadline has passed."""
+        left = deadline - anyio.current_time()
+        if left <= 0:
+            return False
+        self.core.counters["store_waits"] += 1
+        await self.core.primary.wait_for_room(Kind.STORE, 1, left)
+        return True
+
+    async def _await_room(
+        self, want: Sequence[OffloadKey], watch: StoreWatch, deadline: float
+    ) -> str | None:
+        """No block of `want` could be placed: write dirty victims back, or wait for
+        room. None to try again, or why the rest of the store is rejected."""
+        if self.writeback.enabled:  # dirty victims: write them back, within the deadline
+            made = False
+            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                made = await self.writeback.make_room(len(want))
+            if made or self._room_now(want, watch, deadline):  # loads may have let go meanwhile
+                return None
+        if not self._streams() or not self._may_free_room():
+            return (
+                "the primary tier has no room: its blocks are held by reads, writes "
+                "or cascades, or no lower tier accepted the blocks that would make room"
+            )
+        if not await self._wait(deadline):
+            timeout = self.core.config.store_timeout
+            return f"no room in the primary tier within store_timeout ({timeout:g}s)"
+        return None
+
+    def _room_now(self, want: Sequence[OffloadKey], watch: StoreWatch, deadline: float) -> bool:
         """Whether a slot for the next key is there now (free, or a victim this store
         may evict): the next window then places at least one block."""
         primary = self.core.primary
+        if not self._room(deadline):
+            return False
         if primary.num_free:
             return True
         wanted = set(want)
         return bool(primary.candidates(1, lambda k: k not in wanted and watch.may_evict(k)))
-
-    def _may_free_room(self) -> bool:
-        """Whether something in flight will release primary slots."""
-        core = self.core
-        p = core.primary
-        return core.background > 0 or core.promoting > 0 or p.num_evictable < len(p)
-
-    def _set_aside(self) -> int:
-        """Slots a store leaves free or evictable for promotions: the part of the
-        promotion reserve no flight holds yet (a flight counts once it has its slots,
-        so one that started but has not placed yet still finds its room). Loads are on
-        the request's critical path and shed rather than wait; stores may wait. Without
-        this, streaming stores pin every slot while their windows cascade and loads of
-        lower-tier hits find no room. None when no secondary tier is open (nothing to
-        promote from), and never so much that a store lacks one window of the primary."""
-        core = self.core
-        if not any(h.opened for h in core.tiers):
-            return 0
-        cap = core.primary.num_blocks - self.window
-        return max(0, min(core.reserve_slots - core.staging, cap))
 
     async def store(self, keys: Sequence[OffloadKey], source: object) -> StoreResult:
         core = self.core
@@ -218,9 +254,11 @@ class Cascader:
         position: dict[OffloadKey, int] = {}
         for i, key in enumerate(keys):
             position.setdefault(key, i)
-        blocks = primary._blocks  # hot path: the block table, not a method per key
-        already = [k for k in position if k in blocks]
-        new = [k for k in position if k not in blocks] if already else list(position)
+        resident, in_flight, new = primary.partition(position)
+        already = resident
+        if in_flight:  # rare: keep key order
+            present = {*resident, *in_flight}
+            already = [k for k in position if k in present]
         if hasattr(src, "validate"):  # e.g. KVCacheBlocks: GPU block ids, coverage
             run_validate_hook(src, "store", [position[k] for k in new], primary.view)
         stored: list[OffloadKey] = []
@@ -228,86 +266,48 @@ class Cascader:
         error: str | None = None
         watch = StoreWatch(core.index)
         placed: list[OffloadKey] = []  # stored, not yet told to the watch (needed lazily)
-        timeout = core.config.store_timeout
-        deadline = anyio.current_time() + timeout
+        deadline = anyio.current_time() + core.config.store_timeout
         streaming = False
         i = 0
         while i < len(new):
-            if new[i] in blocks:  # stored meanwhile by someone else
+            if new[i] in primary:  # stored meanwhile by someone else
                 already.append(new[i])
                 i += 1
                 continue
-            # a request that fits the room is one window (one job per tier); a larger
-            # one streams in windows of a quarter of the primary, so copying a window
-            # overlaps the cascade of the one before
-            room = primary.num_free + primary.num_evictable
-            # a streaming store leaves the promotions' share of the room alone (a request
-            # that fits the room is placed at once, as before): when only that share is
-            # left it waits for its own cascades (or anything else in flight) to release
-            # slots; when nothing can, or the deadline passed, it takes the share anyway
-            # (a store always progresses)
-            streams = streaming or len(new) - i > room
-            aside = self._set_aside() if room and streams else 0
-            if aside and room <= aside:
-                left = deadline - anyio.current_time()
-                if left > 0 and self._may_free_room():
-                    core.counters["store_waits"] += 1
-                    with anyio.move_on_after(left):
-                        await core.released.wait()
-                    continue
-                aside = 0
-            room -= aside
-            size = len(new) - i if len(new) - i <= room else min(self.window, room)
-            streaming = streaming or size < len(new) - i
-            if streaming and self._behind(size * core.block_bytes):
+            size = self._window(len(new) - i, deadline)
+            got: list[OffloadKey] = []
+            slots: list[int] = []
+            if size:
+                streaming = streaming or size < len(new) - i
                 # a streaming store waits for a write-through tier that is behind rather
                 # than have the window's cascade dropped: its blocks must leave the
-                # primary to make room for the next windows (a store that fits the
-                # primary never waits here; its cascade is dropped and counted instead)
-                left = deadline - anyio.current_time()
-                if left > 0:
-                    core.counters["store_waits"] += 1
-                    with anyio.move_on_after(left):
-                        await core.released.wait()
+                # primary to make room for the next windows (a store that fits never
+                # waits here; its cascade is dropped and counted instead)
+                behind = streaming and self._behind(size * core.block_bytes)
+                if behind and await self._wait(deadline):
                     continue
-            want = [k for k in new[i : i + size] if k not in blocks]
-            if placed:  # a later window may evict: this request's earlier blocks must be safe
-                watch.placed(placed)
-                placed.clear()
-            veto = watch.may_evict if watch.unsafe or core.index.dirty_count else None
-            prepared = primary.prepare_store_prefix(want, may_evict=veto)
-            core.events.drain_primary()
-            got = prepared.keys_to_store
+                want = [k for k in new[i : i + size] if k not in primary]
+                if placed:  # a later window may evict: this request's earlier blocks must be safe
+                    watch.placed(placed)
+                    placed.clear()
+                veto = watch.may_evict if watch.unsafe or core.index.dirty_count else None
+                prepared = primary.prepare_store_prefix(want, may_evict=veto)
+                core.events.drain_primary()
+                got, slots = prepared.keys_to_store, prepared.slots
+            else:
+                want = new[i : i + min(self.window, len(new) - i)]
             if not got:
-                if self.writeback.enabled:  # dirty victims: write them back, within the deadline
-                    made = False
-                    with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
-                        made = await self.writeback.make_room(len(want))
-                    if made or self._room_now(want, watch):  # loads may have let go meanwhile
-                        continue
-                if not self._streams() or not self._may_free_room():
-                    error = (
-                        "the primary tier has no room: its blocks are held by reads, writes "
-                        "or cascades, or no lower tier accepted the blocks that would make room"
-                    )
+                error = await self._await_room(want, watch, deadline)
+                if error is not None:
                     break
-                left = deadline - anyio.current_time()
-                if left <= 0:
-                    error = f"no room in the primary tier within store_timeout ({timeout:g}s)"
-                    break
-                core.counters["store_waits"] += 1
-                with anyio.move_on_after(left):
-                    await core.released.wait()
                 continue
             success = False
             try:
-                await src.copy_to_slots(primary.view, [position[k] for k in got], prepared.slots)
+                await src.copy_to_slots(primary.view, [position[k] for k in got], slots)
                 success = True
             finally:
                 primary.complete_store(got, success=success)
                 core.events.drain_primary()
-                if not success:
-                    core.released.notify()
             stats = core.primary_stats
             stats.store_jobs += 1
             stats.blocks_stored += len(got)

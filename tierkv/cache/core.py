@@ -83,10 +83,12 @@ class CacheCore:
         self.index = KeyIndex(max(65536, 16 * primary.num_blocks))
         self.events = EventLog(primary)
         self.primary_stats = TierStats()
-        self.reserve_slots = max(1, int(config.promotion_reserve * primary.num_blocks))
-        self.promoting = 0  # keys in promotion flights (what the reserve caps)
-        self.staging = 0  # primary slots those flights hold while they read
-        self.released = Signal()
+        # promotions hold at most this share of the primary; stores leave its unheld
+        # part alone (none when no tier can be promoted from)
+        primary.set_promotion_share(
+            max(1, int(config.promotion_reserve * primary.num_blocks)) if tiers else 0
+        )
+        self.released = Signal()  # write-back batches finished (flush waits on it)
         self.job_ids = itertools.count(1)
         self.tg: TaskGroup | None = None
         self.closing = False
@@ -100,6 +102,7 @@ class CacheCore:
             "store_waits": 0,
             "write_back_dropped": 0,
             "promotions_shed": 0,
+            "promotion_waits": 0,
         }
 
     # -- background jobs ---------------------------------------------------------------
@@ -149,7 +152,6 @@ class CacheCore:
                 self.background -= 1
                 if self.background == 0:
                     self.idle.set()
-                self.released.notify()
 
         tg.start_soon(run)
 

@@ -33,10 +33,10 @@ from tierkv.cache.validate import check_keys, checked_destination
 from tierkv.jobs import JobMetadata, JobResult, ReqContext
 from tierkv.keys import OffloadKey
 from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
+from tierkv.room import Kind
 
-_SHED = "promotion reserve is full (load shed); recompute"
+_SHED = "no room in the primary tier for a promotion within promotion_wait (load shed); recompute"
 _CLOSING = "the cache is closing; recompute"
-_NO_ROOM = "no room in the primary tier for a promotion (load shed); recompute"
 
 
 class _LoadState:
@@ -57,6 +57,8 @@ class _LoadState:
         self.errors: dict[OffloadKey, str] = {}
         self.waiting: dict[OffloadKey, Flight] = {}
         self.collected: set[OffloadKey] = set()
+        self.slots: dict[OffloadKey, int] = {}  # slot of each key this call holds
+        self.late: list[OffloadKey] = []  # held keys found resident after the start
 
 
 class Promoter:
@@ -76,20 +78,20 @@ class Promoter:
         dest = checked_destination(destination, len(keys), core.block_bytes, core.primary.view)
         primary, index = core.primary, core.index
         s = _LoadState(keys)
-        resident: list[OffloadKey] = []
-        to_promote: list[OffloadKey] = []
-        blocks = primary._blocks  # the hot path reads the block table directly
-        for key in s.first:
-            block = blocks.get(key)
-            if block is not None and block.ready:
-                resident.append(key)
-            elif (flight := index.flight(key)) is not None:
-                flight.waiters[key] = flight.waiters.get(key, 0) + 1
-                s.waiting[key] = flight
-            else:
-                to_promote.append(key)
+        resident, in_flight, absent = primary.partition(s.first)
+        to_promote = absent
+        if in_flight:
+            being_written = set(in_flight)
+            for key in in_flight:
+                if (flight := index.flight(key)) is not None:
+                    flight.waiters[key] = flight.waiters.get(key, 0) + 1
+                    s.waiting[key] = flight
+                    being_written.discard(key)
+            if being_written:  # written by a store: a promotion attempt reports it
+                rest = being_written.union(absent)
+                to_promote = [k for k in s.first if k in rest]
         if resident:
-            primary.prepare_load(resident)
+            s.slots.update(zip(resident, primary.prepare_load(resident)))
             s.holding.update(resident)
             s.sources.update(dict.fromkeys(resident, PRIMARY_MEDIUM))
         try:
@@ -114,7 +116,6 @@ class Promoter:
             if s.holding:
                 primary.complete_load(list(s.holding))
                 s.holding.clear()
-                core.released.notify()
             for key, flight in s.waiting.items():
                 if key in s.collected:
                     continue
@@ -146,22 +147,24 @@ class Promoter:
         self, s: _LoadState, dest: BlockDestination, keys: Sequence[OffloadKey]
     ) -> None:
         """Stage 2: copy `keys` (held) to the destination, then let go of them."""
+        if s.late:  # blocks found resident while starting a window: held, copy them too
+            keys = [*keys, *s.late]
+            s.late.clear()
         if not keys:
             return
         primary = self.core.primary
-        blocks, first = primary._blocks, s.first
+        first, slot_of = s.first, s.slots
         indices = [first[k] for k in keys]
-        slots = [blocks[k].slot for k in keys]
+        slots = [slot_of[k] for k in keys]
         if s.repeats:
             for key in keys:
                 for i in s.repeats.get(key, ()):
                     indices.append(i)
-                    slots.append(blocks[key].slot)
+                    slots.append(slot_of[key])
         await dest.copy_from_slots(primary.view, indices, slots)
         s.loaded.update(keys)
         primary.complete_load(list(keys))
         s.holding.difference_update(keys)
-        self.core.released.notify()
 
     async def _pipeline(
         self,
@@ -171,48 +174,67 @@ class Promoter:
         to_promote: list[OffloadKey],
         ctx: ReqContext,
     ) -> None:
+        """Stage 1 in windows of the promotions' share (half of it when the request
+        needs more, so two windows fit), overlapped with stage 2. With no room for the
+        next window and nothing of this load in flight, wait for room up to
+        `promotion_wait` in all; then shed the rest."""
         core = self.core
         primary = core.primary
-        reserve = core.reserve_slots
-        window = reserve if len(to_promote) <= reserve else max(1, reserve // 2)
+        share = max(1, primary.promotion_share)
+        window = share if len(to_promote) <= share else max(1, share // 2)
         inflight: deque[Flight] = deque()
         pos = 0
+        budget = core.config.promotion_wait
 
         def fill() -> None:
             """Keep stage 1 busy: a second window reads while the first does, when the
-            reserve and the primary have room for it; the first one always starts (or
-            the rest is shed)."""
+            share has room for it (else this load waits for its own window)."""
             nonlocal pos
             while pos < len(to_promote) and len(inflight) < self.stage1_windows:
-                size = min(window, len(to_promote) - pos)
-                if inflight and (
-                    core.reserve_slots - core.promoting < size
-                    or primary.num_free + primary.num_evictable < size + window
-                ):
-                    return  # wait for this load's own window instead
-                started = self._start(s, to_promote, pos, window, ctx)
-                if started is None:  # shed under contention
-                    pos = len(to_promote)
+                if inflight and primary.promotion_room() < min(window, len(to_promote) - pos):
                     return
-                flight, pos = started
-                inflight.append(flight)
+                flight, moved = self._start(s, to_promote, pos, window, ctx)
+                if moved == pos:
+                    return  # no room now
+                pos = moved
+                if flight is not None:
+                    inflight.append(flight)
 
-        first = min(window, len(to_promote))
-        if primary.num_free + primary.num_evictable >= first:
+        if primary.promotion_room() >= min(window, len(to_promote)):
             fill()
             await self._copy_out(s, dest, resident)  # overlaps stage 1 of the first windows
-        else:  # the room is held by this load's own resident blocks: copy them out first
+        else:  # the room may be held by this load's own resident blocks: copy them out first
             await self._copy_out(s, dest, resident)
             fill()
         while inflight or pos < len(to_promote):
-            if not inflight:
+            if inflight:
+                flight = inflight.popleft()
+                await flight.done.wait()
+                got = self._collect(s, flight, flight.keys)
+                fill()
+                await self._copy_out(s, dest, got)  # overlaps stage 1 of the next windows
                 fill()
                 continue
-            flight = inflight.popleft()
-            await flight.done.wait()
-            got = self._collect(s, flight, flight.keys)
+            await self._copy_out(s, dest, ())  # hold nothing while waiting
+            if not core.is_open:
+                self._shed(s, to_promote[pos:], _CLOSING)
+                return
+            need = min(window, len(to_promote) - pos)
+            started = anyio.current_time()
+            woken = await primary.wait_for_room(Kind.PROMOTION, need, budget)
+            budget -= anyio.current_time() - started
+            if woken:
+                core.counters["promotion_waits"] += 1
             fill()
-            await self._copy_out(s, dest, got)  # overlaps stage 1 of the next windows
+            if not inflight and (not woken or budget <= 0) and pos < len(to_promote):
+                rest = to_promote[pos:]
+                self._shed(s, rest, _SHED)
+                core.counters["promotions_shed"] += len(rest)
+                return
+
+    def _shed(self, s: _LoadState, keys: Sequence[OffloadKey], why: str) -> None:
+        for key in keys:
+            s.errors[key] = why
 
     def _start(
         self,
@@ -221,36 +243,46 @@ class Promoter:
         pos: int,
         window: int,
         ctx: ReqContext,
-    ) -> tuple[Flight, int] | None:
-        """Start stage 1 for the next window, or shed the rest under contention."""
+    ) -> tuple[Flight | None, int]:
+        """Reserve slots for the next window and start its stage 1. Returns the flight
+        (None when every key of the window was resident, followed or being stored) and
+        the position past what was taken: `pos` itself when there is no room now."""
         core = self.core
         if not core.is_open:  # close() began: no new background work; the rest misses
-            for key in to_promote[pos:]:
-                s.errors[key] = _CLOSING
-            return None
-        room = core.reserve_slots - core.promoting
+            self._shed(s, to_promote[pos:], _CLOSING)
+            return None, len(to_promote)
+        primary, index = core.primary, core.index
+        room = primary.promotion_room()
         if room <= 0:
-            for key in to_promote[pos:]:
-                s.errors[key] = _SHED
-            core.counters["promotions_shed"] += len(to_promote) - pos
-            return None
-        end = min(len(to_promote), pos + min(window, room))
-        mine: list[OffloadKey] = []
-        index = core.index
-        for key in to_promote[pos:end]:
-            other = index.flight(key)
-            if other is not None:  # another load started it meanwhile: follow it
+            return None, pos
+        chunk = to_promote[pos : pos + min(window, room)]
+        mine = [k for k in chunk if index.flight(k) is None and k not in primary]
+        prepared = primary.prepare_promotion(mine, may_evict=index.is_clean) if mine else None
+        core.events.drain_primary()
+        got = prepared.keys_to_store if prepared is not None else []
+        refused = mine[len(got)] if len(got) < len(mine) else None
+        flight = Flight(keys=got, waiters=dict.fromkeys(got, 1)) if got else None
+        moved = pos
+        for key in chunk:
+            if key == refused:
+                break  # no room for it (held or dirty blocks): a later window
+            moved += 1
+            if flight is not None and key in flight.waiters:
+                index.set_flight(key, flight)
+                s.waiting[key] = flight
+            elif (other := index.flight(key)) is not None:  # another load promotes it
                 other.waiters[key] = other.waiters.get(key, 0) + 1
                 s.waiting[key] = other
+            elif primary.is_ready(key):  # stored meanwhile: take it from the primary
+                (s.slots[key],) = primary.prepare_load([key])
+                s.holding.add(key)
+                s.sources[key] = PRIMARY_MEDIUM
+                s.late.append(key)
             else:
-                mine.append(key)
-        flight = Flight(keys=mine, waiters=dict.fromkeys(mine, 1))
-        for key in mine:
-            index.set_flight(key, flight)
-            s.waiting[key] = flight
-        core.promoting += len(mine)
-        core.spawn(self._run_flight, flight, ctx)
-        return flight, end
+                s.errors[key] = "the block is being stored right now"
+        if flight is not None and prepared is not None:
+            core.spawn(self._run_flight, flight, prepared.slots, ctx)
+        return flight, moved
 
     def _collect(
         self, s: _LoadState, flight: Flight, keys: Sequence[OffloadKey]
@@ -269,6 +301,9 @@ class Promoter:
             flight.granted[key] -= 1
             s.holding.add(key)
             s.sources[key] = medium
+            slot = self.core.primary.slot_of(key)
+            assert slot is not None  # granted: this load holds a reader on it
+            s.slots[key] = slot
             return [key]
         s.errors[key] = error or "promotion failed"
         return []
@@ -288,35 +323,21 @@ class Promoter:
             i += 1
         return None
 
-    async def _run_flight(self, flight: Flight, ctx: ReqContext) -> None:
+    async def _run_flight(self, flight: Flight, slots: list[int], ctx: ReqContext) -> None:
+        """Stage 1 of one window: read its keys into the slots reserved for them, then
+        make them ready and give every load waiting on them a reader."""
         core = self.core
         primary, index = core.primary, core.index
         outcome = flight.outcome
         keys = flight.keys
-        reserved: list[OffloadKey] = []
         try:
-            prepared = primary.prepare_store_prefix(keys, may_evict=index.is_clean)
-            core.events.drain_primary()
-            reserved = prepared.keys_to_store
-            core.staging += len(reserved)
-            rset = set(reserved)
-            for key in keys:
-                if key not in rset:
-                    if primary.is_ready(key):
-                        outcome[key] = (PRIMARY_MEDIUM, None)
-                    elif key in primary:
-                        outcome[key] = (None, "the block is being stored right now")
-                    else:
-                        outcome[key] = (None, _NO_ROOM)
-            slot_of = dict(zip(reserved, prepared.slots))
-            await self._read(reserved, slot_of, outcome, ctx)
+            await self._read(keys, dict(zip(keys, slots)), outcome, ctx)
         finally:
-            core.promoting -= len(keys)
-            core.staging -= len(reserved)
-            ok = [k for k in reserved if outcome.get(k, (None, None))[0] is not None]
-            ok_set = set(ok)
+            ok = [k for k in keys if outcome.get(k, (None, None))[0] is not None]
+            failed = [k for k in keys if outcome.get(k, (None, None))[0] is None]
             primary.complete_store(ok, success=True)
-            primary.complete_store([k for k in reserved if k not in ok_set], success=False)
+            if failed:
+                primary.complete_store(failed, success=False)
             core.events.drain_primary()
             for key in keys:
                 outcome.setdefault(key, (None, "promotion cancelled"))
@@ -326,7 +347,6 @@ class Promoter:
                     primary.prepare_load([key] * count)
                     flight.granted[key] = count
             flight.done.set()
-            core.released.notify()
 
     async def _read(
         self,
