@@ -107,6 +107,7 @@ async def run(args: argparse.Namespace) -> int:
             "namespace": "soak",
             "layout": {"block_bytes": MIB, "groups": [{"block_size": 16}]},
             "primary": {"capacity": f"{args.primary_mib}MiB", "pin_memory": False},
+            "promotion_wait": args.promotion_wait,
             "tiers": [
                 {
                     "type": "nvme",
@@ -162,7 +163,7 @@ async def run(args: argparse.Namespace) -> int:
         await cache.flush()
         p = cache.primary
         leaked = p.num_blocks - p.num_free - p.num_evictable
-        pinned = sum(1 for k in p.keys() if p.readers(k) or not p.is_ready(k))
+        pinned = sum(1 for k in p.keys_in_slots() if p.readers(k) or not p.is_ready(k))
         stats = cache.stats()
     server.close()
     print("counts:", dict(soak.counts))
@@ -191,6 +192,9 @@ def main() -> None:
     parser.add_argument("--primary-mib", type=int, default=16)
     parser.add_argument("--nvme-mib", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--promotion-wait", default="5ms", help="how long a load may wait for promotion room"
+    )
     parser.add_argument(
         "--redis-policy", default="write_through", choices=["write_through", "write_back"]
     )

@@ -31,7 +31,7 @@ Not thread-safe: the orchestrator drives it from the event loop thread.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -196,7 +196,7 @@ class PrimaryTier:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def keys(self) -> list[OffloadKey]:
+    def keys_in_slots(self) -> list[OffloadKey]:
         """Every key with a slot (ready or being written). O(n): for introspection."""
         return list(self._blocks)
 
@@ -260,10 +260,17 @@ class PrimaryTier:
         """Slots a promotion may take now: free or evictable, within the share."""
         return max(0, min(self.promotion_share - self._staged, len(self._free) + self._evictable))
 
-    async def wait_for_room(self, kind: Kind, need: int, timeout: float) -> bool:
+    async def wait_for_room(
+        self, kind: Kind, need: int, timeout: float, *, again: bool = False
+    ) -> bool:
         """Wait (up to `timeout` s) until room of `kind` covering `need` slots is
-        released. True when woken (check again: a veto may still refuse it)."""
-        return await self._waiters.wait(kind, need, timeout)
+        released. True when woken (check again: a veto may still refuse it); `again`
+        after such a refusal keeps the caller's turn."""
+        return await self._waiters.wait(kind, need, timeout, again=again)
+
+    def waiting(self, kind: Kind) -> int:
+        """Tasks waiting for room of `kind` now."""
+        return self._waiters.waiting(kind)
 
     def _wake(self) -> None:
         if self._waiters:
@@ -368,9 +375,17 @@ class PrimaryTier:
             blocks[key] = _Block(slot)
         return PrepareStoreOutput(new_keys, slots, victims)
 
-    def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
+    def complete_store(
+        self,
+        keys: Iterable[OffloadKey],
+        success: bool = True,
+        *,
+        readers: Mapping[OffloadKey, int] | None = None,
+    ) -> None:
         """Finish a store or promotion: WRITING keys become READY, or on failure are
-        freed; a promotion's slots go back to its share either way.
+        freed; a promotion's slots go back to its share either way. `readers` hands
+        new blocks straight to their readers (the loads waiting on a promotion), as
+        `prepare_load` would, without their slots counting as room in between.
 
         Keys that are not being written (already ready, unknown) are left alone, so
         the whole key list of a `prepare_store` call may be passed back."""
@@ -387,6 +402,8 @@ class PrimaryTier:
                 if block.staged:
                     block.staged = False
                     staged += 1
+                if readers is not None:
+                    block.readers += readers.get(key, 0)
                 if block.readers == 0:
                     unread.append(key)
                 done.append(key)

@@ -62,14 +62,19 @@ class RoomWaiters:
                 waiter.event.set()
                 self.wakeups += 1
 
-    async def wait(self, kind: Kind, need: int, timeout: float) -> bool:
+    async def wait(self, kind: Kind, need: int, timeout: float, *, again: bool = False) -> bool:
         """Wait up to `timeout` seconds to be woken for `need` slots of room. True when
-        woken (the room may be taken by then: check again), False on timeout."""
+        woken (the room may be taken by then: check again), False on timeout. A
+        waiter woken before whose room was then refused waits `again`, at the front:
+        it keeps its turn."""
         if timeout <= 0:
             return False
         waiter = _Waiter(max(1, need))
         queue = self._queues[kind]
-        queue.append(waiter)
+        if again:
+            queue.appendleft(waiter)
+        else:
+            queue.append(waiter)
         try:
             with anyio.move_on_after(timeout):
                 await waiter.event.wait()

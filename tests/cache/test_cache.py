@@ -50,7 +50,7 @@ async def open_cache(config: dict[str, Any]) -> AsyncIterator[TieredCache]:
 def assert_no_leaks(cache: TieredCache) -> None:
     """Every slot reader, reservation and flight taken was given back."""
     p = cache.primary
-    for key in p.keys():
+    for key in p.keys_in_slots():
         assert p.is_ready(key), f"{key!r} left half-written"
         assert p.readers(key) == 0, f"{key!r} leaked a reader"
     assert p.num_evictable == len(p)
@@ -141,7 +141,7 @@ async def test_a_block_is_protected_while_cascading_and_evictable_after(
         blocked = await cache.store(keys(1, "b"), blocks(1))  # waited 100ms, then rejected
         assert blocked.rejected == tuple(keys(1, "b")) and not blocked.stored
         assert blocked.error is not None and "store_timeout" in blocked.error
-        assert set(cache.primary.keys()) == set(first)  # nothing was evicted for it
+        assert set(cache.primary.keys_in_slots()) == set(first)  # nothing was evicted for it
         tier.gate.set()
         await cache.flush()
         assert cache.primary.num_evictable == 2

@@ -88,7 +88,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _check_no_leaks(self) -> None:
         p = self.cache.primary
-        for key in p.keys():
+        for key in p.keys_in_slots():
             assert p.is_ready(key) and p.readers(key) == 0
         assert p.num_evictable == len(p)
         assert self.cache.core.index.promoting == 0 and all(

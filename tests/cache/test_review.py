@@ -45,7 +45,7 @@ def assert_idle(cache: TieredCache) -> None:
     """Nothing pinned, nothing leaked: every slot is free or evictable."""
     p = cache.primary
     assert p.num_free + p.num_evictable == p.num_blocks
-    assert all(p.readers(k) == 0 and p.is_ready(k) for k in p.keys())
+    assert all(p.readers(k) == 0 and p.is_ready(k) for k in p.keys_in_slots())
     assert cache.core.index.promoting == 0
     assert cache.core.index.promoting == 0
 
@@ -151,7 +151,7 @@ async def test_gpu_blocks_whose_worker_copies_into_another_cache_are_refused_fir
             await cache.store(keys(1, "new"), KVCacheBlocks(foreign, [[3]]))
         with pytest.raises(ValueError, match="another primary slab"):
             await cache.load(resident[:1], KVCacheBlocks(foreign, [[5]]))
-        assert set(cache.primary.keys()) == set(resident)  # nothing evicted
+        assert set(cache.primary.keys_in_slots()) == set(resident)  # nothing evicted
         assert cache.take_events() == []
         assert_idle(cache)
 
@@ -212,7 +212,7 @@ async def test_a_store_waiting_on_a_hung_write_back_tier_keeps_its_store_timeout
         with anyio.fail_after(20):  # store_timeout is 0.1 s; the tier answers in an hour
             result = await cache.store(keys(4, "more"), data(4, 1))
         assert result.rejected and result.error
-        assert set(cache.primary.keys()) == set(keys(8))  # dirty blocks are never dropped
+        assert set(cache.primary.keys_in_slots()) == set(keys(8))  # dirty blocks are never dropped
         tier.hang = False
 
 
@@ -421,7 +421,7 @@ async def test_a_store_that_found_no_room_rechecks_after_writing_back(
             i += 1
         dirty = keys(4, "dirty")
         assert (await cache.store(dirty, data(4, 9))).ok
-        resident = set(cache.primary.keys())
+        resident = set(cache.primary.keys_in_slots())
         assert len(resident) == 8 and set(read) <= resident
         assert all(cache.core.index.is_dirty(k) for k in resident - set(read))
         dest = _GatedDestination(4)

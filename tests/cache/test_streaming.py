@@ -57,7 +57,7 @@ async def opened(config: dict[str, Any]) -> AsyncIterator[TieredCache]:
         yield cache
         await cache.flush()
         p = cache.primary
-        assert all(p.readers(k) == 0 and p.is_ready(k) for k in p.keys())
+        assert all(p.readers(k) == 0 and p.is_ready(k) for k in p.keys_in_slots())
         assert cache.core.index.promoting == 0
 
 
@@ -234,7 +234,7 @@ async def test_bad_gpu_block_ids_change_nothing() -> None:
             await cache.store(keys(2, "new"), KVCacheBlocks(worker, [[4, 99]]))
         with pytest.raises(ValueError, match="out of range"):
             await cache.load(keys(2, "new"), KVCacheBlocks(worker, [[-1, 5]]))
-        assert set(cache.primary.keys()) == set(resident)  # nothing evicted
+        assert set(cache.primary.keys_in_slots()) == set(resident)  # nothing evicted
         assert cache.take_events() == []  # no event
         assert cache.stats().tiers["memory"]["load_jobs"] == 0  # nothing promoted
 

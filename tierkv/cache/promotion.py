@@ -185,13 +185,21 @@ class Promoter:
         inflight: deque[Flight] = deque()
         pos = 0
         budget = core.config.promotion_wait
+        woken = False
 
-        def fill() -> None:
+        def fill(arriving: bool = False) -> None:
             """Keep stage 1 busy: a second window reads while the first does, when the
-            share has room for it (else this load waits for its own window)."""
+            share has room for it and no other load waits for room (else this load
+            waits for its own window). A load `arriving` while others wait for room
+            queues behind them rather than take the room first."""
             nonlocal pos
+            if arriving and primary.waiting(Kind.PROMOTION):
+                return
             while pos < len(to_promote) and len(inflight) < self.stage1_windows:
-                if inflight and primary.promotion_room() < min(window, len(to_promote) - pos):
+                if inflight and (
+                    primary.waiting(Kind.PROMOTION)  # others wait: one window each
+                    or primary.promotion_room() < min(window, len(to_promote) - pos)
+                ):
                     return
                 flight, moved = self._start(s, to_promote, pos, window, ctx)
                 if moved == pos:
@@ -201,11 +209,11 @@ class Promoter:
                     inflight.append(flight)
 
         if primary.promotion_room() >= min(window, len(to_promote)):
-            fill()
+            fill(arriving=True)
             await self._copy_out(s, dest, resident)  # overlaps stage 1 of the first windows
         else:  # the room may be held by this load's own resident blocks: copy them out first
             await self._copy_out(s, dest, resident)
-            fill()
+            fill(arriving=True)
         while inflight or pos < len(to_promote):
             if inflight:
                 flight = inflight.popleft()
@@ -220,12 +228,13 @@ class Promoter:
                 self._shed(s, to_promote[pos:], _CLOSING)
                 return
             need = min(window, len(to_promote) - pos)
-            started = anyio.current_time()
-            woken = await primary.wait_for_room(Kind.PROMOTION, need, budget)
+            started, before = anyio.current_time(), pos
+            woken = await primary.wait_for_room(Kind.PROMOTION, need, budget, again=woken)
             budget -= anyio.current_time() - started
             if woken:
                 core.counters["promotion_waits"] += 1
             fill()
+            woken = woken and pos == before  # woken but refused (a veto): keep the turn
             if not inflight and (not woken or budget <= 0) and pos < len(to_promote):
                 rest = to_promote[pos:]
                 self._shed(s, rest, _SHED)
@@ -335,17 +344,19 @@ class Promoter:
         finally:
             ok = [k for k in keys if outcome.get(k, (None, None))[0] is not None]
             failed = [k for k in keys if outcome.get(k, (None, None))[0] is None]
-            primary.complete_store(ok, success=True)
+            # the loads waiting on the window get their readers as the blocks land, so
+            # the slots never count as room someone else could be woken for
+            waiting = {k: n for k, n in flight.waiters.items() if n > 0}
+            primary.complete_store(ok, success=True, readers=waiting)
             if failed:
                 primary.complete_store(failed, success=False)
             core.events.drain_primary()
             for key in keys:
                 outcome.setdefault(key, (None, "promotion cancelled"))
                 index.end_flight(key, flight)
-            for key, count in flight.waiters.items():
-                if count > 0 and outcome[key][0] is not None and primary.is_ready(key):
-                    primary.prepare_load([key] * count)
-                    flight.granted[key] = count
+            for key in ok:
+                if key in waiting:
+                    flight.granted[key] = waiting[key]
             flight.done.set()
 
     async def _read(
