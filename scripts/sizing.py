@@ -10,8 +10,9 @@ bench` do not make: what `promotion_reserve` and `max_inflight_bytes` decide.
 `reserve`: a `TieredCache` with a small primary over one nvme tier (a temporary
 directory). `--requests` requests of `--blocks` blocks are stored (they stream through
 the primary to the tier), then all of them are looked up and loaded at once. Prints,
-per reserve, the blocks served and those shed as misses (`promotions_shed`: other
-loads held the whole reserve).
+per `promotion_wait` and reserve, the blocks served, those shed as misses
+(`promotions_shed`: no room for their promotion within `promotion_wait`) and the
+slowest request's lookup + load time (what waiting costs in time to first token).
 
 `inflight`: a primary (`--primary`) over one nvme tier; `--stores` store calls of
 `--batch` blocks, each issued as soon as the last returned, then `flush()`. Prints, per
@@ -19,9 +20,10 @@ loads held the whole reserve).
 (the tier's `drops`). With `--stores 1 --batch 64 --primary 16MiB` it is one streaming
 store four times larger than the primary.
 
-Counts, not times; the reserve's are exact, the in-flight ones depend on how fast the
-tier drains and vary from run to run. Each setting runs `--repeat` times; the range
-over the runs is printed.
+Counts, not times (the slowest request aside); with `promotion_wait` 0 the reserve's
+are exact, with a wait they depend on how fast the tier reads; the in-flight ones
+depend on how fast the tier drains and vary from run to run. Each setting runs
+`--repeat` times; the range over the runs is printed.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import tempfile
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -78,9 +81,15 @@ def _span(lo_hi: tuple[int, int]) -> str:
     return str(lo) if lo == hi else f"{lo}-{hi}"
 
 
-async def _reserve_run(reserve: float, args: argparse.Namespace, path: str) -> dict[str, int]:
+async def _reserve_run(
+    reserve: float, wait: str, args: argparse.Namespace, path: str
+) -> dict[str, int]:
     config = _chain(
-        args.block, args.primary_blocks * args.block, {"path": path}, promotion_reserve=reserve
+        args.block,
+        args.primary_blocks * args.block,
+        {"path": path},
+        promotion_reserve=reserve,
+        promotion_wait=wait,
     )
     requests = [_keys(r, args.blocks) for r in range(args.requests)]
     async with TieredCache(config) as cache:
@@ -89,13 +98,23 @@ async def _reserve_run(reserve: float, args: argparse.Namespace, path: str) -> d
             assert (await cache.store(keys, data)).ok
         await cache.flush()
 
+        slowest = 0.0
+
         async def serve(keys: list[OffloadKey]) -> int:
+            nonlocal slowest
+            started = time.perf_counter()
             hit = await cache.lookup([keys])
             out = torch.empty(len(hit.keys_to_load), cache.block_bytes, dtype=torch.uint8)
-            return len((await cache.load(hit.keys_to_load, out)).ok_keys)
+            served = len((await cache.load(hit.keys_to_load, out)).ok_keys)
+            slowest = max(slowest, time.perf_counter() - started)
+            return served
 
         served = await asyncio.gather(*(serve(keys) for keys in requests))
-        return {"served": sum(served), "shed": cache.stats().primary["promotions_shed"]}
+        return {
+            "served": sum(served),
+            "shed": cache.stats().primary["promotions_shed"],
+            "slowest_ms": round(slowest * 1000),
+        }
 
 
 async def _inflight_run(limit: int, args: argparse.Namespace, path: str) -> dict[str, int]:
@@ -116,12 +135,14 @@ def reserve(args: argparse.Namespace) -> None:
         f"{args.requests} concurrent loads of {args.blocks} blocks of {args.block} B from "
         f"nvme through a {args.primary_blocks}-block primary ({total} blocks in all)"
     )
-    for value in (float(r) for r in args.reserves.split(",")):
-        got = _ranges(args.repeat, lambda tmp: _reserve_run(value, args, tmp))  # noqa: B023
-        print(
-            f"promotion_reserve {value:4}: served {_span(got['served'])} of {total}, "
-            f"shed {_span(got['shed'])}"
-        )
+    for wait in args.waits.split(","):
+        for value in (float(r) for r in args.reserves.split(",")):
+            got = _ranges(args.repeat, lambda tmp: _reserve_run(value, wait, args, tmp))  # noqa: B023
+            print(
+                f"promotion_wait {wait:>5}, promotion_reserve {value:4}: served "
+                f"{_span(got['served'])} of {total}, shed {_span(got['shed'])}, slowest "
+                f"request {_span(got['slowest_ms'])} ms"
+            )
 
 
 def inflight(args: argparse.Namespace) -> None:
@@ -144,6 +165,7 @@ def main() -> int:
     sub = parser.add_subparsers(dest="what", required=True)
     r = sub.add_parser("reserve", help="promotion_reserve under concurrent loads")
     r.add_argument("--reserves", default="0.25,0.5,1.0")
+    r.add_argument("--waits", default="0,5ms,50ms", help="promotion_wait values (0,5ms,50ms)")
     r.add_argument("--block", type=_size, default="256KiB", help="block_bytes (256KiB)")
     r.add_argument("--primary-blocks", type=int, default=32, help="primary blocks (32)")
     r.add_argument("--requests", type=int, default=8, help="concurrent requests (8)")

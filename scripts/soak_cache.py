@@ -33,6 +33,7 @@ from tierkv.cache import TieredCache
 from tierkv.config import parse_config
 from tierkv.jobs import ReqContext
 from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
+from tierkv.room import Kind
 
 MIB = 1 << 20
 
@@ -151,7 +152,10 @@ async def run(args: argparse.Namespace) -> int:
                 print(
                     f"[{time.monotonic() - started:6.1f}s] {dict(soak.counts)} "
                     f"redis breaker={s.tiers['redis']['breaker']} "
-                    f"free={s.primary['free']} evictable={s.primary['evictable']}",
+                    f"free={s.primary['free']} evictable={s.primary['evictable']} "
+                    f"promoting={s.primary['promoting']} "
+                    f"waiting={cache.primary.waiting(Kind.PROMOTION)}+"
+                    f"{cache.primary.waiting(Kind.STORE)}",
                     flush=True,
                 )
 
@@ -167,11 +171,17 @@ async def run(args: argparse.Namespace) -> int:
         stats = cache.stats()
     server.close()
     print("counts:", dict(soak.counts))
+    hit = soak.counts["blocks_hit"] or 1
+    print(
+        f"shed share of hit blocks: {soak.counts['blocks_load_failed'] / hit:.1%}; "
+        f"store throughput: {soak.counts['blocks_stored'] / args.seconds:.1f} blocks/s; "
+        f"load throughput: {soak.counts['blocks_loaded'] / args.seconds:.1f} blocks/s"
+    )
     print("failed keys by reason:", dict(soak.failures.most_common(8)))
     print("primary:", {k: stats.primary[k] for k in sorted(stats.primary)})
     for name, tier in stats.tiers.items():
         keep = ("blocks_stored", "blocks_loaded", "errors", "failed_keys", "drops", "breaker")
-        keep += ("skipped_unhealthy",)
+        keep += ("skipped_unhealthy", "job_latency")
         print(f"{name}:", {k: tier.get(k) for k in keep})
     print(
         f"wrong blocks: {soak.wrong}; exceptions: {len(soak.errors)}; leaked slots: {leaked}; "
@@ -193,7 +203,7 @@ def main() -> None:
     parser.add_argument("--nvme-mib", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--promotion-wait", default="5ms", help="how long a load may wait for promotion room"
+        "--promotion-wait", default="50ms", help="how long a load may wait for promotion room"
     )
     parser.add_argument(
         "--redis-policy", default="write_through", choices=["write_through", "write_back"]

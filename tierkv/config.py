@@ -68,11 +68,11 @@ class CacheConfig(BaseModel):
         "hold at once; stores leave the part no promotion holds free for them",
     )
     promotion_wait: Duration = Field(
-        default=0.005,
+        default=0.05,
         ge=0,
         description="how long a load may wait in all for primary room to promote its "
         "blocks before the rest is shed as misses: added time to first token vs "
-        "recomputing those blocks (0: shed at once)",
+        "recomputing those blocks (0: shed whenever no room is free at that instant)",
     )
     lookup_timeout: Duration | None = Field(
         default=0.05,

@@ -103,6 +103,10 @@ CACHE_COUNTERS: dict[str, tuple[str, str]] = {
         "promotion_waits",
         "Times a load was woken by room released for its promotion (waited, not shed)",
     ),
+    "room_wakeups": (
+        "room_wakeups",
+        "Stores and loads woken because primary room they could use was released",
+    ),
     "events_dropped": (
         "events_dropped",
         "Stored/removed events discarded unread (take_events keeps the newest 65,536)",

@@ -336,7 +336,7 @@ async def test_selective_write_needs_min_hits() -> None:
 
 # -- admission, timeouts, failures -------------------------------------------------------------
 async def test_promotion_reserve_holds_under_a_flood_of_lookups(faulty_tier_type: str) -> None:
-    config = chain([faulty()], blocks=8, promotion_reserve=0.25)  # 2 promotion slots
+    config = chain([faulty()], blocks=8, promotion_reserve=0.25, promotion_wait="10ms")
     async with open_cache(config) as cache:
         ks = keys(6)
         await cache.store(ks, blocks(6))

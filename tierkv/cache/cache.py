@@ -220,6 +220,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
             promoting=self.primary.num_staged,
             write_back_pending=core.index.dirty_count,
             events_dropped=core.events.dropped,
+            room_wakeups=self.primary.wakeups,
             background_jobs=core.background,
             indexed_keys=len(core.index),
             **core.counters,

@@ -2,14 +2,18 @@
 
 A store places blocks in key order (a stored prefix is useful, a suffix without its
 prefix is not). The primary is a cache and a staging area: blocks are copied in
-windows into the room the primary has; each window is sent on to the write-through
-tiers at once (one job per tier per window), and its slots become evictable when
-every tier it was sent to has answered. When the primary has no room left, the next
-window waits (up to `store_timeout`) for slots to be released and then evicts blocks
-some tier already accepted, so a store of any size streams through the primary while
-the chain has room somewhere. Blocks of the request that no tier accepted are never
-evicted by the request itself; when nothing in flight can make room, the rest is
-rejected at once with the reason. Nothing is dropped silently.
+windows into the room the primary gives stores (`PrimaryTier.store_room`: free or
+evictable slots, less the part of the promotions' share no promotion holds, so the
+next request's load finds room while this store's cascades run); each window is sent
+on to the write-through tiers at once (one job per tier per window), and its slots
+become evictable when every tier it was sent to has answered. When the store's room
+is used up, the next window waits (up to `store_timeout`, woken only when room is
+released) and then evicts blocks some tier already accepted, so a store of any size
+streams through the primary while the chain has room somewhere; it takes the
+promotions' part too when nothing in flight can release room. Blocks of the request
+that no tier accepted are never evicted by the request itself; when nothing in flight
+can make room, the rest is rejected at once with the reason. Nothing is dropped
+silently.
 """
 
 from __future__ import annotations

@@ -1,14 +1,17 @@
 """Up the chain: `load`, with streaming, pipelined promotion.
 
 Keys the primary holds are copied to the destination directly. Keys only a lower tier
-holds are promoted in windows: stage 1 reads a window from the tier lookup located
-it in (the tiers holding parts of one window are read concurrently; a tier that fails
-a key hands it to the next tier down the chain believed to hold it) into primary
-slots; stage 2 copies the window to the destination. Stage 1 of window i+1 runs while
-stage 2 of window i copies. Windows are bounded by the promotion reserve (half of it
-each when a request needs more than the reserve, so two windows fit): the reserve
-bounds staging, not the hit. Under contention (the reserve held by other loads) the
-rest of a request is shed as misses rather than waiting.
+holds are promoted in windows: a window reserves its slots from the primary's
+promotion share when it starts (`PrimaryTier.prepare_promotion`), stage 1 reads it
+from the tier lookup located it in (the tiers holding parts of one window are read
+concurrently; a tier that fails a key hands it to the next tier down the chain
+believed to hold it) into those slots; stage 2 copies the window to the destination.
+Stage 1 of window i+1 runs while stage 2 of window i copies. Windows are bounded by
+the share (half of it each when a request needs more, so two windows fit): the share
+bounds staging, not the hit. Under contention a load waits for room (woken only when
+room it can use is released, first come first served, loads before stores) up to
+`promotion_wait` in all, then sheds the rest as misses; while others wait, a load
+keeps one window in flight.
 
 Concurrent loads of one key share one promotion (single flight): a window is a
 `Flight` the index points to; a later load waits on it and takes a reader on the
