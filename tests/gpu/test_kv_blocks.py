@@ -35,7 +35,7 @@ def engine_kv(seed: int) -> list[list[torch.Tensor]]:
     return [full, window]
 
 
-def chain(block_bytes: int) -> dict[str, object]:
+def chain(block_bytes: int, primary_blocks: int = 6) -> dict[str, object]:
     return {
         "namespace": "e2e",
         "layout": {
@@ -45,7 +45,7 @@ def chain(block_bytes: int) -> dict[str, object]:
                 {"kind": "sliding_window", "block_size": GPU_BLOCK_TOKENS * FACTOR, "window": 32},
             ],
         },
-        "primary": {"capacity": 6 * block_bytes, "pin_memory": False},
+        "primary": {"capacity": primary_blocks * block_bytes, "pin_memory": False},
         "tiers": [{"type": "memory"}],
         "promotion_reserve": 1.0,
     }
@@ -110,7 +110,9 @@ async def test_store_of_partly_cached_requests_moves_only_new_blocks_in_one_subm
 ) -> None:
     kv = engine_kv(1)
     block_bytes = required_block_bytes(kv, FACTOR)
-    config = parse_config(chain(block_bytes))
+    # 24 slots: the store's 5 new blocks fit the room stores leave promotions (a quarter
+    # of the primary at promotion_reserve 1.0), so they are one window
+    config = parse_config(chain(block_bytes, primary_blocks=24))
     async with TieredCache(config) as cache:
         worker = TransferWorker(
             kv,
