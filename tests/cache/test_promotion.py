@@ -125,24 +125,31 @@ async def test_a_store_cascading_to_a_slow_tier_leaves_room_for_the_next_promoti
     faulty_tier_type: str,
 ) -> None:
     """Requests one at a time: a store whose cascade is still on its way down must not
-    hold the slots the next request's load promotes into (it used to shed)."""
+    hold the slots the next request's load promotes into (it used to take all but 2 of
+    8 slots, and the load shed 1 of its 3 blocks)."""
     async with opened(chain(8, promotion_wait=0)) as (cache, tier):
         old, old_data = keys(3, "old"), blocks(3, 1)
         await only_in_the_tier(cache, old, old_data)
         tier.gate = anyio.Event()  # cascades (and promotions) wait from here on
-        new = keys(4, "new")
-        stored = await cache.store(new, blocks(4, 2))  # fits the store's room: one window
-        assert stored.ok and cache.primary.num_held == 4
+        new, new_data = keys(6, "new"), blocks(6, 2)
         out = torch.zeros_like(old_data)
+        results: dict[str, Any] = {}
+
+        async def store() -> None:
+            results["store"] = await cache.store(new, new_data)
+
+        async def load() -> None:
+            results["load"] = await cache.load(old, out)
+
         async with anyio.create_task_group() as tg:
-
-            async def load() -> None:
-                result = await cache.load(old, out)
-                assert result.ok, result.errors
-
+            tg.start_soon(store)
+            await anyio.sleep(0.02)  # its first window is placed, its cascade waits
+            assert cache.primary.num_held == 4  # the promotions' half is left alone
             tg.start_soon(load)
             await anyio.sleep(0.02)
             tier.gate.set()
+        assert results["load"].ok, results["load"].errors
+        assert results["store"].ok and len(results["store"].stored) == 6
         assert torch.equal(out, old_data)
         assert cache.stats().primary["promotions_shed"] == 0
 

@@ -25,7 +25,7 @@ costs one more tier lookup.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 
 import anyio
@@ -198,7 +198,21 @@ class KeyIndex:
         return len(self._dirty)
 
     def dirty_keys(self) -> list[OffloadKey]:
+        """Every dirty key, oldest first. O(dirty): for flush and close, not per batch."""
         return list(self._dirty)
+
+    def oldest_dirty(self, n: int, skip: Container[OffloadKey] = ()) -> list[OffloadKey]:
+        """The `n` oldest dirty keys not in `skip`, walking only as far as needed
+        (O(n + skipped)): the write-back loop takes its batches this way."""
+        out: list[OffloadKey] = []
+        if n <= 0:
+            return out
+        for key in self._dirty:
+            if key not in skip:
+                out.append(key)
+                if len(out) == n:
+                    break
+        return out
 
     def is_dirty(self, key: OffloadKey) -> bool:
         return key in self._dirty

@@ -7,8 +7,11 @@ room falls below `write_back_headroom`), they are written back, then become clea
 victims. The dirty set is bounded (`write_back_max_dirty`): past the bound the oldest
 dirty blocks are written back even without pressure; while a write-back tier is down
 (breaker open or half-open, not open yet) blocks past the bound are dropped for it and counted, so
-the cache keeps caching. A block a tier keeps failing is given up after
-`DEMOTE_ATTEMPTS` and counted too.
+the cache keeps caching; whenever room is needed (a store finds only dirty victims, or
+clean room falls below the headroom) the victims' write-backs to a down tier are dropped
+and counted, at any bound. A block a tier keeps failing is given up after
+`DEMOTE_ATTEMPTS` and counted too. The background loop takes its batches from the
+oldest dirty keys without copying the dirty set (O(batch) per batch).
 """
 
 from __future__ import annotations
@@ -79,14 +82,16 @@ class WriteBack:
         return self.core.index.is_dirty(key) and key not in self.demoting
 
     async def make_room(self, wanted: int) -> bool:
-        """Write back the dirty blocks among the next `wanted` victims; True when at
-        least one became clean (or was dropped) so a retry may find room."""
+        """Write back the dirty blocks among the next `wanted` victims, and drop what
+        they still owe a tier that is down (their room is needed now, whatever
+        `write_back_max_dirty` says); True when at least one became clean so a retry
+        may find room. Blocks owed to a healthy tier are never dropped here."""
         victims = self.core.primary.candidates(min(wanted, DEMOTE_BATCH), self._dirty_victim)
         if not victims:
             return False
         before = self.core.index.dirty_count
         await self.demote(victims)
-        self._drop_for_down_tiers(victims, force=False)
+        self._drop_for_down_tiers(victims, force=True)
         return self.core.index.dirty_count < before
 
     def _drop_for_down_tiers(self, keys: Sequence[OffloadKey], *, force: bool) -> int:
@@ -113,9 +118,8 @@ class WriteBack:
             try:
                 while True:
                     excess = index.dirty_count - self.bound
-                    if excess > 0:
-                        batch = [k for k in index.dirty_keys() if k not in self.demoting]
-                        batch = batch[: min(excess, DEMOTE_BATCH)]
+                    if excess > 0:  # the oldest first, walking only one batch far
+                        batch = index.oldest_dirty(min(excess, DEMOTE_BATCH), self.demoting)
                         cleaned = await self.demote(batch) if batch else 0
                         dropped = self._drop_for_down_tiers(batch, force=False)
                         if not cleaned and not dropped:
@@ -123,7 +127,11 @@ class WriteBack:
                     elif index.dirty_count and self._clean_room() <= self.headroom:
                         want = max(1, min(self.headroom - self._clean_room() + 1, DEMOTE_BATCH))
                         victims = self.core.primary.candidates(want, self._dirty_victim)
-                        if not victims or not await self.demote(victims):
+                        if not victims:
+                            break
+                        cleaned = await self.demote(victims)
+                        # clean room is needed: what a down tier is owed is dropped
+                        if not cleaned and not self._drop_for_down_tiers(victims, force=True):
                             break
                     else:
                         break
