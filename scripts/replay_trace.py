@@ -34,7 +34,9 @@ from tierkv.config import parse_config
 from tierkv.jobs import ReqContext
 from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
 
-TRACE = Path(__file__).resolve().parent.parent.parent / "shared/traces/mooncake_synthetic_trace.jsonl"
+TRACE = (
+    Path(__file__).resolve().parent.parent.parent / "shared/traces/mooncake_synthetic_trace.jsonl"
+)
 
 
 def read_trace(path: Path, limit: int | None) -> list[list[OffloadKey]]:
@@ -128,7 +130,9 @@ async def run(args: argparse.Namespace) -> int:
         f"shed share of hit blocks: {counts['blocks_shed'] / hit:.2%} ({counts['blocks_shed']})"
     )
     print("shed by reason:", dict(reasons.most_common(5)))
-    print(f"wrong blocks: {counts['blocks_wrong']}; exceptions: {len(errors)}; leaked slots: {leaked}")
+    print(
+        f"wrong blocks: {counts['blocks_wrong']}; exceptions: {len(errors)}; leaked slots: {leaked}"
+    )
     for line in Counter(errors).most_common(3):
         print("  exception:", line)
     return 1 if counts["blocks_wrong"] or errors or leaked else 0
@@ -141,7 +145,9 @@ def main() -> None:
     parser.add_argument("--primary-share", type=float, default=0.005)
     parser.add_argument("--block-kib", type=int, default=64)
     parser.add_argument(
-        "--promotion-wait", default=None, help="how long a load may wait for room (default: the config's)"
+        "--promotion-wait",
+        default=None,
+        help="how long a load may wait for room (default: the config's)",
     )
     parser.add_argument("--progress", action="store_true")
     args = parser.parse_args()

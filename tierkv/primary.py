@@ -42,7 +42,7 @@ from tierkv.errors import BlockStateError, ConfigError
 from tierkv.events import OffloadingEvent
 from tierkv.keys import OffloadKey
 from tierkv.layout import KVLayout
-from tierkv.policies import CanEvict, EvictionPolicy, make_policy
+from tierkv.policies import CanEvict, EvictionPolicy, evict_any, make_policy
 from tierkv.room import Kind, RoomWaiters
 from tierkv.slab import PrimaryView
 from tierkv.units import Size, format_size
@@ -282,8 +282,9 @@ class PrimaryTier:
     def lookup(self, keys: Sequence[OffloadKey]) -> int:
         """How many leading `keys` are ready here. Changes nothing (see `touch`)."""
         hits = 0
+        get = self._blocks.get
         for key in keys:
-            block = self._blocks.get(key)
+            block = get(key)
             if block is None or not block.ready:
                 break
             hits += 1
@@ -293,13 +294,21 @@ class PrimaryTier:
         """Mark `keys` used; the first key ends the most recent."""
         self.policy.touch(keys)
 
-    def _victim_filter(self, keys: Sequence[OffloadKey], may_evict: CanEvict | None) -> CanEvict:
-        # keys in the policy's victim order are ready and unread (the rest is pinned)
-        protected = {k for k in keys if k in self._blocks}
+    def _victim_filter(
+        self,
+        keys: Sequence[OffloadKey],
+        may_evict: CanEvict | None,
+        protected: set[OffloadKey] | None = None,
+    ) -> CanEvict:
+        """What may be evicted for a store of `keys`: none of `keys` (`protected`, the
+        ones resident, when the caller knows them) and nothing `may_evict` refuses.
+        Keys in the policy's victim order are ready and unread (the rest is pinned)."""
+        if protected is None:
+            protected = {k for k in keys if k in self._blocks}
+        if not protected:
+            return evict_any if may_evict is None else may_evict
         if may_evict is None:
             return lambda key: key not in protected
-        if not protected:
-            return may_evict
         return lambda key: key not in protected and may_evict(key)
 
     def candidates(self, limit: int, may_evict: CanEvict | None = None) -> list[OffloadKey]:
@@ -330,8 +339,12 @@ class PrimaryTier:
     ) -> PrepareStoreOutput:
         """Like `prepare_store`, but reserve the longest prefix of the new keys that
         fits (possibly none) instead of all or nothing."""
-        new_keys = list(dict.fromkeys(k for k in keys if k not in self._blocks))
-        can_evict = self._victim_filter(keys, may_evict)
+        blocks = self._blocks
+        new_keys = [k for k in keys if k not in blocks]
+        # all new (the common case): none of `keys` is resident, none to protect
+        protected: set[OffloadKey] | None = None if len(new_keys) < len(keys) else set()
+        new_keys = list(dict.fromkeys(new_keys))
+        can_evict = self._victim_filter(keys, may_evict, protected)
         admitted, victims = self.policy.admit_prefix(
             new_keys, len(self._free), can_evict, pinned=True
         )
@@ -371,8 +384,7 @@ class PrimaryTier:
             self._events.append(OffloadingEvent(tuple(victims), MEDIUM, removed=True))
         slots = free[len(free) - len(new_keys) :][::-1] if new_keys else []
         del free[len(free) - len(new_keys) :]
-        for key, slot in zip(new_keys, slots):  # WRITING: the policy admitted them pinned
-            blocks[key] = _Block(slot)
+        blocks.update(zip(new_keys, map(_Block, slots)))  # WRITING: admitted pinned
         return PrepareStoreOutput(new_keys, slots, victims)
 
     def complete_store(
@@ -393,20 +405,21 @@ class PrimaryTier:
         blocks = self._blocks
         staged = 0
         if success:
-            unread: list[OffloadKey] = []
+            get = blocks.get
             for key in keys:
-                block = blocks.get(key)
+                block = get(key)
                 if block is None or block.ready:
                     continue
                 block.ready = True
                 if block.staged:
                     block.staged = False
                     staged += 1
-                if readers is not None:
-                    block.readers += readers.get(key, 0)
-                if block.readers == 0:
-                    unread.append(key)
                 done.append(key)
+            unread = done  # a block being written has no readers (`prepare_load`)
+            if readers:
+                for key in done:
+                    blocks[key].readers += readers.get(key, 0)
+                unread = [k for k in done if blocks[k].readers == 0]
             if unread:
                 self._evictable += len(unread)
                 self.policy.unpin_many(unread)

@@ -70,3 +70,12 @@ def test_idle_entries_are_forgotten_past_the_limit_busy_ones_are_kept() -> None:
     assert index.flight(B) is flight and index.promoting == 1
     index.end_flight(B, flight)
     assert index.flight(B) is None and index.promoting == 0
+
+
+def test_with_hits_keeps_order_and_the_keys_at_the_threshold() -> None:
+    index = KeyIndex(limit=16)
+    for key, hits in ((A, 2), (B, 1), (C, 3)):
+        for n in range(hits):
+            index.count_hit(key, f"r{n}")
+    assert index.with_hits([C, B, A, b"unknown-key"], 2) == [C, A]
+    assert index.with_hits([C, B, A], 0)[-1] == A and len(index.with_hits([C, B, A, b"x"], 0)) == 4

@@ -69,3 +69,24 @@ def test_pinned_keys_are_never_walked_and_return_as_most_recent() -> None:
     assert lru.admit([E], 2, always) == [C, D]
     lru.discard(B)
     assert B not in lru and lru.candidates(5, always) == [A, E]
+
+
+def test_evict_any_takes_the_oldest_like_a_predicate_that_allows_all() -> None:
+    from tierkv.policies import evict_any
+
+    lru = LRUPolicy(5)
+    lru.admit([A, B, C, D, E], 0, always)
+    lru.pin(B)
+    assert lru.candidates(3, evict_any) == lru.candidates(3, always) == [A, C, D]
+    assert lru.candidates(9, evict_any) == [A, C, D, E]
+    assert lru.candidates(0, evict_any) == []
+
+
+def test_touch_takes_any_iterable_and_unpin_many_skips_unpinned_keys() -> None:
+    lru = LRUPolicy(4)
+    lru.admit([A, B, C, D], 0, always)
+    lru.touch(k for k in (B, A))  # a generator: first key ends most recent
+    assert lru.eviction_order() == [C, D, A, B]
+    lru.pin(C)
+    lru.unpin_many([E, C, D])  # E unknown, D not pinned: only C moves, as most recent
+    assert lru.eviction_order() == [D, A, B, C]

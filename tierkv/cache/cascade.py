@@ -94,7 +94,7 @@ class Cascader:
                 self.cascade(handle, keys, watch)
             elif handle.policy == "write_through_selective":
                 need = handle.config.min_hits
-                chosen = [k for k in keys if index.hits(k) >= need]
+                chosen = index.with_hits(keys, need)
                 if chosen:
                     self.cascade(handle, chosen, watch)
         self.writeback.admit(keys)
@@ -255,9 +255,11 @@ class Cascader:
         check_keys(keys, "keys")
         src = checked_source(source, len(keys), core.block_bytes)
         primary = core.primary
-        position: dict[OffloadKey, int] = {}
-        for i, key in enumerate(keys):
-            position.setdefault(key, i)
+        position = {key: i for i, key in enumerate(keys)}
+        if len(position) != len(keys):  # rare: a key twice; its first place counts
+            position = {}
+            for i, key in enumerate(keys):
+                position.setdefault(key, i)
         resident, in_flight, new = primary.partition(position)
         already = resident
         if in_flight:  # rare: keep key order
@@ -290,7 +292,7 @@ class Cascader:
                 behind = streaming and self._behind(size * core.block_bytes)
                 if behind and await self._wait(deadline):
                     continue
-                want = [k for k in new[i : i + size] if k not in primary]
+                want = new[i : i + size]  # the primary skips keys stored meanwhile
                 if placed:  # a later window may evict: this request's earlier blocks must be safe
                     watch.placed(placed)
                     placed.clear()
@@ -319,7 +321,7 @@ class Cascader:
             stored.extend(got)
             self.after_store(got, watch)
             placed.extend(got)
-            if len(want) == size:  # nothing was skipped: the window is a prefix of `new[i:]`
+            if got == want[: len(got)]:  # nothing was skipped: a prefix of `new[i:]`
                 i += len(got)
                 continue
             got_set, last = set(got), got[-1]

@@ -192,6 +192,11 @@ class KeyIndex:
     def hits(self, key: OffloadKey) -> int:
         return self._entries.get(key, 0) >> _HITS
 
+    def with_hits(self, keys: Iterable[OffloadKey], need: int) -> list[OffloadKey]:
+        """The keys of `keys` counted at least `need` hits, in order (one probe each)."""
+        get = self._entries.get
+        return [k for k in keys if get(k, 0) >> _HITS >= need]
+
     # -- write-back ----------------------------------------------------------------------
     @property
     def dirty_count(self) -> int:

@@ -126,7 +126,11 @@ class Lookup:
             raise ValueError(f"gpu_tokens must be a non-negative int, got {gpu_tokens!r}")
         for g, keys in enumerate(keys_per_group):
             check_keys(keys, f"keys_per_group[{g}]")
-        blocks = core.primary._blocks  # the hot path reads the block table directly
+        primary = core.primary
+        if not gpu_tokens and len(groups) == 1 and groups[0].kind == "full":
+            keys = keys_per_group[0]
+            if primary.lookup(keys) == len(keys):  # the hot case: all resident
+                return self._all_resident(keys, groups[0].block_size, ctx)
         where: dict[OffloadKey, str] = {}
         missing: dict[OffloadKey, None] = {}
         on_gpu = 0
@@ -135,11 +139,11 @@ class Lookup:
             for key in keys[:skip] if skip else ():
                 where[key] = _GPU
                 on_gpu += 1
-            for key in keys[skip:] if skip else keys:
-                block = blocks.get(key)
-                if block is not None and block.ready:
-                    where[key] = PRIMARY_MEDIUM
-                elif key not in where:
+            rest = keys[skip:] if skip else keys
+            for key in primary.ready_keys(rest):
+                where[key] = PRIMARY_MEDIUM
+            for key in rest:
+                if key not in where:
                     missing[key] = None
         ps = core.primary_stats
         ps.lookups += 1
@@ -186,3 +190,24 @@ class Lookup:
                 ctx,
             )
         return LookupResult(tokens, group_keys, tuple(ranges), MappingProxyType(locations))
+
+    def _all_resident(
+        self, keys: Sequence[OffloadKey], block_size: int, ctx: ReqContext
+    ) -> LookupResult:
+        """A one-group full-attention request whose every block is ready in the
+        primary: no tier is asked, nothing to combine."""
+        core = self.core
+        ps = core.primary_stats
+        ps.lookups += 1
+        ps.lookup_keys += len(keys)
+        ps.hits += len(keys)
+        core.primary.touch(keys)
+        if self.on_hits is not None:
+            self.on_hits(keys, ctx)
+        locations = dict.fromkeys(keys, PRIMARY_MEDIUM)
+        return LookupResult(
+            len(keys) * block_size,
+            (tuple(keys),),
+            (GroupHit(0, len(keys)),),
+            MappingProxyType(locations),
+        )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tierkv.policies.arc import ARCPolicy
-from tierkv.policies.base import CanEvict, EvictionPolicy
+from tierkv.policies.base import CanEvict, EvictionPolicy, evict_any
 from tierkv.policies.lru import LRUPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
@@ -20,4 +20,12 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
     return cls(capacity)
 
 
-__all__ = ["ARCPolicy", "CanEvict", "EvictionPolicy", "LRUPolicy", "POLICIES", "make_policy"]
+__all__ = [
+    "ARCPolicy",
+    "CanEvict",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "POLICIES",
+    "evict_any",
+    "make_policy",
+]

@@ -4,7 +4,8 @@ A policy only orders keys. The primary tells it which resident keys are pinned
 (being written or read: `pin`/`unpin`); a policy keeps pinned keys out of its victim
 order, so choosing a victim never walks past them (O(1) per victim however many blocks
 are held). A caller may still veto candidates with a predicate (keys of the request
-being stored, dirty write-back blocks); that walk is bounded by what it vetoes.
+being stored, dirty write-back blocks); that walk is bounded by what it vetoes, and
+when nothing is vetoed (`evict_any`) a policy may skip the predicate altogether.
 `admit` is all-or-nothing: it either finds every victim it was asked for and commits
 (victims out, new keys in), or returns None and changes nothing.
 """
@@ -18,6 +19,12 @@ from typing import ClassVar
 from tierkv.keys import OffloadKey
 
 CanEvict = Callable[[OffloadKey], bool]
+
+
+def evict_any(key: OffloadKey) -> bool:
+    """The predicate that vetoes nothing. A policy may recognise it (`is evict_any`)
+    and take its next victims without calling it per key."""
+    return True
 
 
 class EvictionPolicy(ABC):
@@ -40,7 +47,8 @@ class EvictionPolicy(ABC):
         pinned: bool = False,
     ) -> list[OffloadKey] | None:
         """Evict `num_victims` keys for which `can_evict` holds, then make `new_keys`
-        resident (pinned at once with `pinned`: they are being written). Return the
+        resident (pinned at once with `pinned`: they are being written). `new_keys`
+        are not resident (the primary admits only keys it lacks). Return the
         victims in eviction order, or None (and change nothing) when fewer than
         `num_victims` evictable keys exist."""
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from itertools import islice
 
 from tierkv.keys import OffloadKey
-from tierkv.policies.base import CanEvict, EvictionPolicy
+from tierkv.policies.base import CanEvict, EvictionPolicy, evict_any
 
 
 class LRUPolicy(EvictionPolicy):
@@ -24,6 +25,8 @@ class LRUPolicy(EvictionPolicy):
         found: list[OffloadKey] = []
         if limit <= 0:
             return found
+        if can_evict is evict_any:  # the oldest `limit`, at C speed
+            return list(islice(self._order, limit))
         for key in self._order:
             if can_evict(key):
                 found.append(key)
@@ -65,10 +68,7 @@ class LRUPolicy(EvictionPolicy):
         for key in victims:
             del order[key]
         if pinned:
-            held = self._pinned
-            for key in new_keys:
-                if key not in order:
-                    held[key] = None
+            self._pinned.update(dict.fromkeys(new_keys))  # new: not in the order
             return
         for key in new_keys:
             if key in self._pinned:
@@ -86,16 +86,16 @@ class LRUPolicy(EvictionPolicy):
             self._order[key] = None
 
     def unpin_many(self, keys: Iterable[OffloadKey]) -> None:
-        pinned, order = self._pinned, self._order
-        for key in keys:
-            if key in pinned:
-                del pinned[key]
-                order[key] = None
+        pop = self._pinned.pop
+        self._order.update(dict.fromkeys([k for k in keys if pop(k, 0) is None]))
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
-        for key in reversed(list(keys)):
-            if key in self._order:
-                self._order.move_to_end(key)
+        move = self._order.move_to_end  # one probe per key; pinned keys are not there
+        for key in reversed(keys if isinstance(keys, Sequence) else list(keys)):
+            try:  # noqa: SIM105 (suppress() costs a context manager per key)
+                move(key)
+            except KeyError:
+                pass
 
     def discard(self, key: OffloadKey) -> None:
         self._order.pop(key, None)
