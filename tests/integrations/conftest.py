@@ -45,6 +45,8 @@ class Engine:
         model: str = "tiny-model",
         dtype: str = "float16",
         tp: int = 1,
+        agnostic: bool = False,
+        replicated: bool = False,
         events: bool = False,
         row: int = ROW,
     ) -> None:
@@ -78,8 +80,9 @@ class Engine:
                 data_parallel_index=0,
                 data_parallel_size=1,
                 data_parallel_rank_local=None,
-                is_parallelism_agnostic=False,
+                is_parallelism_agnostic=agnostic,
             ),
+            replicated_layout=replicated,
         )
         self.row = row
         self.spec = TieringOffloadingSpec(config)

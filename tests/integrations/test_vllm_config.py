@@ -133,6 +133,31 @@ def test_the_default_namespace_says_model_dtype_block_and_layout(vllm: Any) -> N
     assert d.tiers[0].namespace == "tenant-7"
 
 
+@pytest.mark.parametrize("layout", ["agnostic", "replicated"])
+def test_parallelism_agnostic_engines_of_one_model_share_blocks(
+    vllm: Any, tmp_path: Path, layout: str
+) -> None:
+    # as vLLM's own fs and obj tiers: a portable layout collapses TP/PP into one
+    # namespace, so a TP2 engine reads what a TP4 engine of the same model stored
+    flags = {layout: True}
+    tp4 = vllm.engine([vllm.entry(nvme(tmp_path))], model="org/llama", tp=4, **flags)
+    keys = vllm.keys(4)
+    ctx = tp4.new_request()
+    tp4.store(ctx, keys)
+    tp4.finish(ctx)
+    tp4.settle()
+    tp4.shutdown()  # one nvme tier per directory at a time
+    tp2 = vllm.engine([vllm.entry(nvme(tmp_path))], model="org/llama", tp=2, **flags)
+    assert tp2.tiers[0].namespace == tp4.tiers[0].namespace
+    assert ":any:" in tp2.tiers[0].namespace
+    assert tp2.promote(tp2.new_request(), keys) == 4
+    tp2.shutdown()
+    direct = [vllm.engine([vllm.entry({"type": "memory"})], tp=tp) for tp in (2, 4)]
+    assert direct[0].tiers[0].namespace != direct[1].tiers[0].namespace
+    for engine in direct:
+        engine.shutdown()
+
+
 def test_two_models_sharing_a_directory_never_see_each_others_blocks(
     vllm: Any, tmp_path: Path
 ) -> None:

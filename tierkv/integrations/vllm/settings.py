@@ -43,11 +43,19 @@ class VllmGeometry:
 
         Readable for the common fields; the digest covers everything (the exact row
         size, group block sizes, canonical/replicated layout), so two engines whose
-        blocks differ in any byte-relevant way never read each other's blocks."""
+        blocks differ in any byte-relevant way never read each other's blocks. A
+        portable layout (parallelism-agnostic or replicated) reads `any` and leaves the
+        topology (TP/PP/CP sizes, bytes per worker) out of the digest."""
         tokens = "-".join(str(t * self.blocks_per_chunk) for t in self.tokens_per_block)
         p = self.parallel
-        if p.get("is_parallelism_agnostic"):
+        layout_facts = dict(self.layout)
+        parallel = dict(p)
+        if p.get("is_parallelism_agnostic") or self.layout.get("replicated_layout"):
+            # a block's bytes are the same under any TP/PP/CP (vLLM's fs and obj tiers
+            # collapse them too): engines of one model share whatever their topology
             layout = "any"
+            parallel = {"portable": True}
+            layout_facts.pop("worker_kv_bytes_per_block", None)  # differs with TP
         else:
             layout = f"tp{p.get('tp_size', 1)}pp{p.get('pp_size', 1)}"
             if p.get("pcp_size", 1) != 1 or p.get("dcp_size", 1) != 1:
@@ -60,8 +68,8 @@ class VllmGeometry:
                 "blocks_per_chunk": self.blocks_per_chunk,
                 "tokens_per_hash": self.tokens_per_hash,
                 "row_bytes": self.row_bytes,
-                "parallel": dict(self.parallel),
-                "layout": dict(self.layout),
+                "parallel": parallel,
+                "layout": layout_facts,
             },
             sort_keys=True,
             default=str,

@@ -321,8 +321,8 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
             transfer_bytes=len(ok) * self._row_bytes if ok else None,
         )
         with self._lock:
-            if self._events is not None and not is_load and ok:
-                self._events.append(self._event(list(ok), removed=False))
+            if self._events is not None and not is_load and ok:  # in the job's order
+                self._events.append(self._event([k for k in keys if k in ok], removed=False))
             self._finished.append(report)
             self._lock.notify_all()
 
