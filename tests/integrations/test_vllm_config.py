@@ -68,11 +68,41 @@ def test_write_policies_vllm_cannot_honour_are_refused(vllm: Any, tmp_path: Path
         ({"type": "tierkv", "tier": {"type": "memory"}, "tiers": []}, "secondary_tiers[0].tiers:"),
         ({"type": "tierkv", "tier": "memory"}, "secondary_tiers[0].tier: expected a tier"),
         ({"type": "tierkv", "tier": {"type": "memory"}, "namespace": ""}, ".namespace:"),
+        (
+            {"type": "tierkv", "tier": {"type": "memory"}, "medium": "gpu"},
+            "secondary_tiers[0].medium: 'gpu' is not one of CPU, STORAGE",
+        ),
+        (
+            {"type": "tierkv", "tier": {"type": "memory"}, "locality": "nearby"},
+            "secondary_tiers[0].locality: 'nearby' is not one of LOCAL, REMOTE",
+        ),
     ],
 )
 def test_malformed_entries_are_refused(vllm: Any, entry: dict[str, Any], path: str) -> None:
     error = refused(vllm, [entry])
     assert path in error.problems[0]
+
+
+def test_each_tier_type_says_its_medium_and_locality_and_an_entry_overrides_them(
+    vllm: Any, tmp_path: Path
+) -> None:
+    from vllm.v1.kv_offload.base import Locality, Medium, TierFilter, TierMatcher
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    memory = vllm.engine([vllm.entry({"type": "memory"})]).tiers[0]
+    disk = vllm.engine([vllm.entry(nvme(tmp_path / "a"))]).tiers[0]
+    relabelled = vllm.engine([vllm.entry(nvme(tmp_path / "b"), medium="cpu", locality="REMOTE")])
+    remote = relabelled.tiers[0]
+    assert (memory.medium, memory.locality) == (Medium.CPU, Locality.LOCAL)
+    assert memory.cache_hit_source is CacheHitSource.HOST
+    assert (disk.medium, disk.locality) == (Medium.STORAGE, Locality.LOCAL)
+    assert disk.cache_hit_source is CacheHitSource.DISK
+    assert (remote.medium, remote.locality) == (Medium.CPU, Locality.REMOTE)
+    cpu_only = TierFilter(matchers=(TierMatcher(medium=Medium.CPU),))  # kv_load_tiers: cpu
+    assert cpu_only.allows(memory.medium, memory.locality)
+    assert not cpu_only.allows(disk.medium, disk.locality)
+    for engine_tier in (memory, disk, remote):
+        engine_tier.shutdown()
 
 
 def write_chain(path: Path, tiers: str) -> Path:

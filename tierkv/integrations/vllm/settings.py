@@ -14,14 +14,26 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tierkv.config import CacheConfig, load_config, parse_config
 from tierkv.errors import ConfigError
 from tierkv.tier import TierConfig
 
-ENTRY_KEYS = ("tier", "chain", "chain_tier", "namespace", "locality", "shutdown_grace")
+ENTRY_KEYS = ("tier", "chain", "chain_tier", "namespace", "medium", "locality", "shutdown_grace")
+
+# vLLM's labels for where each first-party tier type keeps its blocks (a `kv_load_tiers`
+# filter and the hit-source metrics read them); other types default to STORAGE with
+# no locality. An entry's `medium` / `locality` overrides them.
+PLACES: dict[str, tuple[str, str | None]] = {
+    "memory": ("CPU", "LOCAL"),
+    "nvme": ("STORAGE", "LOCAL"),
+    "redis": ("CPU", "REMOTE"),
+    "s3": ("STORAGE", "REMOTE"),
+}
+_MEDIA = ("CPU", "STORAGE")
+_LOCALITIES = ("LOCAL", "REMOTE")
 """The keys a `tierkv` entry of `secondary_tiers` may carry (besides vLLM's own)."""
 
 
@@ -85,6 +97,24 @@ class TierkvEntry:
     tier: TierConfig
     namespace: str
     name: str
+    medium: str = "STORAGE"  # vLLM's Medium name
+    locality: str | None = None  # vLLM's Locality name
+
+
+def _place(entry: Mapping[str, Any], tier_type: str, where: str) -> tuple[str, str | None]:
+    """The entry's (medium, locality): its own, else the tier type's (`PLACES`)."""
+    medium, locality = PLACES.get(tier_type, ("STORAGE", None))
+    for key, allowed in (("medium", _MEDIA), ("locality", _LOCALITIES)):
+        value = entry.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str) or value.upper() not in allowed:
+            raise _problem(f"{where}.{key}", f": {value!r} is not one of {', '.join(allowed)}")
+        if key == "medium":
+            medium = value.upper()
+        else:
+            locality = value.upper()
+    return medium, locality
 
 
 def _problem(where: str, text: str) -> ConfigError:
@@ -125,8 +155,13 @@ def resolve_entry(
             raise _problem(f"{where}.tier", f": expected a tier section (mapping), got {inline!r}")
         config = _validate_inline(inline, geometry, namespace, f"{where}.tier", env)
         tier = config.tiers[0]
-        return TierkvEntry(tier, namespace or geometry.default_namespace(), config.tier_names()[0])
-    return _from_chain(str(chain), entry.get("chain_tier"), geometry, namespace, where, env)
+        resolved = TierkvEntry(
+            tier, namespace or geometry.default_namespace(), config.tier_names()[0]
+        )
+    else:
+        resolved = _from_chain(str(chain), entry.get("chain_tier"), geometry, namespace, where, env)
+    medium, locality = _place(entry, resolved.tier.type, where)
+    return replace(resolved, medium=medium, locality=locality)
 
 
 def _validate_inline(

@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any
 
 import anyio
 from vllm.v1.kv_offload.base import (
@@ -36,6 +36,7 @@ from vllm.v1.kv_offload.base import ReqContext as VllmReqContext
 from vllm.v1.kv_offload.tiering.base import JobResult as VllmJobResult
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager as VllmSecondaryTier
 from vllm.v1.kv_offload.tiering.base import TransferJob
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tierkv.errors import TierUnavailable
 from tierkv.integrations.vllm.lookups import LookupBook
@@ -96,7 +97,7 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
     vLLM's tiering manager. Built by vLLM's `SecondaryTierFactory` from a
     `{"type": "tierkv", "tier": {...}}` entry; see `settings.resolve_entry`."""
 
-    medium: ClassVar[Medium] = Medium.STORAGE
+    medium: Medium = Medium.STORAGE  # per instance: see __init__
 
     def __init__(
         self,
@@ -107,14 +108,18 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
         **entry: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        locality = entry.pop("locality", None)
-        self.locality = Locality(locality) if locality is not None else None
         self._shutdown_grace = float(entry.pop("shutdown_grace", 10.0))
         row_bytes = self.block_size_bytes
         resolved = resolve_entry(
             entry, geometry_of(offloading_spec, row_bytes), where=_where(offloading_spec, entry)
         )
         self.namespace = resolved.namespace
+        # per instance: one class serves every tier type (memory and redis are CPU)
+        self.medium = Medium(resolved.medium)
+        self.locality = Locality(resolved.locality) if resolved.locality else None
+        self.cache_hit_source = (
+            CacheHitSource.HOST if self.medium is Medium.CPU else CacheHitSource.DISK
+        )
         self._name = resolved.name
         self._timeout = float(resolved.tier.job_timeout)
         self._max_inflight = int(resolved.tier.max_inflight_bytes)
