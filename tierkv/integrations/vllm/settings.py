@@ -22,6 +22,7 @@ from tierkv.errors import ConfigError
 from tierkv.tier import TierConfig
 
 ENTRY_KEYS = ("tier", "chain", "chain_tier", "namespace", "medium", "locality", "shutdown_grace")
+"""The keys a `tierkv` entry of `secondary_tiers` may carry (besides vLLM's own)."""
 
 # vLLM's labels for where each first-party tier type keeps its blocks (a `kv_load_tiers`
 # filter and the hit-source metrics read them); other types default to STORAGE with
@@ -34,7 +35,6 @@ PLACES: dict[str, tuple[str, str | None]] = {
 }
 _MEDIA = ("CPU", "STORAGE")
 _LOCALITIES = ("LOCAL", "REMOTE")
-"""The keys a `tierkv` entry of `secondary_tiers` may carry (besides vLLM's own)."""
 
 
 @dataclass(frozen=True)
