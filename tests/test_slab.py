@@ -57,3 +57,18 @@ def test_the_plugin_contract_imports_no_torch_and_no_cache() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_a_released_view_lets_the_owner_free_the_slab_and_refuses_later_use() -> None:
+    import mmap
+
+    region = mmap.mmap(-1, 4 * 64)
+    view = PrimaryView(region, 64, "ns")
+    view.block(1)[:] = b"x" * 64  # a slot view, dropped at once as a tier drops it
+    with pytest.raises(BufferError):
+        region.close()  # the view still exports the mapping
+    view.release()
+    view.release()  # idempotent
+    region.close()  # nothing of ours holds it any more
+    with pytest.raises(ValueError, match="released"):
+        view.block(0)

@@ -6,6 +6,8 @@ to catch them all.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 
 class TierKVError(Exception):
     """Base of every error tierkv raises on purpose."""
@@ -45,3 +47,24 @@ class CorruptBlock(TierKVError):
 class BlockStateError(TierKVError):
     """An operation was asked of a block in a state that does not allow it
     (loading a block that is still being written, completing a load never prepared)."""
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def detached(exc: E) -> E:
+    """`exc` without its traceback (nor those of the exceptions it chains to), for an
+    error kept as a per-key outcome.
+
+    A traceback keeps every frame it passed through alive, with their locals: the slot
+    `memoryview`s of a job among them. An outcome stored in a list that one of those
+    frames also holds is a reference cycle only the garbage collector frees, and while
+    it lives the primary slab cannot be unmapped (vLLM keeps its region mapped while
+    any view of it exists). The message and the type, all a result reports, stay."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        current.__traceback__ = None
+        current = current.__cause__ or current.__context__
+    return exc

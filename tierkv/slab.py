@@ -59,4 +59,26 @@ class PrimaryView:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self._num_blocks:
             raise IndexError(f"slot {slot!r} is out of range 0..{self._num_blocks - 1}")
         start = slot * self._block_bytes
-        return self._bytes[start : start + self._block_bytes]
+        try:
+            return self._bytes[start : start + self._block_bytes]
+        except ValueError:
+            raise ValueError(
+                "the primary slab was released (its tier was shut down); "
+                "no block of it can be read or written any more"
+            ) from None
+
+    def release(self) -> None:
+        """Let go of the slab now, not when the last reference to this view dies.
+
+        The owner of a slab it lends (vLLM unmaps its shared-memory primary at
+        shutdown) can free it only once no view of it remains; an object that
+        outlives the shutdown while holding this one (a tier, a test, a metrics
+        exporter) must not keep it alive. Afterwards `block` raises ValueError.
+        Idempotent. Views `block` handed out earlier stay valid until dropped: a tier
+        never keeps one past its job."""
+        try:
+            self._bytes.release()
+        except BufferError as exc:  # someone holds a buffer exported from our view
+            raise BufferError(
+                f"the primary slab cannot be released while a buffer taken from it is in use: {exc}"
+            ) from None

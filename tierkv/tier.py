@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Literal
 import anyio
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveInt, field_validator
 
-from tierkv.errors import ConfigError, CorruptBlock, TierUnavailable
+from tierkv.errors import ConfigError, CorruptBlock, TierUnavailable, detached
 from tierkv.framing import Framer
 from tierkv.jobs import JobMetadata, JobResult, ReqContext
 from tierkv.keys import OffloadKey
@@ -48,6 +48,7 @@ __all__ = [
     "redact_url",
     "Batch",
     "CorruptBlock",
+    "detached",
     "Duration",
     "Framer",
     "InFlightJobs",

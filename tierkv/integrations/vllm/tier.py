@@ -236,8 +236,24 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
             self._loop.stop()
             for job_id in list(self._open_jobs):
                 self._finish(job_id, None, "tierkv tier shut down before the job ended")
-            self._tier = None
-            self._view = None  # drop our views of vLLM's slab before it is unmapped
+            self._release_slab()
+
+    def _release_slab(self) -> None:
+        """Let go of vLLM's slab explicitly (vLLM unmaps it right after): the view
+        every tier object reads through is released, so nothing that outlives this
+        adapter (a caller holding `tierkv_tier`, a worker thread left on a frozen
+        socket, whose `SlotGuard` is closed) keeps the region mapped, and no cycle
+        waits for the garbage collector."""
+        view, self._view, self._tier = self._view, None, None
+        if view is not None:
+            try:
+                view.release()
+            except BufferError:
+                logger.exception(
+                    "tierkv tier %s: a buffer taken from vLLM's primary is still in use; "
+                    "vLLM will keep the region mapped",
+                    self._name,
+                )
 
     # -- jobs ----------------------------------------------------------------------------
     def _submit(self, job: TransferJob, *, is_load: bool) -> None:

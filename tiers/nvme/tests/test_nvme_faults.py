@@ -128,8 +128,12 @@ async def test_permission_denied_fails_the_job_with_a_clear_error_and_reads_go_o
     await tier.close()
 
 
-async def test_a_read_error_fails_that_key_and_withdraws_the_tiers_claim(rig, faults) -> None:
+async def test_a_read_error_fails_that_key_and_keeps_the_block(rig, faults) -> None:
+    """An OS error may pass (EIO on a busy device): the key fails this time, the block
+    stays, and the next read returns it byte-identical. Nothing is reported removed."""
     tier = rig.tier()
+    removed: list[tuple[bytes, ...]] = []
+    tier.set_removal_listener(removed.append)
     await tier.open()
     keys = rig.keys(3)
     _, stored = await rig.store(tier, keys)
@@ -137,28 +141,64 @@ async def test_a_read_error_fails_that_key_and_withdraws_the_tiers_claim(rig, fa
         result, _ = await rig.load(tier, keys[:1])
     assert result.failed_keys == (keys[0],)
     assert "nvme read failed: Input/output error (EIO)" in (result.error or "")
-    # a key whose load failed is no longer claimed, so nobody re-promotes it forever
-    assert await tier.lookup(keys, CTX) == [False, True, True]
-    result, loaded = await rig.load(tier, keys[1:])
+    assert "block kept: 1 of 3" in (result.error or "")
+    assert await tier.lookup(keys, CTX) == [True, True, True]
+    assert len(rig.files(tier)) == len(tier) == 3 and not removed
+    result, loaded = await rig.load(tier, keys)  # the hiccup passed
     assert result.ok, result.error
-    assert all(loaded[k] == stored[k] for k in keys[1:])
+    assert all(loaded[k] == stored[k] for k in keys)
     await tier.close()
 
 
-async def test_a_read_error_leaves_no_file_the_index_does_not_count(rig, faults) -> None:
-    """A load failing with an I/O error forgets the key; its file must go too, or it
-    takes disk space `capacity` no longer counts until the next restart."""
+async def test_a_block_that_keeps_failing_to_read_is_deleted_and_counted_out(rig, faults) -> None:
+    """READ_ERRORS_BEFORE_DELETE failed reads in a row give the block up: its file goes
+    with its claim (no disk space that `capacity` no longer counts), it is reported
+    removed, and a success in between starts the count again."""
+    from tierkv_nvme.tier import READ_ERRORS_BEFORE_DELETE
+
     tier = rig.tier()
+    removed: list[tuple[bytes, ...]] = []
+    tier.set_removal_listener(removed.append)
     await tier.open()
     keys = rig.keys(3)
     await rig.store(tier, keys)
+    for _ in range(READ_ERRORS_BEFORE_DELETE - 1):
+        with faults.fail_read(errno.EIO):
+            await rig.load(tier, keys[:2])
+    result, _ = await rig.load(tier, keys[1:2])  # key 1 reads once: its count restarts
+    assert result.ok, result.error
     with faults.fail_read(errno.EIO):
         result, _ = await rig.load(tier, keys[:2])
     assert set(result.failed_keys) == set(keys[:2])
-    assert len(rig.files(tier)) == len(tier) == 1
-    assert tier.used_bytes == rig.footprint()
+    assert "deleted after 3 failed reads" in (result.error or "")
+    assert await tier.lookup(keys, CTX) == [False, True, True]
+    assert removed == [(keys[0],)]
+    assert len(rig.files(tier)) == len(tier) == 2
+    assert tier.used_bytes == 2 * rig.footprint()
     _, stored = await rig.store(tier, keys[:1])  # stored again: a fresh, whole block
     result, loaded = await rig.load(tier, keys[:1])
     assert result.ok, result.error
     assert loaded[keys[0]] == stored[keys[0]]
+    await tier.close()
+
+
+async def test_a_link_in_place_of_a_block_file_is_not_followed_nor_deleted_at_once(
+    rig, tmp_path: Path
+) -> None:
+    """ELOOP (a link where the block file should be) is an OS error like EIO: the key
+    fails, nothing outside the tier is read, and the entry stays until it keeps
+    failing."""
+    tier = rig.tier()
+    await tier.open()
+    keys = rig.keys(1)
+    await rig.store(tier, keys)
+    path = tier.path_of(keys[0])
+    outside = tmp_path / "outside.blk"
+    path.rename(outside)
+    path.symlink_to(outside)
+    result, _ = await rig.load(tier, keys)
+    assert result.failed_keys == (keys[0],)
+    assert "symlink" in (result.error or "") and "block kept" in (result.error or "")
+    assert path.is_symlink() and outside.exists()
+    assert await tier.lookup(keys, CTX) == [True]
     await tier.close()

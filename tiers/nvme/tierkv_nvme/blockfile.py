@@ -41,7 +41,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from tierkv.framing import FIXED_HEADER_BYTES, MAX_KEY_BYTES, Framer, Header
-from tierkv.tier import CorruptBlock, OffloadKey
+from tierkv.tier import CorruptBlock, OffloadKey, detached
 from tierkv_nvme.layout import TEMP_SUFFIX, temp_name
 
 RelPath = tuple[str, str, str]
@@ -305,7 +305,7 @@ def read_blocks(
                 try:
                     opened.append(open_block(root_fd, rel))
                 except OSError as exc:
-                    opened.append(exc)
+                    opened.append(detached(exc))
             if len(group) > 1:
                 for fd in opened:
                     if isinstance(fd, int):
@@ -318,7 +318,7 @@ def read_blocks(
                 try:
                     read_opened(root_fd, rel, fd, key, dest, framer)
                 except Exception as exc:  # reported per key by the caller
-                    outcomes.append(exc)
+                    outcomes.append(detached(exc))
                 else:
                     outcomes.append(None)
         finally:

@@ -23,8 +23,10 @@ Concurrency and consistency, all on the event-loop thread (no locks needed):
   than the capacity fails the blocks that do not fit rather than evicting its own.
 
 An OSError on a block (disk full, permission, I/O error) fails that key with a
-message naming the cause and the fix; the tier goes on serving other keys. Blocks the
-tier deletes on its own (evicted for room, corrupt, unreadable, gone from the disk)
+message naming the cause and the fix; the tier goes on serving other keys. A block is
+deleted on a failed integrity check at once, on OS errors of its reads only after
+READ_ERRORS_BEFORE_DELETE in a row (a hiccup is not data loss). Blocks the tier
+deletes on its own (evicted for room, corrupt, unreadable, gone from the disk)
 are `report_removed` once the thread that deleted them has returned. No symlink below
 the namespace directory is followed (`blockfile.open_leaf`).
 """
@@ -55,6 +57,7 @@ from tierkv.tier import (
     SecondaryTierManager,
     TierConfig,
     TierUnavailable,
+    detached,
     in_batches,
     in_thread,
     run_job,
@@ -77,6 +80,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_FS_BLOCK = 4096
 MAX_CHUNK = 4
 """Blocks per worker-thread call at most (see `_in_chunks`)."""
+READ_ERRORS_BEFORE_DELETE = 3
+"""Reads of one block in a row that may fail with an OS error (EIO, a link where
+the file should be, ...) before the block is given up and deleted: one hiccup must
+not destroy data, a file that never reads again must not be promoted forever.
+A failed integrity check (checksum, MAC, header) deletes the block at once."""
 
 
 def disk_footprint(frame_bytes: int, fs_block: int = DEFAULT_FS_BLOCK) -> int:
@@ -103,10 +111,11 @@ class _Entry:
     """One indexed block. Compared by identity, so a slow reader that finds its file
     corrupt forgets that entry only, not a newer one stored under the same key."""
 
-    __slots__ = ("footprint",)
+    __slots__ = ("footprint", "read_errors")
 
     def __init__(self, footprint: int) -> None:
         self.footprint = footprint
+        self.read_errors = 0  # OS errors of the reads in a row before this one
 
 
 class NvmeTier(SecondaryTierManager):
@@ -510,7 +519,7 @@ class NvmeTier(SecondaryTierManager):
             try:
                 blockfile.write_block(self._root_fd, rel, key, payload, self.framer, fsync=fsync)
             except Exception as exc:  # reported per key by the caller
-                outcomes.append(exc)
+                outcomes.append(detached(exc))
             else:
                 outcomes.append(None)
         return outcomes
@@ -577,16 +586,32 @@ class NvmeTier(SecondaryTierManager):
         unreadable: list[OffloadKey] = []
         forgotten: list[OffloadKey] = []
         for (key, _slot, entry), error in zip(reads, outcomes):
-            if error is not None:
-                # a failed load withdraws the claim; a file an I/O error kept us from
-                # reading goes too, or it would take disk space nothing counts
-                # (a corrupt file is deleted by the read itself, a missing one is gone)
-                if self._forget(key, entry):
-                    forgotten.append(key)
-                    if not isinstance(error, (CorruptBlock, FileNotFoundError)):
-                        self._deleting[key] = anyio.Event()
-                        unreadable.append(key)
-                failed[key] = self._describe_error(error, "read", key)
+            if error is None:
+                if entry.read_errors:
+                    entry.read_errors = 0
+                continue
+            failed[key] = self._describe_error(error, "read", key)
+            if not isinstance(error, (CorruptBlock, FileNotFoundError)):
+                # an OS error may pass (EIO on a busy device, a link someone put
+                # there): the block stays until it fails READ_ERRORS_BEFORE_DELETE
+                # reads in a row; the cache does not believe this tier's claim
+                # meanwhile (its job failed), so nothing loops on it
+                entry.read_errors += 1
+                if entry.read_errors < READ_ERRORS_BEFORE_DELETE:
+                    failed[key] += (
+                        f" (block kept: {entry.read_errors} of {READ_ERRORS_BEFORE_DELETE} "
+                        "failed reads in a row before it is deleted)"
+                    )
+                    continue
+                failed[key] += f" (block deleted after {READ_ERRORS_BEFORE_DELETE} failed reads)"
+            # given up: the claim goes; a corrupt file was deleted by the read itself, a
+            # missing one is gone, an unreadable one is deleted here (or it would take
+            # disk space nothing counts)
+            if self._forget(key, entry):
+                forgotten.append(key)
+                if not isinstance(error, (CorruptBlock, FileNotFoundError)):
+                    self._deleting[key] = anyio.Event()
+                    unreadable.append(key)
         try:
             if unreadable:
                 try:

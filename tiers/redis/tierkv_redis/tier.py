@@ -71,6 +71,7 @@ from tierkv.tier import (
     SlotGuard,
     TierConfig,
     TierUnavailable,
+    detached,
     in_thread,
     run_job,
 )
@@ -314,6 +315,10 @@ class RedisTier(SecondaryTierManager):
                     payload = self.primary.block(slot)
                     header = self.framer.encode_header(key, payload)
                     packed.append(pack_set(self._names.main(key).encode(), header, payload, px))
+                    # the slot's view must not outlive the guard: the send below may
+                    # outlast the job (an abandoned thread) and the slab's owner
+                    # cannot unmap it while any view of it lives
+                    del payload
             outcomes = send_sets(sync.connection_pool, packed)
             return {key: _command_error(exc) for (key, _), exc in zip(batch, outcomes) if exc}
         frames = []
@@ -460,7 +465,7 @@ class RedisTier(SecondaryTierManager):
                     try:
                         found = await pipe.execute()
                     except _UNREACHABLE as exc:
-                        problems.append(exc)
+                        problems.append(detached(exc))
                         return
                 for i, (have, need) in enumerate(zip(found, counts)):
                     answer[lo + i] = have == need

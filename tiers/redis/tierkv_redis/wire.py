@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from redis.connection import ConnectionPool
 from redis.exceptions import ConnectionError, ResponseError
 
+from tierkv.tier import detached
+
 
 def pack_set(name: bytes, header: bytes, payload: bytes | memoryview, px: int | None) -> bytes:
     """The RESP bytes of `SET name <header + payload> [PX px]`."""
@@ -46,7 +48,7 @@ def _send_once(pool: ConnectionPool, commands: Sequence[bytes]) -> list[Response
                 conn.read_response()
                 outcomes.append(None)
             except ResponseError as exc:  # this command failed; the connection is fine
-                outcomes.append(exc)
+                outcomes.append(detached(exc))
         return outcomes
     except BaseException:
         # a connection with replies still unread must never go back to the pool

@@ -67,6 +67,7 @@ from tierkv.tier import (
     SlotGuard,
     TierConfig,
     TierUnavailable,
+    detached,
     in_thread,
     redact_url,
     run_job,
@@ -567,7 +568,7 @@ class S3Tier(SecondaryTierManager):
             try:
                 self.framer.decode_into(key, frame, self.primary.block(slot))
             except CorruptBlock as exc:
-                return exc
+                return detached(exc)
         return None
 
     async def _delete_quietly(self, fs: S3FileSystem, key: OffloadKey) -> None:
