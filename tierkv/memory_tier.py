@@ -47,6 +47,7 @@ class MemoryTier(SecondaryTierManager):
 
     Config = MemoryTierConfig
     config: MemoryTierConfig
+    reports_evictions = True
 
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
         super().__init__(config, primary)
@@ -77,6 +78,12 @@ class MemoryTier(SecondaryTierManager):
     async def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[bool]:
         self._check_open()
         return [key in self._frames for key in keys]
+
+    async def touch(self, keys: Sequence[OffloadKey]) -> None:
+        frames = self._frames
+        for key in keys:
+            if key in frames:
+                frames.move_to_end(key)
 
     def _put(self, key: OffloadKey, frame: bytes) -> list[OffloadKey]:
         """Hold `frame` under `key`; return the keys evicted to make room."""

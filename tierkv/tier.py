@@ -173,6 +173,11 @@ class SecondaryTierManager(ABC):
     """
 
     Config: ClassVar[type[TierConfig]] = TierConfig
+    reports_evictions: ClassVar[bool] = False
+    """True when the tier evicts blocks itself (a capacity bound) and reports every
+    block that leaves it with `report_removed`, so a consumer of its events may expect
+    a removal for each block stored (vLLM's `removal_expected`). False for a tier
+    whose blocks vanish unseen (a Redis evicting under maxmemory, a TTL) or never."""
 
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
         if not isinstance(config, self.Config):
@@ -219,6 +224,12 @@ class SecondaryTierManager(ABC):
     @abstractmethod
     async def remove(self, keys: Sequence[OffloadKey]) -> None:
         """Delete `keys`; keys not held are ignored."""
+
+    async def touch(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 - optional hook
+        """These blocks were just reused, served from a tier above this one: a tier
+        that evicts by recency counts it as a use (a block hot in the primary is not
+        the coldest down here). Keys not held are ignored; cheap and best effort, no
+        I/O of block bytes. Default: nothing."""
 
     def set_removal_listener(self, listener: RemovalListener | None) -> None:
         """Where `report_removed` goes: the cache sets it when it adopts the tier."""

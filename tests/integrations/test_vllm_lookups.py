@@ -39,8 +39,28 @@ def test_a_failed_load_turns_the_answer_into_a_miss_that_stays() -> None:
     book.answer(K1, "r1")
     ask_all(book, {K1: True})
     assert book.answer(K1, "r1") is True
-    book.forget([K1])
+    book.load_failed([K1])
     assert book.answer(K1, "r1") is False
+    assert book.answer(K1, "r2") is False  # a request joining the answer shares it
+    ask_all(book, {K1: True})  # and no lookup undoes it while the entry lives
+    assert book.answer(K1, "r1") is False
+
+
+def test_a_failed_load_leaves_a_newer_probe_of_the_key_its_own_answer() -> None:
+    """Request A's promotion fails after A's answer was dropped and request B asked
+    the tier again: the failure belongs to A's probe, B's answer stands (vLLM ties
+    failures to probes the same way)."""
+    book = LookupBook()
+    book.answer(K1, "a")
+    ask_all(book, {K1: True})
+    assert book.answer(K1, "a") is True  # A promotes K1
+    book.release("a")
+    assert book.answer(K1, "b") is None  # B's own probe, being asked
+    batch = book.take_batch()
+    book.load_failed([K1])  # A's load fails now
+    assert book.answer(K1, "b") is None
+    book.deliver((k, token, True) for k, token in batch["b"])
+    assert book.answer(K1, "b") is True
 
 
 def test_a_late_answer_cannot_undo_a_known_miss() -> None:

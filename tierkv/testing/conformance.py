@@ -219,6 +219,51 @@ class TierConformanceSuite:
             for key, slot in zip(held, range(16, 16 + len(held))):
                 assert bytes(view.block(slot)) == contents[key]
 
+    async def test_touch_changes_no_answer_and_no_bytes(self) -> None:
+        rng = random.Random(11)
+        view = self.view()
+        async with self.opened(view) as tier:
+            stored = await self.store_random(tier, view, 3, rng)
+            keys = list(stored)
+            await tier.touch([keys[2], *random_keys(1, rng), keys[0]])
+            await tier.touch([])
+            assert await tier.lookup(keys, CTX) == [True, True, True]
+            result = await tier.load(self.job(keys, [20, 21, 22]))
+            assert result.ok, result.error
+            assert [bytes(view.block(s)) for s in (20, 21, 22)] == [stored[k] for k in keys]
+
+    async def test_a_touched_block_outlives_untouched_ones_at_eviction(self) -> None:
+        """For a tier that implements `touch` and evicts: reuse served from above
+        counts, so the oldest block, once touched, is not the next victim."""
+        if not self.supports_capacity:
+            pytest.skip(f"{type(self).__name__} declares no capacity bound")
+        rng = random.Random(12)
+        view = self.view()
+        async with self.opened(view, capacity_blocks=4) as tier:
+            if type(tier).touch is SecondaryTierManager.touch:
+                pytest.skip(f"{type(tier).__name__} does not implement touch()")
+            reported: list[OffloadKey] = []
+            tier.set_removal_listener(reported.extend)
+            keys: list[OffloadKey] = []
+            for i in range(3):
+                [key] = random_keys(1, rng)
+                fill_slots(view, [i], rng)
+                result = await tier.store(self.job([key], [i]))
+                assert result.ok, result.error
+                keys.append(key)
+            assert await tier.lookup(keys, CTX) == [True, True, True]
+            await tier.touch([keys[0]])  # the oldest is now the most recently used
+            for i in range(3, 16):
+                if reported:
+                    break
+                [key] = random_keys(1, rng)
+                fill_slots(view, [i], rng)
+                result = await tier.store(self.job([key], [i]))
+                assert result.ok, result.error
+            assert reported, "nothing was evicted: capacity_blocks=4 is not honoured"
+            assert keys[0] not in reported
+            assert keys[1] in reported, "the least recently used block goes first"
+
     async def test_corrupted_block_fails_its_key_and_is_deleted(self) -> None:
         rng = random.Random(6)
         view = self.view()

@@ -27,6 +27,7 @@ How it keeps the contract:
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -94,6 +95,7 @@ class SqliteTier(SecondaryTierManager):
 
     Config = SqliteTierConfig
     config: SqliteTierConfig
+    reports_evictions = True
 
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
         super().__init__(config, primary)
@@ -251,6 +253,21 @@ class SqliteTier(SecondaryTierManager):
         except sqlite3.Error as exc:
             raise TierUnavailable(f"sqlite lookup failed: {exc}") from exc
         return [key in held for key in keys]
+
+    async def touch(self, keys: Sequence[OffloadKey]) -> None:
+        if self._db is None or self._inflight.closing or not keys:
+            return
+        with contextlib.suppress(sqlite3.Error):  # best effort: recency only
+            await self._in_thread(self._touch, list(keys))
+
+    def _touch(self, keys: list[OffloadKey]) -> None:
+        db = self._conn()
+        with self._transaction(db):
+            for key in keys:
+                self._clock += 1
+                db.execute(
+                    "UPDATE blocks SET used = ? WHERE key = ?", (self._clock, self._row(key))
+                )
 
     def _held(self, keys: list[OffloadKey]) -> set[OffloadKey]:
         db = self._conn()

@@ -8,10 +8,13 @@ to the tier as one batched lookup per request; the answers come back through
 kept while a request that asked for it is alive, so a request sees one consistent
 verdict; a later request asks the tier again.
 
-Facts learnt from jobs override answers: a stored key is present; a key whose load
-failed, or that the tier reported removed, is absent and stays absent for as long as
-its entry lives, even when an older lookup still in flight says otherwise (a failed
-load must not be promoted again and again: vLLM issue #49176).
+Facts learnt from jobs override answers: a stored key is present; a key the tier
+reported removed is absent and stays absent for as long as its entry lives, even when
+an older lookup still in flight says otherwise. A failed load turns the answer it was
+promoted on into a miss that stays (a failed load must not be promoted again and
+again: vLLM issue #49176), and nothing else: a newer probe of the key, still being
+asked when the failure arrives, keeps its own answer, as vLLM's own tiers tie a
+failure to the probe it belongs to (`AsyncLookupManager.mark_miss`).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ class _Entry:
 class LookupBook:
     """Scheduler-side answers plus a thread-safe inbox of tier answers and facts.
 
-    Every method except `deliver`, `forget` and `learn_stored` (which only enqueue)
+    Every method except `deliver`, `forget`, `load_failed` and `learn_stored` (which
+    only enqueue)
     runs under vLLM's manager lock."""
 
     def __init__(self) -> None:
@@ -99,6 +103,10 @@ class LookupBook:
                 assert isinstance(payload, list)
                 for key, token, found in payload:
                     self._apply_answer(key, token, found)
+            elif kind == "failed":
+                assert isinstance(payload, tuple)
+                for key in payload:
+                    self._apply_failed_load(key)
             else:
                 assert isinstance(payload, tuple)
                 for key in payload:
@@ -113,6 +121,13 @@ class LookupBook:
             del self._entries[key]
         elif entry.answer is None and not entry.known_absent:
             entry.answer = found
+
+    def _apply_failed_load(self, key: OffloadKey) -> None:
+        entry = self._entries.get(key)
+        if entry is None or entry.answer is None:
+            return  # no answer, or a newer probe still being asked: its answer stands
+        entry.known_absent = True
+        entry.answer = False
 
     def _apply_fact(self, key: OffloadKey, *, present: bool) -> None:
         entry = self._entries.get(key)
@@ -131,8 +146,13 @@ class LookupBook:
         self._inbox.put(("answers", list(answers)))
 
     def forget(self, keys: Iterable[OffloadKey]) -> None:
-        """These keys are not in the tier (a failed load, the tier removed them)."""
+        """These keys are not in the tier (the tier removed them)."""
         self._inbox.put(("absent", tuple(keys)))
+
+    def load_failed(self, keys: Iterable[OffloadKey]) -> None:
+        """Loads of these keys failed: the answers they were promoted on become
+        misses; a probe still being asked keeps its own answer."""
+        self._inbox.put(("failed", tuple(keys)))
 
     def learn_stored(self, keys: Iterable[OffloadKey]) -> None:
         """These keys were just stored in the tier."""

@@ -68,6 +68,11 @@ class LoopThread:
         future: Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
         return future.result(timeout)
 
+    def is_alive(self) -> bool:
+        """Whether the loop's thread still runs (it may die with the process's
+        other threads, or be stopped): jobs on it can still end only while it does."""
+        return self._thread.is_alive()
+
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the loop (after its current callbacks) and join the thread."""
         if self._loop.is_closed():

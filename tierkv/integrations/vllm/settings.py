@@ -20,8 +20,18 @@ from typing import Any
 from tierkv.config import CacheConfig, load_config, parse_config
 from tierkv.errors import ConfigError
 from tierkv.tier import TierConfig
+from tierkv.units import parse_duration
 
-ENTRY_KEYS = ("tier", "chain", "chain_tier", "namespace", "medium", "locality", "shutdown_grace")
+ENTRY_KEYS = (
+    "tier",
+    "chain",
+    "chain_tier",
+    "namespace",
+    "medium",
+    "locality",
+    "shutdown_grace",
+    "drain_timeout",
+)
 """The keys a `tierkv` entry of `secondary_tiers` may carry (besides vLLM's own)."""
 
 # vLLM's labels for where each first-party tier type keeps its blocks (a `kv_load_tiers`
@@ -99,6 +109,8 @@ class TierkvEntry:
     name: str
     medium: str = "STORAGE"  # vLLM's Medium name
     locality: str | None = None  # vLLM's Locality name
+    shutdown_grace: float = 10.0  # seconds jobs in flight get at shutdown
+    drain_timeout: float | None = None  # seconds drain_jobs waits; None: job_timeout + grace
 
 
 def _place(entry: Mapping[str, Any], tier_type: str, where: str) -> tuple[str, str | None]:
@@ -161,7 +173,26 @@ def resolve_entry(
     else:
         resolved = _from_chain(str(chain), entry.get("chain_tier"), geometry, namespace, where, env)
     medium, locality = _place(entry, resolved.tier.type, where)
-    return replace(resolved, medium=medium, locality=locality)
+    grace = _seconds(entry, "shutdown_grace", where)
+    drain = _seconds(entry, "drain_timeout", where)
+    return replace(
+        resolved,
+        medium=medium,
+        locality=locality,
+        shutdown_grace=10.0 if grace is None else grace,
+        drain_timeout=drain,
+    )
+
+
+def _seconds(entry: Mapping[str, Any], key: str, where: str) -> float | None:
+    """A duration field of the entry (`2.5`, `"500ms"`, `"30s"`), or None if absent."""
+    value = entry.get(key)
+    if value is None:
+        return None
+    try:
+        return parse_duration(value)
+    except (ValueError, TypeError) as exc:
+        raise _problem(f"{where}.{key}", f": {exc}") from None
 
 
 def _validate_inline(

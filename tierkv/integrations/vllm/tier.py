@@ -12,6 +12,9 @@ vLLM's `JobResult`s, each job reported exactly once: done, failed, past its
 Lookups are batched per scheduler step (`lookups.LookupBook`): RETRY while the tier
 is being asked, then the answer, which a failed load or a removal reported by the
 tier turns into a MISS so a block that cannot be read is not promoted again.
+Reuse vLLM reports (`touch`) is forwarded to the tier once per step; `get_stats`
+adds what only the tier knows to vLLM's metrics (`metrics.py`); `drain_jobs` is
+bounded by `drain_timeout`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import asdict
 from types import MappingProxyType
 from typing import Any
@@ -39,6 +42,7 @@ from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tierkv.errors import TierUnavailable
+from tierkv.integrations.vllm import metrics
 from tierkv.integrations.vllm.lookups import LookupBook
 from tierkv.integrations.vllm.loop import LoopThread
 from tierkv.integrations.vllm.settings import VllmGeometry, resolve_entry
@@ -51,6 +55,9 @@ from tierkv.tier import SecondaryTierManager
 logger = logging.getLogger(__name__)
 
 _HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+MAX_TOUCHED = 1 << 16
+"""Keys of reuse kept for one step's `touch` at most (beyond, the rest is dropped:
+recency is a hint)."""
 
 
 def geometry_of(offloading_spec: Any, row_bytes: int) -> VllmGeometry:
@@ -81,15 +88,15 @@ def geometry_of(offloading_spec: Any, row_bytes: int) -> VllmGeometry:
     )
 
 
-def _where(offloading_spec: Any, entry: Mapping[str, Any]) -> str:
-    """`secondary_tiers[i]` for the entry vLLM built us from (for error paths)."""
+def _index_of(offloading_spec: Any, entry: Mapping[str, Any]) -> int | None:
+    """The position in `secondary_tiers` of the entry vLLM built us from."""
     configs = getattr(offloading_spec, "secondary_tier_configs", None) or []
     for i, config in enumerate(configs):
         if isinstance(config, Mapping) and all(
             config.get(k) is v or config.get(k) == v for k, v in entry.items()
         ):
-            return f"secondary_tiers[{i}]"
-    return "secondary_tiers[?]"
+            return i
+    return None
 
 
 class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
@@ -108,10 +115,12 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
         **entry: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        self._shutdown_grace = float(entry.pop("shutdown_grace", 10.0))
         row_bytes = self.block_size_bytes
+        index = _index_of(offloading_spec, entry)
         resolved = resolve_entry(
-            entry, geometry_of(offloading_spec, row_bytes), where=_where(offloading_spec, entry)
+            entry,
+            geometry_of(offloading_spec, row_bytes),
+            where=f"secondary_tiers[{'?' if index is None else index}]",
         )
         self.namespace = resolved.namespace
         # per instance: one class serves every tier type (memory and redis are CPU)
@@ -122,11 +131,21 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
         )
         self._name = resolved.name
         self._timeout = float(resolved.tier.job_timeout)
+        self._shutdown_grace = resolved.shutdown_grace
+        self._drain_timeout = (
+            self._timeout + self._shutdown_grace
+            if resolved.drain_timeout is None
+            else resolved.drain_timeout
+        )
+        # labelled as vLLM labels this tier in its own metrics, so the two join
+        self._metrics = metrics.TierMetrics(f"{'?' if index is None else index + 1}:{tier_type}")
+        self._touched: list[OffloadKey] = []
         self._max_inflight = int(resolved.tier.max_inflight_bytes)
         self._row_bytes = row_bytes
         self._view: PrimaryView | None = PrimaryView(primary_kv_view, row_bytes, self.namespace)
         tier_cls = get_tier_class(resolved.tier.type)
         self._tier: SecondaryTierManager | None = tier_cls(resolved.tier, self._view)
+        self._removal_expected = bool(tier_cls.reports_evictions)
         self._lookups = LookupBook()
         self._tier.set_removal_listener(self._on_removed)
         self._events: list[OffloadingEvent] | None = (
@@ -137,6 +156,7 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
         # job bookkeeping shared by the scheduler thread and the loop thread
         self._lock = threading.Condition()
         self._open_jobs: dict[int, tuple[bool, int, tuple[OffloadKey, ...]]] = {}
+        self._scopes: dict[int, anyio.CancelScope] = {}  # running jobs (loop thread)
         self._store_bytes = 0
         self._finished: list[VllmJobResult] = []
         self._closed = False
@@ -189,6 +209,26 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
         batch = self._lookups.take_batch()
         if batch and not self._closed:
             self._loop.spawn(lambda: self._ask(batch))
+        if self._touched:
+            touched, self._touched = tuple(dict.fromkeys(self._touched)), []
+            if not self._closed and self._up:
+                self._loop.spawn(lambda: self._touch(touched))
+
+    def touch(self, keys: Collection[OffloadKey], req_context: VllmReqContext) -> None:
+        """Reuse vLLM saw (served from the primary or promoted): the tier's eviction
+        order learns it with the step's other touches, on the loop thread."""
+        if not self._closed and len(self._touched) < MAX_TOUCHED:
+            self._touched.extend(keys)
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        return dict(metrics.metric_definitions())
+
+    def get_stats(self) -> Any:
+        """What only the tier knows, since the last call (see `metrics.py`)."""
+        with self._lock:
+            in_flight = self._store_bytes
+        return self._metrics.take(up=self._up and not self._closed, store_bytes_in_flight=in_flight)
 
     def on_request_finished(self, req_context: VllmReqContext) -> None:
         self._lookups.release(req_context.req_id)
@@ -209,9 +249,63 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
             return bool(self._open_jobs)
 
     def drain_jobs(self) -> None:
-        """Wait until every submitted job has been reported (never aborts one)."""
+        """Wait until every submitted job has been reported; bounded, because vLLM
+        calls this under its manager lock (`reset_cache`): a stuck tier must not
+        freeze the engine.
+
+        Jobs get `drain_timeout` to finish. Those still running then are cancelled
+        (a tier job may be: it leaves no partial block in the tier, and a cancelled
+        load is reported failed, so vLLM never reads its slots) and get
+        `shutdown_grace` to report. If the loop thread is gone, nothing can finish
+        them: they are reported failed at once. A job that outlives even that (a
+        thread stuck in the kernel) raises RuntimeError: returning while it may still
+        write into the primary would corrupt it silently."""
         with self._lock:
-            self._lock.wait_for(lambda: not self._open_jobs)
+            self._wait_for_jobs(self._drain_timeout)
+            late = list(self._open_jobs)
+        if not late:
+            return
+        logger.warning(
+            "tierkv tier %s: %d jobs still running after drain_timeout=%gs; cancelling them",
+            self._name,
+            len(late),
+            self._drain_timeout,
+        )
+        self._cancel_jobs(late)
+        with self._lock:
+            self._wait_for_jobs(self._shutdown_grace)
+            stuck = list(self._open_jobs)
+        if not stuck:
+            return
+        if not self._loop.is_alive():
+            for job_id in stuck:
+                self._finish(job_id, None, "the tier's event-loop thread is gone", reason="error")
+            return
+        raise RuntimeError(
+            f"tierkv tier {self._name}: {len(stuck)} jobs did not end within "
+            f"drain_timeout={self._drain_timeout:g}s + shutdown_grace="
+            f"{self._shutdown_grace:g}s even when cancelled (I/O stuck in the kernel?); "
+            "not returning while they may still write into vLLM's primary"
+        )
+
+    def _wait_for_jobs(self, timeout: float) -> None:
+        """Under `_lock`: until no job is open, `timeout` passed or the loop died."""
+        deadline = time.monotonic() + timeout
+        while self._open_jobs and self._loop.is_alive():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._lock.wait(min(left, 0.05))
+
+    def _cancel_jobs(self, job_ids: list[int]) -> None:
+        def cancel() -> None:
+            for job_id in job_ids:
+                scope = self._scopes.get(job_id)
+                if scope is not None:
+                    scope.cancel()
+
+        if self._loop.is_alive():
+            self._loop.loop.call_soon_threadsafe(cancel)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self._events is None:
@@ -227,15 +321,20 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
             return
         self._closed = True
         with self._lock:
-            self._lock.wait_for(lambda: not self._open_jobs, timeout=self._shutdown_grace)
+            self._wait_for_jobs(self._shutdown_grace)
         try:
-            self._loop.run(self._close(), timeout=self._shutdown_grace + 30.0)
+            if self._loop.is_alive():
+                self._loop.run(self._close(), timeout=self._shutdown_grace + 30.0)
+            else:
+                logger.warning("tierkv tier %s: its loop thread is gone; not closed", self._name)
         except Exception:
             logger.exception("tierkv tier %s did not close cleanly", self._name)
         finally:
             self._loop.stop()
             for job_id in list(self._open_jobs):
-                self._finish(job_id, None, "tierkv tier shut down before the job ended")
+                self._finish(
+                    job_id, None, "tierkv tier shut down before the job ended", reason="shutdown"
+                )
             self._release_slab()
 
     def _release_slab(self) -> None:
@@ -265,10 +364,17 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
                 self._store_bytes += nbytes
             too_much = not is_load and self._store_bytes > self._max_inflight
         if self._closed or not self._up:
-            self._finish(job.job_id, None, f"tierkv tier {self._name} is not serving")
+            self._finish(
+                job.job_id, None, f"tierkv tier {self._name} is not serving", reason="not_serving"
+            )
             return
         if too_much and nbytes < self._store_bytes:
-            self._finish(job.job_id, None, "dropped: max_inflight_bytes already in flight")
+            self._finish(
+                job.job_id,
+                None,
+                "dropped: max_inflight_bytes already in flight",
+                reason="max_inflight",
+            )
             return
         try:
             ctx = ReqContext(
@@ -277,7 +383,7 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
             )
             tk_job = JobMetadata(job.job_id, keys, tuple(job.chunk_ids.tolist()), ctx)
         except (ValueError, TypeError) as exc:
-            self._finish(job.job_id, None, f"malformed job: {exc}")
+            self._finish(job.job_id, None, f"malformed job: {exc}", reason="error")
             return
         self._loop.spawn(lambda: self._run(tk_job, is_load))
 
@@ -287,17 +393,26 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
         started = time.monotonic()
         result: JobResult | None = None
         error: str | None = None
+        reason = "error"
+        scope = anyio.CancelScope()
+        self._scopes[job.job_id] = scope
         try:
             assert tier is not None
-            with anyio.fail_after(self._timeout):
+            with scope, anyio.fail_after(self._timeout):
                 result = await (tier.load(job) if is_load else tier.store(job))
+            if scope.cancelled_caught:
+                error, reason = "cancelled: drain_jobs waited past drain_timeout", "shutdown"
         except TimeoutError:
             error = f"no result within job_timeout={self._timeout:g}s"
+            reason = "timeout"
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
         finally:
             # also on cancellation (shutdown): report, then let the cancel go on
-            self._finish(job.job_id, result, error, time.monotonic() - started)
+            self._scopes.pop(job.job_id, None)
+            if result is None and error is None:
+                error, reason = "cancelled by shutdown", "shutdown"
+            self._finish(job.job_id, result, error, time.monotonic() - started, reason=reason)
 
     def _finish(
         self,
@@ -305,8 +420,11 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
         result: JobResult | None,
         error: str | None,
         elapsed: float | None = None,
+        *,
+        reason: str = "error",
     ) -> None:
-        """Report `job_id` once: the first call wins, later ones do nothing."""
+        """Report `job_id` once: the first call wins, later ones do nothing. `reason`
+        labels a failure in the metrics (`metrics.FAILURE_REASONS`)."""
         with self._lock:
             opened = self._open_jobs.pop(job_id, None)
             if opened is None:
@@ -316,6 +434,10 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
                 self._store_bytes -= nbytes
         ok = set(result.ok_keys) & set(keys) if result is not None else set()
         failed = [k for k in keys if k not in ok]
+        if failed:
+            op = "load" if is_load else "store"
+            self._metrics.count(metrics.FAILED_JOBS, 1, op, reason if error else "keys_failed")
+            self._metrics.count(metrics.FAILED_BLOCKS, len(failed), op)
         if error or failed:
             logger.debug(
                 "tierkv tier %s: %s job %d: %d of %d keys failed: %s",
@@ -328,7 +450,7 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
             )
         # facts first, so the lookup that follows the result already knows them
         if is_load and failed:
-            self._lookups.forget(failed)
+            self._lookups.load_failed(failed)
         if not is_load and ok:
             self._lookups.learn_stored(ok)
         successful = None
@@ -360,6 +482,9 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
             except Exception as exc:
                 logger.warning("tierkv tier %s lookup failed (a miss): %s", self._name, exc)
                 found = [False] * len(keys)
+                self._metrics.count(metrics.LOOKUP_ERRORS, len(keys))
+            self._metrics.count(metrics.LOOKUP_KEYS, len(keys))
+            self._metrics.count(metrics.LOOKUP_HITS, sum(map(bool, found)))
             self._lookups.deliver((k, token, bool(f)) for (k, token), f in zip(pairs, found))
 
         async with anyio.create_task_group() as group:
@@ -369,6 +494,7 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
     def _on_removed(self, keys: tuple[OffloadKey, ...]) -> None:
         """The tier dropped these blocks on its own (eviction, expiry, a bad read)."""
         self._lookups.forget(keys)
+        self._metrics.count(metrics.REMOVED_BLOCKS, len(keys))
         if self._events is not None:
             with self._lock:
                 self._events.append(self._event(list(keys), removed=True))
@@ -380,7 +506,19 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
             removed=removed,
             locality=self.locality,
             ownership=self.tier_type,
+            # the tier reports every block it drops: subscribers may wait for it
+            removal_expected=self._removal_expected and not removed,
         )
+
+    async def _touch(self, keys: tuple[OffloadKey, ...]) -> None:
+        try:
+            assert self._tier is not None
+            with anyio.fail_after(self._timeout):
+                await self._tier.touch(keys)
+        except Exception as exc:  # recency is a hint: never a failure
+            logger.debug("tierkv tier %s: touch failed: %s", self._name, exc)
+            return
+        self._metrics.count(metrics.TOUCHED_BLOCKS, len(keys))
 
     async def _reopen(self, every: float) -> None:
         while not self._closed and not self._up:

@@ -123,6 +123,7 @@ class NvmeTier(SecondaryTierManager):
 
     Config = NvmeTierConfig
     config: NvmeTierConfig
+    reports_evictions = True
 
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
         super().__init__(config, primary)
@@ -372,6 +373,16 @@ class NvmeTier(SecondaryTierManager):
         self._check_open()
         index = self._index
         return [key in index for key in keys]
+
+    async def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """Refresh the LRU order in memory (no I/O: a restart orders blocks by the
+        time of their last store or load, as before)."""
+        if self._state != "open":
+            return
+        index = self._index
+        for key in keys:
+            if key in index:
+                index.move_to_end(key)
 
     async def store(self, job: JobMetadata) -> JobResult:
         self._check_open()
