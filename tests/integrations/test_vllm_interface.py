@@ -53,7 +53,7 @@ def test_reuse_vllm_reports_reaches_the_tiers_eviction_order(
 def _ours(stats: Any) -> dict[str, dict[tuple[str, ...], Any]]:
     from tierkv.integrations.vllm.metrics import PREFIX
 
-    types, values = stats.metric_sections()
+    _types, values = stats.metric_sections()
     return {name: dict(v) for name, v in values.items() if name.startswith(PREFIX)}
 
 
