@@ -89,6 +89,7 @@ class Engine:
         self.manager = self.spec.get_manager()
         self.view = self.manager.primary_tier.get_kv_memoryview().cast("B")  # flat bytes
         self.tiers = list(self.manager.secondary_tiers)
+        self.last_steps = 0  # scheduler steps the last `promote` took
         self._closed = False
 
     # -- one scheduler step's calls -------------------------------------------------
@@ -185,7 +186,7 @@ class Engine:
             final.append(hits)
             return True
 
-        self.settle(settled, timeout)
+        self.last_steps = self.settle(settled, timeout)
         return final[-1]
 
     def shutdown(self) -> None:
