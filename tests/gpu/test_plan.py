@@ -229,35 +229,38 @@ class _Stream:
     cuda_stream = 1234
 
 
-class _FakeBatch:
-    """Stands in for `cuMemcpyBatchAsync`: records what it was handed and applies it
-    on the host, or fails like a driver that refuses the batch."""
-
-    def __init__(self, fail: bool) -> None:
-        self.fail = fail
-        self.calls: list[tuple[int, int]] = []
-
-    def __call__(self, plan: CopyPlan, stream_handle: int) -> tuple[object, ...]:
-        self.calls.append((plan.count, stream_handle))
-        if self.fail:
-            raise RuntimeError("cuMemcpyBatchAsync failed with CUresult 801 at copy 0 of 2")
-        memmove(plan)
-        return ()
-
-
 @pytest.mark.parametrize("fail", [False, True])
-def test_the_batched_executor_gets_the_whole_plan_and_falls_back_to_runs_on_error(
+def test_the_batched_executor_gets_the_plan_and_redoes_a_refused_call_by_runs(
     fail: bool,
 ) -> None:
+    """Through the real `BatchMemcpy` over a fake driver function (host memmove): a
+    refused call's copies are redone by runs, and the executor stays batched, so the
+    next transfer is batched again (one failure used to disable it for good)."""
+    from tests.gpu.test_cuda_batch import FakeDriver
     from tierkv.gpu.backends import DmaCopy
+    from tierkv.gpu.cuda_batch import ABI_13_0, BatchMemcpy
 
     kv = [[torch.arange(6 * 32, dtype=torch.uint8).view(6, 32) for _ in range(2)]]
     slab = torch.zeros(3, 64, dtype=torch.uint8)
     geometry = Geometry(((32, 32),), 1, 64, (6,), 3)
-    batch = _FakeBatch(fail)
-    dma = DmaCopy(kv, slab, geometry, executor="batched", batch=batch)  # type: ignore[arg-type]
+    driver = FakeDriver(ABI_13_0, fail_calls={0} if fail else set())
+    batch = BatchMemcpy(driver.function(), ABI_13_0)
+    dma = DmaCopy(kv, slab, geometry, executor="batched", batch=batch)
     mapping = map_specs([TransferSpec("store", [[4]], [[2]], [0])], geometry)
     dma.enqueue(mapping, _Stream(), None)
-    assert batch.calls == [(2, 1234)]  # one call, every page, on the lane's stream
+    assert [(c["count"], c["stream"]) for c in driver.calls] == [(2, 1234)]  # every page
     assert torch.equal(slab[2], torch.cat([kv[0][0][4], kv[0][1][4]]))
-    assert dma.executor == ("runs" if fail else "batched")
+    assert dma.executor == "batched" and batch.stats.failed_calls == int(fail)
+    mapping = map_specs([TransferSpec("store", [[5]], [[1]], [0])], geometry)
+    dma.enqueue(mapping, _Stream(), None)
+    assert len(driver.calls) == 2  # batched again
+    assert torch.equal(slab[1], torch.cat([kv[0][0][5], kv[0][1][5]]))
+
+
+@pytest.mark.parametrize("bad", [0, -3, True])
+def test_a_bad_max_copies_per_call_is_refused(bad: object) -> None:
+    kv = [[torch.zeros(6, 32, dtype=torch.uint8) for _ in range(2)]]
+    slab = torch.zeros(3, 64, dtype=torch.uint8)
+    layout = KVLayout(block_bytes=64, groups=(GroupSpec(block_size=4),))
+    with pytest.raises(ConfigError, match="max_copies_per_call"):
+        TransferWorker(kv, slab, layout, gpu_block_size=4, max_copies_per_call=bad)  # type: ignore[arg-type]

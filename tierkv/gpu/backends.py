@@ -21,7 +21,6 @@ must confirm it on a GPU.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -34,8 +33,6 @@ from tierkv.gpu.executors import RunCopies, flat_bytes, memmove
 from tierkv.gpu.geometry import Geometry
 from tierkv.gpu.mapping import Mapping
 from tierkv.gpu.plan import CopyPlan, GroupTable, SlabTable, build_plan
-
-logger = logging.getLogger(__name__)
 
 CopyBackendName = Literal["auto", "dma", "kernel"]
 COPY_BACKENDS: tuple[CopyBackendName, ...] = ("auto", "dma", "kernel")
@@ -213,17 +210,18 @@ class DmaCopy:
     def plan(self, mapping: Mapping) -> CopyPlan:
         return build_plan(mapping, self._tables, self._slab)
 
+    def _by_runs(self, plan: CopyPlan) -> None:
+        if self._runs is None:
+            self._runs = RunCopies(self._regions)
+        self._runs(plan)
+
     def enqueue(self, mapping: Mapping, stream: Any, plan: CopyPlan | None) -> tuple[object, ...]:
         plan = plan if plan is not None else self.plan(mapping)
         if self.executor == "batched":
             assert self._batch is not None
-            try:
-                return (*self._batch(plan, stream.cuda_stream), plan)
-            except RuntimeError as exc:
-                # Copies are idempotent (the same bytes to the same places), so even
-                # a batch the driver partly enqueued is safely redone run by run.
-                logger.warning("%s; DMA copies fall back to one copy_ per run", exc)
-                self.executor, self._runs = "runs", RunCopies(self._regions)
+            # a driver call that fails is redone run by run for its copies only; the
+            # next call, and the next transfer, are batched again
+            return (*self._batch(plan, stream.cuda_stream, self._by_runs), plan)
         if self.executor == "runs":
             assert self._runs is not None
             self._runs(plan)

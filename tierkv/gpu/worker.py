@@ -51,7 +51,7 @@ from tierkv.gpu.backends import (
     DmaExecutorName,
     KernelCopy,
 )
-from tierkv.gpu.cuda_batch import load_batch_memcpy
+from tierkv.gpu.cuda_batch import MAX_COPIES_PER_CALL, load_batch_memcpy
 from tierkv.gpu.geometry import check_layout
 from tierkv.gpu.lanes import CompletionThread, Lane
 from tierkv.gpu.mapping import Mapping, map_specs
@@ -119,7 +119,8 @@ class TransferWorker:
     are issued (`auto`: the batched memcpy when cuda-bindings has it, else `copy_` per
     run; `memmove` on CPU). `device_view(pinned_slab, device)` makes the slab's device
     alias for the kernel backend (default `uva_view`). `streams` replaces the device's
-    streams and events (the tests' fake device).
+    streams and events (the tests' fake device). `max_copies_per_call`: copies per
+    batched driver call at most (`tierkv.gpu.cuda_batch.MAX_COPIES_PER_CALL`).
     """
 
     def __init__(
@@ -134,7 +135,13 @@ class TransferWorker:
         dma_executor: DmaExecutorName = "auto",
         device_view: DeviceView = uva_view,
         streams: Streams | None = None,
+        max_copies_per_call: int = MAX_COPIES_PER_CALL,
     ) -> None:
+        if isinstance(max_copies_per_call, bool) or max_copies_per_call < 1:
+            raise ConfigError(
+                f"max_copies_per_call: {max_copies_per_call!r} must be a positive int",
+                source="TransferWorker",
+            )
         slab = primary.tensor if isinstance(primary, HostSlab) else primary
         if copy_backend not in COPY_BACKENDS:
             raise ConfigError(
@@ -177,7 +184,7 @@ class TransferWorker:
                     slab,
                     geometry,
                     executor=dma_executor,
-                    batch=load_batch_memcpy() if cuda else None,
+                    batch=load_batch_memcpy(max_copies_per_call) if cuda else None,
                 )
             except ValueError as exc:
                 raise ConfigError(f"dma_executor: {exc}", source="TransferWorker") from None
