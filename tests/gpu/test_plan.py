@@ -264,3 +264,22 @@ def test_a_bad_max_copies_per_call_is_refused(bad: object) -> None:
     layout = KVLayout(block_bytes=64, groups=(GroupSpec(block_size=4),))
     with pytest.raises(ConfigError, match="max_copies_per_call"):
         TransferWorker(kv, slab, layout, gpu_block_size=4, max_copies_per_call=bad)  # type: ignore[arg-type]
+
+
+def test_a_device_view_that_is_a_copy_is_refused_and_a_true_alias_accepted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kernel backend's alias check writes through the view and reads the host
+    byte: a helper that silently copies the slab (reads look right) is refused."""
+    from tierkv.gpu import alias as alias_module
+
+    monkeypatch.setattr(alias_module, "require_pinned", lambda slab: None)  # CPU: no pinning
+    slab = torch.arange(2 * 64, dtype=torch.uint8).view(2, 64)
+    original = slab.clone()
+    cpu = torch.device("cpu")
+    with pytest.raises(ConfigError, match="is a copy, not an alias"):
+        alias_module.device_alias(slab, cpu, lambda pinned, device: pinned.clone().view(-1))
+    assert torch.equal(slab, original)
+    view = alias_module.device_alias(slab, cpu, lambda pinned, device: pinned.view(-1))
+    assert view.data_ptr() == slab.data_ptr()
+    assert torch.equal(slab, original)  # the probe left no trace

@@ -643,6 +643,23 @@ async def test_concurrent_transfers_do_not_block_the_loop_and_return_in_order(
     rig.assert_holds(expected)
 
 
+async def test_results_nobody_takes_are_bounded_and_the_newest_kept(
+    device: torch.device, copy: Copy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller that orders its work on `done_event` never calls `get_finished`: the
+    results it leaves are bounded (oldest dropped, counted), not kept forever."""
+    from tierkv.gpu import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "MAX_UNCLAIMED_RESULTS", 3)
+    rig = Rig(device, [[256]], factor=1, copy=copy)
+    handles = [rig.worker.submit(TransferSpec("store", [[i]], [[i]], [0])) for i in range(5)]
+    await rig.worker.drain()
+    assert [r.transfer_id for r in rig.worker.get_finished()] == [
+        h.transfer_id for h in handles[-3:]
+    ]
+    assert rig.worker.unclaimed_dropped == 2
+
+
 async def test_get_finished_hands_out_unawaited_results_once_in_order(
     device: torch.device,
     copy: Copy,

@@ -51,7 +51,9 @@ def require_pinned(slab: torch.Tensor) -> None:
 
 def device_alias(slab: torch.Tensor, device: torch.device, device_view: DeviceView) -> torch.Tensor:
     """CUDA only: the slab as a device tensor over the same (pinned) host bytes,
-    checked by reading a few bytes through it with a kernel."""
+    checked by reading a few bytes through it with a kernel, then writing one byte
+    through it and reading it back on the host (a helper that silently hands a device
+    copy would pass a read; then kernel stores would never reach the slab)."""
     require_pinned(slab)
     try:
         alias = device_view(slab, device).view(torch.uint8).view(slab.shape)
@@ -70,4 +72,32 @@ def device_alias(slab: torch.Tensor, device: torch.device, device_view: DeviceVi
             "(torch.cuda.set_device) or pass device_view=",
             source="TransferWorker",
         )
+    if not _writes_reach_the_slab(alias, slab):
+        raise ConfigError(
+            f"primary: the device view of the slab on {device} is a copy, not an alias: "
+            "a byte written through it did not reach the host slab; pass device_view= a "
+            "helper that maps the pinned host memory (zero-copy), or use copy_backend='dma'",
+            source="TransferWorker",
+        )
     return alias
+
+
+def _writes_reach_the_slab(alias: torch.Tensor, slab: torch.Tensor) -> bool:
+    """Flip the slab's first byte through `alias` with a kernel, read it on the host,
+    flip it back (the slab is unchanged after, whatever the answer)."""
+    before = int(slab[0, 0])
+    flipped = before ^ 0xFF
+
+    def settle() -> None:
+        if alias.device.type == "cuda":
+            torch.cuda.synchronize(alias.device)
+
+    alias[0, 0:1].fill_(flipped)
+    settle()
+    reached = int(slab[0, 0]) == flipped
+    if reached:
+        alias[0, 0:1].fill_(before)
+        settle()
+    else:
+        slab[0, 0] = before  # in case a partial mapping wrote elsewhere
+    return reached and int(slab[0, 0]) == before

@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,11 @@ from tierkv.primary import HostSlab
 from tierkv.units import format_size
 
 logger = logging.getLogger(__name__)
+
+
+MAX_UNCLAIMED_RESULTS = 4096
+"""Results of transfers nobody awaited kept for `get_finished` at most; older ones
+are dropped (`TransferWorker.unclaimed_dropped`)."""
 
 
 @dataclass(eq=False)
@@ -167,7 +173,10 @@ class TransferWorker:
         self._ready = ready
         self._slab = slab
         self._ids = itertools.count(1)
-        self._finished: list[TransferResult] = []
+        # results nobody claimed, for get_finished; bounded, because a caller that
+        # orders its work on done_event may never ask (the oldest go first, counted)
+        self._finished: deque[TransferResult] = deque(maxlen=MAX_UNCLAIMED_RESULTS)
+        self.unclaimed_dropped = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._progress: anyio.Event | None = None
 
@@ -348,7 +357,7 @@ class TransferWorker:
                 )
                 handle._completion, handle._keepalive = None, ()
                 if not handle._claimed:
-                    self._finished.append(handle.result)
+                    self._keep_unclaimed(handle.result)
             if lane.waiters and lane.waiters[0].done() and lane.waiters[0]._wakeup:
                 lane.waiters[0]._wakeup.set()
 
@@ -356,8 +365,14 @@ class TransferWorker:
         """Results of completed transfers that no `wait` claimed, in submission order
         within each direction; each result is handed out once."""
         self._reap()
-        finished, self._finished = self._finished, []
+        finished = list(self._finished)
+        self._finished.clear()
         return finished
+
+    def _keep_unclaimed(self, result: TransferResult) -> None:
+        if len(self._finished) == self._finished.maxlen:
+            self.unclaimed_dropped += 1  # the deque drops the oldest
+        self._finished.append(result)
 
     @property
     def num_in_flight(self) -> int:
@@ -400,7 +415,7 @@ class TransferWorker:
             if not delivered:
                 handle._claimed = False
                 if handle.result is not None:
-                    self._finished.append(handle.result)
+                    self._keep_unclaimed(handle.result)
             if lane.waiters and lane.waiters[0]._wakeup:
                 lane.waiters[0]._wakeup.set()
         assert handle.result is not None
