@@ -42,6 +42,7 @@ from tierkv.errors import BlockStateError, ConfigError
 from tierkv.events import OffloadingEvent
 from tierkv.keys import OffloadKey
 from tierkv.layout import KVLayout
+from tierkv.pinning import HostMemory
 from tierkv.policies import CanEvict, EvictionPolicy, evict_any, make_policy
 from tierkv.room import Kind, RoomWaiters
 from tierkv.slab import PrimaryView
@@ -133,8 +134,10 @@ class PrimaryTier:
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         pinned = resolve_pin_memory(pin_memory)
-        slab = torch.empty((num_blocks, block_bytes), dtype=torch.uint8, pin_memory=pinned)
-        self.view = HostSlab(slab, namespace)
+        # exact-size pinning (tierkv.pinning): torch's pinned allocator would round
+        # the slab up to a power of two
+        self.memory = HostMemory(num_blocks, block_bytes, pin=pinned)
+        self.view = HostSlab(self.memory.tensor, namespace)
         self.pinned = pinned
         self.policy: EvictionPolicy = make_policy(eviction, num_blocks)
         self._blocks: dict[OffloadKey, _Block] = {}

@@ -171,6 +171,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
                 self.writeback.drop_unwritten()
                 for handle in core.tiers:
                     await self._close_tier(handle)
+                self.primary.memory.close()  # unregisters the pinned slab (CUDA)
 
     async def _close_tier(self, handle: TierHandle) -> None:
         if not handle.opened:
@@ -214,6 +215,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         primary = core.primary_stats.snapshot()
         primary.update(
             blocks=self.primary.num_blocks,
+            pinned_bytes=self.primary.memory.pinned_bytes,
             resident=len(self.primary),
             free=self.primary.num_free,
             evictable=self.primary.num_evictable,
