@@ -171,6 +171,7 @@ tiers: []
         ("events_dropped", "tierkv_events_dropped_total"),
         ("background_jobs", "tierkv_background_jobs"),
         ("indexed_keys", "tierkv_indexed_keys"),
+        ("pinned_bytes", "tierkv_primary_pinned_bytes"),
     ):
         assert got[(name, ns)] == stats[field], name
 

@@ -121,6 +121,10 @@ CACHE_GAUGES: dict[str, tuple[str, str]] = {
         "indexed_keys",
         "Keys in the cache's per-key index (tier locations, dirty, cascading, promoting)",
     ),
+    "pinned_bytes": (
+        "primary_pinned_bytes",
+        "Bytes of the primary slab pinned for CUDA copies (exactly the slab; 0 without CUDA)",
+    ),
 }
 
 
