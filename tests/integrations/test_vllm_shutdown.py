@@ -97,7 +97,7 @@ def test_a_store_thread_left_on_a_frozen_redis_does_not_keep_the_slab_mapped(
 
         missing_server("tierkv-cache-redis and a redis-server", exc)
     with server:
-        tier = {"type": "redis", "url": server.url, "job_timeout": "3s"}
+        tier = {"type": "redis", "url": server.url, "job_timeout": "6s"}
         engine = vllm.engine([vllm.entry(tier, shutdown_grace=0.2)])
         ctx = engine.new_request()
         engine.store(ctx, vllm.keys(2, "before"))
@@ -105,7 +105,7 @@ def test_a_store_thread_left_on_a_frozen_redis_does_not_keep_the_slab_mapped(
         server.freeze()  # the next store's thread waits on a socket nobody answers
         try:
             engine.store(ctx, vllm.keys(3, "frozen"))
-            time.sleep(0.3)  # the store's thread is in its socket now
+            time.sleep(0.5)  # the store's thread is in its socket now
             caplog.set_level(logging.WARNING)
             engine.shutdown()
             left = [t for t in threading.enumerate() if t.name.startswith("tierkv-redis")]
