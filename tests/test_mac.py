@@ -9,10 +9,20 @@ import struct
 
 import pytest
 
-from tierkv.errors import ConfigError, CorruptBlock
-from tierkv.framing import FIXED_HEADER_BYTES, Framer, header_bytes, header_length
+from tierkv.errors import ConfigError, CorruptBlock, ForeignBlock
+from tierkv.framing import (
+    FIXED_HEADER_BYTES,
+    FLAG_MAC,
+    FORMAT_VERSION,
+    MAGIC,
+    Framer,
+    checksum,
+    header_bytes,
+    header_length,
+    namespace_hash,
+)
 from tierkv.keys import make_offload_key
-from tierkv.mac import MAC_BYTES, MacKey, load_mac_key
+from tierkv.mac import KEY_ID_BYTES, MAC_BYTES, MacKey, load_mac_key
 from tierkv.memory_tier import MemoryTier, MemoryTierConfig
 from tierkv.slab import PrimaryView
 
@@ -32,33 +42,98 @@ def test_a_frame_with_a_mac_round_trips_and_says_so_in_its_flags(secret: str) ->
     framer = Framer("ns", load_mac_key(ENV))
     frame = framer.encode(KEY, PAYLOAD)
     assert len(frame) == header_bytes(KEY, mac=True) + len(PAYLOAD)
-    assert framer.header_bytes(KEY) == FIXED_HEADER_BYTES + len(KEY) + MAC_BYTES
+    assert framer.header_bytes(KEY) == FIXED_HEADER_BYTES + len(KEY) + KEY_ID_BYTES + MAC_BYTES
     assert header_length(frame[:FIXED_HEADER_BYTES]) == framer.header_bytes(KEY)
     dest = memoryview(bytearray(len(PAYLOAD)))
     framer.decode_into(KEY, frame, dest)
     assert bytes(dest) == PAYLOAD
 
 
-def test_a_right_checksum_under_the_wrong_key_is_refused(secret: str) -> None:
+def test_a_frame_signed_by_another_key_is_foreign_not_forged(secret: str) -> None:
+    """Another trust domain's block: refused (never served), but as a ForeignBlock,
+    which a shared tier leaves in place; decided from the header alone."""
     reader = Framer("ns", load_mac_key(ENV))
-    forged = Framer("ns", MacKey(os.urandom(32))).encode(KEY, PAYLOAD)
+    other = Framer("ns", MacKey(os.urandom(32))).encode(KEY, PAYLOAD)
     dest = memoryview(bytearray(len(PAYLOAD)))
-    with pytest.raises(CorruptBlock, match="MAC mismatch"):
-        reader.decode_into(KEY, forged, dest)
+    with pytest.raises(ForeignBlock, match="another trust domain"):
+        reader.decode_into(KEY, other, dest)
+    with pytest.raises(ForeignBlock):
+        reader.parse_header(other[: reader.header_bytes(KEY)])  # before any payload read
     assert bytes(dest) == bytes(len(PAYLOAD)), "the slot is written only after every check"
 
 
-def test_a_reader_with_a_key_refuses_frames_without_a_mac_and_vice_versa(secret: str) -> None:
+def test_a_frame_claiming_our_key_id_with_a_wrong_mac_is_forged(secret: str) -> None:
+    """Only a frame that says our key signed it, and fails, is corrupt (deleted)."""
+    key = load_mac_key(ENV)
+    reader = Framer("ns", key)
+    forged = bytearray(Framer("ns", MacKey(os.urandom(32))).encode(KEY, PAYLOAD))
+    at = FIXED_HEADER_BYTES + len(KEY)
+    forged[at : at + KEY_ID_BYTES] = key.key_id  # the forger copies our (public) key id
+    dest = memoryview(bytearray(len(PAYLOAD)))
+    with pytest.raises(CorruptBlock, match="claims this tier's key") as caught:
+        reader.decode_into(KEY, forged, dest)
+    assert not isinstance(caught.value, ForeignBlock)
+    assert bytes(dest) == bytes(len(PAYLOAD))
+
+
+def test_key_ids_name_the_key_not_the_secret() -> None:
+    secret = os.urandom(32)
+    assert MacKey(secret).key_id == MacKey(secret).key_id
+    assert len(MacKey(secret).key_id) == KEY_ID_BYTES
+    assert MacKey(secret).key_id != MacKey(os.urandom(32)).key_id
+    assert MacKey(secret).key_id not in secret
+    assert MacKey(secret).key_id.hex() in repr(MacKey(secret))
+
+
+def test_a_reader_with_a_key_leaves_frames_without_a_mac_and_vice_versa(secret: str) -> None:
     keyed = Framer("ns", load_mac_key(ENV))
     plain = Framer("ns")
     dest = memoryview(bytearray(len(PAYLOAD)))
-    with pytest.raises(CorruptBlock, match="carries no MAC but this tier requires one"):
+    with pytest.raises(ForeignBlock, match="carries no MAC; this tier accepts only"):
         keyed.decode_into(KEY, plain.encode(KEY, PAYLOAD), dest)
-    with pytest.raises(CorruptBlock, match="carries a MAC but this tier has no MAC key"):
+    with pytest.raises(ForeignBlock, match="this tier has no MAC key"):
         plain.decode_into(KEY, keyed.encode(KEY, PAYLOAD), dest)
 
 
-@pytest.mark.parametrize("flags", [0x0002, 0x8000, 0xFFFF])
+def _frame_without_key_id(mac: MacKey, payload: bytes) -> bytes:
+    """A signed frame as tierkv wrote it before key ids: MAC right after the key."""
+    fixed = struct.pack(
+        "<4sHHQQQH",
+        MAGIC,
+        FORMAT_VERSION,
+        FLAG_MAC,
+        namespace_hash("ns"),
+        len(payload),
+        checksum(payload),
+        len(KEY),
+    )
+    return fixed + KEY + mac.tag(fixed, KEY, payload) + payload
+
+
+def test_signed_frames_written_before_key_ids_still_read_and_are_judged_by_their_mac(
+    secret: str,
+) -> None:
+    key = load_mac_key(ENV)
+    reader = Framer("ns", key)
+    old = _frame_without_key_id(key, PAYLOAD)
+    assert header_length(old[:FIXED_HEADER_BYTES]) == FIXED_HEADER_BYTES + len(KEY) + MAC_BYTES
+    dest = memoryview(bytearray(len(PAYLOAD)))
+    reader.decode_into(KEY, old, dest)
+    assert bytes(dest) == PAYLOAD
+    other = _frame_without_key_id(MacKey(os.urandom(32)), PAYLOAD)
+    with pytest.raises(CorruptBlock, match="MAC mismatch") as caught:
+        reader.decode_into(KEY, other, memoryview(bytearray(len(PAYLOAD))))
+    assert not isinstance(caught.value, ForeignBlock), "no key id: nothing says whose it is"
+
+
+def test_a_key_id_without_a_mac_is_corrupt() -> None:
+    frame = bytearray(Framer("ns").encode(KEY, PAYLOAD))
+    struct.pack_into("<H", frame, 6, 0x0002)
+    with pytest.raises(CorruptBlock, match="a key id without a MAC"):
+        Framer("ns").decode_into(KEY, frame, memoryview(bytearray(len(PAYLOAD))))
+
+
+@pytest.mark.parametrize("flags", [0x0004, 0x8000, 0xFFFF])
 def test_unknown_flag_bits_are_refused(flags: int) -> None:
     frame = bytearray(Framer("ns").encode(KEY, PAYLOAD))
     struct.pack_into("<H", frame, 6, flags)

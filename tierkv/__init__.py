@@ -51,6 +51,7 @@ _EXPORTS: dict[str, str] = {
     "ConfigError": "tierkv.errors",
     "TierUnavailable": "tierkv.errors",
     "CorruptBlock": "tierkv.errors",
+    "ForeignBlock": "tierkv.errors",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
@@ -102,6 +103,9 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers
     )
     from tierkv.errors import (
         CorruptBlock as CorruptBlock,
+    )
+    from tierkv.errors import (
+        ForeignBlock as ForeignBlock,
     )
     from tierkv.errors import (
         TierKVError as TierKVError,

@@ -44,6 +44,16 @@ class CorruptBlock(TierKVError):
     """Bytes read back from a tier fail the frame check (header, key, length, checksum)."""
 
 
+class ForeignBlock(CorruptBlock):
+    """A well-formed frame signed by a MAC key this tier does not hold (another trust
+    domain sharing the storage), or unsigned where this tier requires a signature.
+
+    Not ours to serve and not ours to delete: the key fails (a miss) and the stored
+    value stays for the servers that hold its key. It subclasses `CorruptBlock` so a
+    tier written before it existed still refuses to serve it; a tier that shares its
+    storage catches it first and leaves the block in place."""
+
+
 class BlockStateError(TierKVError):
     """An operation was asked of a block in a state that does not allow it
     (loading a block that is still being written, completing a load never prepared)."""

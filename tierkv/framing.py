@@ -1,21 +1,36 @@
 """The frame every tier stores around a block's bytes.
 
     magic "TKVB" | version u16 | flags u16 | namespace hash u64 | payload length u64
-    | payload checksum u64 (xxh3_64) | key length u16 | key | [MAC, 32 bytes] | payload
+    | payload checksum u64 (xxh3_64) | key length u16 | key
+    | [MAC key id, 8 bytes] | [MAC, 32 bytes] | payload
 
 Bytes read back from a tier are untrusted (a shared Redis, an S3 bucket, a disk that
 lost power): a `Framer` rejects anything whose magic, version, flags, namespace, key,
 length, checksum or MAC does not match, with a `CorruptBlock` that says which. Nothing
 is ever unpickled.
 
-Flags: bit 0 (`FLAG_MAC`) says the frame carries a MAC, a keyed BLAKE3 of the header
-(without the MAC) and the payload (`tierkv.mac`); every other bit must be 0. A tier
-with `mac_key_env` set writes MACs and accepts only frames whose MAC checks under its
-key; a tier without one accepts only frames without a MAC.
+Flags: bit 0 (`FLAG_MAC`) says the frame carries a MAC, a keyed BLAKE3 of everything
+before the MAC (header, key, key id) and of the payload (`tierkv.mac`); bit 1
+(`FLAG_KEY_ID`, only with a MAC) says the MAC is preceded by the id of the key that
+made it. Every other bit must be 0. A tier with `mac_key_env` set writes both.
+
+Trust domains: servers with different MAC keys may share one namespace on one Redis
+or bucket. What a reader does with a frame depends on whose it is:
+- signed with our key id and the MAC checks: served;
+- signed with our key id and the MAC fails: forged or altered, `CorruptBlock` (the
+  tier deletes it);
+- signed by another key id, signed while we hold no key, or unsigned while we
+  require a signature: `ForeignBlock` (a `CorruptBlock`): a miss for us, left in
+  place for the servers it belongs to;
+- signed without a key id (written before key ids, tierkv 2026-11 and earlier): the
+  MAC decides, as it did then.
+Frames without a MAC are byte-identical to what earlier versions wrote. A reader
+older than key ids refuses signed frames with the new flag ("unknown header flags")
+and deletes them: upgrade every signing server of a namespace together.
 
 Overhead per block, for capacity accounting: `Framer.header_bytes(key)` =
-FIXED_HEADER_BYTES (34) + len(key) (+ MAC_BYTES (32) with a MAC). A tier with
-`capacity: C` holds about C // (header_bytes(key) + block_bytes) blocks.
+FIXED_HEADER_BYTES (34) + len(key) (+ KEY_ID_BYTES (8) + MAC_BYTES (32) with a MAC).
+A tier with `capacity: C` holds about C // (header_bytes(key) + block_bytes) blocks.
 
 A tier that can read in two steps (header, then payload straight into the primary
 slot) uses `parse_header` + `check` + `verify`; one that gets the whole value at once
@@ -33,14 +48,16 @@ from dataclasses import dataclass
 
 import xxhash
 
-from tierkv.errors import CorruptBlock
+from tierkv.errors import CorruptBlock, ForeignBlock
 from tierkv.keys import OffloadKey
-from tierkv.mac import MAC_BYTES, MacKey
+from tierkv.mac import KEY_ID_BYTES, MAC_BYTES, MacKey
 
 MAGIC = b"TKVB"
 FORMAT_VERSION = 1
 FLAG_MAC = 0x0001
-KNOWN_FLAGS = FLAG_MAC
+FLAG_KEY_ID = 0x0002
+KNOWN_FLAGS = FLAG_MAC | FLAG_KEY_ID
+_SIGNATURE_BYTES = KEY_ID_BYTES + MAC_BYTES  # what a signed frame adds after its key
 _FIXED = struct.Struct("<4sHHQQQH")
 FIXED_HEADER_BYTES = _FIXED.size
 MAX_KEY_BYTES = 2**16 - 1
@@ -59,8 +76,13 @@ def checksum(payload: Buffer) -> int:
 
 
 def header_bytes(key: OffloadKey, *, mac: bool = False) -> int:
-    """Total header length for `key` (with room for a MAC if `mac`)."""
-    return FIXED_HEADER_BYTES + len(key) + (MAC_BYTES if mac else 0)
+    """Total header length for `key` (with room for a key id and a MAC if `mac`)."""
+    return FIXED_HEADER_BYTES + len(key) + (_SIGNATURE_BYTES if mac else 0)
+
+
+def _extra_bytes(flags: int) -> int:
+    """Bytes between the key and the payload that `flags` announce."""
+    return (MAC_BYTES if flags & FLAG_MAC else 0) + (KEY_ID_BYTES if flags & FLAG_KEY_ID else 0)
 
 
 def header_length(fixed: Buffer) -> int:
@@ -71,7 +93,7 @@ def header_length(fixed: Buffer) -> int:
     fields = _FIXED.unpack_from(fixed)
     flags: int = fields[2]
     key_len: int = fields[6]
-    return FIXED_HEADER_BYTES + key_len + (MAC_BYTES if flags & FLAG_MAC else 0)
+    return FIXED_HEADER_BYTES + key_len + _extra_bytes(flags)
 
 
 @dataclass(frozen=True)
@@ -81,7 +103,8 @@ class Header:
     payload_checksum: int
     size: int  # bytes of header, where the payload starts
     mac: bytes | None = None  # the MAC the frame carries
-    signed: bytes = b""  # fixed header + key: what the MAC covers before the payload
+    signed: bytes = b""  # fixed header + key (+ key id): what the MAC covers before the payload
+    key_id: bytes | None = None  # which MAC key signed the frame, when it says
 
 
 class Framer:
@@ -120,18 +143,19 @@ class Framer:
         """The header to write before `payload`; the caller writes both back to back."""
         if len(key) > MAX_KEY_BYTES:
             raise ValueError(f"key of {len(key)} bytes is longer than {MAX_KEY_BYTES}")
+        mac = self._mac
         fixed = _FIXED.pack(
             MAGIC,
             FORMAT_VERSION,
-            FLAG_MAC if self._mac is not None else 0,
+            FLAG_MAC | FLAG_KEY_ID if mac is not None else 0,
             self._ns_hash,
             len(payload),
             checksum(payload),
             len(key),
         )
-        if self._mac is None:
+        if mac is None:
             return fixed + key
-        return fixed + key + self._mac.tag(fixed, key, payload)
+        return fixed + key + mac.key_id + mac.tag(fixed, key, mac.key_id, payload)
 
     def encode(self, key: OffloadKey, payload: Buffer) -> bytes:
         """Header and payload as one `bytes` (one copy of the payload)."""
@@ -140,7 +164,9 @@ class Framer:
     # -- reading --------------------------------------------------------------------
     def parse_header(self, data: Buffer) -> Header:
         """Parse and check the header at the start of `data` (which may hold more):
-        magic, version, flags (strictly), namespace, and that the key (and MAC) fit."""
+        magic, version, flags (strictly), namespace, that the key (and signature) fit,
+        and whose the frame is: `ForeignBlock` when another key signed it (or none
+        did, where this tier requires a signature, or one did, where it has no key)."""
         if len(data) < FIXED_HEADER_BYTES:
             raise CorruptBlock(f"frame of {len(data)} bytes is shorter than its header")
         magic, version, flags, ns_hash, length, check, key_len = _FIXED.unpack_from(data)
@@ -151,25 +177,42 @@ class Framer:
         if flags & ~KNOWN_FLAGS:
             raise CorruptBlock(f"unknown header flags 0x{flags:04x}")
         has_mac = bool(flags & FLAG_MAC)
-        if has_mac and self._mac is None:
-            raise CorruptBlock("frame carries a MAC but this tier has no MAC key (mac_key_env)")
-        if not has_mac and self._mac is not None:
-            raise CorruptBlock("frame carries no MAC but this tier requires one (mac_key_env)")
+        if flags & FLAG_KEY_ID and not has_mac:
+            raise CorruptBlock(f"header flags 0x{flags:04x}: a key id without a MAC")
         if ns_hash != self._ns_hash:
             raise CorruptBlock("block belongs to another namespace")
         key_end = FIXED_HEADER_BYTES + key_len
-        end = key_end + (MAC_BYTES if has_mac else 0)
+        mac_start = key_end + (KEY_ID_BYTES if flags & FLAG_KEY_ID else 0)
+        end = mac_start + (MAC_BYTES if has_mac else 0)
         if len(data) < end:
-            where = "key" if len(data) < key_end else "MAC"
+            where = "key" if len(data) < key_end else "signature"
             raise CorruptBlock(f"frame truncated inside its {where}")
-        signed = bytes(data[:key_end])
+        key_id = bytes(data[key_end:mac_start]) if flags & FLAG_KEY_ID else None
+        mine = self._mac
+        if has_mac and mine is None:
+            raise ForeignBlock(
+                f"frame signed by MAC key {_id(key_id)}; this tier has no MAC key "
+                "(mac_key_env): left in place"
+            )
+        if not has_mac and mine is not None:
+            raise ForeignBlock(
+                "frame carries no MAC; this tier accepts only frames signed with its key "
+                "(mac_key_env): left in place"
+            )
+        if mine is not None and key_id is not None and key_id != mine.key_id:
+            raise ForeignBlock(
+                f"frame signed by MAC key {_id(key_id)}, this tier's is {_id(mine.key_id)}: "
+                "another trust domain's block, left in place"
+            )
+        signed = bytes(data[:mac_start])
         return Header(
-            key=signed[FIXED_HEADER_BYTES:],
+            key=signed[FIXED_HEADER_BYTES:key_end],
             payload_length=length,
             payload_checksum=check,
             size=end,
-            mac=bytes(data[key_end:end]) if has_mac else None,
+            mac=bytes(data[mac_start:end]) if has_mac else None,
             signed=signed,
+            key_id=key_id,
         )
 
     def check(self, header: Header, key: OffloadKey, block_bytes: int) -> None:
@@ -183,7 +226,11 @@ class Framer:
         if mac is not None and (
             header.mac is None or not mac.verify(header.mac, header.signed, payload)
         ):
-            raise CorruptBlock("MAC mismatch: written without this tier's key, or altered")
+            raise CorruptBlock(
+                "MAC mismatch: claims this tier's key but was written without it, or altered"
+                if header.key_id is not None
+                else "MAC mismatch: written without this tier's key, or altered"
+            )
 
     def decode_into(self, key: OffloadKey, frame: Buffer, dest: memoryview) -> None:
         """Check a whole frame read back for `key` and copy its payload into `dest`.
@@ -194,6 +241,10 @@ class Framer:
         view = memoryview(frame)[header.size :]
         self.verify(header, view)
         dest[:] = view
+
+
+def _id(key_id: bytes | None) -> str:
+    return key_id.hex() if key_id is not None else "(no key id: an older frame)"
 
 
 def check_header(header: Header, key: OffloadKey, block_bytes: int) -> None:

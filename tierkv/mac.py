@@ -22,6 +22,7 @@ import os
 import blake3
 
 __all__ = [
+    "KEY_ID_BYTES",
     "MAC_BYTES",
     "MIN_SECRET_BYTES",
     "MacKey",
@@ -31,16 +32,24 @@ __all__ = [
 MAC_BYTES = 32
 """Length of the tag a frame carries."""
 
+KEY_ID_BYTES = 8
+"""Length of the key id a signed frame carries: which key signed it."""
+
 MIN_SECRET_BYTES = 32
 """Shortest secret accepted (e.g. `openssl rand -hex 32` prints 64 characters)."""
 
 _CONTEXT = "tierkv 2026-11 frame MAC v1"
+_ID_CONTEXT = "tierkv 2026-11 frame MAC key id v1"
 
 
 class MacKey:
-    """A derived 32-byte key: `tag(parts)` MACs their concatenation."""
+    """A derived 32-byte key: `tag(parts)` MACs their concatenation; `key_id` names it.
 
-    __slots__ = ("_key",)
+    The key id is a fingerprint derived from the key in a separate BLAKE3 context: it
+    says which key signed a frame (so a reader holding another key knows the frame is
+    not its to judge) and reveals nothing that helps forge a MAC."""
+
+    __slots__ = ("_key", "key_id")
 
     def __init__(self, secret: bytes) -> None:
         if len(secret) < MIN_SECRET_BYTES:
@@ -48,6 +57,9 @@ class MacKey:
                 f"a MAC secret must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)}"
             )
         self._key = blake3.blake3(secret, derive_key_context=_CONTEXT).digest()
+        self.key_id: bytes = blake3.blake3(self._key, derive_key_context=_ID_CONTEXT).digest(
+            KEY_ID_BYTES
+        )
 
     def tag(self, *parts: bytes | bytearray | memoryview) -> bytes:
         """The MAC of the concatenation of `parts` (hashed in place, no join)."""
@@ -61,7 +73,7 @@ class MacKey:
         return hmac.compare_digest(tag, self.tag(*parts))
 
     def __repr__(self) -> str:  # never show the key
-        return "MacKey(<secret>)"
+        return f"MacKey(<secret>, id={self.key_id.hex()})"
 
 
 def load_mac_key(env_var: str) -> MacKey:

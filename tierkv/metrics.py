@@ -67,6 +67,15 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "errors": ("errors", "Jobs or lookups that raised or timed out"),
     "drops": ("dropped_blocks", "Blocks not cascaded (back-pressure) or not stored (no room)"),
     "skipped_unhealthy": ("skipped_unhealthy", "Requests not sent while the circuit was open"),
+    "foreign_blocks": (
+        "foreign_blocks",
+        "Loads that found a block signed by another trust domain's MAC key (left in place)",
+    ),
+    "fallback_lookups": (
+        "fallback_lookups",
+        "Keys asked again because the tier above failed to load them",
+    ),
+    "fallback_hits": ("fallback_hits", "Keys a fallback lookup found in the medium"),
 }
 GAUGES: dict[str, tuple[str, str]] = {
     "inflight_jobs": ("inflight_jobs", "Jobs running against the medium now"),
@@ -102,6 +111,10 @@ CACHE_COUNTERS: dict[str, tuple[str, str]] = {
     "promotion_waits": (
         "promotion_waits",
         "Times a load was woken by room released for its promotion (waited, not shed)",
+    ),
+    "load_fallbacks": (
+        "load_fallback_blocks",
+        "Blocks a load found further down the chain after every tier it knew of failed them",
     ),
     "room_wakeups": (
         "room_wakeups",

@@ -17,6 +17,7 @@ Register a tier with an entry point:
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -25,7 +26,7 @@ from typing import Any, ClassVar, Literal
 import anyio
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveInt, field_validator
 
-from tierkv.errors import ConfigError, CorruptBlock, TierUnavailable, detached
+from tierkv.errors import ConfigError, CorruptBlock, ForeignBlock, TierUnavailable, detached
 from tierkv.framing import Framer
 from tierkv.jobs import JobMetadata, JobResult, ReqContext
 from tierkv.keys import OffloadKey
@@ -50,6 +51,7 @@ __all__ = [
     "CorruptBlock",
     "detached",
     "Duration",
+    "ForeignBlock",
     "Framer",
     "InFlightJobs",
     "IOThreads",
@@ -156,7 +158,10 @@ class SecondaryTierManager(ABC):
       partial success is normal.
     - Stored bytes are framed by `self.framer` (`tierkv.framing`: a checksum always, a
       keyed MAC when the config sets `mac_key_env`); a load that reads bytes failing
-      the check reports the key failed, deletes it and reports it removed.
+      the check reports the key failed, deletes it and reports it removed. A
+      `ForeignBlock` (signed by another trust domain's MAC key) fails its key too; a
+      tier whose storage other servers share (`shared_storage = True`) leaves it in
+      place and counts it with `report_foreign`.
     - Per-key work goes through `run_job` (concurrency, deadline, late keys failed,
       partial results); blocking calls and whole-block CPU work (framing, checksums,
       copies) through `in_thread`, never on the event loop.
@@ -178,6 +183,11 @@ class SecondaryTierManager(ABC):
     block that leaves it with `report_removed`, so a consumer of its events may expect
     a removal for each block stored (vLLM's `removal_expected`). False for a tier
     whose blocks vanish unseen (a Redis evicting under maxmemory, a TTL) or never."""
+    shared_storage: ClassVar[bool] = False
+    """True when other servers read and write the same stored blocks (a Redis, a
+    bucket): a block signed by another MAC key is theirs, and is left in place. False
+    for storage private to this tier (its memory, its directory), where such a block
+    can only be this tier's own under an earlier key and is deleted like a corrupt one."""
 
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
         if not isinstance(config, self.Config):
@@ -189,6 +199,9 @@ class SecondaryTierManager(ABC):
         self.framer = Framer(primary.namespace, config.mac_key())
         """Writes and checks this tier's frames (with a MAC when `mac_key_env` is set)."""
         self._removal_listener: RemovalListener | None = None
+        self._foreign_lock = threading.Lock()
+        self.foreign_blocks = 0
+        """Loads that found a block signed by another MAC key (`report_foreign`)."""
 
     @staticmethod
     @abstractmethod
@@ -242,6 +255,14 @@ class SecondaryTierManager(ABC):
         removed = tuple(keys)
         if removed and self._removal_listener is not None:
             self._removal_listener(removed)
+
+    def report_foreign(self, keys: Iterable[OffloadKey]) -> None:
+        """Count blocks a load found signed by another trust domain's key (failed for
+        this tier, left in place). Safe from any thread."""
+        n = sum(1 for _ in keys)
+        if n:
+            with self._foreign_lock:
+                self.foreign_blocks += n
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary for `tierkv plugins` and logs (no secrets)."""

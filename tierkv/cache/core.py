@@ -103,6 +103,7 @@ class CacheCore:
             "write_back_dropped": 0,
             "promotions_shed": 0,
             "promotion_waits": 0,
+            "load_fallbacks": 0,
         }
 
     # -- background jobs ---------------------------------------------------------------

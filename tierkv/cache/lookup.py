@@ -73,6 +73,30 @@ class Lookup:
             found.update(await self._ask(asks, ctx))
         return found
 
+    async def ask_below(
+        self, floors: dict[OffloadKey, int], ctx: ReqContext
+    ) -> dict[OffloadKey, int]:
+        """A load's last resort for keys every tier it knew of failed to serve: ask
+        each usable tier below `floors[key]` that the index does not already place the
+        key in (and whose claim has not failed), once, concurrently. Key -> highest
+        tier that has it. Counted per tier as `fallback_lookups` / `fallback_hits`."""
+        index = self.core.index
+        asks: list[tuple[TierHandle, list[OffloadKey]]] = []
+        for handle in self.core.tiers:
+            i = handle.index
+            ask = [
+                k
+                for k, floor in floors.items()
+                if i > floor and not index.held(k) >> i & 1 and index.believes(k, i)
+            ]
+            if ask and handle.usable():
+                asks.append((handle, ask))
+                handle.stats.fallback_lookups += len(ask)
+        found = await self._ask(asks, ctx)
+        for handle, ask in asks:
+            handle.stats.fallback_hits += sum(1 for k in ask if index.held(k) >> handle.index & 1)
+        return found
+
     async def _ask(
         self, asks: list[tuple[TierHandle, list[OffloadKey]]], ctx: ReqContext
     ) -> dict[OffloadKey, int]:
@@ -95,19 +119,21 @@ class Lookup:
             if flags is None:
                 continue
             i = handle.index
-            hits = 0
+            held: list[OffloadKey] = []
             for key, present in zip(keys, flags):
                 if present and index.believes(key, i):
-                    hits += 1
+                    held.append(key)
                     prev = found.get(key)
                     if prev is None or i < prev:
                         found[key] = i
                 elif not present:
                     index.note_missing(key, i)
-            handle.stats.hits += hits
-            handle.stats.misses += len(keys) - hits
-        for key, i in found.items():
-            index.note_held((key,), i)
+            # every tier that holds a key is remembered, not only the highest: a load
+            # whose copy above fails (evicted since, by another server's Redis) then
+            # goes on down the chain
+            index.note_held(held, i)
+            handle.stats.hits += len(held)
+            handle.stats.misses += len(keys) - len(held)
         return found
 
     async def lookup(

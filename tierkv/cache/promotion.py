@@ -374,15 +374,34 @@ class Promoter:
         core = self.core
         tried: dict[OffloadKey, int] = {}
         last_error: dict[OffloadKey, str] = {}
+        asked_below: set[OffloadKey] = set()
         remaining = keys
         while remaining:
             by_tier: dict[int, list[OffloadKey]] = {}
+            floors: dict[OffloadKey, int] = {}
             for key in remaining:
                 t = self._next_tier(key, tried.get(key, -1))
-                if t is None:
-                    outcome[key] = (None, last_error.get(key, "not found in any tier"))
-                else:
+                if t is not None:
                     by_tier.setdefault(t, []).append(key)
+                elif key not in asked_below:  # once: the tiers below nobody asked
+                    asked_below.add(key)
+                    # below the tier that failed it, or (none tried: the tier it was
+                    # located in is unusable now) below that one
+                    floor = tried.get(key)
+                    if floor is None:
+                        floor = core.index.location(key)
+                    floors[key] = -1 if floor is None else floor
+                else:
+                    outcome[key] = (None, last_error.get(key, "not found in any tier"))
+            if floors:
+                found = await self.lookup.ask_below(floors, ctx)
+                if found:
+                    core.counters["load_fallbacks"] += len(found)
+                for key in floors:
+                    if key in found:
+                        by_tier.setdefault(found[key], []).append(key)
+                    else:
+                        outcome[key] = (None, last_error.get(key, "not found in any tier"))
             if not by_tier:
                 return
             results: dict[int, JobResult] = {}

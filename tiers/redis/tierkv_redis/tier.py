@@ -59,6 +59,7 @@ from redis.retry import Retry as SyncRetry
 from tierkv.tier import (
     Batch,
     CorruptBlock,
+    ForeignBlock,
     InFlightJobs,
     IOThreads,
     JobAborted,
@@ -109,6 +110,7 @@ class RedisTier(SecondaryTierManager):
 
     Config = RedisTierConfig
     config: RedisTierConfig
+    shared_storage = True
 
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
         super().__init__(config, primary)
@@ -421,6 +423,9 @@ class RedisTier(SecondaryTierManager):
                     continue
                 try:
                     self.framer.decode_into(key, frame, self.primary.block(slot))
+                except ForeignBlock as exc:  # another trust domain's block: left in place
+                    errors[key] = f"not this server's block: {exc}"
+                    self.report_foreign([key])
                 except CorruptBlock as exc:
                     errors[key] = f"corrupt block deleted: {exc}"
                     doomed.append(key)

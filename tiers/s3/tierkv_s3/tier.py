@@ -55,6 +55,7 @@ from s3fs import S3FileSystem  # type: ignore[import-untyped]
 from tierkv.tier import (
     Batch,
     CorruptBlock,
+    ForeignBlock,
     InFlightJobs,
     IOThreads,
     JobAborted,
@@ -126,6 +127,7 @@ class S3Tier(SecondaryTierManager):
 
     Config = S3TierConfig
     config: S3TierConfig
+    shared_storage = True
 
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
         super().__init__(config, primary)
@@ -549,6 +551,9 @@ class S3Tier(SecondaryTierManager):
             raise
         if corrupt is not None:
             self._present.pop(key, None)
+            if isinstance(corrupt, ForeignBlock):  # another trust domain's: theirs to keep
+                self.report_foreign([key])
+                raise S3Failure("fatal", f"{url}: {corrupt}") from None
             await self._delete_quietly(fs, key)
             self.report_removed([key])
             raise S3Failure("fatal", f"corrupt block deleted: {url}: {corrupt}") from None
