@@ -171,3 +171,67 @@ def test_promotion_wait_must_be_a_duration_of_zero_or_more(faulty_tier_type: str
     with pytest.raises(ConfigError, match="promotion_wait"):
         parse_config(chain(8, promotion_wait="-1s"))
     assert parse_config(chain(8, promotion_wait="20ms")).promotion_wait == pytest.approx(0.02)
+
+
+async def test_a_store_of_a_block_a_failing_promotion_is_writing_stores_it_itself(
+    faulty_tier_type: str,
+) -> None:
+    """A store meets its key being written by a promotion. `already_present` would be
+    a lie if that promotion then fails: the store waits for it and, when it failed,
+    writes the block itself (issue 20, item 6)."""
+    async with opened(chain(8)) as (cache, tier):
+        (k,) = keys(1, "contested")
+        data = blocks(1, 3)
+        tier.lie_about = {k}  # the tier claims it; its load will fail
+        tier.gate = anyio.Event()
+        results: dict[str, Any] = {}
+
+        async def load() -> None:
+            results["load"] = await cache.load([k], torch.zeros(1, BLOCK, dtype=torch.uint8))
+
+        async def store() -> None:
+            results["store"] = await cache.store([k], data)
+
+        async with anyio.create_task_group() as tg:
+            await cache.lookup([[k]])
+            tg.start_soon(load)
+            while k not in cache.primary:  # the promotion has reserved its slot
+                await anyio.sleep(0.001)
+            tg.start_soon(store)
+            await anyio.sleep(0.05)
+            assert "store" not in results, "the store waits for the write in flight"
+            tier.gate.set()
+        assert results["load"].failed_keys == (k,)
+        assert results["store"].stored == (k,) and results["store"].already_present == ()
+        out = torch.zeros(1, BLOCK, dtype=torch.uint8)
+        assert (await cache.load([k], out)).ok
+        assert torch.equal(out, data)
+
+
+async def test_a_store_of_a_block_a_succeeding_promotion_is_writing_reports_it_present(
+    faulty_tier_type: str,
+) -> None:
+    async with opened(chain(8)) as (cache, tier):
+        ks, data = keys(2, "promoted"), blocks(2, 4)
+        await only_in_the_tier(cache, ks, data)
+        tier.gate = anyio.Event()
+        results: dict[str, Any] = {}
+
+        async def load() -> None:
+            results["load"] = await cache.load(ks[:1], torch.zeros(1, BLOCK, dtype=torch.uint8))
+
+        async def store() -> None:
+            results["store"] = await cache.store(ks, blocks(2, 5))
+
+        async with anyio.create_task_group() as tg:
+            await cache.lookup([ks[:1]])
+            tg.start_soon(load)
+            while ks[0] not in cache.primary:
+                await anyio.sleep(0.001)
+            tg.start_soon(store)
+            await anyio.sleep(0.05)
+            assert "store" not in results
+            tier.gate.set()
+        assert results["load"].ok
+        assert results["store"].already_present == (ks[0],)
+        assert results["store"].stored == (ks[1],)

@@ -248,6 +248,29 @@ class Cascader:
         wanted = set(want)
         return bool(primary.candidates(1, lambda k: k not in wanted and watch.may_evict(k)))
 
+    async def _settle(
+        self, keys: list[OffloadKey], deadline: float
+    ) -> tuple[list[OffloadKey], list[OffloadKey], list[OffloadKey]]:
+        """Wait (up to `deadline`) for the writes others are making of `keys` to end.
+        Returns (ready now, lost: the write failed and the slot is gone, still being
+        written at the deadline)."""
+        primary, index = self.core.primary, self.core.index
+        while True:
+            writing = [k for k in keys if k in primary and not primary.is_ready(k)]
+            left = deadline - anyio.current_time()
+            if not writing or left <= 0:
+                break
+            flight = next((f for k in writing if (f := index.flight(k)) is not None), None)
+            with anyio.move_on_after(left):
+                if flight is not None:  # a promotion: its end is an event
+                    await flight.done.wait()
+                else:  # another store's copy into its slots: short
+                    await anyio.sleep(0.001)
+        ready = [k for k in keys if primary.is_ready(k)]
+        lost = [k for k in keys if k not in primary]
+        late = [k for k in keys if k in primary and not primary.is_ready(k)]
+        return ready, lost, late
+
     async def store(self, keys: Sequence[OffloadKey], source: object) -> StoreResult:
         core = self.core
         core.check_open()
@@ -262,9 +285,9 @@ class Cascader:
                 position.setdefault(key, i)
         resident, in_flight, new = primary.partition(position)
         already = resident
-        if in_flight:  # rare: keep key order
-            present = {*resident, *in_flight}
-            already = [k for k in position if k in present]
+        # keys another store or a promotion is writing right now: `already_present`
+        # only once that write succeeded; if it fails, this store writes them
+        pending: list[OffloadKey] = list(in_flight)
         if hasattr(src, "validate"):  # e.g. KVCacheBlocks: GPU block ids, coverage
             run_validate_hook(src, "store", [position[k] for k in new], primary.view)
         stored: list[OffloadKey] = []
@@ -275,9 +298,20 @@ class Cascader:
         deadline = anyio.current_time() + core.config.store_timeout
         streaming = False
         i = 0
-        while i < len(new):
+        while i < len(new) or pending:
+            if i >= len(new):  # every new key placed: settle what others were writing
+                ready, new, late = await self._settle(pending, deadline)
+                already.extend(ready)
+                pending, i = [], 0
+                if late:
+                    error = (
+                        "another store or promotion of these blocks was still writing "
+                        f"them at store_timeout ({core.config.store_timeout:g}s)"
+                    )
+                    rejected.extend(late)
+                continue
             if new[i] in primary:  # stored meanwhile by someone else
-                already.append(new[i])
+                (already if primary.is_ready(new[i]) else pending).append(new[i])
                 i += 1
                 continue
             size = self._window(len(new) - i, deadline)
@@ -329,16 +363,18 @@ class Cascader:
                 key = new[i]
                 i += 1
                 if key not in got_set:
-                    already.append(key)
+                    (already if primary.is_ready(key) else pending).append(key)
                 if key == last:
                     break
         if error is not None:
-            rejected = [k for k in new[i:] if k not in primary]
-            already.extend(k for k in new[i:] if k in primary)
+            for key in [*new[i:], *pending]:  # present only if ready; in flight is not
+                (already if primary.is_ready(key) else rejected).append(key)
             core.primary_stats.drops += len(rejected)
             core.counters["store_rejected"] += len(rejected)
             if not rejected:
                 error = None
+        if len(already) != len(resident):  # some were settled later: back to key order
+            already.sort(key=position.__getitem__)
         return StoreResult(
             stored=tuple(stored),
             already_present=tuple(already),

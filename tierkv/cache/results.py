@@ -41,8 +41,10 @@ class LookupResult:
 @dataclass(frozen=True)
 class StoreResult:
     """`stored` are resident in the primary or accepted by at least one tier (a store
-    larger than the primary streams through it); `already_present` were in the
-    primary before; `rejected` could not be placed (nothing changed for them; the
+    larger than the primary streams through it); `already_present` were ready in the
+    primary (a block another store or a promotion was writing counts only once that
+    write succeeded: the store waits for it, and writes the block itself if it
+    failed); `rejected` could not be placed (nothing changed for them; the
     server may simply not cache them), with the reason in `error`. A partial store
     keeps the longest prefix: every rejected key comes after every stored one."""
 
