@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 
 import pytest
@@ -11,12 +12,14 @@ from hypothesis import strategies as st
 from tierkv.errors import CorruptBlock
 from tierkv.framing import (
     FIXED_HEADER_BYTES,
+    Framer,
     decode_into,
     encode_block,
     encode_header,
     header_bytes,
     parse_header,
 )
+from tierkv.keys import make_offload_key
 
 KEY = b"k" * 16 + b"\x00\x00\x00\x01"
 PAYLOAD = bytes(range(256)) * 4
@@ -91,3 +94,31 @@ def test_header_length_from_the_fixed_part() -> None:
     assert header_length(bytearray(frame)) == header_bytes(KEY)
     with pytest.raises(CorruptBlock, match="shorter than its header"):
         header_length(frame[:5])
+
+
+@pytest.mark.parametrize("cuts", [(), (60,), (200, 3000), (4000, 4100, 4130)])
+def test_a_frame_in_parts_decodes_straight_into_the_slot(cuts: tuple[int, ...]) -> None:
+    framer = Framer("ns")
+    key = make_offload_key(b"p" * 16, 0)
+    payload = os.urandom(4096)
+    frame = framer.encode(key, payload)
+    edges = [0, *cuts, len(frame)]
+    parts = [frame[a:b] for a, b in zip(edges, edges[1:])]
+    dest = memoryview(bytearray(4096))
+    framer.decode_parts_into(key, parts, dest)
+    assert bytes(dest) == payload
+
+
+def test_a_frame_in_parts_with_a_bad_piece_or_length_is_corrupt() -> None:
+    framer = Framer("ns")
+    key = make_offload_key(b"q" * 16, 0)
+    frame = bytearray(framer.encode(key, os.urandom(4096)))
+    dest = memoryview(bytearray(4096))
+    flipped = bytearray(frame)
+    flipped[-1] ^= 1
+    with pytest.raises(CorruptBlock, match="checksum"):
+        framer.decode_parts_into(key, [flipped[:100], flipped[100:]], dest)
+    with pytest.raises(CorruptBlock, match="header says 4096"):
+        framer.decode_parts_into(key, [frame[:100], frame[100:-1]], dest)
+    with pytest.raises(CorruptBlock, match="no parts"):
+        framer.decode_parts_into(key, [], dest)

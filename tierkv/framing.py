@@ -44,6 +44,7 @@ The module-level functions are the frame without a MAC, kept for code written be
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -241,6 +242,29 @@ class Framer:
         view = memoryview(frame)[header.size :]
         self.verify(header, view)
         dest[:] = view
+
+    def decode_parts_into(self, key: OffloadKey, parts: Sequence[Buffer], dest: memoryview) -> None:
+        """Like `decode_into` for a frame stored in pieces (`parts` joined in order are
+        the frame), without joining them: the payload pieces are copied into `dest`,
+        then checked there. Unlike `decode_into`, `dest` may have been written when a
+        check of the payload fails (a tier's load may leave a failed slot dirty)."""
+        if not parts:
+            raise CorruptBlock("a frame of no parts")
+        first = parts[0]
+        header = self.parse_header(first)
+        check_header(header, key, len(dest))
+        size = header.size
+        total = sum(len(p) for p in parts)
+        if total - size != header.payload_length:
+            raise CorruptBlock(
+                f"payload is {total - size} bytes, header says {header.payload_length}"
+            )
+        at = 0
+        for i, part in enumerate(parts):
+            piece = memoryview(part)[size:] if i == 0 else memoryview(part)
+            dest[at : at + len(piece)] = piece
+            at += len(piece)
+        self.verify(header, dest)
 
 
 def _id(key_id: bytes | None) -> str:

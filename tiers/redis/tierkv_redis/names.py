@@ -4,6 +4,11 @@
     <key_prefix><namespace tag>:{<key hex>}:p<part size>       first part of a split frame
     <key_prefix><namespace tag>:{<key hex>}:p<part size>:<i>   its part i >= 1
 
+A split frame is cut into parts of equal size (the last may be shorter): `n =
+ceil(frame / part_size)` parts of `ceil(frame / n)` bytes, so a frame just over the
+part size becomes two halves, not a full part and a sliver. Readers join the parts in
+order, whatever their sizes.
+
 The namespace tag is 128 bits of sha256 of the namespace, so two namespaces never name
 the same value (and the frame header checks the namespace again on the way back). The
 braces are a Redis Cluster hash tag: every part of one block lives in the same slot,
@@ -55,6 +60,13 @@ class BlockNames:
 
     def parts_of(self, key: OffloadKey) -> int:
         return num_parts(frame_bytes(key, self.block_bytes, mac=self.mac), self.part_size)
+
+    def part_bounds(self, key: OffloadKey) -> list[tuple[int, int]]:
+        """(start, end) of each part within the frame of `key`, in part order."""
+        frame = frame_bytes(key, self.block_bytes, mac=self.mac)
+        count = num_parts(frame, self.part_size)
+        size = -(-frame // count)
+        return [(i * size, min(frame, (i + 1) * size)) for i in range(count)]
 
     def main(self, key: OffloadKey) -> str:
         """The name of the whole frame, or of its first part."""

@@ -306,42 +306,47 @@ class RedisTier(SecondaryTierManager):
         """Worker thread: frame each block of `batch` (reading its slot while the job
         lives) and SET it; the keys Redis refused, with the reason."""
         px = self._ttl_ms
-        single = all(self._names.parts_of(k) == 1 for k, _ in batch)
         ended = {key: "redis store: the job ended before this block was read" for key, _ in batch}
-        if isinstance(sync, SyncRedis) and single:
-            packed = []
+        if isinstance(sync, SyncRedis):
+            packed: list[bytes] = []
+            owners: list[OffloadKey] = []  # which key each packed command belongs to
             for key, slot in batch:
                 with guard.hold() as alive:
                     if not alive:
                         return ended
                     payload = self.primary.block(slot)
                     header = self.framer.encode_header(key, payload)
-                    packed.append(pack_set(self._names.main(key).encode(), header, payload, px))
+                    block_commands = self._pack_block(key, header, payload, px)
                     # the slot's view must not outlive the guard: the send below may
                     # outlast the job (an abandoned thread) and the slab's owner
                     # cannot unmap it while any view of it lives
                     del payload
+                packed.extend(block_commands)
+                owners.extend([key] * len(block_commands))
             outcomes = send_sets(sync.connection_pool, packed)
-            return {key: _command_error(exc) for (key, _), exc in zip(batch, outcomes) if exc}
+            refused: dict[OffloadKey, str] = {}
+            for key, exc in zip(owners, outcomes):
+                if exc is not None and key not in refused:
+                    refused[key] = _command_error(exc)
+            return refused
         frames = []
         for key, slot in batch:
             with guard.hold() as alive:
                 if not alive:
                     return ended
                 frames.append(self.framer.encode(key, self.primary.block(slot)))
-        pipe = sync.pipeline(transaction=False)
+        pipe = sync.pipeline(transaction=False)  # type: ignore[no-untyped-call]
         commands: list[OffloadKey] = []  # which key each queued command belongs to
-        part_size = self._names.part_size
         for (key, _slot), whole in zip(batch, frames):
             names = self._names.all(key)
             frame = memoryview(whole)
+            bounds = self._names.part_bounds(key)
             # later parts first, the main name last: a block becomes visible to
             # lookups only when all of it is there
-            for i in range(1, len(names)):
-                pipe.set(names[i], frame[i * part_size : (i + 1) * part_size], px=px)
+            for i in (*range(1, len(names)), 0):
+                start, end = bounds[i]
+                pipe.set(names[i], frame[start:end], px=px)
                 commands.append(key)
-            pipe.set(names[0], frame[:part_size], px=px)
-            commands.append(key)
         results = pipe.execute(raise_on_error=False)
         errors: dict[OffloadKey, str] = {}
         for key, result in zip(commands, results):
@@ -350,6 +355,27 @@ class RedisTier(SecondaryTierManager):
                     raise result
                 errors[key] = _command_error(result)
         return errors
+
+    def _pack_block(
+        self, key: OffloadKey, header: bytes, payload: memoryview, px: int | None
+    ) -> list[bytes]:
+        """The packed SETs of one block: one command, or one per part with the later
+        parts first and the main name (header and first bytes) last, so a lookup sees
+        the block only once all of it is there. Each command is one exact `bytes`: the
+        payload is copied once, into it."""
+        names = self._names.all(key)
+        if len(names) == 1:
+            return [pack_set(names[0].encode(), header, payload, px)]
+        skip = len(header)  # frame offsets -> payload offsets
+        bounds = self._names.part_bounds(key)
+        commands = [
+            pack_set(names[i].encode(), b"", payload[start - skip : end - skip], px)
+            for i, (start, end) in enumerate(bounds)
+            if i
+        ]
+        first_end = bounds[0][1]
+        commands.append(pack_set(names[0].encode(), header, payload[: first_end - skip], px))
+        return commands
 
     async def load(self, job: JobMetadata) -> JobResult:
         async with self._inflight.job():
@@ -416,13 +442,15 @@ class RedisTier(SecondaryTierManager):
                 errors[key] = f"{missing} of {count} parts missing (evicted or expired); deleted"
                 doomed.append(key)
                 continue
-            frame = parts[0] if count == 1 else b"".join(parts)
             with guard.hold() as alive:
                 if not alive:
                     errors[key] = "redis load: the job ended before this block was written"
                     continue
                 try:
-                    self.framer.decode_into(key, frame, self.primary.block(slot))
+                    if count == 1:
+                        self.framer.decode_into(key, parts[0], self.primary.block(slot))
+                    else:  # straight from the parts into the slot, no joined copy
+                        self.framer.decode_parts_into(key, parts, self.primary.block(slot))
                 except ForeignBlock as exc:  # another trust domain's block: left in place
                     errors[key] = f"not this server's block: {exc}"
                     self.report_foreign([key])
