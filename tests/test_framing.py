@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import struct
 
@@ -103,7 +104,7 @@ def test_a_frame_in_parts_decodes_straight_into_the_slot(cuts: tuple[int, ...]) 
     payload = os.urandom(4096)
     frame = framer.encode(key, payload)
     edges = [0, *cuts, len(frame)]
-    parts = [frame[a:b] for a, b in zip(edges, edges[1:])]
+    parts = [frame[a:b] for a, b in itertools.pairwise(edges)]
     dest = memoryview(bytearray(4096))
     framer.decode_parts_into(key, parts, dest)
     assert bytes(dest) == payload
