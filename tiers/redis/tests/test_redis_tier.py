@@ -271,14 +271,43 @@ async def test_a_missing_part_is_a_miss_never_a_corrupt_read(redis_server: Redis
         names = tier._names.all(keys[0])
         assert len(names) == 5 and await client.exists(*names) == 5
         await client.delete(names[2])  # as if maxmemory evicted one part
-        assert await tier.lookup(keys, CTX) == [False, True]
         view.block(10)[:] = b"\0" * view.block_bytes
-        result = await tier.load(job(keys, [10, 11]))
+        result = await tier.load(job(keys, [10, 11]))  # a load before any lookup
         assert result.failed_keys == (keys[0],)
         assert result.error and "1 of 5 parts missing" in result.error
         assert bytes(view.block(10)) == b"\0" * view.block_bytes
         assert bytes(view.block(11)) == data[1]
         assert await client.exists(*names) == 0  # the orphaned parts went too
+    finally:
+        await tier.close()
+
+
+async def test_a_lookup_meeting_a_block_that_lost_a_part_deletes_the_rest(
+    redis_server: RedisServer,
+) -> None:
+    """A part evicted before any load: the lookup says miss and deletes the other
+    parts (reported removed) instead of leaving them until TTL or eviction; parts
+    whose main value is absent may be a store in progress and are left."""
+    rng = random.Random(14)
+    view = make_primary().view
+    tier = redis_tier(redis_server.url, view, part_size=1024)
+    reported: list[OffloadKey] = []
+    tier.set_removal_listener(reported.extend)
+    await tier.open()
+    try:
+        keys = random_keys(3, rng)
+        fill_slots(view, range(3), rng)
+        assert (await tier.store(job(keys, range(3)))).ok
+        client = tier._client
+        assert client is not None
+        lost_part, lost_main = tier._names.all(keys[0]), tier._names.all(keys[1])
+        await client.delete(lost_part[3])  # evicted part: the rest is an orphan
+        await client.delete(lost_main[0])  # no main: maybe still being written
+        assert await tier.lookup(keys, CTX) == [False, False, True]
+        assert await client.exists(*lost_part) == 0
+        assert await client.exists(*lost_main) == 4
+        assert reported == [keys[0]]
+        assert await tier.lookup(keys[2:], CTX) == [True]
     finally:
         await tier.close()
 

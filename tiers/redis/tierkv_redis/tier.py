@@ -483,6 +483,7 @@ class RedisTier(SecondaryTierManager):
             client, gate = self._require_client()
             answer = [False] * len(keys)
             problems: list[BaseException] = []
+            orphans: list[OffloadKey] = []  # split blocks whose main value lost a part
             step = self.config.lookup_batch
 
             async def run(lo: int) -> None:
@@ -495,12 +496,24 @@ class RedisTier(SecondaryTierManager):
                         names = self._names.all(key)
                         pipe.execute_command("EXISTS", *names)
                         counts.append(len(names))
+                        if len(names) > 1:  # and the main value on its own
+                            pipe.execute_command("EXISTS", names[0])
                     try:
                         found = await pipe.execute()
                     except _UNREACHABLE as exc:
                         problems.append(detached(exc))
                         return
-                for i, (have, need) in enumerate(zip(found, counts)):
+                at = 0
+                for i, need in enumerate(counts):
+                    have = found[at]
+                    at += 1
+                    if need > 1:
+                        # the main value is written last: with it there and a part
+                        # gone, the part was evicted or expired and the rest is an
+                        # orphan (parts without their main may be a store in progress)
+                        if found[at] and have < need:
+                            orphans.append(keys[lo + i])
+                        at += 1
                     answer[lo + i] = have == need
 
             with anyio.move_on_after(self.config.job_timeout) as scope:
@@ -514,7 +527,23 @@ class RedisTier(SecondaryTierManager):
                     f"lookup in redis at {self.config.safe_url} did not finish within "
                     f"job_timeout={self.config.job_timeout}s"
                 )
+            if orphans:
+                await self._remove_orphans(client, gate, orphans)
             return answer
+
+    async def _remove_orphans(
+        self, client: Client, gate: anyio.Semaphore, keys: list[OffloadKey]
+    ) -> None:
+        """Delete what is left of split blocks that lost a part (best effort, within
+        `socket_timeout`), so their other parts do not hold memory until TTL or
+        eviction; they are gone for this tier either way."""
+        with anyio.move_on_after(self.config.socket_timeout):
+            try:
+                async with gate:
+                    await self._unlink(client, keys)
+            except _UNREACHABLE as exc:
+                logger.warning("redis: could not delete %d partial blocks: %s", len(keys), exc)
+        self.report_removed(keys)
 
     async def remove(self, keys: Sequence[OffloadKey]) -> None:
         if not keys:
