@@ -7,8 +7,10 @@ The server runs as a child process on a free port of 127.0.0.1 in its own direct
 `stop` kills it and `start` brings it back on the same port (empty: nothing is
 persisted), `freeze`/`thaw` suspend it (SIGSTOP/SIGCONT) to play a server that
 accepts connections but never answers. `cluster=True` makes it a one-node Redis
-Cluster that owns every slot; `tls=True` serves TLS only (`rediss://`), with a
-self-signed certificate for 127.0.0.1 made by the `openssl` command (`ca_file`).
+Cluster that owns every slot (`RedisClusterServers` starts several masters that share
+the slots, each of which can be killed and restarted); `tls=True` serves TLS only
+(`rediss://`), with a self-signed certificate for 127.0.0.1 made by the `openssl`
+command (`ca_file`).
 """
 
 from __future__ import annotations
@@ -51,8 +53,13 @@ class RedisServer(LocalServer):
         tls: bool = False,
         extra_args: tuple[str, ...] = (),
         start_timeout: float = 10.0,
+        cluster_slots: tuple[int, int] | None = None,
     ) -> None:
         self._binary = redis_server_binary()
+        # with a slot range: one master of a larger cluster, which keeps its identity
+        # (nodes.conf) across restarts and so rejoins by itself
+        self.cluster_slots = cluster_slots
+        self._joined = False
         self._own_dir = directory is None
         self.directory = Path(directory or tempfile.mkdtemp(prefix="tierkv-redis-"))
         self.password = password
@@ -122,7 +129,7 @@ class RedisServer(LocalServer):
         """Start (or restart, on the same port) and wait until it answers."""
         if self.running:
             return
-        if self.cluster:
+        if self.cluster and not self._joined:
             (self.directory / "nodes.conf").unlink(missing_ok=True)
         log = open(self.directory / "redis.log", "ab")  # noqa: SIM115 - child keeps it
         try:
@@ -143,8 +150,15 @@ class RedisServer(LocalServer):
                 self.stop()
                 raise RuntimeError(f"redis-server on port {self.port} did not come up")
             time.sleep(0.02)
-        if self.cluster:
-            self._claim_all_slots()
+        if self.cluster and not self._joined:
+            if self.cluster_slots is None:
+                self._claim_all_slots()
+            else:
+                lo, hi = self.cluster_slots
+                reply = self._command("CLUSTER", "ADDSLOTSRANGE", str(lo), str(hi))
+                if not reply.startswith(b"+OK"):
+                    raise RuntimeError(f"CLUSTER ADDSLOTSRANGE failed: {reply!r}")
+                self._joined = True
 
     def _command(self, *args: str) -> bytes:
         """Send one command with the inline protocol and return the raw reply."""
@@ -199,3 +213,86 @@ class RedisServer(LocalServer):
         self.stop()
         if self._own_dir:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class RedisClusterServers:
+    """A Redis Cluster of `masters` masters without replicas on loopback, the slots
+    split evenly; `kill(i)` and `restart(i)` one master (restarted empty, with its
+    identity, so it rejoins and owns its slots again).
+
+    Set up as a deployment that should lose only a dead node's keys:
+    `cluster-require-full-coverage no` (live masters keep serving while a slot range
+    has no owner) and a 1 s `cluster-node-timeout` (failure and return noticed fast).
+
+        with RedisClusterServers(tmp_path) as cluster:
+            config = RedisTierConfig(url=cluster.url, cluster=True)
+    """
+
+    NODE_TIMEOUT_MS = 1000
+
+    def __init__(self, directory: str | os.PathLike[str], masters: int = 3) -> None:
+        base = Path(directory)
+        cut = [round(i * 16384 / masters) for i in range(masters + 1)]
+        args = (
+            "--cluster-node-timeout", str(self.NODE_TIMEOUT_MS),
+            "--cluster-require-full-coverage", "no",
+        )  # fmt: skip
+        self.servers: list[RedisServer] = []
+        for i in range(masters):
+            (base / f"master{i}").mkdir(parents=True, exist_ok=True)
+            self.servers.append(
+                RedisServer(
+                    base / f"master{i}",
+                    cluster=True,
+                    extra_args=args,
+                    cluster_slots=(cut[i], cut[i + 1] - 1),
+                )
+            )
+
+    @property
+    def url(self) -> str:
+        return self.servers[0].url
+
+    def start(self) -> None:
+        for server in self.servers:
+            server.start()
+        first = self.servers[0]
+        for server in self.servers[1:]:
+            first._command(
+                "CLUSTER", "MEET", "127.0.0.1", str(server.port), str(server.cluster_port)
+            )
+        self.wait_ok()
+
+    def wait_ok(self, timeout: float = 20.0) -> None:
+        """Until every running master says cluster_state:ok."""
+        deadline = time.monotonic() + timeout
+        while True:
+            states = [s._command("CLUSTER", "INFO") for s in self.servers if s.running]
+            if all(b"cluster_state:ok" in state for state in states):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError("the cluster never reached cluster_state:ok")
+            time.sleep(0.05)
+
+    def kill(self, i: int) -> None:
+        self.servers[i].stop()
+
+    def restart(self, i: int) -> None:
+        """Start master `i` again (empty) and wait until the cluster is whole."""
+        self.servers[i].start()
+        self.wait_ok()
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.close()
+
+    def __enter__(self) -> RedisClusterServers:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

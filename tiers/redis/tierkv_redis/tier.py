@@ -51,6 +51,7 @@ from redis.exceptions import (
     AuthenticationError,
     ConnectionError,
     OutOfMemoryError,
+    RedisClusterException,
     RedisError,
     ResponseError,
 )
@@ -91,7 +92,9 @@ BatchOp: TypeAlias = Callable[[Client, Batch, SlotGuard], Awaitable[dict[Offload
 _SOCKET_READ_SIZE = 256 * 1024
 
 # Errors that say "the server is not answering" rather than "this command failed".
-_UNREACHABLE = (RedisError, OSError, TimeoutError)
+# (A cluster client that cannot reach any node to refresh its topology raises
+# RedisClusterException, which is not a RedisError.)
+_UNREACHABLE = (RedisError, RedisClusterException, OSError, TimeoutError)
 
 
 def _is_command_error(exc: BaseException) -> bool:
@@ -265,12 +268,17 @@ class RedisTier(SecondaryTierManager):
         client, gate = self._require_client()
         guard = SlotGuard()
 
+        cluster = isinstance(client, RedisCluster)
+
         async def work(batch: Batch) -> dict[OffloadKey, str]:
             try:
                 async with gate:
                     return await op(client, batch, guard)
-            except _UNREACHABLE as exc:  # the server, not this batch: abort the job
-                raise JobAborted(self._unreachable(exc)) from None
+            except _UNREACHABLE as exc:
+                if cluster:  # one node (this batch's slot owner), not the tier
+                    reason = self._unreachable(exc)
+                    return {key: reason for key, _ in batch}
+                raise JobAborted(self._unreachable(exc)) from None  # the server: abort
 
         try:
             return await run_job(
@@ -485,14 +493,18 @@ class RedisTier(SecondaryTierManager):
             problems: list[BaseException] = []
             orphans: list[OffloadKey] = []  # split blocks whose main value lost a part
             step = self.config.lookup_batch
+            # on a cluster, one pipeline per slot owner: a dead node costs its keys only
+            groups = self._by_node(client, keys, step)
+            failed_groups: list[BaseException] = []
 
-            async def run(lo: int) -> None:
+            async def run(lo: int, indices: list[int] | None = None) -> None:
                 async with gate:
                     if problems:
                         return
                     pipe = client.pipeline(transaction=False)
                     counts = []
-                    for key in keys[lo : lo + step]:
+                    chosen = keys[lo : lo + step] if indices is None else [keys[i] for i in indices]
+                    for key in chosen:
                         names = self._names.all(key)
                         pipe.execute_command("EXISTS", *names)
                         counts.append(len(names))
@@ -501,10 +513,14 @@ class RedisTier(SecondaryTierManager):
                     try:
                         found = await pipe.execute()
                     except _UNREACHABLE as exc:
+                        if indices is not None:  # this node's keys stay misses
+                            failed_groups.append(detached(exc))
+                            return
                         problems.append(detached(exc))
                         return
                 at = 0
                 for i, need in enumerate(counts):
+                    where = lo + i if indices is None else indices[i]
                     have = found[at]
                     at += 1
                     if need > 1:
@@ -512,14 +528,29 @@ class RedisTier(SecondaryTierManager):
                         # gone, the part was evicted or expired and the rest is an
                         # orphan (parts without their main may be a store in progress)
                         if found[at] and have < need:
-                            orphans.append(keys[lo + i])
+                            orphans.append(keys[where])
                         at += 1
-                    answer[lo + i] = have == need
+                    answer[where] = have == need
 
             with anyio.move_on_after(self.config.job_timeout) as scope:
                 async with anyio.create_task_group() as tg:
-                    for lo in range(0, len(keys), step):
-                        tg.start_soon(run, lo)
+                    if groups is None:
+                        for lo in range(0, len(keys), step):
+                            tg.start_soon(run, lo)
+                    else:
+                        for indices in groups:
+                            tg.start_soon(run, 0, indices)
+            if groups is not None and failed_groups:
+                if len(failed_groups) == len(groups):  # every node: the tier is down
+                    problems.append(failed_groups[0])
+                else:
+                    logger.warning(
+                        "redis cluster: %d of %d node groups unreachable, their keys "
+                        "count as misses: %s",
+                        len(failed_groups),
+                        len(groups),
+                        self._unreachable(failed_groups[0]),
+                    )
             if problems:
                 raise TierUnavailable(f"lookup failed: {self._unreachable(problems[0])}")
             if scope.cancelled_caught:
@@ -530,6 +561,19 @@ class RedisTier(SecondaryTierManager):
             if orphans:
                 await self._remove_orphans(client, gate, orphans)
             return answer
+
+    def _by_node(
+        self, client: Client, keys: Sequence[OffloadKey], step: int
+    ) -> list[list[int]] | None:
+        """On a cluster, key indices grouped by the node owning their slot (at most
+        `step` a group); None on a single server."""
+        if not isinstance(client, RedisCluster):
+            return None
+        by_node: dict[str, list[int]] = {}
+        for i, key in enumerate(keys):
+            node = client.get_node_from_key(self._names.main(key))
+            by_node.setdefault("?" if node is None else node.name, []).append(i)
+        return [g[lo : lo + step] for g in by_node.values() for lo in range(0, len(g), step)]
 
     async def _remove_orphans(
         self, client: Client, gate: anyio.Semaphore, keys: list[OffloadKey]
