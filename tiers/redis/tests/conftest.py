@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tierkv_redis.testing import RedisServer, RedisServerMissing
+from tierkv_redis.testing import RedisClusterServers, RedisServer, RedisServerMissing
 
 from tierkv.testing import missing_server
 
@@ -62,6 +62,28 @@ def start_redis(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
     finally:
         for server in servers:
             server.close()
+
+
+@pytest.fixture
+def start_cluster(tmp_path: Path) -> Iterator[Callable[..., RedisClusterServers]]:
+    """Start real Redis Clusters (`RedisClusterServers`) to kill and restart nodes of;
+    all killed at teardown."""
+    clusters: list[RedisClusterServers] = []
+
+    def start(**kwargs: Any) -> RedisClusterServers:
+        try:
+            cluster = RedisClusterServers(tmp_path / f"cluster{len(clusters)}", **kwargs)
+        except RedisServerMissing as exc:
+            missing_server("a real redis-server", exc)
+        clusters.append(cluster)
+        cluster.start()
+        return cluster
+
+    try:
+        yield start
+    finally:
+        for cluster in clusters:
+            cluster.close()
 
 
 @pytest.fixture

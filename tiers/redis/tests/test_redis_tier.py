@@ -75,19 +75,19 @@ class _RedisConformance(TierConformanceSuite):
     async def corrupt(self, tier: SecondaryTierManager, key: OffloadKey) -> None:
         assert isinstance(tier, RedisTier)
         last_part = tier._names.all(key)[-1]
-        client = tier._client
-        assert client is not None
+        client = tier._client_for(last_part)  # the server's, or the slot master's
         value = await client.get(last_part)
         assert isinstance(value, bytes)
         await client.set(last_part, value[:-1] + bytes([value[-1] ^ 0xFF]))
 
     async def plant(self, tier: SecondaryTierManager, key: OffloadKey, frame: bytes) -> None:
-        assert isinstance(tier, RedisTier) and tier._client is not None
+        assert isinstance(tier, RedisTier)
         names = tier._names.all(key)
         size = tier._names.part_size
+        client = tier._client_for(names[0])  # all parts share one slot
         for i, name in enumerate(names):  # split the way the tier splits its frames
             end = None if i == len(names) - 1 else (i + 1) * size
-            await tier._client.set(name, frame[i * size : end])
+            await client.set(name, frame[i * size : end])
 
 
 class TestRedisConformance(_RedisConformance):

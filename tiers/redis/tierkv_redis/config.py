@@ -69,7 +69,17 @@ class RedisTierConfig(TierConfig):
         "this size under one logical key",
     )
     cluster: bool = Field(
-        default=False, description="the url names a Redis Cluster node (RedisCluster client)"
+        default=False,
+        description="the url names a node of a Redis Cluster; the tier reads the slot "
+        "map from it and talks to each node itself, so a node that is down costs only "
+        "the blocks of its slots",
+    )
+    read_from_replicas: bool = Field(
+        default=False,
+        description="cluster only: lookups, and loads when no ttl is renewed on read, "
+        "rotate over each slot's master and replicas. A replica lags its master: a block "
+        "just stored may miss there (a stale or partial value fails its frame checks "
+        "and is a miss, never wrong bytes)",
     )
 
     @field_validator("url")
@@ -106,6 +116,15 @@ class RedisTierConfig(TierConfig):
     def _one_password(self) -> RedisTierConfig:
         if self.password is not None and urlsplit(self.url).password is not None:
             raise ValueError("the password is given twice: put it in `url` or `password`, not both")
+        return self
+
+    @model_validator(mode="after")
+    def _replicas_need_a_cluster(self) -> RedisTierConfig:
+        if self.read_from_replicas and not self.cluster:
+            raise ValueError(
+                "read_from_replicas needs `cluster: true` (a single server has no replicas "
+                "the tier knows of)"
+            )
         return self
 
     def __repr_args__(self) -> Any:

@@ -7,10 +7,16 @@ The server runs as a child process on a free port of 127.0.0.1 in its own direct
 `stop` kills it and `start` brings it back on the same port (empty: nothing is
 persisted), `freeze`/`thaw` suspend it (SIGSTOP/SIGCONT) to play a server that
 accepts connections but never answers. `cluster=True` makes it a one-node Redis
-Cluster that owns every slot (`RedisClusterServers` starts several masters that share
-the slots, each of which can be killed and restarted); `tls=True` serves TLS only
-(`rediss://`), with a self-signed certificate for 127.0.0.1 made by the `openssl`
-command (`ca_file`).
+Cluster that owns every slot; `tls=True` serves TLS only (`rediss://`), with a
+self-signed certificate for 127.0.0.1 made by the `openssl` command (`ca_file`).
+
+`RedisClusterServers` starts a real Redis Cluster of several masters (and replicas, if
+asked) sharing the slots, any node of which can be killed and restarted:
+
+    with RedisClusterServers(tmp_path, masters=3) as cluster:
+        config = RedisTierConfig(url=cluster.url, cluster=True)
+        cluster.kill(1)       # SIGKILL master 1
+        cluster.restart(1)    # empty, same port and node id: owns its slots again
 """
 
 from __future__ import annotations
@@ -23,7 +29,10 @@ import ssl
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import redis
 
 from tierkv.testing.servers import LocalServer, free_port
 
@@ -53,13 +62,14 @@ class RedisServer(LocalServer):
         tls: bool = False,
         extra_args: tuple[str, ...] = (),
         start_timeout: float = 10.0,
-        cluster_slots: tuple[int, int] | None = None,
+        cluster_member: bool = False,
     ) -> None:
         self._binary = redis_server_binary()
-        # with a slot range: one master of a larger cluster, which keeps its identity
-        # (nodes.conf) across restarts and so rejoins by itself
-        self.cluster_slots = cluster_slots
-        self._joined = False
+        # with cluster=True: a node of a larger cluster, which `RedisClusterServers`
+        # joins and gives slots; it keeps its identity (nodes.conf) across restarts, so
+        # a restarted node rejoins by itself, with its slots or as the same replica
+        self.cluster_member = cluster_member
+        self._started = False
         self._own_dir = directory is None
         self.directory = Path(directory or tempfile.mkdtemp(prefix="tierkv-redis-"))
         self.password = password
@@ -129,7 +139,7 @@ class RedisServer(LocalServer):
         """Start (or restart, on the same port) and wait until it answers."""
         if self.running:
             return
-        if self.cluster and not self._joined:
+        if self.cluster and not (self.cluster_member and self._started):
             (self.directory / "nodes.conf").unlink(missing_ok=True)
         log = open(self.directory / "redis.log", "ab")  # noqa: SIM115 - child keeps it
         try:
@@ -150,18 +160,13 @@ class RedisServer(LocalServer):
                 self.stop()
                 raise RuntimeError(f"redis-server on port {self.port} did not come up")
             time.sleep(0.02)
-        if self.cluster and not self._joined:
-            if self.cluster_slots is None:
-                self._claim_all_slots()
-            else:
-                lo, hi = self.cluster_slots
-                reply = self._command("CLUSTER", "ADDSLOTSRANGE", str(lo), str(hi))
-                if not reply.startswith(b"+OK"):
-                    raise RuntimeError(f"CLUSTER ADDSLOTSRANGE failed: {reply!r}")
-                self._joined = True
+        self._started = True
+        if self.cluster and not self.cluster_member:
+            self._claim_all_slots()
 
     def _command(self, *args: str) -> bytes:
-        """Send one command with the inline protocol and return the raw reply."""
+        """Send one command with the inline protocol and return the raw reply (a bulk
+        string reply whole, e.g. CLUSTER NODES; other kinds as the first read has it)."""
         with socket.create_connection(("127.0.0.1", self.port), timeout=2) as raw:
             s = raw
             if self.tls:
@@ -171,7 +176,16 @@ class RedisServer(LocalServer):
                 s.sendall(f"AUTH {self.password}\r\n".encode())
                 s.recv(1024)
             s.sendall((" ".join(args) + "\r\n").encode())
-            return s.recv(65536)
+            reply = s.recv(65536)
+            if reply.startswith(b"$") and b"\r\n" in reply:
+                head, _, _ = reply.partition(b"\r\n")
+                whole = len(head) + 2 + max(0, int(head[1:])) + 2
+                while len(reply) < whole:
+                    more = s.recv(65536)
+                    if not more:
+                        break
+                    reply += more
+            return reply
 
     def _answers(self) -> bool:
         try:
@@ -215,84 +229,175 @@ class RedisServer(LocalServer):
             shutil.rmtree(self.directory, ignore_errors=True)
 
 
-class RedisClusterServers:
-    """A Redis Cluster of `masters` masters without replicas on loopback, the slots
-    split evenly; `kill(i)` and `restart(i)` one master (restarted empty, with its
-    identity, so it rejoins and owns its slots again).
+class RedisClusterServers(LocalServer):
+    """A real Redis Cluster on loopback: `masters` masters sharing the 16384 slots in
+    equal ranges, each with `replicas` replicas; every node a `RedisServer` in its own
+    directory (`servers`: the masters first, then master 0's replicas, master 1's, ...).
 
     Set up as a deployment that should lose only a dead node's keys:
-    `cluster-require-full-coverage no` (live masters keep serving while a slot range
-    has no owner) and a 1 s `cluster-node-timeout` (failure and return noticed fast).
+    `cluster-require-full-coverage no` (the live masters keep serving while a dead
+    master's slots have no live owner) and a short `cluster-node-timeout` (failures,
+    failovers and returns are noticed within a few seconds).
 
-        with RedisClusterServers(tmp_path) as cluster:
-            config = RedisTierConfig(url=cluster.url, cluster=True)
+    `kill(i)` SIGKILLs node i; `restart(i)` starts it again on its port, empty but with
+    its node id (its nodes.conf), so a master rejoins owning its slots and a replica
+    follows its master again. A replica of a killed master takes its slots over by
+    itself after about two node timeouts (Redis's own failover).
     """
 
     NODE_TIMEOUT_MS = 1000
 
-    def __init__(self, directory: str | os.PathLike[str], masters: int = 3) -> None:
-        base = Path(directory)
-        cut = [round(i * 16384 / masters) for i in range(masters + 1)]
+    def __init__(
+        self,
+        directory: str | os.PathLike[str] | None = None,
+        masters: int = 3,
+        *,
+        replicas: int = 0,
+        start_timeout: float = 30.0,
+    ) -> None:
+        if masters < 1 or replicas < 0:
+            raise ValueError(f"need masters >= 1 and replicas >= 0, got {masters}, {replicas}")
+        self._own_dir = directory is None
+        self.directory = Path(directory or tempfile.mkdtemp(prefix="tierkv-redis-cluster-"))
+        self.start_timeout = start_timeout
+        cut = [i * 16384 // masters for i in range(masters + 1)]
+        self.slot_ranges = [(cut[i], cut[i + 1] - 1) for i in range(masters)]
         args = (
             "--cluster-node-timeout", str(self.NODE_TIMEOUT_MS),
             "--cluster-require-full-coverage", "no",
+            "--repl-diskless-sync-delay", "0",  # a replica syncs at once, not after 5 s
+            # a replica is in CLUSTER SLOTS once it has a replication offset: ping it
+            # every second rather than every 10
+            "--repl-ping-replica-period", "1",
         )  # fmt: skip
         self.servers: list[RedisServer] = []
-        for i in range(masters):
-            (base / f"master{i}").mkdir(parents=True, exist_ok=True)
+        self.master_of: list[int | None] = []  # per node: the master it replicates
+        for i in range(masters * (1 + replicas)):
+            path = self.directory / f"node{i}"
+            path.mkdir(parents=True, exist_ok=True)
             self.servers.append(
-                RedisServer(
-                    base / f"master{i}",
-                    cluster=True,
-                    extra_args=args,
-                    cluster_slots=(cut[i], cut[i + 1] - 1),
-                )
+                RedisServer(path, cluster=True, cluster_member=True, extra_args=args)
             )
+            self.master_of.append(None if i < masters else (i - masters) // replicas)
+        self.node_ids: list[str] = []
+
+    @property
+    def masters(self) -> list[RedisServer]:
+        return [s for s, master in zip(self.servers, self.master_of) if master is None]
 
     @property
     def url(self) -> str:
+        """redis://127.0.0.1:PORT of master 0."""
         return self.servers[0].url
 
     def start(self) -> None:
+        """Start every node, join them, give the masters their slots and the replicas
+        their masters; return once every node says cluster_state:ok."""
         for server in self.servers:
             server.start()
+        self.node_ids = [_reply_text(s._command("CLUSTER", "MYID")) for s in self.servers]
         first = self.servers[0]
         for server in self.servers[1:]:
-            first._command(
-                "CLUSTER", "MEET", "127.0.0.1", str(server.port), str(server.cluster_port)
-            )
+            port, bus = str(server.port), str(server.cluster_port)
+            _expect_ok(first._command("CLUSTER", "MEET", "127.0.0.1", port, bus))
+        for server, (lo, hi) in zip(self.masters, self.slot_ranges):
+            _expect_ok(server._command("CLUSTER", "ADDSLOTSRANGE", str(lo), str(hi)))
+        for server, master in zip(self.servers, self.master_of):
+            if master is not None:
+                self._replicate(server, self.node_ids[master])
         self.wait_ok()
 
-    def wait_ok(self, timeout: float = 20.0) -> None:
-        """Until every running master says cluster_state:ok."""
-        deadline = time.monotonic() + timeout
-        while True:
-            states = [s._command("CLUSTER", "INFO") for s in self.servers if s.running]
-            if all(b"cluster_state:ok" in state for state in states):
-                return
+    def _replicate(self, replica: RedisServer, master_id: str) -> None:
+        def met() -> bool:
+            return master_id.encode() in replica._command("CLUSTER", "NODES")
+
+        self._until(met, f"node {replica.port} never met its master {master_id}")
+        _expect_ok(replica._command("CLUSTER", "REPLICATE", master_id))
+
+    def _until(self, done: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        while not done():
             if time.monotonic() > deadline:
-                raise RuntimeError("the cluster never reached cluster_state:ok")
+                raise RuntimeError(f"redis cluster on {self.directory}: {what}")
             time.sleep(0.05)
 
+    def wait_ok(self) -> None:
+        """Until every running node says cluster_state:ok and every running replica
+        (whatever its role was at the start: failovers swap them) has its link to its
+        master up."""
+
+        def ok() -> bool:
+            running = [(i, s) for i, s in enumerate(self.servers) if s.running]
+            ports = {s.port for _i, s in running}
+            truth = set()
+            for i, server in running:
+                if b"cluster_state:ok" not in server._command("CLUSTER", "INFO"):
+                    return False
+                info = server._command("INFO", "replication")
+                if b"role:slave" in info and b"master_link_status:up" not in info:
+                    return False
+                truth.add((self.node_ids[i], "slave" if b"role:slave" in info else "master"))
+            # and every node sees the others as they are, and lists each in the slot
+            # map (a client asking any of them gets the whole truth)
+            return all(
+                _cluster_view(server) == truth and _slot_map_ports(server) == ports
+                for _i, server in running
+            )
+
+        self._until(ok, "never reached cluster_state:ok on every node")
+
     def kill(self, i: int) -> None:
+        """SIGKILL node `i` (its data is gone: persistence is off)."""
         self.servers[i].stop()
 
-    def restart(self, i: int) -> None:
-        """Start master `i` again (empty) and wait until the cluster is whole."""
+    def restart(self, i: int, *, wait: bool = True) -> None:
+        """Start node `i` again on its port, empty, with its node id; with `wait`,
+        return once the cluster is whole again (else as soon as the node answers)."""
         self.servers[i].start()
-        self.wait_ok()
+        if wait:
+            self.wait_ok()
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
 
     def close(self) -> None:
         for server in self.servers:
             server.close()
+        if self._own_dir:
+            shutil.rmtree(self.directory, ignore_errors=True)
 
-    def __enter__(self) -> RedisClusterServers:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+def _reply_text(reply: bytes) -> str:
+    """The text of a simple or bulk string reply."""
+    lines = reply.split(b"\r\n")
+    return (lines[1] if reply.startswith(b"$") else lines[0][1:]).decode()
+
+
+def _cluster_view(server: RedisServer) -> set[tuple[str, str]]:
+    """(node id, master or slave) of each node `server` believes is up."""
+    _length, _, text = server._command("CLUSTER", "NODES").decode().partition("\r\n")
+    view = set()
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        flags = set(fields[2].split(","))
+        if not flags & {"fail", "fail?", "noaddr", "handshake"}:
+            view.add((fields[0], "slave" if "slave" in flags else "master"))
+    return view
+
+
+def _slot_map_ports(server: RedisServer) -> set[int]:
+    """The port of every node in the CLUSTER SLOTS reply of `server`."""
+    client = redis.Redis(port=server.port, socket_timeout=2)
+    try:
+        reply = client.execute_command("CLUSTER SLOTS")  # type: ignore[no-untyped-call]
+    finally:
+        client.close()
+    return {int(node[1]) for entry in reply for node in entry[2:]}
+
+
+def _expect_ok(reply: bytes) -> None:
+    if not reply.startswith(b"+OK"):
+        raise RuntimeError(f"redis cluster setup: expected OK, got {reply!r}")
