@@ -385,17 +385,7 @@ class RedisTier(SecondaryTierManager):
             except _UNREACHABLE as exc:  # the server, not this batch: abort the job
                 raise JobAborted(self._unreachable(exc)) from None
 
-        try:
-            return await run_job(
-                job,
-                work,
-                label=f"redis {verb}",
-                concurrency=self.config.max_connections,
-                timeout=self.config.job_timeout,
-                batches=self._plan(job),
-            )
-        finally:
-            guard.close()  # threads left behind by the deadline touch no slot from now on
+        return await self._run_batches(job, work, verb, self._plan(job), guard)
 
     def _plan_by_node(self, nodes: ClusterNodes, job: JobMetadata, *, read: bool) -> list[Batch]:
         """A cluster job's batches: each of one node's blocks (read from a replica when
@@ -458,6 +448,19 @@ class RedisTier(SecondaryTierManager):
                 raise JobAborted(nodes.down_message())
             return {key: why for key, _ in batch}
 
+        batches = self._plan_by_node(nodes, job, read=verb == "load")
+        return await self._run_batches(job, work, verb, batches, guard)
+
+    async def _run_batches(
+        self,
+        job: JobMetadata,
+        work: Callable[[Batch], Awaitable[dict[OffloadKey, str]]],
+        verb: str,
+        batches: list[Batch],
+        guard: SlotGuard,
+    ) -> JobResult:
+        """The contract's `run_job` over `batches`, then the job's slots closed to any
+        thread its deadline left behind."""
         try:
             return await run_job(
                 job,
@@ -465,7 +468,7 @@ class RedisTier(SecondaryTierManager):
                 label=f"redis {verb}",
                 concurrency=self.config.max_connections,
                 timeout=self.config.job_timeout,
-                batches=self._plan_by_node(nodes, job, read=verb == "load"),
+                batches=batches,
             )
         finally:
             guard.close()  # threads left behind by the deadline touch no slot from now on
