@@ -89,3 +89,19 @@ def test_the_plugin_skeleton_imports_what_it_uses(readme_block: Callable[..., st
     exec(compile(readme_block("## Write a tier plugin"), "README.md", "exec"), scope)
     tier = scope["FloppyTier"]
     assert tier.get_tier_type() == "floppy"  # type: ignore[attr-defined]
+
+
+def test_the_worked_deployment_chain_is_a_valid_config(
+    readme_block: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the sizing guide's example host: the YAML parses and its arithmetic holds
+    from tierkv.config import parse_config
+
+    monkeypatch.setenv("TIERKV_MAC_KEY", "k" * 64)
+    text = readme_block("### A worked deployment", "yaml")
+    config = parse_config(text, env={"REDIS_PASSWORD": "pw"})
+    assert config.layout.block_bytes == 2 * 2**20  # 16 tokens x 128KiB
+    assert config.primary.capacity // config.layout.block_bytes == 65_536
+    nvme, redis = config.tiers
+    assert nvme.max_inflight_bytes <= config.primary.capacity // 4
+    assert redis.max_inflight_bytes <= config.primary.capacity // 4
