@@ -67,6 +67,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "errors": ("errors", "Jobs or lookups that raised or timed out"),
     "drops": ("dropped_blocks", "Blocks not cascaded (back-pressure) or not stored (no room)"),
     "skipped_unhealthy": ("skipped_unhealthy", "Requests not sent while the circuit was open"),
+    "declined": (
+        "declined_blocks",
+        "Stored blocks reuse admission kept out of the tier (seen once, not continuing)",
+    ),
     "foreign_blocks": (
         "foreign_blocks",
         "Loads that found a block signed by another trust domain's MAC key (left in place)",

@@ -61,6 +61,7 @@ class TierStats:
     errors: int = 0  # jobs or lookups that raised or timed out
     drops: int = 0  # cascades not sent: back-pressure
     skipped_unhealthy: int = 0  # requests not sent: circuit open
+    declined: int = 0  # stored blocks reuse admission kept out of this tier
     foreign_blocks: int = 0  # loads that found a block signed by another MAC key
     fallback_lookups: int = 0  # keys asked again because a tier above failed to load them
     fallback_hits: int = 0  # ... and found here

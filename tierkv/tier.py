@@ -75,6 +75,7 @@ __all__ = [
 ]
 
 WritePolicy = Literal["write_through", "write_back", "write_through_selective"]
+Admission = Literal["all", "reuse"]
 
 RemovalListener = Callable[[tuple[OffloadKey, ...]], None]
 """Called with the keys a tier reports it no longer holds (see `report_removed`)."""
@@ -100,6 +101,12 @@ class TierConfig(BaseModel):
     )
     min_hits: PositiveInt = Field(
         default=2, description="lookups before write_through_selective writes a block"
+    )
+    admission: Admission = Field(
+        default="all",
+        description="which stored blocks a write_through tier is written: all; or reuse: "
+        "a block seen in at least 2 requests (remembered past its eviction), or new blocks "
+        "of a request that hit at least half its blocks (a continuing conversation)",
     )
     job_timeout: Duration = Field(
         default=30.0,
@@ -128,6 +135,17 @@ class TierConfig(BaseModel):
         "bytes): frames then carry a keyed MAC, and only frames whose MAC checks under "
         "it are accepted. For tiers shared by several servers (trust domains)",
     )
+
+    @field_validator("admission")
+    @classmethod
+    def _admission_needs_write_through(cls, value: str, info: Any) -> str:
+        policy = info.data.get("write_policy", "write_through")
+        if value != "all" and policy != "write_through":
+            raise ValueError(
+                f"admission {value!r} applies to write_through tiers; this tier is "
+                f"{policy} (write_through_selective already admits by min_hits)"
+            )
+        return value
 
     @field_validator("mac_key_env")
     @classmethod

@@ -58,6 +58,8 @@ def test_a_typo_in_a_tier_field_is_refused(vllm: Any, tmp_path: Path) -> None:
 def test_write_policies_vllm_cannot_honour_are_refused(vllm: Any, tmp_path: Path) -> None:
     error = refused(vllm, [vllm.entry(nvme(tmp_path, write_policy="write_back"))])
     assert error.problems[0].startswith("secondary_tiers[0].tier.write_policy: 'write_back'")
+    error = refused(vllm, [vllm.entry(nvme(tmp_path, admission="reuse"))])
+    assert error.problems[0].startswith("secondary_tiers[0].tier.admission: 'reuse'")
 
 
 @pytest.mark.parametrize(

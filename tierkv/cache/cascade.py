@@ -19,7 +19,7 @@ silently.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import anyio
 
@@ -31,6 +31,7 @@ from tierkv.cache.validate import check_keys, checked_source, run_validate_hook
 from tierkv.cache.writeback import WriteBack
 from tierkv.jobs import JobMetadata, ReqContext
 from tierkv.keys import OffloadKey
+from tierkv.policies.admission import ReuseAdmission
 from tierkv.room import Kind
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,10 @@ class StoreWatch:
             ):
                 self.unsafe.add(key)
 
+    def declined(self, keys: Iterable[OffloadKey]) -> None:
+        """Admission kept `keys` out of a tier on purpose: evictable like accepted ones."""
+        self.accepted.update(keys)
+
     def may_evict(self, key: OffloadKey) -> bool:
         return key not in self.unsafe and self.index.is_clean(key)
 
@@ -81,6 +86,14 @@ class Cascader:
         self.core = core
         self.writeback = writeback
         self.selective = [h for h in core.tiers if h.policy == "write_through_selective"]
+        # write-through tiers that take only blocks likely to be read again
+        self.reuse = [h for h in core.tiers if h.config.admission == "reuse"]
+        self.admission = ReuseAdmission() if self.reuse else None
+        # a block reuse admission declines may be evicted by its own streaming store
+        # only when no write-through tier takes every block (those decide its safety)
+        self._declines_free = all(
+            h.config.admission == "reuse" for h in core.tiers if h.policy == "write_through"
+        )
         self.window = max(1, core.primary.num_blocks // 4)
 
     # -- cascades ----------------------------------------------------------------------
@@ -89,8 +102,16 @@ class Cascader:
         if not keys:
             return
         index = self.core.index
+        admitted: list[OffloadKey] | None = None
         for handle in self.core.tiers:
             if handle.policy == "write_through":
+                if handle.config.admission == "reuse":
+                    if admitted is None:
+                        admitted = self._admitted(keys, watch)
+                    handle.stats.declined += len(keys) - len(admitted)
+                    if admitted:
+                        self.cascade(handle, admitted, watch)
+                    continue
                 self.cascade(handle, keys, watch)
             elif handle.policy == "write_through_selective":
                 need = handle.config.min_hits
@@ -98,6 +119,19 @@ class Cascader:
                 if chosen:
                     self.cascade(handle, chosen, watch)
         self.writeback.admit(keys)
+
+    def _admitted(
+        self, keys: Sequence[OffloadKey], watch: StoreWatch | None
+    ) -> list[OffloadKey]:
+        """The `keys` reuse admission lets into its tiers; the rest are declined, and
+        a streaming store may evict them as if a tier had taken them (they were judged
+        not worth keeping: holding them would only make the store reject)."""
+        assert self.admission is not None
+        verdicts = self.admission.admits(keys)
+        admitted = [k for k, ok in zip(keys, verdicts) if ok]
+        if watch is not None and self._declines_free and len(admitted) < len(keys):
+            watch.declined(k for k, ok in zip(keys, verdicts) if not ok)
+        return admitted
 
     def cascade(
         self, handle: TierHandle, keys: Sequence[OffloadKey], watch: StoreWatch | None = None
@@ -147,10 +181,15 @@ class Cascader:
         core.index.note_held(ok_keys, handle.index)
         core.emit_tier(handle, ok_keys, removed=False)
 
-    def count_hits(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
-        """Selective write-through: one hit per key per request (a request that looks
-        up again is not a new hit); keys reaching a tier's `min_hits` while resident
-        cascade to it in one batch."""
+    def count_hits(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext, tail: Sequence[OffloadKey] = ()
+    ) -> None:
+        """A request looked up `keys` and missed `tail`. Reuse admission counts the
+        sightings; selective write-through counts one hit per key per request (a
+        request that looks up again is not a new hit). Keys reaching a tier's
+        threshold while resident in the primary cascade to it in one batch."""
+        if self.admission is not None:
+            self._sighted(keys, tail)
         if not self.selective:
             return
         primary = self.core.primary
@@ -162,6 +201,27 @@ class Cascader:
                     chosen.setdefault(i, []).append(key)
         for i, batch in chosen.items():
             self.cascade(self.core.tiers[i], batch)
+
+    def _sighted(self, keys: Sequence[OffloadKey], tail: Sequence[OffloadKey]) -> None:
+        """Count a request's sightings; a block resident in the primary that has just
+        been seen for the admitting time is written to the reuse tiers now (it was
+        declined when stored, and is about to earn its place)."""
+        assert self.admission is not None
+        counts = self.admission.sighted(keys, tail).tolist()
+        need = self.admission.min_sightings
+        primary, index = self.core.primary, self.core.index
+        # resident blocks, hit or not (a block past the hit may still be resident)
+        late = [
+            k
+            for k, c in zip(keys, counts)
+            if c == need and primary.is_ready(k) and not index.cascading(k)
+        ]
+        if not late:
+            return
+        for handle in self.reuse:
+            batch = [k for k in late if not index.held(k) & handle.bit]
+            if batch:
+                self.cascade(handle, batch)
 
     # -- store -------------------------------------------------------------------------
     def _streams(self) -> bool:

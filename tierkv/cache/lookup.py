@@ -33,10 +33,13 @@ class Lookup:
     def __init__(
         self,
         core: CacheCore,
-        on_hits: Callable[[Sequence[OffloadKey], ReqContext], None] | None = None,
+        on_hits: Callable[[Sequence[OffloadKey], ReqContext, Sequence[OffloadKey]], None]
+        | None = None,
     ) -> None:
         self.core = core
-        self.on_hits = on_hits  # selective write-through counts hits here
+        # called with every key the request looked up, its context, and the keys past
+        # the hit: selective write-through counts hits, reuse admission sightings
+        self.on_hits = on_hits
 
     async def locate(self, missing: Sequence[OffloadKey], ctx: ReqContext) -> dict[OffloadKey, int]:
         """Ask the tiers, concurrently and once each, where `missing` keys are; return
@@ -209,12 +212,16 @@ class Lookup:
         else:
             core.primary.touch(list(locations))
         if self.on_hits is not None:
-            self.on_hits(  # one group's keys are distinct (prefix-chained hashes)
-                keys_per_group[0]
-                if len(keys_per_group) == 1
-                else list(dict.fromkeys(k for keys in keys_per_group for k in keys)),
-                ctx,
-            )
+            if len(keys_per_group) == 1:  # one group's keys are distinct (prefix-chained)
+                seen, tail = keys_per_group[0], keys_per_group[0][ranges[0].end :]
+            else:
+                seen = list(dict.fromkeys(k for keys in keys_per_group for k in keys))
+                tail = list(
+                    dict.fromkeys(
+                        k for keys, r in zip(keys_per_group, ranges) for k in keys[r.end :]
+                    )
+                )
+            self.on_hits(seen, ctx, tail)
         return LookupResult(tokens, group_keys, tuple(ranges), MappingProxyType(locations))
 
     def _all_resident(
@@ -229,7 +236,7 @@ class Lookup:
         ps.hits += len(keys)
         core.primary.touch(keys)
         if self.on_hits is not None:
-            self.on_hits(keys, ctx)
+            self.on_hits(keys, ctx, ())
         locations = dict.fromkeys(keys, PRIMARY_MEDIUM)
         return LookupResult(
             len(keys) * block_size,

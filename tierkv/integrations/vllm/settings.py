@@ -272,3 +272,9 @@ def _check_write_policy(tier: TierConfig, where: str) -> None:
             f": {tier.write_policy!r} is not available inside vLLM, which writes every "
             "block it offloads to every secondary tier (write_through); remove the field",
         )
+    if tier.admission != "all":
+        raise _problem(
+            f"{where}.admission",
+            f": {tier.admission!r} is not available inside vLLM, which writes every "
+            "block it offloads to every secondary tier; remove the field",
+        )

@@ -1,0 +1,113 @@
+"""Reuse-aware admission in the cache: a write-through tier with `admission: reuse`
+is written only blocks seen in two requests, or the new tail of a continuing request
+(issue 21, item 2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tierkv.cache import TieredCache
+from tierkv.config import parse_config
+from tierkv.errors import ConfigError
+from tierkv.jobs import ReqContext
+from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
+
+pytestmark = pytest.mark.anyio
+
+BLOCK = 4096
+
+
+def keys(n: int, tag: str) -> list[OffloadKey]:
+    return [
+        make_offload_key(h, 0) for h in hash_token_blocks(list(range(16 * n)), 16, namespace=tag)
+    ]
+
+
+def data(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, BLOCK), dtype=torch.uint8, generator=g)
+
+
+def chain(blocks: int = 8, **tier: Any) -> dict[str, Any]:
+    return {
+        "namespace": "admission",
+        "layout": {"block_bytes": BLOCK, "groups": [{"block_size": 16}]},
+        "primary": {"capacity": blocks * BLOCK, "pin_memory": False},
+        "tiers": [{"type": "memory", "capacity": 256 * BLOCK, "admission": "reuse", **tier}],
+        "lookup_timeout": None,
+    }
+
+
+async def serve(cache: TieredCache, ks: list[OffloadKey], request: str, seed: int = 0) -> int:
+    """One request as a server runs it: lookup, load the hit, store the rest."""
+    ctx = ReqContext(request_id=request)
+    hit = await cache.lookup([ks], ctx)
+    n = len(hit.keys_to_load)
+    if n:
+        out = torch.empty(n, BLOCK, dtype=torch.uint8)
+        result = await cache.load(hit.keys_to_load, out, ctx)
+        assert not result.failed_keys
+    if n < len(ks):
+        await cache.store(ks[n:], data(len(ks), seed)[n:])
+    await cache.flush()
+    return n
+
+
+def tier_blocks(cache: TieredCache) -> int:
+    return int(cache.stats().tiers["memory"]["blocks_stored"])
+
+
+async def test_blocks_seen_once_are_declined_and_written_when_seen_again() -> None:
+    async with TieredCache(parse_config(chain(blocks=4))) as cache:
+        one_shot = keys(12, "a")
+        await serve(cache, one_shot, "r1")
+        stats = cache.stats().tiers["memory"]
+        assert stats["blocks_stored"] == 0 and stats["declined"] == 12
+        # the primary (4 blocks) lost most of them: the second sight recomputes them,
+        # and now they are written
+        assert await serve(cache, one_shot, "r2") < 12
+        assert tier_blocks(cache) >= 8
+        # the third request finds every block: primary or tier
+        assert await serve(cache, one_shot, "r3") == 12
+
+
+async def test_the_new_tail_of_a_continuing_request_is_written_at_once() -> None:
+    async with TieredCache(parse_config(chain(blocks=32))) as cache:
+        conversation = keys(10, "c")
+        await serve(cache, conversation[:6], "turn1")
+        assert tier_blocks(cache) == 0
+        # turn 2 hits 6 of its 10 blocks (from the primary): a continuation, so its 4
+        # new blocks go down at once; the 6 hit blocks have just been seen twice and
+        # are resident, so they follow (late admission)
+        assert await serve(cache, conversation, "turn2") == 6
+        assert tier_blocks(cache) == 10
+        # a request sharing only a short prefix adds blocks seen once: declined
+        other = [*conversation[:2], *keys(8, "other")]
+        await serve(cache, other, "q")
+        assert tier_blocks(cache) == 10
+
+
+async def test_a_streaming_store_of_declined_blocks_is_not_rejected() -> None:
+    # 40 new blocks through an 8-block primary: the tier declines them all, yet the
+    # store streams (declined blocks are evictable) instead of rejecting the rest
+    async with TieredCache(parse_config(chain(blocks=8))) as cache:
+        ks = keys(40, "s")
+        result = await cache.store(ks, data(40))
+        assert not result.rejected and len(result.stored) == 40
+        assert cache.stats().tiers["memory"]["declined"] == 40
+
+
+async def test_admission_all_writes_everything() -> None:
+    async with TieredCache(parse_config(chain(blocks=4, admission="all"))) as cache:
+        await serve(cache, keys(12, "a"), "r1")
+        assert tier_blocks(cache) == 12
+
+
+def test_reuse_admission_needs_a_write_through_tier() -> None:
+    with pytest.raises(ConfigError, match="admission 'reuse' applies to write_through"):
+        parse_config(chain(write_policy="write_back"))
+    with pytest.raises(ConfigError, match="admission"):
+        parse_config(chain(admission="sometimes"))
