@@ -165,10 +165,11 @@ async def replay(
                         served += 1
                         by[result.sources.get(key, PRIMARY)] += 1
                     report.failed_loads += len(result.failed_keys)
-                    if len(by) == 1:  # one medium served it: a bandwidth sample
-                        (medium,) = by
-                        load_bytes[medium] += served * o.block_bytes
-                        load_time[medium] = load_time.get(medium, 0.0) + spent
+                    for medium, count in by.items():  # a bandwidth sample per medium:
+                        # a load served by several is split by their shares of its bytes
+                        load_bytes[medium] += count * o.block_bytes
+                        share = spent * count / served
+                        load_time[medium] = load_time.get(medium, 0.0) + share
                 if served < len(keys):
                     stored = await cache.store(keys[served:], source[: len(keys) - served])
                     report.rejected_stores += len(stored.rejected)

@@ -1,0 +1,81 @@
+"""Write a synthetic request trace in the Mooncake JSONL format, for checking that a
+caching policy does no harm on workloads unlike the Mooncake trace.
+
+    .venv/bin/python scripts/synthetic_trace.py chat /tmp/chat.jsonl
+    .venv/bin/python scripts/synthetic_trace.py oneshot /tmp/oneshot.jsonl
+    .venv/bin/tierkv bench trace /tmp/chat.jsonl
+
+`chat`: conversations with a shared system prompt, every turn re-sends the whole
+conversation plus a new message (each turn's blocks are read exactly once more, by
+the next turn), users interleaved at random. `oneshot`: 70 % prompts never seen again,
+30 % one of a few shared documents plus a question. Poisson arrivals (`--rate` per s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+
+def chat(rng: random.Random, users: int, turns: int) -> list[list[int]]:
+    system = list(range(8))  # 8 blocks of 512 tokens shared by everyone
+    conversations = {u: list(system) for u in range(users)}
+    fresh = 10**6
+    prompts = []
+    order = [u for _ in range(turns) for u in rng.sample(range(users), users)]
+    for user in order:
+        conv = conversations[user]
+        grow = rng.randint(1, 4)  # the user's message and the last reply
+        conv.extend(range(fresh, fresh + grow))
+        fresh += grow
+        prompts.append(list(conv))
+    return prompts
+
+
+def oneshot(rng: random.Random, requests: int) -> list[list[int]]:
+    docs = [[10**5 * (d + 1) + i for i in range(rng.randint(4, 40))] for d in range(20)]
+    fresh = 10**7
+    prompts = []
+    for _ in range(requests):
+        if rng.random() < 0.3:
+            prompts.append([*rng.choice(docs), fresh])
+            fresh += 1
+        else:
+            n = rng.randint(4, 60)
+            prompts.append(list(range(fresh, fresh + n)))
+            fresh += n
+    return prompts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kind", choices=["chat", "oneshot"])
+    parser.add_argument("output", type=Path)
+    parser.add_argument("--users", type=int, default=200)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--rate", type=float, default=4.0, help="arrivals per second")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    prompts = (
+        chat(rng, args.users, args.turns) if args.kind == "chat" else oneshot(rng, args.requests)
+    )
+    now = 0.0
+    with args.output.open("w") as f:
+        for ids in prompts:
+            now += rng.expovariate(args.rate)
+            line = {
+                "timestamp": round(now * 1000),
+                "input_length": 512 * len(ids) - rng.randint(0, 511),
+                "output_length": rng.randint(16, 256),
+                "hash_ids": ids,
+            }
+            f.write(json.dumps(line) + "\n")
+    print(f"{len(prompts)} requests -> {args.output}")
+
+
+if __name__ == "__main__":
+    main()
