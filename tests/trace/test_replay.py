@@ -120,3 +120,22 @@ async def test_the_bench_reports_every_run_with_references(tmp_path: Path) -> No
     lines = summary_lines(report)
     assert "60 requests" in lines[0] and any(" reuse " in line for line in lines)
     assert any("replaying" in s for s in said)
+
+
+async def test_the_plot_is_written(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from tierkv.trace.plot import plot_trace
+
+    path = tmp_path / "t.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
+                        "hash_ids": list(r.hash_ids)}) + "\n"
+            for r in synthetic(40)
+        )
+    )  # fmt: skip
+    opts = TraceBenchOptions(
+        path, block_bytes=BLOCK, tiers=("memory",), tier_capacities=("10%", "40%")
+    )
+    out = plot_trace(await run_trace_bench(opts), tmp_path / "trace.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
