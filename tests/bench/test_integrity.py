@@ -1,8 +1,8 @@
-"""The bench's integrity section measures both framings on real blocks."""
+"""The integrity section measures both framings on real blocks."""
 
 from __future__ import annotations
 
-from tierkv.bench_integrity import bench_integrity, integrity_summary
+from tierkv.bench import bench_integrity, integrity_summary
 
 
 def test_reports_both_framings_and_the_mac_ratio() -> None:

@@ -1,0 +1,92 @@
+"""The chain a measurement runs on: the user's chain rebuilt with the bench's layout,
+its own namespace and primary, and tiers written through (`bench_chain`,
+`written_through`, `bench_config`); the keys it stores (`bench_keys`); and emptying
+the primary so loads come from below (`empty_primary`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ByteSize
+
+from tierkv.bench.options import BenchOptions
+from tierkv.cache import TieredCache
+from tierkv.config import CacheConfig
+from tierkv.keys import OffloadKey, make_offload_key
+from tierkv.layout import GroupSpec, KVLayout
+from tierkv.primary import PrimaryConfig
+from tierkv.tier import TierConfig
+
+BLOCK_TOKENS = 16  # tokens per block in the bench layout (any value works)
+
+
+def bench_chain(
+    chain: CacheConfig,
+    namespace: str,
+    block_bytes: int,
+    primary_blocks: int,
+    tiers: Sequence[TierConfig],
+    *,
+    pin_memory: bool | None = None,
+    **settings: Any,
+) -> CacheConfig:
+    """`chain` rebuilt for one measurement: its own namespace, one group of
+    `block_bytes` blocks, an LRU primary of `primary_blocks` blocks (pinned as the
+    chain says unless `pin_memory` is given), `tiers`, and any cache-wide `settings`."""
+    return chain.model_copy(
+        update={
+            "namespace": namespace,
+            "layout": KVLayout(
+                block_bytes=ByteSize(block_bytes), groups=(GroupSpec(block_size=BLOCK_TOKENS),)
+            ),
+            "primary": PrimaryConfig(
+                capacity=ByteSize(primary_blocks * block_bytes),
+                eviction="lru",
+                pin_memory=chain.primary.pin_memory if pin_memory is None else pin_memory,
+            ),
+            "tiers": list(tiers),
+            **settings,
+        }
+    )
+
+
+def written_through(tier: TierConfig, inflight_bytes: int) -> TierConfig:
+    """`tier` as the bench drives it: write-through, room for `inflight_bytes` in
+    flight, and required (a tier that cannot open is an error here)."""
+    return tier.model_copy(
+        update={
+            "write_policy": "write_through",
+            "max_inflight_bytes": max(tier.max_inflight_bytes, ByteSize(inflight_bytes)),
+            "required": True,
+        }
+    )
+
+
+def bench_config(
+    chain: CacheConfig, tier: TierConfig | None, options: BenchOptions, namespace: str
+) -> CacheConfig:
+    n, block = options.num_blocks, options.block_bytes
+    tiers = [] if tier is None else [written_through(tier, n * block + block)]
+    return bench_chain(chain, namespace, block, n, tiers, promotion_reserve=1.0)
+
+
+def bench_keys(n: int, tag: str) -> list[OffloadKey]:
+    prefix = tag.encode()[:16].ljust(16, b"\0")
+    return [make_offload_key(prefix + i.to_bytes(16, "big"), 0) for i in range(n)]
+
+
+def empty_primary(cache: TieredCache) -> int:
+    """Evict every evictable block of the primary (so loads come from below); returns
+    how many blocks it freed. Reserves the whole slab for throwaway keys and releases
+    them without writing, which evicts through the primary's own policy."""
+    primary = cache.primary
+    resident = len(primary)
+    scratch = [make_offload_key(os.urandom(32), 0) for _ in range(primary.num_blocks)]
+    prepared = primary.prepare_store(scratch)
+    if prepared is None:
+        raise RuntimeError("the primary has blocks in use; cannot empty it")
+    primary.complete_store(prepared.keys_to_store, success=False)
+    cache.take_events()
+    return resident - len(primary)
