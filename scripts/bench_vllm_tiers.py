@@ -99,14 +99,25 @@ def lookup_cost(engine: Engine) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=128)
-    parser.add_argument("--row-kib", type=int, default=1024)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--dir", default=None, help="where the tiers write (default: a temp dir)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--blocks", type=int, default=128, help="blocks stored and promoted per run (128)"
+    )
+    parser.add_argument(
+        "--row-kib", type=int, default=1024, help="KiB per block: one chunk's row (1024)"
+    )
+    parser.add_argument("--repeat", type=int, default=3, help="runs per tier; the best is kept (3)")
+    parser.add_argument(
+        "--dir",
+        default=None,
+        help="where the tiers write, in subdirectories removed after each run (default: a "
+        "temporary directory, removed at the end)",
+    )
     args = parser.parse_args()
     row = args.row_kib << 10
-    base = Path(args.dir or tempfile.mkdtemp(prefix="tierkv-vllm-bench-"))
+    base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="tierkv-vllm-bench-"))
     capacity = f"{2 * args.blocks * (row + 8192)}"
     tiers: dict[str, Any] = {
         "vllm fs": lambda root: {"type": "fs", "root_dir": str(root)},
@@ -144,7 +155,8 @@ def main() -> None:
             "lookup_1000_answered_ms": min(r["lookup_1000_answered_ms"] for r in runs),
         }
         print(json.dumps({"tier": name, "blocks": args.blocks, "row_bytes": row, **best}))
-    shutil.rmtree(base, ignore_errors=True)
+    if not args.dir:  # a directory given is the caller's: only the runs' own are removed
+        shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -213,3 +213,76 @@ def test_plot_draws_the_three_columns(tmp_path: Path) -> None:
     out = plot_ttft(report, tmp_path / "ttft.png")
     data = out.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000
+
+
+def test_plain_tables_without_rich() -> None:
+    import io
+
+    from tierkv.demo.report import TextTable, render
+
+    out = io.StringIO()
+    render(
+        ["head", TextTable(["name", "n"], [["a", "1"], ["bbb", "22"]], title="t")],
+        out,
+        use_rich=False,
+    )
+    assert out.getvalue() == "head\nt\nname   n\na      1\nbbb   22\n"
+
+
+# -- where the demo's tiers keep their files (tierkv.demo.scratch) -----------------------------
+def test_every_tier_path_moves_into_the_scratch_directory(tmp_path: Path) -> None:
+    from tierkv.demo.scratch import in_scratch, path_fields, tier_paths
+    from tierkv.tier import TierConfig
+
+    class TwoFiles(TierConfig):
+        """A plugin's config with a Path and a string path, and a string that is not one."""
+
+        path: Path
+        index_file: str
+        url: str = "redis://somewhere/0"
+
+    config = parse_config(
+        {
+            "namespace": "t",
+            "layout": {"block_bytes": "4KiB", "groups": [{"block_size": 16}]},
+            "primary": {"capacity": "1MiB", "pin_memory": False},
+            "tiers": [
+                {"type": "nvme", "path": "/srv/kv/nvme", "capacity": "1GiB"},
+                {"type": "nvme", "name": "disk2", "path": "/srv/kv2", "capacity": "1GiB"},
+                {"type": "memory"},
+            ],
+        }
+    )
+    plugin = TwoFiles(type="two", path=Path("/var/db/blocks.db"), index_file="/var/db/index")
+    config = config.model_copy(update={"tiers": [*config.tiers, plugin]})
+    assert path_fields(plugin) == {
+        "path": Path("/var/db/blocks.db"),
+        "index_file": Path("/var/db/index"),
+    }
+
+    moved = in_scratch(config, tmp_path)
+    assert tier_paths(moved) == {
+        "nvme": [str(tmp_path / "nvme" / "nvme")],
+        "disk2": [str(tmp_path / "disk2" / "kv2")],
+        "two": [
+            str(tmp_path / "two" / "path" / "blocks.db"),
+            str(tmp_path / "two" / "index_file" / "index"),
+        ],
+    }
+    assert isinstance(moved.tiers[3].index_file, str)  # type: ignore[attr-defined]
+    assert moved.tiers[2] == config.tiers[2] and moved.tiers[3].url == plugin.url  # type: ignore[attr-defined]
+    assert tier_paths(config)["nvme"] == ["/srv/kv/nvme"]  # the original is unchanged
+
+
+def test_the_summary_says_when_blocks_came_from_an_earlier_run() -> None:
+    from tierkv.demo.report import _earlier_run
+
+    assert _earlier_run({"blocks_at_start": {"nvme": 0}, "served_blocks": 0}) == []
+    assert _earlier_run({"blocks_at_start": {"nvme": 68, "memory": 0}, "served_blocks": 60}) == [
+        "68 blocks found from an earlier run (nvme 68); 60 blocks served came from it, so the "
+        "shares are not a fresh run's"
+    ]
+    # a server tier (redis) does not say what it holds: the blocks served still show it
+    assert _earlier_run({"blocks_at_start": {}, "served_blocks": 5}) == [
+        "5 blocks served came from an earlier run, so the shares are not a fresh run's"
+    ]

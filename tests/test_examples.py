@@ -69,7 +69,8 @@ def test_demo_runs_on_the_embedded_chain(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("TIERKV_NVME_PATH", str(tmp_path / "kv"))
-    args = ["demo", *TINY_DEMO, "--config", str(CHAINS / "embedded.yaml"), "--primary", "64KiB"]
+    chain = str(CHAINS / "embedded.yaml")
+    args = ["demo", *TINY_DEMO, "--config", chain, "--primary", "64KiB", "--keep"]
     assert main([*args, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] and [t["name"] for t in report["chain"]["tiers"]] == ["nvme"]

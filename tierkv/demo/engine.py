@@ -49,6 +49,7 @@ class Generation:
     load_failures: int = 0
     stored_blocks: int = 0
     rejected_blocks: int = 0  # the primary had no room (all its blocks in use)
+    earlier_blocks: int = 0  # blocks loaded that this engine never stored: an earlier run's
 
 
 class DemoEngine:
@@ -80,6 +81,10 @@ class DemoEngine:
         self._blocks_freed = anyio.Condition()
         self.cache: TieredCache | None = None
         self.worker: TransferWorker | None = None
+        # with a set (the demo's run sets one): every key passed to `store`, kept or not,
+        # so that a load of any other key counts as an earlier run's block; None in a
+        # long-running server, where it would only grow
+        self.stored_keys: set[OffloadKey] | None = None
         self.namespace = f"tierkv-demo-{model.config.fingerprint()}-b{self.offload_tokens}"
 
     # -- wiring tierkv in ---------------------------------------------------------------
@@ -195,6 +200,8 @@ class DemoEngine:
                 # the blocks the GPU prefix cache did not provide: loaded ones are
                 # already present below, computed ones are new
                 new = computed_keys[len(hit) :]
+                if self.stored_keys is not None:
+                    self.stored_keys.update(new)
                 stored = await cache.store(new, self._blocks(table, len(hit), len(new)))
                 result.stored_blocks = len(stored.stored)
                 result.rejected_blocks = len(stored.rejected)
@@ -233,6 +240,8 @@ class DemoEngine:
         for key in wanted[:usable]:
             medium = loaded.sources[key]
             result.sources[medium] = result.sources.get(medium, 0) + 1
+            if self.stored_keys is not None and key not in self.stored_keys:
+                result.earlier_blocks += 1
         result.reused_tokens = usable * self.offload_tokens
         return result.reused_tokens
 

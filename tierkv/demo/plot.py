@@ -1,9 +1,11 @@
-"""`tierkv demo --plot FILE.png`: time to first token of every turn, one line per
+"""`tierkv demo --plot [FILE.png]`: time to first token of every turn, one line per
 column (no cache, GPU prefix cache, GPU prefix cache + tierkv). Needs matplotlib, the
 `plot` extra (`pip install -e '.[plot]'` from a checkout)."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,17 @@ def check_available() -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise ImportError(MISSING) from None
+
+
+def plot_path(given: str | None = None) -> Path:
+    """Where `--plot` writes: the file given (made absolute, for the message), or a new
+    `tierkv-demo-ttft-*.png` in the temporary directory, never the current directory
+    (which may be a checkout)."""
+    if given:
+        return Path(os.path.abspath(given))
+    fd, name = tempfile.mkstemp(prefix="tierkv-demo-ttft-", suffix=".png")
+    os.close(fd)
+    return Path(name)
 
 
 def plot_ttft(report: dict[str, Any], path: str | Path) -> Path:

@@ -118,8 +118,14 @@ def demo_summary(report: dict[str, Any]) -> list[Block]:
         f"{human_bytes(kv['block_bytes'])}",
         f"chain: {tiers}; primary {chain['primary_capacity']} = "
         f"{chain['primary_blocks']} blocks ({chain['eviction']})",
-        "",
     ]
+    files = report.get("tier_files")
+    if files and files["paths"] and files["temporary"]:
+        blocks.append("tier files: in a temporary directory, removed at exit")
+    elif files and files["paths"]:
+        kept = "; ".join(f"{t} {', '.join(p)}" for t, p in files["paths"].items())
+        blocks.append(f"tier files: kept ({kept})")
+    blocks.append("")
     prefill = report["prefill_tokens"]
     rows = [
         [label, *(f"{ttft[c][key]:.1f} ms" for c in columns)]
@@ -164,6 +170,7 @@ def demo_summary(report: dict[str, Any]) -> list[Block]:
         f"stored {report['stored_blocks']:,} new blocks ({report['rejected_blocks']:,} "
         f"rejected: no room in the chain); {report['load_failures']:,} blocks failed to load"
     )
+    blocks += _earlier_run(report.get("earlier_run") or {})
     blocks.append("")
     verdict = "OK" if corr["ok"] else "FAILED"
     blocks.append(
@@ -177,3 +184,19 @@ def demo_summary(report: dict[str, Any]) -> list[Block]:
         blocks.append(f"metrics: {report['metrics_url']}")
     blocks.append(f"ran in {report['elapsed_seconds']:.1f} s")
     return blocks
+
+
+def _earlier_run(earlier: dict[str, Any]) -> list[Block]:
+    """A line when the tiers held blocks before the run began (a kept directory, a
+    shared server): those blocks change the shares, so the report says so."""
+    at_start = {name: n for name, n in earlier.get("blocks_at_start", {}).items() if n}
+    served = earlier.get("served_blocks", 0)
+    if not at_start and not served:
+        return []
+    found = sum(at_start.values())
+    where = ", ".join(f"{name} {n:,}" for name, n in at_start.items())
+    head = f"{found:,} blocks found from an earlier run ({where}); " if at_start else ""
+    origin = "it" if at_start else "an earlier run"
+    return [
+        f"{head}{served:,} blocks served came from {origin}, so the shares are not a fresh run's"
+    ]

@@ -91,6 +91,7 @@ class TurnRecord:
     rejected_blocks: int
     tokens_match: bool
     max_logit_diff: float
+    earlier_blocks: int = 0  # blocks served that this run never stored (an earlier run's)
 
     @property
     def ttft_without(self) -> float:
@@ -166,7 +167,9 @@ async def run_demo(
 
     async with AsyncExitStack() as stack:
         cache = await stack.enter_async_context(TieredCache(config))
+        held = blocks_held(cache)
         tiered.attach(cache)
+        tiered.stored_keys = set()  # to tell this run's blocks from an earlier run's
         metrics_url = None
         if metrics_port is not None:
             from tierkv.metrics import serve_metrics
@@ -205,6 +208,7 @@ async def run_demo(
                 rejected_blocks=tier.rejected_blocks,
                 tokens_match=same_gpu and same_tier,
                 max_logit_diff=max(diff_gpu, diff_tier),
+                earlier_blocks=tier.earlier_blocks,
             )
             records.append(record)
             workload.reply(turn, base.tokens)
@@ -212,6 +216,10 @@ async def run_demo(
                 on_turn(record)
         await cache.flush()
         report = _report(config, cache, engines, options, records)
+        report["earlier_run"] = {
+            "blocks_at_start": held,
+            "served_blocks": sum(r.earlier_blocks for r in records),
+        }
         report["elapsed_seconds"] = time.perf_counter() - started
         report["metrics_url"] = metrics_url
         if on_report is not None:
@@ -219,6 +227,21 @@ async def run_demo(
         if linger > 0:
             await anyio.sleep(linger)
     return report
+
+
+def blocks_held(cache: TieredCache) -> dict[str, int]:
+    """Blocks each tier of the open `cache` holds in its namespace, for the tiers that
+    say (`describe()["blocks"]` or `len(tier)`): at the start of a run, what an earlier
+    run left in a kept directory."""
+    held = {}
+    for name in cache.tier_names:
+        tier = cache.tier(name)
+        count = tier.describe().get("blocks")
+        if count is None and hasattr(tier, "__len__"):
+            count = len(tier)
+        if isinstance(count, int):
+            held[name] = count
+    return held
 
 
 def _speedup(records: list[TurnRecord], slow: str, fast: str) -> float:

@@ -1,0 +1,112 @@
+"""The parser and `main` (tierkv.cli.app): usage and exit codes, one-line errors,
+--help and --version, `python -m tierkv.cli`, a closed stdout."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import tierkv
+from tierkv.cli import main
+
+
+def test_console_script_runs_as_a_module() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "tierkv.cli", "validate", "/nonexistent.yaml"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2
+    assert "cannot read config file" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "the following arguments are required: COMMAND"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["demo", "--users", "0"], "0 must be at least 1"),
+        (["demo", "--metrics-port", "70000"], "70000 is not a TCP port"),
+        (["demo", "--primary", "lots"], "'lots' is not a size"),
+        (["bench", "--repeat", "x"], "'x' is not an integer"),
+        (["validate"], "the following arguments are required: file"),
+    ],
+)
+def test_bad_usage_exits_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for command in ("demo", "bench", "validate", "plugins", "roundtrip"):
+        assert command in out
+
+
+def test_a_bad_config_is_exit_2_for_every_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], chain_file: Callable[..., str]
+) -> None:
+    config = chain_file("[{type: memory, capactiy: 1GiB}]")
+    for command in ("demo", "bench", "validate"):
+        argv = [command, config] if command == "validate" else [command, "--config", config]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "tiers[0].capactiy: unknown field; did you mean 'capacity'?" in err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert (
+        capsys.readouterr().out.strip()
+        == f"tierkv {tierkv.__version__} (distribution tierkv-cache)"
+    )
+
+
+def test_every_command_has_a_description() -> None:
+    from tierkv.cli import build_parser
+
+    parser = build_parser()
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, command in sub.choices.items():
+        assert command.description and len(command.description) > 40, name
+        assert command.format_help().count("\n") > 3
+
+
+def test_a_closed_pipe_ends_quietly() -> None:
+    """`tierkv plugins --json | head -1`: no BrokenPipeError, no traceback."""
+    reader = subprocess.Popen(["head", "-c", "1"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    assert reader.stdin is not None
+    done = subprocess.run(
+        [sys.executable, "-m", "tierkv.cli", "plugins", "--json"],
+        stdout=reader.stdin,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=120,
+    )
+    reader.stdin.close()
+    reader.wait(timeout=30)
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
+    assert done.returncode in (0, 141)
+
+
+def test_closed_pipe_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    class Closed(io.StringIO):
+        def write(self, s: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def fileno(self) -> int:
+            return os.open(os.devnull, os.O_WRONLY)
+
+    monkeypatch.setattr(sys, "stdout", Closed())
+    assert main(["plugins", "--json"]) == 141

@@ -1,0 +1,22 @@
+"""`tierkv bench` (tierkv.cli.bench) as a command: progress lines on stderr, the JSON
+report on stdout. The bench itself is tested in tests/bench/."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tierkv.cli import main
+
+
+def test_bench_writes_progress_lines_when_not_a_terminal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["bench", "--tiers", "cpu", "--total", "1MiB", "--block-size", "256KiB"]
+    assert main([*argv, "--keys", "0", "--repeat", "1", "--json"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert lines[0].startswith("[tierkv bench ") and lines[0].endswith("] starting")
+    assert any("cpu: repetition 1/1" in line for line in lines), lines
+    assert json.loads(captured.out)["media"][0]["medium"] == "cpu"

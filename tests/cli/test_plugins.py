@@ -1,0 +1,67 @@
+"""`tierkv plugins` (tierkv.cli.plugins): installed tier types with package, version,
+class and config fields; exit 1 for a broken plugin."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+import tierkv
+from tierkv.cli import main
+from tierkv.errors import PluginImportError
+
+
+def test_plugins_lists_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plugins"]) == 0
+    assert "memory" in capsys.readouterr().out
+
+
+def test_plugins_lists_packages_versions_and_config_fields(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["plugins", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    memory = report["types"]["memory"]
+    assert memory["distribution"] == "tierkv-cache" and memory["version"] == tierkv.__version__
+    assert memory["target"] == "tierkv.memory_tier:MemoryTier"
+    capacity = memory["fields"]["capacity"]
+    assert capacity["default"] == 1 << 30 and capacity["unit"] == "bytes"
+    assert capacity["default_text"] == "1GiB"
+    assert "write_policy" not in memory["fields"]  # common fields are listed once
+    common = report["common_fields"]
+    assert common["write_policy"]["default"] == "write_through"
+    assert common["required"]["default"] is True and common["required"]["default_text"] == "true"
+    assert common["job_timeout"]["default"] == 30.0 and common["job_timeout"]["unit"] == "seconds"
+    assert common["job_timeout"]["default_text"] == "30s"
+    assert common["max_inflight_bytes"]["default"] == 256 << 20
+    assert common["name"]["default"] is None and not common["name"]["required"]
+    nvme = report["types"].get("nvme")
+    if nvme is not None:  # installed in CI and in the dev setup
+        assert nvme["distribution"] == "tierkv-cache-nvme"
+        assert (
+            nvme["fields"]["path"]["required"] and nvme["fields"]["io_concurrency"]["default"] == 8
+        )
+
+    assert main(["plugins"]) == 0
+    text = capsys.readouterr().out
+    assert "memory" in text and "tierkv.memory_tier:MemoryTier" in text
+    assert "every tier also takes" in text and "write_through_selective" in text
+
+
+def test_plugins_reports_a_broken_plugin_and_exits_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tierkv.cli import plugins
+
+    real = plugins.get_tier_class
+
+    def flaky(name: str) -> Any:
+        if name == "memory":
+            raise PluginImportError("tier type 'memory' failed to import: ImportError: boom")
+        return real(name)
+
+    monkeypatch.setattr(plugins, "get_tier_class", flaky)
+    assert main(["plugins"]) == 1
+    assert "memory: BROKEN: tier type 'memory' failed to import" in capsys.readouterr().out

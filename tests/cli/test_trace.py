@@ -1,0 +1,65 @@
+"""`tierkv bench trace` (tierkv.cli.trace)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tierkv.cli import main
+
+
+def trace(tmp_path: Path) -> Path:
+    path = tmp_path / "t.jsonl"
+    lines = []
+    for i in range(40):  # two documents read again and again, plus one-off prompts
+        ids = [0, 1, 2, 100 + i] if i % 2 else [10, 11, 1000 + i, 2000 + i]
+        lines.append(json.dumps({"timestamp": 50 * i, "input_length": 2048, "hash_ids": ids}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_bench_trace_reports_each_policy_as_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["bench", "trace", str(trace(tmp_path)), "--tiers", "memory", "--block-bytes", "4KiB"]
+    assert main([*args, "--tier-capacity", "25%", "--bandwidth", "memory=10GiB", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["requests"] == 40 and report["distinct_blocks"] == 3 + 20 + 2 + 40
+    runs = report["runs"]
+    assert [r["admission"] for r in runs] == ["all", "reuse"]
+    assert runs[0]["estimates"]["bandwidth"]["memory"] == 10 * 2**30
+    assert all(0 < r["hit_rate"] <= report["infinite_cache_hit_rate"] for r in runs)
+
+
+def test_bench_trace_prints_a_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "trace", str(trace(tmp_path)), "--tiers", "memory", "--block-bytes", "4KiB"]
+    assert main([*args, "--tier-capacity", "10", "--admission", "reuse"]) == 0
+    out = capsys.readouterr().out
+    assert "40 requests" in out and "   reuse " in out
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--admission", "sometimes"], "--admission: sometimes"),
+        (["--tier-capacity", "lots"], "'lots' is not a block count or a percentage"),
+        (["--bandwidth", "nvme"], "write MEDIUM=BYTES_PER_SECOND"),
+    ],
+)
+def test_bad_options_exit_2_with_the_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    args = ["bench", "trace", str(trace(tmp_path)), "--tiers", "memory", *extra]
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_bad_trace_exits_2_naming_the_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 1, "hash_ids": [1]}\nnot json\n')
+    assert main(["bench", "trace", str(path), "--tiers", "memory"]) == 2
+    assert "bad.jsonl:2: not JSON" in capsys.readouterr().err

@@ -1,0 +1,117 @@
+"""`tierkv validate` (tierkv.cli.validate): ok and errors by YAML path, sizes against
+this machine, no secret shown, and `--connect` opening each tier."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tierkv.cli import main
+
+
+def test_validate_reports_ok_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text(
+        "namespace: t\nlayout: {block_bytes: 4KiB, groups: [{block_size: 16}]}\n"
+        "primary: {capacity: 1MiB}\ntiers: [{type: memory}]\n"
+    )
+    assert main(["validate", str(good)]) == 0
+    assert "ok (namespace 't', 256 primary blocks, tiers: memory)" in capsys.readouterr().out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(good.read_text().replace("memory", "floppy"))
+    assert main(["validate", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "tiers[0].type: unknown tier type 'floppy'" in err
+
+
+def test_validate_connect_opens_each_tier_and_times_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], chain_file: Callable[..., str]
+) -> None:
+    config = chain_file(f"[{{type: memory}}, {{type: nvme, path: {tmp_path}/kv, capacity: 1MiB}}]")
+    assert main(["validate", "--connect", config]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("tiers: memory, nvme)")
+    assert lines[1].startswith("  memory: ok (open ") and "ms, lookup " in lines[1]
+    assert lines[2].startswith("  nvme: ok (open ")
+
+
+def test_validate_connect_reports_a_tier_it_cannot_reach(
+    tmp_path: Path,
+    broken_tier: str,
+    capsys: pytest.CaptureFixture[str],
+    chain_file: Callable[..., str],
+) -> None:
+    config = chain_file("[{type: memory}, {type: broken}]")
+    assert main(["validate", config]) == 0  # the file itself is fine
+    capsys.readouterr()
+    assert main(["validate", "--connect", config]) == 1
+    captured = capsys.readouterr()
+    assert "  memory: ok (open " in captured.out
+    assert (
+        "  broken: FAILED: open failed: ConnectionRefusedError: connection refused by "
+        "127.0.0.1:1" in captured.out
+    )
+    assert captured.err.strip() == "tierkv: error: cannot use tier broken"
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (
+            "primary: {capacity: 99999TiB}\ntiers: []\n",
+            "primary.capacity: 99999TiB is more than this machine's memory",
+        ),
+        (
+            "primary: {capacity: 1MiB}\ntiers: [{type: nvme, path: PATH/kv, capacity: 500TiB}]\n",
+            "tiers[0].capacity: 500TiB is more than the filesystem under 'PATH' holds",
+        ),
+        (
+            "primary: {capacity: 1MiB}\n"
+            "tiers: [{type: nvme, path: PATH/kv, capacity: 1MiB}, "
+            "{type: nvme, path: PATH/kv, capacity: 1MiB}]\n",
+            "tiers[1].path: 'PATH/kv' is also the path of tiers[0]",
+        ),
+        ("primary: {capacity: 1MiB}\nprimary: {capacity: 2MiB}\n", "primary: duplicate key"),
+        (
+            "primary: {capacity: 1MiB}\ntiers: [{type: memory, name: cpu}]\n",
+            "tiers[0].name: 'cpu' is the primary's name",
+        ),
+    ],
+)
+def test_validate_exits_2_naming_the_path(
+    body: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "chain.yaml"
+    path.write_text(
+        "namespace: t\nlayout: {block_bytes: 4KiB, groups: [{block_size: 16}]}\n"
+        + body.replace("PATH", str(tmp_path))
+    )
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"invalid tierkv config in {path}:" in err
+    assert message.replace("PATH", str(tmp_path)) in err, err
+
+
+def test_validate_a_file_that_is_not_utf8_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "chain.yaml"
+    path.write_bytes(b"namespace: caf\xe9\n")
+    assert main(["validate", str(path)]) == 2
+    assert "line 1, column 15: byte 0xe9 is not UTF-8" in capsys.readouterr().err
+
+
+def test_validate_never_prints_a_secret(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "chain.yaml"
+    path.write_text(
+        "namespace: t\nlayout: {block_bytes: 4KiB, groups: [{block_size: 16}]}\n"
+        "primary: {capacity: 1MiB}\n"
+        "tiers:\n  - 'redis://:hunter2@10.0.0.5:6379/0'\n"
+        "  - {type: s3, url: 's3://AKIA:hunter2@bucket/p'}\n"
+    )
+    assert main(["validate", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert "hunter2" not in captured.err + captured.out
+    assert "tiers[0]: expected a mapping" in captured.err

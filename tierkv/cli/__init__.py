@@ -1,0 +1,32 @@
+"""The `tierkv` command.
+
+    tierkv demo [--config FILE]        a small transformer's chat workload with and
+                                       without tierkv: TTFT, hit rate per tier, checks
+    tierkv bench [--config FILE]       each tier's MB/s as a ratio to its raw medium,
+                                       and the orchestrator's own cost
+    tierkv validate FILE [--connect]   check a YAML chain (and its sizes against this
+                                       machine); --connect opens each tier
+    tierkv plugins                     installed tier types and their config fields
+    tierkv roundtrip [--config FILE]   store -> lookup -> load of random blocks
+    tierkv vllm check CONFIG           a --kv-transfer-config read as vLLM will
+
+Without --config, demo and bench run the default chain: the primary plus an nvme
+tier in a temporary directory, removed afterwards. With --config, the demo moves the
+tiers' files into a temporary directory too, unless --keep.
+
+Exit codes: 0 ok, 2 bad usage or config, 1 runtime failure (a tier that cannot be
+reached, a failed check). Errors go to stderr as one line (a config error lists its
+problems one per line); --verbose adds the traceback and debug logs. When stderr is
+not a terminal, demo and bench write plain progress lines there (one per phase, or
+every few seconds) instead of a progress bar. JSON output (--json) keeps numbers and
+booleans typed.
+
+One module per command (`add_parser` and the function it runs), `common` for what
+they share, `app` for the parser and `main`.
+"""
+
+from __future__ import annotations
+
+from tierkv.cli.app import build_parser, main
+
+__all__ = ["build_parser", "main"]

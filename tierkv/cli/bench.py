@@ -1,0 +1,94 @@
+"""`tierkv bench`: each tier's speed as a ratio to its raw medium, and the
+orchestrator's own cost (`--gpu`: the GPU hop per copy backend)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import anyio
+
+from tierkv.cli.common import UsageError, chain, non_negative, positive, print_json, size
+from tierkv.cli.progress import Progress
+
+
+def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    bench = sub.add_parser(
+        "bench",
+        parents=parents,
+        help="each tier's speed as a ratio to its raw medium",
+        description="Store then load blocks through each medium of a chain and through "
+        "the medium's plain client in the same run; report MB/s, the ratio and latency; "
+        "then the orchestrator's bookkeeping rate over many resident keys.",
+    )
+    bench.add_argument(
+        "--config", metavar="FILE", help="YAML tier chain (default: primary + nvme in a temp dir)"
+    )
+    bench.add_argument(
+        "--block-size", type=size, metavar="SIZE", default=1 << 20, help="default 1MiB"
+    )
+    bench.add_argument(
+        "--total", type=size, metavar="SIZE", default=256 << 20, help="per medium (256MiB)"
+    )
+    bench.add_argument("--batch", type=positive, metavar="N", default=8, help="blocks per call (8)")
+    bench.add_argument(
+        "--concurrency", type=positive, metavar="N", default=8, help="calls in flight (8)"
+    )
+    bench.add_argument("--repeat", type=positive, metavar="N", default=3, help="repetitions (3)")
+    bench.add_argument(
+        "--tiers", metavar="NAMES", help="comma-separated media to measure (cpu,nvme,...)"
+    )
+    bench.add_argument(
+        "--keys",
+        type=non_negative,
+        metavar="N",
+        default=1_000_000,
+        help="resident keys for the orchestrator measurement (0 skips it)",
+    )
+    bench.add_argument(
+        "--lookup-batch", type=positive, metavar="N", default=128, help="keys per call"
+    )
+    bench.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench.add_argument(
+        "--gpu", action="store_true", help="the GPU hop per copy backend (tierkv.gpu.bench)"
+    )
+    bench.set_defaults(func=run)
+    from tierkv.cli import trace
+
+    trace.add_parser(bench.add_subparsers(dest="bench_command", metavar="trace"), parents)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.gpu:
+        from tierkv.gpu.bench import run_gpu_bench
+
+        return run_gpu_bench(args.total, args.repeat, args.json)
+    from tierkv.bench import BenchOptions, UnknownMedium, bench_summary, run_bench
+    from tierkv.demo.report import render
+
+    try:
+        options = BenchOptions(
+            block_bytes=args.block_size,
+            total_bytes=args.total,
+            batch=args.batch,
+            concurrency=args.concurrency,
+            repeat=args.repeat,
+            media=tuple(args.tiers.split(",")) if args.tiers else None,
+            orchestrator_keys=args.keys,
+            lookup_batch=args.lookup_batch,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    with (
+        chain(args.config) as config,
+        Progress(not args.json, None, "starting", command="bench") as progress,
+    ):
+        try:
+            report = anyio.run(lambda: run_bench(config, options, progress=progress.update))
+        except UnknownMedium as exc:
+            raise UsageError(f"--tiers: {exc}") from None
+    if args.json:
+        print_json(report)
+    else:
+        render(bench_summary(report))
+    return 0

@@ -1,0 +1,146 @@
+"""`tierkv bench trace FILE`: replay a request trace through real tiers, once per tier
+capacity and admission policy (`tierkv.trace`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from tierkv.cli.common import UsageError, positive, print_json, size
+from tierkv.cli.progress import Progress
+
+
+def _floats(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    return value
+
+
+def _bandwidth(text: str) -> dict[str, float]:
+    """`nvme=3GiB,redis=1GiB`: bytes per second per medium."""
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        medium, _, rate = part.partition("=")
+        if not medium or not rate:
+            raise argparse.ArgumentTypeError(
+                f"{part!r}: write MEDIUM=BYTES_PER_SECOND, e.g. nvme=3GiB"
+            )
+        out[medium.strip()] = float(size(rate.strip()))
+    return out
+
+
+def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "trace",
+        parents=parents,
+        help="replay a request trace through real tiers",
+        description="Replay a Mooncake-format JSONL trace (timestamp ms, input_length, "
+        "output_length, hash_ids of 512-token blocks) through a real TieredCache, once per "
+        "tier capacity and admission policy. Reports the prefix hit rate beside an "
+        "infinite cache and a plain LRU of the same capacity, hits and bytes per tier, "
+        "evictions, and a TTFT estimate from a stated cost model (one prefill at a time).",
+    )
+    p.add_argument("file", type=Path, help="the trace (JSONL)")
+    p.add_argument("--requests", type=positive, metavar="N", help="replay only the first N")
+    p.add_argument(
+        "--block-bytes", type=size, metavar="SIZE", default=64 << 10,
+        help="tierkv block per trace block (64KiB; the cost model scales to the model's size)",
+    )  # fmt: skip
+    p.add_argument(
+        "--primary", default="2%", metavar="N|P%", help="primary: blocks or %% of distinct (2%%)"
+    )
+    p.add_argument(
+        "--tier-capacity", default="10%,25%", metavar="LIST",
+        help="each tier's capacity, blocks or %% of distinct; one replay each (10%%,25%%)",
+    )  # fmt: skip
+    p.add_argument("--tiers", default="nvme", metavar="LIST", help="nvme, memory, redis (nvme)")
+    p.add_argument(
+        "--admission", default="all,reuse", metavar="LIST", help="policies to compare (all,reuse)"
+    )
+    p.add_argument("--redis-url", metavar="URL", help="for a redis tier")
+    p.add_argument("--dir", type=Path, metavar="DIR", help="where nvme writes (a temp dir)")
+    p.add_argument(
+        "--load", type=_floats, default=0.7,
+        help="arrivals scaled so no-cache prefill keeps the server this busy (0.7)",
+    )  # fmt: skip
+    p.add_argument(
+        "--backlog-load", type=_floats, default=1.3, help="the same, for the backlog case (1.3)"
+    )
+    p.add_argument(
+        "--prefill-tps", type=_floats, metavar="N",
+        help="prefill tokens/s of the model (12000, assumed: Llama-3.1-8B bf16, one H100)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-bytes-per-token", type=size, metavar="SIZE", help="KV bytes per token (128KiB)"
+    )
+    p.add_argument(
+        "--bandwidth", type=_bandwidth, metavar="M=RATE,...",
+        help="bytes/s per medium for the cost model, e.g. nvme=3GiB,cpu=25GiB "
+        "(default: the primary 25 GB/s, tiers as measured by the replay)",
+    )  # fmt: skip
+    p.add_argument("--plot", metavar="FILE.png", help="hit rate and bytes written vs capacity")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from tierkv.trace import CostModel, TraceError
+    from tierkv.trace.bench import TraceBenchOptions, run_trace_bench, summary_lines
+
+    model = CostModel()
+    if args.prefill_tps:
+        model = replace(model, prefill_tokens_per_s=args.prefill_tps)
+    if args.kv_bytes_per_token:
+        model = replace(model, kv_bytes_per_token=args.kv_bytes_per_token)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError(
+                "--plot needs matplotlib: pip install matplotlib (the `plot` extra)"
+            ) from None
+    options = TraceBenchOptions(
+        args.file,
+        limit=args.requests,
+        block_bytes=args.block_bytes,
+        primary=args.primary,
+        tier_capacities=tuple(c.strip() for c in args.tier_capacity.split(",")),
+        tiers=tuple(t.strip() for t in args.tiers.split(",")),
+        admissions=tuple(a.strip() for a in args.admission.split(",")),
+        redis_url=args.redis_url,
+        directory=args.dir,
+        load=args.load,
+        backlog_load=args.backlog_load,
+        model=model,
+        bandwidth=args.bandwidth or {},
+    )
+    bad = [a for a in options.admissions if a not in ("all", "reuse")]
+    if bad:
+        raise UsageError(f"--admission: {', '.join(bad)} (use all, reuse)")
+    with Progress(not args.json, None, "reading the trace", command="bench") as progress:
+        try:
+            report = anyio.run(lambda: run_trace_bench(options, progress.update))
+        except TraceError as exc:
+            raise UsageError(str(exc)) from None
+        except ValueError as exc:  # capacities, tiers
+            raise UsageError(str(exc)) from None
+    if args.json:
+        print_json(report)
+    else:
+        print("\n".join(summary_lines(report)))
+    if args.plot:
+        from tierkv.trace.plot import plot_trace
+
+        where = plot_trace(report, args.plot).resolve()
+        print(f"plot: {where}", file=sys.stderr if args.json else sys.stdout)
+    return 0
