@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -114,7 +115,7 @@ def test_unknown_fields_are_rejected_with_a_suggestion(
         ),
         (
             ("job_timeout: 250ms", "job_timeout: soon"),
-            "tiers[0].job_timeout: 'soon': 'soon' is not a duration",
+            "tiers[0].job_timeout: 'soon' is not a duration (use e.g. 250ms, 2s, 1m)",
         ),
         (("window: 4096", "window: -3"), "layout.groups[1].window: -3"),
         (
@@ -232,7 +233,7 @@ def test_errors_never_show_secrets(faulty_tier_type: str) -> None:
 
 
 def test_shown_values_mask_secrets_and_url_passwords() -> None:
-    from tierkv.config import _shown
+    from tierkv.config.messages import shown as _shown
 
     assert _shown(("tiers", 0, "password"), "hunter2") == "'***'"
     assert _shown(("tiers", 0, "secret_access_key"), "abc") == "'***'"
@@ -376,3 +377,100 @@ def test_environment_defaults_may_nest() -> None:
     assert parse_config(text, env={}).namespace == "x-y"
     assert parse_config(text, env={"USER_NS": "u"}).namespace == "u-y"
     assert parse_config(text, env={"NS": "n"}).namespace == "n"
+
+
+def test_a_decimal_or_bit_block_size_is_an_error_with_the_binary_spelling() -> None:
+    assert problems(GOOD.replace("block_bytes: 2MiB", "block_bytes: 2MB")) == [
+        "layout.block_bytes: '2MB' is 2,000,000 bytes (decimal); block sizes are binary: "
+        "did you mean '2MiB'?"
+    ]
+    assert problems(GOOD.replace("block_bytes: 2MiB", "block_bytes: 2Mb")) == [
+        "layout.block_bytes: '2Mb' is a size in bits (a lowercase b is a bit); sizes are "
+        "in bytes: did you mean '2MiB'?"
+    ]
+    # a plain number is bytes, whatever it is
+    assert parse_config(GOOD.replace("block_bytes: 2MiB", "block_bytes: 2000000"))
+
+
+def test_bits_are_an_error_for_every_size(caplog: pytest.LogCaptureFixture) -> None:
+    assert problems(GOOD.replace("capacity: 512MiB", "capacity: 4Gb")) == [
+        "tiers[0].capacity: '4Gb' is a size in bits (a lowercase b is a bit); sizes are in "
+        "bytes: did you mean '4GiB'?"
+    ]
+
+
+def test_a_decimal_size_elsewhere_is_a_logged_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """Warnings go to the `tierkv.config` loggers (one record per size, naming the file
+    and YAML path); the config still loads, with the decimal size as written."""
+    text = GOOD.replace("capacity: 8GiB", "capacity: 8GB").replace("512MiB", "'${CAP}'")
+    with caplog.at_level(logging.WARNING, logger="tierkv.config"):
+        config = parse_config(text, source="tiers.yaml", env={"CAP": "500MB"})
+    [tier] = config.tiers
+    assert isinstance(tier, MemoryTierConfig)
+    assert config.primary.capacity == 8 * 10**9 and tier.capacity == 500 * 10**6
+    assert [(r.name.startswith("tierkv.config"), r.levelno) for r in caplog.records] == [
+        (True, logging.WARNING),
+        (True, logging.WARNING),
+    ]
+    assert [r.getMessage() for r in caplog.records] == [
+        "tiers.yaml: primary.capacity: '8GB' is 8,000,000,000 bytes (decimal); did you "
+        "mean '8GiB' (8,589,934,592 bytes)? Write 8000000000 to keep this size",
+        "tiers.yaml: tiers[0].capacity: '500MB' is 500,000,000 bytes (decimal); did you "
+        "mean '500MiB' (524,288,000 bytes)? Write 500000000 to keep this size",
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tierkv.config"):
+        parse_config(GOOD)
+    assert caplog.records == []
+
+
+def test_a_size_that_is_wrong_twice_is_reported_once() -> None:
+    assert problems(GOOD.replace("block_bytes: 2MiB", "block_bytes: 0MB")) == [
+        "layout.block_bytes: '0MB': Input should be greater than 0"
+    ]
+
+
+def test_machine_checks_are_reported_with_structural_errors(tmp_path: Path) -> None:
+    """Each check runs on what parsed: a primary larger than memory is found beside an
+    unknown field of another section, a disk tier larger than its filesystem beside a
+    bad sibling tier; a capacity that is not a size is checked only once it is one."""
+    text = (
+        "namespace: t\nlayout: {block_bytes: 4KiB, groups: [{block_size: 16}], extra: 1}\n"
+        "primary: {capacity: 99999TiB}\n"
+        f"tiers:\n  - {{type: nvme, path: {tmp_path}/kv, capacity: 500TiB}}\n"
+        "  - {type: memory, capacity: lots}\n"
+    )
+    found = problems(text, check_machine=True)
+    assert found[0] == "layout.extra: unknown field (allowed: block_bytes, groups)"
+    assert found[1] == "tiers[1].capacity: 'lots' is not a size (use e.g. 8GiB, 512MiB, 4096)"
+    assert found[2].startswith("primary.capacity: 99999TiB is more than this machine's memory")
+    assert found[3].startswith(
+        f"tiers[0].capacity: 500TiB is more than the filesystem under '{tmp_path}'"
+    )
+    assert len(found) == 4
+    # without check_machine only the structural problems
+    assert problems(text) == found[:2]
+
+
+def test_validate_a_decimal_block_exits_2_with_the_hint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The error goes to stderr; the warning about the decimal capacity to the log
+    (stderr too, through the CLI's logging setup, which pytest replaces here)."""
+    from tierkv.cli import main
+
+    path = tmp_path / "chain.yaml"
+    path.write_text(
+        "namespace: t\nlayout: {block_bytes: 2MB, groups: [{block_size: 16}]}\n"
+        "primary: {capacity: 8MiB}\ntiers: [{type: memory, capacity: 4MB}]\n"
+    )
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"invalid tierkv config in {path}:" in err
+    assert (
+        "layout.block_bytes: '2MB' is 2,000,000 bytes (decimal); block sizes are binary: "
+        "did you mean '2MiB'?"
+    ) in err
+    assert err.count("'2MB'") == 1
+    [warning] = [r.getMessage() for r in caplog.records if r.name.startswith("tierkv.config")]
+    assert warning.startswith(f"{path}: tiers[0].capacity: '4MB' is 4,000,000 bytes (decimal)")

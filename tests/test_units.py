@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierkv.units import approx_size, format_size, parse_duration
+from tierkv.units import approx_size, format_size, parse_duration, size_unit, unit_hint
 
 
 @pytest.mark.parametrize(
@@ -41,3 +41,45 @@ def test_approx_size_rounds_to_one_decimal_in_the_largest_unit() -> None:
     assert approx_size(3 << 40, sep=" ") == "3.0 TiB"
     assert approx_size(2048) == "2.0KiB"
     assert approx_size(100, sep=" ") == "100 B"
+
+
+@pytest.mark.parametrize(
+    ("text", "kind"),
+    [
+        ("2MiB", "binary"),
+        ("2 MIB", "binary"),
+        ("1.5GiB", "binary"),
+        ("2MB", "decimal"),
+        ("2kB", "decimal"),
+        ("2M", "decimal"),
+        ("4Gb", "bits"),
+        ("8gib", "bits"),
+        ("512Mbit", "bits"),
+        ("4096", None),
+        ("512B", None),
+        ("512b", None),
+        ("12 parsecs", None),
+        (4096, None),
+    ],
+)
+def test_size_unit_tells_binary_decimal_and_bits_apart(text: object, kind: str | None) -> None:
+    assert size_unit(text) == kind
+
+
+def test_unit_hint_names_the_binary_spelling_and_says_the_value_once() -> None:
+    assert unit_hint("2MiB", 2 << 20, binary_only=True) is None
+    assert unit_hint("2MB", 2_000_000, binary_only=True) == (
+        True,
+        "'2MB' is 2,000,000 bytes (decimal); block sizes are binary: did you mean '2MiB'?",
+    )
+    assert unit_hint("4GB", 4 * 10**9, binary_only=False) == (
+        False,
+        "'4GB' is 4,000,000,000 bytes (decimal); did you mean '4GiB' (4,294,967,296 bytes)? "
+        "Write 4000000000 to keep this size",
+    )
+    for binary_only in (True, False):
+        assert unit_hint("4Gb", 4 * 10**9, binary_only=binary_only) == (
+            True,
+            "'4Gb' is a size in bits (a lowercase b is a bit); sizes are in bytes: "
+            "did you mean '4GiB'?",
+        )

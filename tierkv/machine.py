@@ -3,15 +3,19 @@
 A primary larger than the machine's memory dies in the allocator, an nvme tier larger
 than its disk fills the disk and fails writes for everyone; both are configuration
 mistakes that `tierkv validate` (and every command that loads a chain) reports up
-front, with the path, the size asked for and what the machine has.
+front, with the path, the size asked for and what the machine has:
+`parse_config(..., check_machine=True)` runs these checks beside the structural ones,
+on every field that parsed, so one run lists both kinds of problem.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tierkv.tier import TierConfig
 from tierkv.units import approx_size, format_size
 
 if TYPE_CHECKING:
@@ -56,24 +60,38 @@ def machine_problems(config: CacheConfig, *, memory: int | None = None) -> list[
     a `path` and a `capacity` against the size of the filesystem under that path (the
     nearest existing parent when the path does not exist yet), several such tiers on
     one filesystem against it together."""
+    return fit_problems(int(config.primary.capacity), list(enumerate(config.tiers)), memory=memory)
+
+
+def fit_problems(
+    primary_capacity: int | None,
+    tiers: Sequence[tuple[int, TierConfig]],
+    *,
+    memory: int | None = None,
+) -> list[str]:
+    """`machine_problems` over what of a config parsed: the primary's capacity (None
+    when the primary section itself is invalid) and the tiers whose sections validated,
+    each with its index in the YAML list. A config with structural errors is checked
+    this way too, so both kinds of problem are reported at once; a size that did not
+    parse cannot be checked until it does."""
     problems: list[str] = []
     memory = physical_memory() if memory is None else memory
     if memory:
-        asked = int(config.primary.capacity)
-        if asked > memory:
+        if primary_capacity is not None and primary_capacity > memory:
             problems.append(
-                f"primary.capacity: {format_size(asked)} is more than this machine's "
-                f"memory ({_human(memory)}); the slab could not be allocated"
+                f"primary.capacity: {format_size(primary_capacity)} is more than this "
+                f"machine's memory ({_human(memory)}); the slab could not be allocated"
             )
-        for i, tier in enumerate(config.tiers):
+        for i, tier in tiers:
             capacity = getattr(tier, "capacity", None)
             if tier.type == "memory" and capacity is not None and int(capacity) > memory:
                 problems.append(
                     f"tiers[{i}].capacity: {format_size(int(capacity))} is more than this "
                     f"machine's memory ({_human(memory)})"
                 )
-    on_device: dict[int, list[tuple[int, int, int]]] = {}
-    for i, tier in enumerate(config.tiers):
+    # per filesystem: (tier index, capacity) of each tier on it, and its size
+    on_device: dict[int, tuple[list[tuple[int, int]], int]] = {}
+    for i, tier in tiers:
         path, capacity = getattr(tier, "path", None), getattr(tier, "capacity", None)
         if tier.type == "memory" or not isinstance(path, (str, os.PathLike)) or not capacity:
             continue
@@ -88,13 +106,13 @@ def machine_problems(config: CacheConfig, *, memory: int | None = None) -> list[
                 f"({_human(size)} in all)"
             )
         else:
-            on_device.setdefault(device, []).append((i, int(capacity), size))
-    for entries in on_device.values():
-        total = sum(c for _, c, _ in entries)
-        if len(entries) > 1 and total > entries[0][1 + 1]:
-            names = " + ".join(f"tiers[{i}].capacity" for i, _, _ in entries)
+            on_device.setdefault(device, ([], size))[0].append((i, int(capacity)))
+    for entries, size in on_device.values():
+        total = sum(c for _, c in entries)
+        if len(entries) > 1 and total > size:
+            names = " + ".join(f"tiers[{i}].capacity" for i, _ in entries)
             problems.append(
                 f"{names}: {_human(total)} together is more than their shared filesystem "
-                f"holds ({_human(entries[0][2])})"
+                f"holds ({_human(size)})"
             )
     return problems

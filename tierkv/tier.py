@@ -83,7 +83,10 @@ RemovalListener = Callable[[tuple[OffloadKey, ...]], None]
 
 class TierConfig(BaseModel):
     """Fields every tier's YAML section has. A plugin subclasses it for its own
-    fields; unknown fields are rejected, not ignored."""
+    fields; unknown fields are rejected, not ignored. Give each field a
+    `Field(description=...)`: `tierkv plugins` lists it beside the field's default.
+    Sizes are `Size` (YAML `4GiB`; bits are refused, decimal units warned about) and
+    durations `Duration` (`250ms`)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -115,3 +115,30 @@ def test_validate_never_prints_a_secret(tmp_path: Path, capsys: pytest.CaptureFi
     captured = capsys.readouterr()
     assert "hunter2" not in captured.err + captured.out
     assert "tiers[0]: expected a mapping" in captured.err
+
+
+def test_validate_reports_structural_and_machine_problems_in_one_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A user fixes a file once: problems of its structure, its units and what could
+    never fit this machine come in one message, not one after another."""
+    path = tmp_path / "chain.yaml"
+    path.write_text(
+        "namespace: t\nlayout: {block_bytes: 4KiB, groups: [{block_size: 16}]}\n"
+        "primary: {capacity: 99999TiB}\n"
+        f"tiers:\n  - {{type: nvme, path: {tmp_path}/kv, capacity: 500TiB}}\n"
+        "  - {type: floppy}\n"
+        "  - {type: memory, job_timeout: '30 seconds'}\n"
+        "  - {type: memory, capacity: 4Gb}\n"
+    )
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    expected = [
+        "primary.capacity: 99999TiB is more than this machine's memory",
+        f"tiers[0].capacity: 500TiB is more than the filesystem under '{tmp_path}' holds",
+        "tiers[1].type: unknown tier type 'floppy'",
+        "tiers[2].job_timeout:",
+        "tiers[3].capacity:",
+    ]
+    for message in expected:
+        assert message in err, (message, err)

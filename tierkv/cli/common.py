@@ -104,10 +104,9 @@ def check_machine(config: CacheConfig, source: str) -> None:
 
 def load_checked(path: str) -> CacheConfig:
     """The chain in `path`, validated and checked against this machine's memory and
-    disks (a ConfigError, exit 2, for what could never fit)."""
-    config = load_config(path)
-    check_machine(config, path)
-    return config
+    disks: structural problems and what could never fit are reported together, in one
+    ConfigError (exit 2)."""
+    return load_config(path, check_machine=True)
 
 
 @contextlib.contextmanager

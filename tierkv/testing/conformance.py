@@ -1,10 +1,23 @@
 """The tier conformance suite: one import proves a tier keeps the contract.
 
+    import itertools
+
+    import pytest
+
     from tierkv.testing import TierConformanceSuite
 
     class TestMyTier(TierConformanceSuite):
+        @pytest.fixture(autouse=True)
+        def _fresh_paths(self, tmp_path):
+            self.paths = (tmp_path / f"tier{i}" for i in itertools.count())
+
         def make_tier(self, primary, *, capacity_blocks, **fields):
-            return MyTier(MyTier.Config(type="mytier", ..., **fields), primary)
+            # capacity_blocks is None for most tests: size the tier roomy then
+            capacity = (capacity_blocks or 1024) * (primary.block_bytes + 128)
+            config = MyTier.Config(
+                type="mytier", path=next(self.paths), capacity=capacity, **fields
+            )
+            return MyTier(config, primary)
 
         async def corrupt(self, tier, key):
             ...  # flip a byte of the stored payload of `key`
@@ -16,8 +29,12 @@ Run with pytest (the suite uses anyio's pytest plugin, which ships with anyio, a
 hypothesis). Set `supports_capacity = False` for a tier with no capacity bound: the
 capacity and removal-report tests are then skipped. `plant` is what the MAC tests
 (a forged frame with a right checksum is refused) need; without it they are skipped.
-Every test opens a fresh tier and closes it. No torch: the primary is a `PrimaryView`
-over a `bytearray`.
+Every test opens a fresh tier and closes it (the property-based test opens one per
+example, so many per test): give each tier `make_tier` returns storage of its own (a
+fresh directory under `tmp_path`, which pytest deletes; a `tempfile.mkdtemp()` per
+tier is never deleted). The suite itself creates no files. No torch: the primary is a
+`PrimaryView` over a `bytearray`. The README's "Write a tier plugin" is a complete
+tier and test class that pass this suite as written.
 """
 
 from __future__ import annotations
