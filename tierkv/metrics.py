@@ -11,8 +11,9 @@ store/load jobs, blocks and bytes stored into / loaded out of the medium, failed
 errors, dropped cascades, requests skipped while the circuit was open. Gauges: jobs and
 bytes in flight, breaker state, primary occupancy. Summaries (count, sum, p50, p99):
 job latency and lookup latency per tier. Cache-wide series (`namespace` only): rejected
-store blocks, store waits, dropped write-back blocks, shed promotions, dropped events
-(counters), background jobs and indexed keys (gauges).
+store blocks, store waits, dropped write-back blocks, shed promotions, prefetched, used,
+cancelled and shed prefetch blocks, dropped events (counters), background jobs and
+indexed keys (gauges).
 
 Needs `prometheus-client` (the `metrics` extra of tierkv-cache), imported when this module
 is. The stats are read on the event loop that runs the cache: `serve_metrics` answers
@@ -119,6 +120,23 @@ CACHE_COUNTERS: dict[str, tuple[str, str]] = {
     "load_fallbacks": (
         "load_fallback_blocks",
         "Blocks a load found further down the chain after every tier it knew of failed them",
+    ),
+    "prefetched_blocks": (
+        "prefetched_blocks",
+        "Blocks prefetches promoted into the primary for queued requests",
+    ),
+    "prefetch_used": (
+        "prefetch_used_blocks",
+        "Prefetched blocks a load then read from the primary or joined while in flight",
+    ),
+    "prefetch_cancelled": (
+        "prefetch_cancelled_blocks",
+        "Prefetched (or still reading) blocks released unused by cancel_prefetch",
+    ),
+    "prefetch_shed": (
+        "prefetch_shed_blocks",
+        "Blocks a prefetch did not promote: its share of the promotion reserve (prefetch_share) "
+        "or the room was taken, or loads waited for room (best_effort, or past its timeout)",
     ),
     "room_wakeups": (
         "room_wakeups",

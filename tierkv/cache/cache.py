@@ -27,6 +27,7 @@ from tierkv.cache.cascade import Cascader
 from tierkv.cache.core import CacheCore
 from tierkv.cache.guard import TierHandle
 from tierkv.cache.lookup import Lookup
+from tierkv.cache.prefetch import Prefetch, PrefetchPolicy
 from tierkv.cache.promotion import Promoter
 from tierkv.cache.results import CacheStats, LoadResult, LookupResult, StoreResult
 from tierkv.cache.writeback import WriteBack
@@ -275,6 +276,41 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         a tier's failure.
         """
         return await self.promoter.load(keys, destination, ctx or _DEFAULT_CTX)
+
+    def prefetch(
+        self,
+        keys_per_group: Sequence[Sequence[OffloadKey]] | LookupResult,
+        ctx: ReqContext,
+        *,
+        policy: PrefetchPolicy = "best_effort",
+        timeout: float | None = None,
+    ) -> Prefetch:
+        """Start promoting a queued request's blocks into the primary; return at once.
+
+        `keys_per_group` as for `lookup` (the tiers are asked in the background about
+        keys the cache cannot place, and only the hit every group can serve is
+        prefetched), or the request's `LookupResult`. `ctx.request_id` is required:
+        the request's `load` (same id) takes over what the prefetch promoted (landed
+        blocks are primary hits, windows still reading are joined) and releases the
+        rest, as `cancel_prefetch(request_id)` does for a request that ends without
+        loading. Stage 1 only: blocks land in the primary and are held there (not
+        evictable) until released. Prefetches together hold at most `prefetch_share`
+        of the promotion reserve and start nothing while a load waits for room; with
+        no room, `policy="best_effort"` stops (the rest is shed) and `policy="wait"`
+        looks again for up to `timeout` seconds in all. Bad arguments raise
+        `ValueError`; a tier's failure never raises (the load falls back as usual).
+        """
+        return self.promoter.prefetches.start(keys_per_group, ctx, policy, timeout)
+
+    def cancel_prefetch(self, request: ReqContext | str) -> int:
+        """Release the prefetches of a request (its `ReqContext` or request id) that
+        ends without loading: held blocks become ordinary evictable primary blocks; a
+        window still reading finishes and its blocks land evictable. Returns how many
+        prefetches it released (0 when none is running or held for the request)."""
+        request_id = request.request_id if isinstance(request, ReqContext) else request
+        if request_id is None:
+            return 0
+        return self.promoter.prefetches.cancel(request_id)
 
 
 class _RemovalListener:

@@ -17,6 +17,9 @@ Concurrent loads of one key share one promotion (single flight): a window is a
 `Flight` the index points to; a later load waits on it and takes a reader on the
 promoted block when it lands. Every promotion runs in the cache's task group, so a
 cancelled load never strands a reservation.
+
+Prefetches (`tierkv.cache.prefetch`) run the same stage 1 for queued requests; a load
+joins their windows like any other, and ends the prefetch of its own request.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from tierkv.blocks import BlockDestination
 from tierkv.cache.core import CacheCore
 from tierkv.cache.index import Flight
 from tierkv.cache.lookup import Lookup
+from tierkv.cache.prefetch import Prefetcher
 from tierkv.cache.results import LoadResult
 from tierkv.cache.validate import check_keys, checked_destination
 from tierkv.jobs import JobMetadata, JobResult, ReqContext
@@ -70,6 +74,7 @@ class Promoter:
     def __init__(self, core: CacheCore, lookup: Lookup) -> None:
         self.core = core
         self.lookup = lookup
+        self.prefetches = Prefetcher(core, lookup, self._run_flight)
 
     async def load(
         self, keys: Sequence[OffloadKey], destination: object, ctx: ReqContext
@@ -97,6 +102,9 @@ class Promoter:
             s.slots.update(zip(resident, primary.prepare_load(resident)))
             s.holding.update(resident)
             s.sources.update(dict.fromkeys(resident, PRIMARY_MEDIUM))
+        prefetches = self.prefetches
+        if prefetches.active:  # after taking readers: what a prefetch lets go stays held
+            prefetches.on_load(resident, ctx)
         try:
             unknown = [k for k in to_promote if index.location(k) is None]
             if unknown:
@@ -127,6 +135,7 @@ class Promoter:
                 elif flight.granted.get(key, 0) > 0:
                     flight.granted[key] -= 1
                     primary.complete_load([key])
+            prefetches.changed()  # room this load held may let a waiting prefetch go on
         stats = core.primary_stats
         stats.load_jobs += 1
         stats.blocks_loaded += len(s.loaded)
@@ -361,6 +370,7 @@ class Promoter:
                 if key in waiting:
                     flight.granted[key] = waiting[key]
             flight.done.set()
+            self.prefetches.changed()
 
     async def _read(
         self,
