@@ -125,3 +125,66 @@ def test_sliding_window_hit_over_a_long_prompt_is_linear() -> None:
     present[7000] = False
     tokens, ranges = combine_group_hits([group], [present])
     assert tokens == 7000 * 16 and ranges == [GroupHit(4952, 7000)]
+
+
+def state(block_size: int) -> GroupSpec:
+    return GroupSpec(kind="state", block_size=block_size)
+
+
+def test_state_group_needs_only_the_state_at_the_hit() -> None:
+    """Block j of a state group is the state after (j + 1) blocks: a hit of 3 blocks
+    needs block 2 only, whatever is missing before it."""
+    tokens, ranges = combine_group_hits([state(16)], [[False, False, True, False]])
+    assert tokens == 48
+    assert ranges == [GroupHit(2, 3)]
+    assert combine_group_hits([state(16)], [[False, False]]) == (0, [GroupHit(0, 0)])
+
+
+def test_full_plus_state_backs_off_to_a_boundary_both_serve() -> None:
+    """Full attention has blocks 0-3; the state exists after blocks 2 and 1 only: the
+    hit is 3 blocks (the state after block 2), not 4."""
+    tokens, ranges = combine_group_hits(
+        [FULL16, state(16)], [[True] * 4, [False, True, True, False]]
+    )
+    assert tokens == 48
+    assert ranges == [GroupHit(0, 3), GroupHit(2, 3)]
+
+
+def test_a_state_group_takes_no_window() -> None:
+    with pytest.raises(ValueError, match="a state group takes no `window`"):
+        GroupSpec(kind="state", block_size=16, window=64)
+
+
+def _serves(group: GroupSpec, present: list[bool], tokens: int) -> bool:
+    """The definition of serving `tokens` with one group, block by block."""
+    bs = group.block_size
+    if tokens % bs or tokens // bs > len(present):
+        return False
+    n = tokens // bs
+    if n == 0:
+        return True
+    if group.kind == "state":
+        return present[n - 1]
+    first = 0 if group.kind == "full" else max(0, tokens - (group.window or 1) + 1) // bs
+    return all(present[first:n])
+
+
+GROUPS = st.one_of(
+    st.builds(GroupSpec, block_size=st.sampled_from([4, 8, 16])),
+    st.builds(state, st.sampled_from([4, 8, 16])),
+    st.builds(sliding, st.sampled_from([4, 8, 16]), st.integers(1, 48)),
+)
+
+
+@given(st.lists(st.tuples(GROUPS, st.lists(st.booleans(), max_size=12)), min_size=1, max_size=4))
+def test_any_mix_of_kinds_gets_the_largest_length_every_group_serves(
+    mix: list[tuple[GroupSpec, list[bool]]],
+) -> None:
+    groups = [g for g, _ in mix]
+    present = [p for _, p in mix]
+    tokens, ranges = combine_group_hits(groups, present)
+    best = max(t for t in range(0, 16 * 13) if all(_serves(g, p, t) for g, p in mix))
+    assert tokens == best
+    for group, flags, hit in zip(groups, present, ranges):
+        assert hit.end == tokens // group.block_size
+        assert all(flags[hit.first : hit.end])  # every block the hit needs is present

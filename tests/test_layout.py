@@ -25,7 +25,7 @@ def test_layout_with_hybrid_groups() -> None:
         ({"kind": "sliding_window", "block_size": 16}, "needs `window`"),
         ({"kind": "full", "block_size": 16, "window": 8}, "takes no `window`"),
         ({"block_size": 0}, "greater than 0"),
-        ({"kind": "linear", "block_size": 16}, "'full' or 'sliding_window'"),
+        ({"kind": "linear", "block_size": 16}, "'full', 'sliding_window' or 'state'"),
     ],
 )
 def test_bad_groups(kwargs: dict[str, object], message: str) -> None:

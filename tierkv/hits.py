@@ -4,12 +4,15 @@ Each group sees the request as a list of its own blocks (`block_size` tokens eac
 and knows which are present somewhere in the cache. A full-attention group can serve
 `L` tokens only if every block before `L` is present. A sliding-window group with
 window `W` only needs the blocks holding the last `W - 1` tokens before `L` (the next
-token attends to itself and the `W - 1` before it). The combined hit is the largest
-`L` every group can serve, each group aligned down to its own block size: the
-candidate only shrinks, so narrowing group by group until nothing changes finds it.
+token attends to itself and the `W - 1` before it). A state group (a recurrent state
+per block boundary, `tierkv.layout`) only needs the block ending at `L`. The combined
+hit is the largest `L` every group can serve, each group aligned down to its own block
+size: the candidate only shrinks, so narrowing group by group until nothing changes
+finds it.
 
 Each group's narrowing is one pass over its blocks: a full-attention group stops at
-its first missing block; a sliding-window group tracks, for every block, how many
+its first missing block; a state group at the last present block at or below the
+candidate; a sliding-window group tracks, for every block, how many
 present blocks end there in a row, and walks the candidates down once.
 """
 
@@ -31,6 +34,8 @@ class GroupHit:
 
 def _needed_range(group: GroupSpec, tokens: int) -> tuple[int, int]:
     end = tokens // group.block_size
+    if group.kind == "state":
+        return max(0, end - 1), end
     if group.kind == "full" or group.window is None:
         return 0, end
     start_token = max(0, tokens - (group.window - 1))
@@ -42,6 +47,10 @@ def _group_limit(group: GroupSpec, present: Sequence[bool], limit: int) -> int:
     group can serve with blocks `present`."""
     bs = group.block_size
     n = min(limit // bs, len(present))
+    if group.kind == "state":
+        while n > 0 and not present[n - 1]:
+            n -= 1
+        return n * bs
     if group.kind == "full" or group.window is None:
         for i in range(n):
             if not present[i]:

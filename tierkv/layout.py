@@ -2,7 +2,11 @@
 
 Every block in every group has the same byte size (`block_bytes`, the primary slab's
 row). Groups differ in attention kind and block size in tokens: a full-attention group
-needs every block of a prefix, a sliding-window group only those inside its window.
+needs every block of a prefix, a sliding-window group only those inside its window,
+and a state group (Mamba / linear-attention layers that carry a recurrent state) only
+one block: block `j` of a state group holds the state after tokens
+`[0, (j + 1) * block_size)`, so serving `L` tokens needs block `L // block_size - 1`
+and nothing before it (`tierkv.hits`).
 """
 
 from __future__ import annotations
@@ -15,11 +19,15 @@ from tierkv.units import Size
 
 
 class GroupSpec(BaseModel):
-    """One KV-cache group: layers sharing an attention kind and a block table."""
+    """One KV-cache group: layers sharing an attention kind and a block table.
+
+    `kind`: `full` (every block of a prefix), `sliding_window` (the blocks inside
+    `window` tokens), or `state` (one block per block boundary: the recurrent state
+    after that many tokens; a hit needs only the state at its own length)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: Literal["full", "sliding_window"] = "full"
+    kind: Literal["full", "sliding_window", "state"] = "full"
     block_size: PositiveInt = Field(description="tokens per offloaded block")
     window: PositiveInt | None = Field(
         default=None, description="sliding window in tokens (sliding_window groups only)"
@@ -29,8 +37,8 @@ class GroupSpec(BaseModel):
     def _window_matches_kind(self) -> GroupSpec:
         if self.kind == "sliding_window" and self.window is None:
             raise ValueError("a sliding_window group needs `window` (tokens)")
-        if self.kind == "full" and self.window is not None:
-            raise ValueError("a full group takes no `window`; use kind: sliding_window")
+        if self.kind != "sliding_window" and self.window is not None:
+            raise ValueError(f"a {self.kind} group takes no `window`; use kind: sliding_window")
         return self
 
 
