@@ -1,5 +1,7 @@
-"""Adversarial review of the cache core (issue 10 follow-up): each test is a defect a
-server would meet, found by review, written before its fix."""
+"""The cache core at its edges: close while jobs run, cancelled stores and loads, tiers
+that misbehave (evict before answering, answer a key twice, hang, lose their
+directory), write-back across close and while a tier is down. Each test is a defect a
+server would meet, written before its fix."""
 
 from __future__ import annotations
 
