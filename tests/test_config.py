@@ -273,7 +273,20 @@ def test_a_bad_group_kind_is_one_problem() -> None:
         "namespace: n\nlayout: {block_bytes: 4KiB, groups: [{kind: weird, block_size: 16}]}\n"
         "primary: {capacity: 1MiB}\n"
     )
-    assert found == ["layout.groups[0].kind: 'weird': Input should be 'full' or 'sliding_window'"]
+    assert found == [
+        "layout.groups[0].kind: 'weird': Input should be 'full', 'sliding_window' or 'state'"
+    ]
+
+
+def test_checkpoints_off_every_group_boundary_are_named_by_their_path() -> None:
+    found = problems(
+        "namespace: n\nlayout: {block_bytes: 4KiB, checkpoint_every: 40, groups: "
+        "[{block_size: 16}, {kind: state, block_size: 32}]}\nprimary: {capacity: 1MiB}\n"
+    )
+    assert found == [
+        "layout.checkpoint_every: 40 is not a multiple of every group's block_size (16, 32): "
+        "a hit can only land on a multiple of 32; use e.g. 32"
+    ]
 
 
 def test_pin_memory_errors_speak_yaml_not_pydantic() -> None:
@@ -441,7 +454,9 @@ def test_machine_checks_are_reported_with_structural_errors(tmp_path: Path) -> N
         "  - {type: memory, capacity: lots}\n"
     )
     found = problems(text, check_machine=True)
-    assert found[0] == "layout.extra: unknown field (allowed: block_bytes, groups)"
+    assert (
+        found[0] == "layout.extra: unknown field (allowed: block_bytes, checkpoint_every, groups)"
+    )
     assert found[1] == "tiers[1].capacity: 'lots' is not a size (use e.g. 8GiB, 512MiB, 4096)"
     assert found[2].startswith("primary.capacity: 99999TiB is more than this machine's memory")
     assert found[3].startswith(

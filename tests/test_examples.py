@@ -201,3 +201,21 @@ def test_async_server_on_the_embedded_chain_writes_under_the_users_home(tmp_path
     where = tmp_path / ".cache" / "tierkv" / "nvme"
     assert f"tier nvme keeps its blocks under {where}" in err
     assert any(where.rglob("*")), "the nvme tier wrote under ~/.cache/tierkv/nvme"
+
+
+# -- hybrid_conversation.py ----------------------------------------------------------------------
+def test_the_hybrid_conversation_moves_only_the_window_and_the_states() -> None:
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "hybrid_conversation.py"), "--json", "--turns", "4",
+         "--turn-tokens", "256", "--window", "64", "--checkpoint-every", "256",
+         "--block-bytes", "1024"],
+        capture_output=True, text=True, check=True, timeout=120,
+    )  # fmt: skip
+    results = json.loads(out.stdout)
+    # 16 blocks a turn: the full group stores them all and loads every earlier turn's
+    for name in results:
+        assert results[name][0] == {"stored": 64, "skipped": 0, "loaded": 16 * (1 + 2 + 3)}
+    # the window before each turn's end: 4 blocks stored a turn, 4 loaded
+    assert results["full+sliding_window"][1] == {"stored": 16, "skipped": 48, "loaded": 12}
+    # one state a turn, one loaded
+    assert results["full+state"][1] == {"stored": 4, "skipped": 60, "loaded": 3}

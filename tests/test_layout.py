@@ -38,3 +38,12 @@ def test_layout_needs_a_group_and_positive_bytes() -> None:
         KVLayout(block_bytes=1024, groups=())  # type: ignore[arg-type]
     with pytest.raises(ValidationError):
         KVLayout(block_bytes=0, groups=(GroupSpec(block_size=16),))  # type: ignore[arg-type]
+
+
+def test_checkpoints_must_land_where_every_group_has_a_boundary() -> None:
+    groups = (GroupSpec(block_size=16), GroupSpec(kind="state", block_size=24))
+    layout = KVLayout(block_bytes=64, groups=groups, checkpoint_every=96)  # type: ignore[arg-type]
+    assert layout.hit_step == 48 and layout.checkpoint_tokens == 96
+    assert KVLayout(block_bytes=64, groups=groups).checkpoint_tokens == 48  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match=r"100 is not a multiple .* of 48; use e\.g\. 96"):
+        KVLayout(block_bytes=64, groups=groups, checkpoint_every=100)  # type: ignore[arg-type]

@@ -7,13 +7,28 @@ and a state group (Mamba / linear-attention layers that carry a recurrent state)
 one block: block `j` of a state group holds the state after tokens
 `[0, (j + 1) * block_size)`, so serving `L` tokens needs block `L // block_size - 1`
 and nothing before it (`tierkv.hits`).
+
+A hit is always a multiple of every group's block size (`KVLayout.hit_step`).
+`checkpoint_every` (tokens, a multiple of `hit_step`) says where hits of stored
+requests may land: stores then keep only the blocks a hit at such a checkpoint (or at
+the end of what a store holds) can use (`tierkv.retention`); unset, every `hit_step`
+boundary is a checkpoint.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from tierkv.units import Size
 
@@ -50,7 +65,39 @@ class KVLayout(BaseModel):
 
     block_bytes: Size = Field(gt=0)
     groups: tuple[GroupSpec, ...] = Field(min_length=1)
+    checkpoint_every: PositiveInt | None = Field(
+        default=None,
+        description="tokens between the hit points stores keep sliding-window and state "
+        "blocks for (a multiple of every group's block_size); unset: every block boundary",
+    )
+
+    @field_validator("checkpoint_every")
+    @classmethod
+    def _checkpoints_fit_every_group(cls, every: int | None, info: ValidationInfo) -> int | None:
+        groups = info.data.get("groups")
+        if every is None or not groups:  # groups failed on their own: said there
+            return every
+        sizes = sorted({g.block_size for g in groups})
+        step = math.lcm(*sizes)
+        if every % step:
+            raise ValueError(
+                f"{every} is not a multiple of every group's block_size "
+                f"({', '.join(map(str, sizes))}): a hit can only land on a multiple of "
+                f"{step}; use e.g. {max(step, every // step * step)}"
+            )
+        return every
 
     @property
     def num_groups(self) -> int:
         return len(self.groups)
+
+    @property
+    def hit_step(self) -> int:
+        """The least common multiple of the groups' block sizes: every hit (each group
+        serving whole blocks of its own) is a multiple of it."""
+        return math.lcm(*(g.block_size for g in self.groups))
+
+    @property
+    def checkpoint_tokens(self) -> int:
+        """Tokens between checkpoints: `checkpoint_every`, or `hit_step` when unset."""
+        return self.checkpoint_every or self.hit_step

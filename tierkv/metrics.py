@@ -11,9 +11,9 @@ store/load jobs, blocks and bytes stored into / loaded out of the medium, failed
 errors, dropped cascades, requests skipped while the circuit was open. Gauges: jobs and
 bytes in flight, breaker state, primary occupancy. Summaries (count, sum, p50, p99):
 job latency and lookup latency per tier. Cache-wide series (`namespace` only): rejected
-store blocks, store waits, dropped write-back blocks, shed promotions, prefetched, used,
-cancelled and shed prefetch blocks, dropped events (counters), background jobs and
-indexed keys (gauges).
+and skipped store blocks, store waits, dropped write-back blocks, shed promotions,
+prefetched, used, cancelled and shed prefetch blocks, dropped events (counters),
+background jobs and indexed keys (gauges).
 
 Needs `prometheus-client` (the `metrics` extra of tierkv-cache), imported when this module
 is. The stats are read on the event loop that runs the cache: `serve_metrics` answers
@@ -120,6 +120,11 @@ CACHE_COUNTERS: dict[str, tuple[str, str]] = {
     "load_fallbacks": (
         "load_fallback_blocks",
         "Blocks a load found further down the chain after every tier it knew of failed them",
+    ),
+    "store_skipped": (
+        "store_skipped_blocks",
+        "Blocks a store left out: sliding-window and state blocks no hit at a checkpoint "
+        "can use (layout.checkpoint_every)",
     ),
     "prefetched_blocks": (
         "prefetched_blocks",

@@ -35,7 +35,7 @@ def make_keys(n: int, salt: str = "") -> list[bytes]:
 
 class Engine:
     """One vLLM `TieringOffloadingSpec` + manager over a shared-memory primary of
-    `chunks` rows, with the given `secondary_tiers` entries."""
+    `chunks` rows, with the given `secondary_tiers` entries and KV `groups`."""
 
     def __init__(
         self,
@@ -49,6 +49,7 @@ class Engine:
         replicated: bool = False,
         events: bool = False,
         row: int = ROW,
+        groups: Sequence[tuple[int, int | None]] = ((16, None),),
     ) -> None:
         from vllm.v1.kv_offload.config import (
             OffloadingCacheConfig,
@@ -63,7 +64,15 @@ class Engine:
 
         register()  # what the vllm.general_plugins entry point does at start-up
         config = OffloadingConfig(
-            groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
+            groups=tuple(  # (tokens per block, sliding_window_size_in_chunks) each
+                OffloadingGroupConfig(
+                    tokens_per_block=tokens,
+                    layer_names=(f"l{g}",),
+                    group_id=g,
+                    sliding_window_size_in_chunks=window,
+                )
+                for g, (tokens, window) in enumerate(groups)
+            ),
             worker_kv_bytes_per_block=row // tp,
             enable_kv_cache_events=events,
             extra_config={"cpu_bytes_to_use": row * chunks, "secondary_tiers": secondary_tiers},

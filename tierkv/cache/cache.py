@@ -29,7 +29,13 @@ from tierkv.cache.guard import TierHandle
 from tierkv.cache.lookup import Lookup
 from tierkv.cache.prefetch import Prefetch, PrefetchPolicy
 from tierkv.cache.promotion import Promoter
-from tierkv.cache.results import CacheStats, LoadResult, LookupResult, StoreResult
+from tierkv.cache.results import (
+    CacheStats,
+    LoadResult,
+    LookupResult,
+    StoreResult,
+    served_after_load,
+)
 from tierkv.cache.writeback import WriteBack
 from tierkv.config import CacheConfig, load_config
 from tierkv.errors import TierUnavailable
@@ -254,7 +260,14 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         self.core.check_open()
         return await self._lookup.lookup(keys_per_group, ctx or _DEFAULT_CTX, gpu_tokens)
 
-    async def store(self, keys: Sequence[OffloadKey], source: object) -> StoreResult:
+    async def store(
+        self,
+        keys: Sequence[OffloadKey],
+        source: object,
+        *,
+        positions: Sequence[int] | None = None,
+        end_tokens: int | None = None,
+    ) -> StoreResult:
         """Copy blocks into the chain: into the primary, streaming through it to the
         write-through tiers when it cannot keep them all.
 
@@ -262,8 +275,23 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         `[n, block_bytes]` uint8 CPU tensor, or a sequence of buffers. The whole
         request is checked before anything changes. Returns when every block is
         resident or accepted by a tier, or reports the rest rejected with a reason.
+
+        `positions[i]` (optional) is the block index of `keys[i]` in its group: with
+        it, sliding-window and state blocks that no hit at a checkpoint can use are
+        left out (`StoreResult.skipped`; `tierkv.retention`). `end_tokens` is the
+        request length this store completes (a checkpoint); None: the end of what
+        `keys` hold; 0 for a store in the middle of a request.
         """
-        return await self.cascader.store(keys, source)
+        return await self.cascader.store(keys, source, positions, end_tokens)
+
+    def usable_tokens(self, hit: LookupResult, loaded: LoadResult) -> int:
+        """How many tokens a request may reuse after loading `hit.keys_to_load` gave
+        `loaded`: `hit.hit_tokens` when every key loaded, else the longest length
+        every group can serve from the blocks that did load (and those the GPU holds).
+        For a sliding-window or state group that can be far shorter than the first
+        failed block: a window with a hole, or a state that did not arrive, serves
+        nothing at its hit point."""
+        return served_after_load(self.config.layout.groups, hit, loaded.ok_keys)
 
     async def load(
         self, keys: Sequence[OffloadKey], destination: object, ctx: ReqContext | None = None

@@ -14,6 +14,11 @@ promotions' part too when nothing in flight can release room. Blocks of the requ
 that no tier accepted are never evicted by the request itself; when nothing in flight
 can make room, the rest is rejected at once with the reason. Nothing is dropped
 silently.
+
+A store that says where each block sits in its group (`positions`) keeps only the
+blocks a hit can use (`tierkv.retention`: every full-attention block, sliding-window
+blocks inside a window before a checkpoint, states at checkpoints); the rest are
+reported `skipped` and counted (`store_skipped`), never copied or cascaded.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from tierkv.cache.writeback import WriteBack
 from tierkv.jobs import JobMetadata, ReqContext
 from tierkv.keys import OffloadKey
 from tierkv.policies.admission import ReuseAdmission
+from tierkv.retention import kept_blocks
 from tierkv.room import Kind
 
 logger = logging.getLogger(__name__)
@@ -120,9 +126,7 @@ class Cascader:
                     self.cascade(handle, chosen, watch)
         self.writeback.admit(keys)
 
-    def _admitted(
-        self, keys: Sequence[OffloadKey], watch: StoreWatch | None
-    ) -> list[OffloadKey]:
+    def _admitted(self, keys: Sequence[OffloadKey], watch: StoreWatch | None) -> list[OffloadKey]:
         """The `keys` reuse admission lets into its tiers; the rest are declined, and
         a streaming store may evict them as if a tier had taken them (they were judged
         not worth keeping: holding them would only make the store reject)."""
@@ -331,18 +335,31 @@ class Cascader:
         late = [k for k in keys if k in primary and not primary.is_ready(k)]
         return ready, lost, late
 
-    async def store(self, keys: Sequence[OffloadKey], source: object) -> StoreResult:
+    async def store(
+        self,
+        keys: Sequence[OffloadKey],
+        source: object,
+        positions: Sequence[int] | None = None,
+        end_tokens: int | None = None,
+    ) -> StoreResult:
         core = self.core
         core.check_open()
         keys = list(keys)
         check_keys(keys, "keys")
         src = checked_source(source, len(keys), core.block_bytes)
         primary = core.primary
-        position = {key: i for i, key in enumerate(keys)}
-        if len(position) != len(keys):  # rare: a key twice; its first place counts
-            position = {}
+        skipped: list[OffloadKey] = []
+        if positions is None:
+            position = {key: i for i, key in enumerate(keys)}
+        else:  # blocks no hit at a checkpoint can use are not stored (tierkv.retention)
+            keep = kept_blocks(core.config.layout, keys, positions, end_tokens)
+            position = {key: i for i, (key, ok) in enumerate(zip(keys, keep)) if ok}
+            skipped = [key for key, ok in zip(keys, keep) if not ok]
+        if len(position) + len(skipped) != len(keys):  # rare: a key twice; its first place counts
+            position, left_out = {}, set(skipped)
             for i, key in enumerate(keys):
-                position.setdefault(key, i)
+                if key not in left_out:
+                    position.setdefault(key, i)
         resident, in_flight, new = primary.partition(position)
         already = resident
         # keys another store or a promotion is writing right now: `already_present`
@@ -433,6 +450,7 @@ class Cascader:
             core.counters["store_rejected"] += len(rejected)
             if not rejected:
                 error = None
+        core.counters["store_skipped"] += len(skipped)  # counted once the store ran
         if len(already) != len(resident):  # some were settled later: back to key order
             already.sort(key=position.__getitem__)
         return StoreResult(
@@ -440,4 +458,5 @@ class Cascader:
             already_present=tuple(already),
             rejected=tuple(rejected),
             error=error,
+            skipped=tuple(skipped),
         )

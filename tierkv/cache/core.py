@@ -104,6 +104,7 @@ class CacheCore:
             "promotions_shed": 0,
             "promotion_waits": 0,
             "load_fallbacks": 0,
+            "store_skipped": 0,
         }
 
     # -- background jobs ---------------------------------------------------------------

@@ -222,7 +222,9 @@ class Lookup:
                     )
                 )
             self.on_hits(seen, ctx, tail)
-        return LookupResult(tokens, group_keys, tuple(ranges), MappingProxyType(locations))
+        return LookupResult(
+            tokens, group_keys, tuple(ranges), MappingProxyType(locations), gpu_tokens
+        )
 
     def _all_resident(
         self, keys: Sequence[OffloadKey], block_size: int, ctx: ReqContext

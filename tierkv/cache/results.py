@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from tierkv.hits import GroupHit
+from tierkv.hits import GroupHit, combine_group_hits
 from tierkv.keys import OffloadKey
+from tierkv.layout import GroupSpec
 
 
 @dataclass(frozen=True)
@@ -21,12 +22,15 @@ class LookupResult:
     for a sliding-window group; blocks the GPU already holds left out), and
     `group_ranges[g]` the block indices of the needed range. `locations` says where
     each needed key lives now: `"cpu"` (the primary) or a secondary tier's name.
+    `gpu_tokens` is what the lookup was told the GPU holds (its leading blocks of
+    every group count as present and are not in `group_keys`).
     """
 
     hit_tokens: int
     group_keys: tuple[tuple[OffloadKey, ...], ...]
     group_ranges: tuple[GroupHit, ...]
     locations: Mapping[OffloadKey, str]
+    gpu_tokens: int = 0
 
     @property
     def keys_to_load(self) -> tuple[OffloadKey, ...]:
@@ -46,12 +50,15 @@ class StoreResult:
     write succeeded: the store waits for it, and writes the block itself if it
     failed); `rejected` could not be placed (nothing changed for them; the
     server may simply not cache them), with the reason in `error`. A partial store
-    keeps the longest prefix: every rejected key comes after every stored one."""
+    keeps the longest prefix: every rejected key comes after every stored one.
+    `skipped` are blocks the store left out on purpose: given `positions`, no hit at a
+    checkpoint can use them (`tierkv.retention`); they are neither stored nor an error."""
 
     stored: tuple[OffloadKey, ...] = ()
     already_present: tuple[OffloadKey, ...] = ()
     rejected: tuple[OffloadKey, ...] = ()
     error: str | None = None
+    skipped: tuple[OffloadKey, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -82,3 +89,24 @@ class CacheStats:
 
     def as_dict(self) -> dict[str, Any]:
         return {"primary": self.primary, "tiers": self.tiers}
+
+
+def served_after_load(
+    groups: Sequence[GroupSpec], hit: LookupResult, ok_keys: Iterable[OffloadKey]
+) -> int:
+    """The longest prefix the blocks that loaded (`ok_keys`, out of `hit.keys_to_load`)
+    and those the GPU holds can serve, by the same rule as the lookup (`tierkv.hits`).
+    A block the hit did not ask to load counts as absent: a shorter hit of a
+    sliding-window group needs an earlier window, which was never loaded."""
+    ok = set(ok_keys)
+    if all(k in ok for k in hit.keys_to_load):
+        return hit.hit_tokens
+    present: list[list[bool]] = []
+    for group, r, keys in zip(groups, hit.group_ranges, hit.group_keys):
+        on_gpu = min(r.end, hit.gpu_tokens // group.block_size)
+        flags = [j < on_gpu for j in range(r.end)]
+        # group_keys[g]: blocks [first, end) of the range the GPU lacks, in order
+        for j, key in zip(range(max(r.first, on_gpu), r.end), keys):
+            flags[j] = key in ok
+        present.append(flags)
+    return combine_group_hits(groups, present)[0]

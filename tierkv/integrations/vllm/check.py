@@ -137,7 +137,7 @@ def check(value: str, geometry: Geometry) -> CheckReport:
     from types import SimpleNamespace
 
     from tierkv.integrations.vllm import register
-    from tierkv.integrations.vllm.tier import geometry_of
+    from tierkv.integrations.vllm.settings import geometry_of
 
     kv_transfer_config, arg_utils, spec_factory, tier_factory = _vllm()
     register()  # what vLLM's plugin loading does at start-up

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from tierkv.config import CacheConfig, load_config, parse_config
@@ -59,6 +59,53 @@ class VllmGeometry:
     row_bytes: int
     parallel: Mapping[str, Any]
     layout: Mapping[str, Any]
+    group_names: tuple[str, ...] = ()  # for messages: "group <id> (<first layer>...)"
+
+    def layout_groups(self, where: str = "secondary_tiers[?]") -> list[dict[str, Any]]:
+        """vLLM's KV groups as tierkv layout groups (one per chunk), or ConfigError for
+        a group tierkv cannot serve.
+
+        vLLM's offloading API (0.33) describes a group by its tokens per block and
+        `sliding_window_size_in_chunks`: None for full attention, else the chunks a
+        hit needs ending at the hit point (sliding-window and chunked-local attention
+        by their window, Mamba's recurrent state as one chunk). vLLM applies that rule
+        itself, above the tier; the tier stores and loads whole chunks by key, so any
+        such group is served. A window tierkv's layout states as `window` tokens
+        needing exactly those chunks is `chunks * tokens_per_chunk + 1` (the next
+        token sees the `window - 1` before it). A window that is not a whole number
+        of chunks (vLLM never sends one) means a group kind this adapter does not
+        know: refused rather than guessed at."""
+        windows = list(self.layout.get("sliding_windows") or [None] * len(self.tokens_per_block))
+        if len(windows) != len(self.tokens_per_block):
+            raise _problem(
+                where,
+                f": vLLM described {len(self.tokens_per_block)} KV groups but "
+                f"{len(windows)} sliding windows; this vLLM is not one tierkv knows (0.33)",
+            )
+        groups: list[dict[str, Any]] = []
+        for i, (tokens, window) in enumerate(zip(self.tokens_per_block, windows)):
+            name = self.group_names[i] if i < len(self.group_names) else f"group {i}"
+            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+                raise _problem(
+                    where, f": vLLM's KV {name} has tokens_per_block={tokens!r}; expected >= 1"
+                )
+            chunk = tokens * self.blocks_per_chunk
+            if window is None:
+                groups.append({"kind": "full", "block_size": chunk})
+            elif isinstance(window, int) and not isinstance(window, bool) and window >= 1:
+                groups.append(
+                    {"kind": "sliding_window", "block_size": chunk, "window": window * chunk + 1}
+                )
+            else:
+                raise _problem(
+                    where,
+                    f": vLLM's KV {name} has sliding_window_size_in_chunks={window!r}, a group "
+                    "kind tierkv cannot serve (it serves full attention, None, and groups "
+                    "needing a whole number >= 1 of chunks before the hit: sliding window, "
+                    "chunked local attention, Mamba). Leave this model's offloading to vLLM's "
+                    "own tiers (drop the tierkv entries), or upgrade tierkv for this vLLM",
+                )
+        return groups
 
     def default_namespace(self) -> str:
         """`vllm:<model>:<dtype>:<tokens per chunk>t:<parallel layout>:<digest>`.
@@ -113,6 +160,39 @@ class TierkvEntry:
     drain_timeout: float | None = None  # seconds drain_jobs waits; None: job_timeout + grace
 
 
+def geometry_of(offloading_spec: Any, row_bytes: int) -> VllmGeometry:
+    """What vLLM's normalized `OffloadingConfig` says about the bytes of a chunk."""
+    config = offloading_spec.config
+    parallel = {
+        k: v
+        for k, v in asdict(config.parallel).items()
+        # per-process facts: DP replicas and ranks of one layout share blocks
+        if k not in ("rank", "data_parallel_index", "data_parallel_rank_local")
+    }
+    layout = {
+        "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block,
+        "replicated_layout": config.replicated_layout,
+        "canonical_layout": config.canonical_layout,
+        "kv_cache_layout": config.kv_cache_layout,
+        "sliding_windows": [g.sliding_window_size_in_chunks for g in config.groups],
+    }
+    return VllmGeometry(
+        model=str(config.model.name),
+        dtype=str(config.model.dtype),
+        tokens_per_block=tuple(int(g.tokens_per_block) for g in config.groups),
+        blocks_per_chunk=int(config.cache.blocks_per_chunk),
+        tokens_per_hash=int(config.cache.tokens_per_hash),
+        row_bytes=row_bytes,
+        parallel=parallel,
+        layout=layout,
+        group_names=tuple(
+            f"group {g.group_id} ({', '.join(g.layer_names[:2])}"
+            f"{', ...' if len(g.layer_names) > 2 else ''})"
+            for g in config.groups
+        ),
+    )
+
+
 def _place(entry: Mapping[str, Any], tier_type: str, where: str) -> tuple[str, str | None]:
     """The entry's (medium, locality): its own, else the tier type's (`PLACES`)."""
     medium, locality = PLACES.get(tier_type, ("STORAGE", None))
@@ -150,6 +230,7 @@ def resolve_entry(
             f"{where}.{unknown[0]}",
             f": unknown field (a tierkv entry takes: {', '.join(ENTRY_KEYS)})",
         )
+    geometry.layout_groups(where)  # a group kind the tier cannot serve: refused first
     inline, chain = entry.get("tier"), entry.get("chain")
     if (inline is None) == (chain is None):
         raise _problem(
@@ -206,10 +287,7 @@ def _validate_inline(
     whose layout and primary are vLLM's, then say the paths as the user wrote them."""
     chain = {
         "namespace": namespace or "vllm",
-        "layout": {
-            "block_bytes": geometry.row_bytes,
-            "groups": [{"block_size": t} for t in geometry.tokens_per_block],
-        },
+        "layout": {"block_bytes": geometry.row_bytes, "groups": geometry.layout_groups(where)},
         "primary": {"capacity": geometry.row_bytes},
         "tiers": [dict(inline)],
     }

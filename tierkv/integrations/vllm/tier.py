@@ -23,7 +23,6 @@ import logging
 import threading
 import time
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import asdict
 from types import MappingProxyType
 from typing import Any
 
@@ -45,7 +44,7 @@ from tierkv.errors import TierUnavailable
 from tierkv.integrations.vllm import metrics
 from tierkv.integrations.vllm.lookups import LookupBook
 from tierkv.integrations.vllm.loop import LoopThread
-from tierkv.integrations.vllm.settings import VllmGeometry, resolve_entry
+from tierkv.integrations.vllm.settings import geometry_of, resolve_entry
 from tierkv.jobs import JobMetadata, JobResult, ReqContext
 from tierkv.keys import OffloadKey
 from tierkv.registry import get_tier_class
@@ -58,34 +57,6 @@ _HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 MAX_TOUCHED = 1 << 16
 """Keys of reuse kept for one step's `touch` at most (beyond, the rest is dropped:
 recency is a hint)."""
-
-
-def geometry_of(offloading_spec: Any, row_bytes: int) -> VllmGeometry:
-    """What vLLM's normalized `OffloadingConfig` says about the bytes of a chunk."""
-    config = offloading_spec.config
-    parallel = {
-        k: v
-        for k, v in asdict(config.parallel).items()
-        # per-process facts: DP replicas and ranks of one layout share blocks
-        if k not in ("rank", "data_parallel_index", "data_parallel_rank_local")
-    }
-    layout = {
-        "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block,
-        "replicated_layout": config.replicated_layout,
-        "canonical_layout": config.canonical_layout,
-        "kv_cache_layout": config.kv_cache_layout,
-        "sliding_windows": [g.sliding_window_size_in_chunks for g in config.groups],
-    }
-    return VllmGeometry(
-        model=str(config.model.name),
-        dtype=str(config.model.dtype),
-        tokens_per_block=tuple(int(g.tokens_per_block) for g in config.groups),
-        blocks_per_chunk=int(config.cache.blocks_per_chunk),
-        tokens_per_hash=int(config.cache.tokens_per_hash),
-        row_bytes=row_bytes,
-        parallel=parallel,
-        layout=layout,
-    )
 
 
 def _index_of(offloading_spec: Any, entry: Mapping[str, Any]) -> int | None:
