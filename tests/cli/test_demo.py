@@ -90,6 +90,46 @@ def test_demo_json_has_the_three_columns(capsys: pytest.CaptureFixture[str]) -> 
     assert report["ok"] is True and isinstance(report["kv_cache"]["gpu_blocks"], int)
 
 
+@pytest.mark.parametrize("kind", ["window", "state"])
+def test_hybrid_demo_prints_bytes_moved_per_kv_group(
+    kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hybrid = ["--layers", "2", "--hybrid", kind, *(["--window", "40"] if kind == "window" else [])]
+    assert main(["demo", *TINY_DEMO, "--device", "cpu", *hybrid]) == 0
+    out = capsys.readouterr().out
+    other = "sliding_window (40 tokens)" if kind == "window" else "state"
+    assert f"hybrid: layers full, {kind}" in out
+    assert "per KV group (tierkv column; every block moves as one" in out
+    rows = [line for line in out.splitlines() if line.startswith(("0 full", f"1 {other}"))]
+    assert len(rows) == 2, out
+    assert f"{other} layers moved" in out and "full-attention layers of the same size" in out
+    assert "correctness: greedy tokens identical in 4/4 turns" in out and ": OK" in out
+
+
+def test_hybrid_demo_json_has_the_groups(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(
+            ["demo", *TINY_DEMO, "--device", "cpu", "--layers", "2", "--hybrid", "window", "--json"]
+        )
+        == 0
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is True and report["model"]["hybrid"] == {"kind": "window", "window": 96}
+    assert [g["kind"] for g in report["groups"]] == ["full", "sliding_window"]
+    assert report["groups"][1]["window_tokens"] == 96  # 3 offloaded blocks of 32 by default
+
+
+def test_hybrid_options_that_do_not_fit_are_usage_errors(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["demo", *TINY_DEMO, "--window", "64"]) == 2
+    assert "--window needs --hybrid window" in capsys.readouterr().err
+    assert main(["demo", *TINY_DEMO, "--hybrid", "state"]) == 2  # TINY_DEMO has 1 layer
+    assert "a hybrid model needs at least 2 layers" in capsys.readouterr().err
+    assert main(["demo", *TINY_DEMO, "--layers", "2", "--hybrid", "window", "--window", "1"]) == 2
+    assert "a sliding window needs at least 2 tokens" in capsys.readouterr().err
+
+
 def test_demo_plot_without_matplotlib_is_a_usage_error(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

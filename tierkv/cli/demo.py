@@ -84,6 +84,22 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     g.add_argument(
         "--reply-tokens", type=positive, metavar="N", help="tokens decoded per turn (16)"
     )
+    g = demo.add_argument_group("hybrid models")
+    g.add_argument(
+        "--hybrid",
+        choices=["window", "state"],
+        default=None,
+        help="alternate full-attention layers with sliding-window attention layers "
+        "(window) or gated linear-recurrence layers (state); each kind is its own KV "
+        "group with its own block table and keys, and the summary shows bytes moved per group",
+    )
+    g.add_argument(
+        "--window",
+        type=positive,
+        metavar="TOKENS",
+        default=None,
+        help="with --hybrid window: the sliding window (default: 3 offloaded blocks)",
+    )
     g = demo.add_argument_group("model and KV cache (defaults: by device; CPU values shown)")
     g.add_argument("--layers", type=positive, metavar="N", help="4 (CUDA 20)")
     g.add_argument("--hidden", type=positive, metavar="N", help="256 (CUDA 2048)")
@@ -208,11 +224,18 @@ def _pick(value: Any, default: Any) -> Any:
 def _options(args: argparse.Namespace, device: str, profile: Any) -> Any:
     from dataclasses import replace
 
+    from tierkv.demo.hybrid_model import HybridConfig
     from tierkv.demo.run import DemoOptions
     from tierkv.demo.workload import WorkloadConfig
 
     pm, pw = profile.model, profile.workload
+    if args.window is not None and args.hybrid != "window":
+        raise UsageError("--window needs --hybrid window")
     try:
+        hybrid = None
+        if args.hybrid is not None:
+            window = args.window or 3 * args.gpu_block_tokens * args.block_factor
+            hybrid = HybridConfig(args.hybrid, window if args.hybrid == "window" else None)
         return DemoOptions(
             model=replace(
                 pm,
@@ -237,6 +260,7 @@ def _options(args: argparse.Namespace, device: str, profile: Any) -> Any:
             gpu_blocks=args.gpu_blocks,
             primary_capacity=args.primary,
             atol=args.atol,
+            hybrid=hybrid,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -50,6 +50,8 @@ class Generation:
     stored_blocks: int = 0
     rejected_blocks: int = 0  # the primary had no room (all its blocks in use)
     earlier_blocks: int = 0  # blocks loaded that this engine never stored: an earlier run's
+    group_loaded: list[int] = field(default_factory=list)  # blocks loaded, per KV group
+    group_stored: list[int] = field(default_factory=list)  # blocks stored, per KV group
 
 
 class DemoEngine:
@@ -95,6 +97,14 @@ class DemoEngine:
             block_bytes=required_block_bytes([self.kv.layers()], self.block_factor),
             groups=(GroupSpec(kind="full", block_size=self.offload_tokens),),
         )
+
+    @property
+    def layers_per_group(self) -> tuple[int, ...]:
+        return (self.model.config.layers,)
+
+    def payload_bytes(self) -> list[int]:
+        """Bytes of data in one offloaded block per group: all of it, one group."""
+        return [int(self.layout.block_bytes)]
 
     def attach(self, cache: TieredCache) -> None:
         """Serve through `cache` (open, built with `self.layout`)."""
@@ -205,6 +215,7 @@ class DemoEngine:
                 stored = await cache.store(new, self._blocks(table, len(hit), len(new)))
                 result.stored_blocks = len(stored.stored)
                 result.rejected_blocks = len(stored.rejected)
+                result.group_stored = [result.stored_blocks]
             return result
         finally:
             await self._release(chunks, computed_keys)
@@ -237,6 +248,7 @@ class DemoEngine:
         ok = set(loaded.ok_keys)
         usable = next((i for i, k in enumerate(wanted) if k not in ok), count)
         result.load_failures = len(loaded.failed_keys)
+        result.group_loaded = [len(ok)]
         for key in wanted[:usable]:
             medium = loaded.sources[key]
             result.sources[medium] = result.sources.get(medium, 0) + 1

@@ -59,19 +59,22 @@ class PagedKVCache:
     free list of block ids. `block_tokens` tokens per block."""
 
     def __init__(
-        self, config: ModelConfig, num_blocks: int, block_tokens: int, device: torch.device
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_tokens: int,
+        device: torch.device,
+        *,
+        layers: int | None = None,
     ) -> None:
+        """`layers`: how many attention layers use this cache (default: all of the
+        model's; a hybrid model gives each attention kind its own cache)."""
         if num_blocks < 1 or block_tokens < 1:
             raise ValueError("the KV cache needs at least one block of at least one token")
+        count = config.layers if layers is None else layers
         shape = (num_blocks, block_tokens, config.heads, config.head_dim)
-        self.k = [
-            torch.zeros(shape, dtype=config.torch_dtype, device=device)
-            for _ in range(config.layers)
-        ]
-        self.v = [
-            torch.zeros(shape, dtype=config.torch_dtype, device=device)
-            for _ in range(config.layers)
-        ]
+        self.k = [torch.zeros(shape, dtype=config.torch_dtype, device=device) for _ in range(count)]
+        self.v = [torch.zeros(shape, dtype=config.torch_dtype, device=device) for _ in range(count)]
         self.num_blocks = num_blocks
         self.block_tokens = block_tokens
         self._free = list(range(num_blocks - 1, -1, -1))
@@ -99,7 +102,7 @@ class PagedKVCache:
         return -(-tokens // self.block_tokens)
 
 
-class _RMSNorm(nn.Module):
+class RMSNorm(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -119,15 +122,28 @@ def _rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
-class _Layer(nn.Module):
+def attention_mask(
+    n: int, ctx: int, device: torch.device, window: int | None = None
+) -> torch.Tensor | None:
+    """Which of `ctx` consecutive key positions (the last `n` are the queries' own) each
+    query sees: every earlier one, or with `window` only the `window - 1` before it. None
+    when a single query sees every key (a decode step)."""
+    if window is None:
+        return None if n == 1 else torch.ones(n, ctx, dtype=torch.bool, device=device).tril(ctx - n)
+    query = torch.arange(ctx - n, ctx, device=device)[:, None]
+    key = torch.arange(ctx, device=device)[None, :]
+    return (key <= query) & (key > query - window)
+
+
+class AttentionLayer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h = config.hidden
         self.heads, self.head_dim = config.heads, config.head_dim
-        self.attn_norm = _RMSNorm(h)
+        self.attn_norm = RMSNorm(h)
         self.qkv = nn.Linear(h, 3 * h, bias=False)
         self.out = nn.Linear(h, h, bias=False)
-        self.mlp_norm = _RMSNorm(h)
+        self.mlp_norm = RMSNorm(h)
         self.gate_up = nn.Linear(h, 2 * 2 * h, bias=False)
         self.down = nn.Linear(2 * h, h, bias=False)
 
@@ -139,7 +155,11 @@ class _Layer(nn.Module):
         v_cache: torch.Tensor,
         write_rows: torch.Tensor,
         read_rows: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
+        """`read_rows`: the cache rows of consecutive positions ending at the last
+        query's; with `window` (a sliding-window layer) they may start anywhere at or
+        before the first query's window, and only the window is attended to."""
         n = x.shape[0]
         q, k, v = self.qkv(self.attn_norm(x)).view(n, 3, self.heads, self.head_dim).unbind(1)
         q, k = _rotate(q, positions), _rotate(k, positions)
@@ -149,16 +169,32 @@ class _Layer(nn.Module):
         flat_v.index_copy_(0, write_rows, v)
         keys = flat_k.index_select(0, read_rows).transpose(0, 1)  # [heads, ctx, dim]
         values = flat_v.index_select(0, read_rows).transpose(0, 1)
-        ctx = read_rows.shape[0]
         # query i sits at position ctx - n + i and sees positions <= its own
-        mask = (
-            None if n == 1 else torch.ones(n, ctx, dtype=torch.bool, device=x.device).tril(ctx - n)
-        )
+        mask = attention_mask(n, read_rows.shape[0], x.device, window)
         attn = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)
         x = x + self.out(attn.transpose(0, 1).reshape(n, -1))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         out: torch.Tensor = x + self.down(F.silu(gate) * up)
         return out
+
+
+KEEP_INIT = ("norm.weight", "decay_bias")
+"""Parameters whose constructor value is kept (norm scales; a recurrence's decays)."""
+
+
+def init_weights(model: nn.Module, gen: torch.Generator) -> None:
+    """Seeded random weights, scaled by fan-in, with peaked logits (std ~3) so greedy
+    choices are far from ties; a model's `lm_head` and `layers` as TinyDecoder has them."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(KEEP_INIT):
+                continue
+            fan_in = param.shape[-1] if name.startswith(("layers", "lm_head")) else 1
+            noise = torch.randn(param.shape, generator=gen, device=param.device)
+            param.copy_(noise.div_(math.sqrt(fan_in)))
+        lm_head = model.get_submodule("lm_head")
+        assert isinstance(lm_head, nn.Linear)
+        lm_head.weight.mul_(3.0)
 
 
 class TinyDecoder(nn.Module):
@@ -176,18 +212,10 @@ class TinyDecoder(nn.Module):
         h = config.hidden
         with dev:
             self.embed = nn.Embedding(config.vocab, h)
-            self.layers = nn.ModuleList(_Layer(config) for _ in range(config.layers))
-            self.norm = _RMSNorm(h)
+            self.layers = nn.ModuleList(AttentionLayer(config) for _ in range(config.layers))
+            self.norm = RMSNorm(h)
             self.lm_head = nn.Linear(h, config.vocab, bias=False)
-        with torch.no_grad():
-            for name, param in self.named_parameters():
-                if name.endswith("norm.weight"):
-                    continue
-                fan_in = param.shape[-1] if name.startswith(("layers", "lm_head")) else 1
-                noise = torch.randn(param.shape, generator=gen, device=dev)
-                param.copy_(noise.div_(math.sqrt(fan_in)))
-            # peaked logits (std ~3): greedy choices are far from ties
-            self.lm_head.weight.mul_(3.0)
+        init_weights(self, gen)
         self.to(device=dev, dtype=config.torch_dtype)
         self.eval()
 

@@ -53,13 +53,21 @@ class ChunkAllocator:
     def match(self, keys: Sequence[OffloadKey]) -> list[int]:
         """The cached chunks of the longest prefix of `keys`, now held by the caller
         (not evictable until `release`)."""
-        found: list[int] = []
         if not self.prefix_caching:
-            return found
+            return []
+        count = next((i for i, key in enumerate(keys) if key not in self._chunk_of), len(keys))
+        return self.hold(keys[:count])
+
+    def is_cached(self, key: OffloadKey) -> bool:
+        """Whether a chunk holds `key`'s block now (a hybrid engine asks block by block:
+        a sliding-window or state group needs only some blocks of a prefix)."""
+        return key in self._chunk_of
+
+    def hold(self, keys: Sequence[OffloadKey]) -> list[int]:
+        """The cached chunks of `keys` (every one cached), now held by the caller."""
+        found: list[int] = []
         for key in keys:
-            chunk = self._chunk_of.get(key)
-            if chunk is None:
-                break
+            chunk = self._chunk_of[key]
             found.append(chunk)
             self._idle.pop(chunk, None)
             self._refs[chunk] = self._refs.get(chunk, 0) + 1
@@ -82,9 +90,9 @@ class ChunkAllocator:
             out.append(chunk)
         return out
 
-    def release(self, chunks: Sequence[int], keys: Sequence[OffloadKey]) -> None:
+    def release(self, chunks: Sequence[int], keys: Sequence[OffloadKey | None]) -> None:
         """A request ended: `keys[i]` is the key of the full block of computed KV in
-        `chunks[i]` (fewer keys than chunks: the rest hold no full block)."""
+        `chunks[i]` (None, or fewer keys than chunks: the rest hold no full block)."""
         for i, chunk in enumerate(chunks):
             if chunk in self._refs:  # a cached chunk this request used in place
                 self._refs[chunk] -= 1

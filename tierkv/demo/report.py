@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from tierkv.demo.groups import compared_to_full, describe_group
 from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
 from tierkv.units import approx_size
 
@@ -119,6 +120,11 @@ def demo_summary(report: dict[str, Any]) -> list[Block]:
         f"chain: {tiers}; primary {chain['primary_capacity']} = "
         f"{chain['primary_blocks']} blocks ({chain['eviction']})",
     ]
+    hybrid = m.get("hybrid")
+    if hybrid:
+        kinds = ["full" if i % 2 == 0 else hybrid["kind"] for i in range(m["layers"])]
+        window = f" (window {hybrid['window']} tokens)" if hybrid.get("window") else ""
+        blocks.insert(2, f"hybrid: layers {', '.join(kinds)}{window}; one KV group per kind")
     files = report.get("tier_files")
     if files and files["paths"] and files["temporary"]:
         blocks.append("tier files: in a temporary directory, removed at exit")
@@ -171,6 +177,7 @@ def demo_summary(report: dict[str, Any]) -> list[Block]:
         f"rejected: no room in the chain); {report['load_failures']:,} blocks failed to load"
     )
     blocks += _earlier_run(report.get("earlier_run") or {})
+    blocks += _groups(report.get("groups") or [], report["kv_cache"]["block_bytes"])
     blocks.append("")
     verdict = "OK" if corr["ok"] else "FAILED"
     blocks.append(
@@ -184,6 +191,39 @@ def demo_summary(report: dict[str, Any]) -> list[Block]:
         blocks.append(f"metrics: {report['metrics_url']}")
     blocks.append(f"ran in {report['elapsed_seconds']:.1f} s")
     return blocks
+
+
+def _groups(groups: list[dict[str, Any]], block_bytes: int) -> list[Block]:
+    """A hybrid run's traffic per KV group, and the other kind's against full attention."""
+    if len(groups) < 2:
+        return []
+    rows = [
+        [
+            f"{g['group']} {describe_group(g)}",
+            str(g["layers"]),
+            human_bytes(g["payload_bytes"]),
+            f"{g['blocks_stored']:,}",
+            human_bytes(g["bytes_stored"]),
+            f"{g['blocks_loaded']:,}",
+            human_bytes(g["bytes_loaded"]),
+        ]
+        for g in groups
+    ]
+    table = TextTable(
+        ["KV group", "layers", "data/block", "stored", "bytes", "loaded", "bytes"],
+        rows,
+        title="per KV group (tierkv column; every block moves as one "
+        f"{human_bytes(block_bytes)} row)",
+    )
+    out: list[Block] = ["", table]
+    ratio = compared_to_full(groups)
+    if ratio is not None:
+        out.append(
+            f"{describe_group(groups[1])} layers moved {ratio['loaded']:.0%} of the bytes the "
+            f"full-attention layers of the same size loaded, {ratio['stored']:.0%} of what they "
+            "stored"
+        )
+    return out
 
 
 def _earlier_run(earlier: dict[str, Any]) -> list[Block]:

@@ -32,6 +32,9 @@ from pydantic import ByteSize
 from tierkv.cache import TieredCache
 from tierkv.config import CacheConfig
 from tierkv.demo.engine import DemoEngine, Generation, build_engine, resolve_device
+from tierkv.demo.groups import group_report
+from tierkv.demo.hybrid_engine import HybridEngine
+from tierkv.demo.hybrid_model import HybridConfig, HybridDecoder
 from tierkv.demo.model import ModelConfig, TinyDecoder
 from tierkv.demo.sizing import gpu_blocks_for
 from tierkv.demo.workload import ChatWorkload, WorkloadConfig
@@ -62,6 +65,14 @@ class DemoOptions:
     primary_capacity: int | None = None  # overrides the chain's primary capacity
     atol: float | None = None  # default: DEFAULT_ATOL[dtype]
     threaded: bool = True
+    hybrid: HybridConfig | None = None  # full attention mixed with window or state layers
+
+    def __post_init__(self) -> None:
+        if self.hybrid is not None and self.model.layers < 2:
+            raise ValueError(
+                f"a hybrid model needs at least 2 layers (one of each kind), got "
+                f"{self.model.layers}"
+            )
 
     @property
     def tolerance(self) -> float:
@@ -92,6 +103,8 @@ class TurnRecord:
     tokens_match: bool
     max_logit_diff: float
     earlier_blocks: int = 0  # blocks served that this run never stored (an earlier run's)
+    group_loaded: list[int] = field(default_factory=list)  # blocks loaded per KV group
+    group_stored: list[int] = field(default_factory=list)  # blocks stored per KV group
 
     @property
     def ttft_without(self) -> float:
@@ -110,12 +123,20 @@ def _ttft(values: list[float]) -> dict[str, float]:
     }
 
 
-def _compare(a: Generation, b: Generation) -> tuple[bool, float]:
+def compare(a: Generation, b: Generation) -> tuple[bool, float]:
+    """The correctness check's two numbers: whether the greedy tokens are identical,
+    and the largest |logit difference| (NaN when either run produced NaN)."""
     diff = max(float((x - y).abs().max()) for x, y in zip(a.logits, b.logits))
     return a.tokens == b.tokens, diff
 
 
-def demo_config(config: CacheConfig, engine: DemoEngine, options: DemoOptions) -> CacheConfig:
+def agrees(a: Generation, b: Generation, atol: float) -> bool:
+    """The correctness check of one turn: identical tokens, logits within `atol`."""
+    same, diff = compare(a, b)
+    return same and diff <= atol and not math.isnan(diff)
+
+
+def demo_config(config: CacheConfig, engine: Engine, options: DemoOptions) -> CacheConfig:
     """`config`'s tiers and cache settings, with the engine's layout and namespace (the
     KV geometry and the model decide those) and the primary capacity override."""
     primary = config.primary
@@ -126,9 +147,26 @@ def demo_config(config: CacheConfig, engine: DemoEngine, options: DemoOptions) -
     )
 
 
-def build_engines(options: DemoOptions) -> dict[str, DemoEngine]:
+Engine = DemoEngine | HybridEngine
+
+
+def build_engines(options: DemoOptions) -> dict[str, Engine]:
     """One model, three engines with KV caches of the same size."""
-    model = TinyDecoder(options.model, resolve_device(options.device))
+    device = resolve_device(options.device)
+    if options.hybrid is not None:
+        hybrid = HybridDecoder(options.model, options.hybrid, device)
+        return {
+            column: HybridEngine(
+                hybrid,
+                gpu_blocks=options.kv_blocks(),
+                gpu_block_tokens=options.gpu_block_tokens,
+                block_factor=options.block_factor,
+                threaded=options.threaded,
+                prefix_caching=column != "no_cache",
+            )
+            for column in COLUMNS
+        }
+    model = TinyDecoder(options.model, device)
     return {
         column: build_engine(
             options.model,
@@ -190,8 +228,8 @@ async def run_demo(
                     turn.prompt, wl.reply_tokens, use_cache=column == "tierkv"
                 )
             base, tier = runs["no_cache"], runs["tierkv"]
-            same_gpu, diff_gpu = _compare(base, runs["gpu_prefix_cache"])
-            same_tier, diff_tier = _compare(base, tier)
+            same_gpu, diff_gpu = compare(base, runs["gpu_prefix_cache"])
+            same_tier, diff_tier = compare(base, tier)
             record = TurnRecord(
                 user=turn.user,
                 index=turn.index,
@@ -209,6 +247,8 @@ async def run_demo(
                 tokens_match=same_gpu and same_tier,
                 max_logit_diff=max(diff_gpu, diff_tier),
                 earlier_blocks=tier.earlier_blocks,
+                group_loaded=list(tier.group_loaded),
+                group_stored=list(tier.group_stored),
             )
             records.append(record)
             workload.reply(turn, base.tokens)
@@ -252,7 +292,7 @@ def _speedup(records: list[TurnRecord], slow: str, fast: str) -> float:
 def _report(
     config: CacheConfig,
     cache: TieredCache,
-    engines: dict[str, DemoEngine],
+    engines: dict[str, Engine],
     options: DemoOptions,
     records: list[TurnRecord],
 ) -> dict[str, Any]:
@@ -294,9 +334,10 @@ def _report(
             "parameters": sum(p.numel() for p in model.parameters()),
             "device": str(model.device),
             "torch_threads": torch.get_num_threads(),
+            "hybrid": asdict(options.hybrid) if options.hybrid is not None else None,
         },
         "kv_cache": {
-            "gpu_blocks": tiered.kv.num_blocks,
+            "gpu_blocks": tiered.chunks.num_chunks * tiered.block_factor,
             "gpu_block_tokens": tiered.kv.block_tokens,
             "offloaded_block_tokens": ot,
             "block_bytes": int(config.layout.block_bytes),
@@ -342,6 +383,7 @@ def _report(
             1 - (gpu_served + sum(served.values())) / looked_up if looked_up else 0.0
         ),
         "tiers": tiers,
+        "groups": group_report(tiered, records),
         "correctness": {
             "ok": correct,
             "turns": len(records),
