@@ -114,7 +114,9 @@ def test_hybrid_demo_json_has_the_groups(capsys: pytest.CaptureFixture[str]) -> 
         == 0
     )
     report = json.loads(capsys.readouterr().out)
-    assert report["ok"] is True and report["model"]["hybrid"] == {"kind": "window", "window": 96}
+    assert report["ok"] is True
+    assert report["model"]["hybrid"] == {"kind": "window", "window": 96, "checkpoint_every": None}
+    assert report["skipped_blocks"] == 0  # every boundary is a checkpoint: nothing skipped
     assert [g["kind"] for g in report["groups"]] == ["full", "sliding_window"]
     assert report["groups"][1]["window_tokens"] == 96  # 3 offloaded blocks of 32 by default
 
@@ -128,6 +130,32 @@ def test_hybrid_options_that_do_not_fit_are_usage_errors(
     assert "a hybrid model needs at least 2 layers" in capsys.readouterr().err
     assert main(["demo", *TINY_DEMO, "--layers", "2", "--hybrid", "window", "--window", "1"]) == 2
     assert "a sliding window needs at least 2 tokens" in capsys.readouterr().err
+    assert main(["demo", *TINY_DEMO, "--checkpoint-every", "64"]) == 2
+    assert "--checkpoint-every needs --hybrid" in capsys.readouterr().err
+    assert (
+        main(["demo", *TINY_DEMO, "--layers", "2", "--hybrid", "state", "--checkpoint-every", "40"])
+        == 2
+    )
+    assert (
+        "--checkpoint-every 40 is not a multiple of the offloaded block (32 tokens); use e.g. 32"
+        in capsys.readouterr().err
+    )
+
+
+def test_hybrid_state_demo_with_checkpoints_stores_fewer_states_and_still_agrees(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """States between checkpoints are not stored; hits land on checkpoints or on a
+    request's end, and every column still produces the no-cache tokens."""
+    args = ["demo", *TINY_DEMO, "--device", "cpu", "--layers", "2", "--hybrid", "state"]
+    assert main([*args, "--json"]) == 0
+    every = json.loads(capsys.readouterr().out)
+    assert main([*args, "--checkpoint-every", "64", "--json"]) == 0
+    sparse = json.loads(capsys.readouterr().out)
+    assert every["ok"] and sparse["ok"]
+    assert every["skipped_blocks"] == 0 < sparse["skipped_blocks"]
+    stored = [g["blocks_stored"] for g in sparse["groups"]]
+    assert stored[1] < stored[0] == every["groups"][0]["blocks_stored"]
 
 
 def test_demo_plot_without_matplotlib_is_a_usage_error(

@@ -100,6 +100,15 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         default=None,
         help="with --hybrid window: the sliding window (default: 3 offloaded blocks)",
     )
+    g.add_argument(
+        "--checkpoint-every",
+        type=positive,
+        metavar="TOKENS",
+        default=None,
+        help="with --hybrid: hits of stored requests land on multiples of TOKENS (and on "
+        "each request's end), so stores keep only the window blocks and states those "
+        "hits need (layout.checkpoint_every; default: every block boundary)",
+    )
     g = demo.add_argument_group("model and KV cache (defaults: by device; CPU values shown)")
     g.add_argument("--layers", type=positive, metavar="N", help="4 (CUDA 20)")
     g.add_argument("--hidden", type=positive, metavar="N", help="256 (CUDA 2048)")
@@ -231,11 +240,24 @@ def _options(args: argparse.Namespace, device: str, profile: Any) -> Any:
     pm, pw = profile.model, profile.workload
     if args.window is not None and args.hybrid != "window":
         raise UsageError("--window needs --hybrid window")
+    if args.checkpoint_every is not None:
+        step = args.gpu_block_tokens * args.block_factor  # tokens per offloaded block
+        if args.hybrid is None:
+            raise UsageError("--checkpoint-every needs --hybrid window or --hybrid state")
+        if args.checkpoint_every % step:
+            raise UsageError(
+                f"--checkpoint-every {args.checkpoint_every} is not a multiple of the "
+                f"offloaded block ({step} tokens); use e.g. {max(step, args.checkpoint_every // step * step)}"
+            )
     try:
         hybrid = None
         if args.hybrid is not None:
             window = args.window or 3 * args.gpu_block_tokens * args.block_factor
-            hybrid = HybridConfig(args.hybrid, window if args.hybrid == "window" else None)
+            hybrid = HybridConfig(
+                args.hybrid,
+                window if args.hybrid == "window" else None,
+                checkpoint_every=args.checkpoint_every,
+            )
         return DemoOptions(
             model=replace(
                 pm,

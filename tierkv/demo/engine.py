@@ -49,6 +49,7 @@ class Generation:
     load_failures: int = 0
     stored_blocks: int = 0
     rejected_blocks: int = 0  # the primary had no room (all its blocks in use)
+    skipped_blocks: int = 0  # window blocks and states no checkpoint's hit needs (hybrid)
     earlier_blocks: int = 0  # blocks loaded that this engine never stored: an earlier run's
     group_loaded: list[int] = field(default_factory=list)  # blocks loaded, per KV group
     group_stored: list[int] = field(default_factory=list)  # blocks stored, per KV group

@@ -123,6 +123,7 @@ class HybridEngine:
         return KVLayout(
             block_bytes=required_block_bytes(self._worker_layers(), self.block_factor),
             groups=self.groups,
+            checkpoint_every=self.model.hybrid.checkpoint_every,
         )
 
     @property
@@ -362,7 +363,11 @@ class HybridEngine:
             return
         if self.stored_keys is not None:
             self.stored_keys.update(keys)
-        stored = await cache.store(keys, self._transfer(tables, spans))
+        # each key's block index: the cache keeps only the window blocks and states a
+        # hit at a checkpoint (or at the end of this request) can use
+        positions = [i for first, end in spans for i in range(first, end)]
+        stored = await cache.store(keys, self._transfer(tables, spans), positions=positions)
+        result.skipped_blocks += len(stored.skipped)
         result.stored_blocks = len(stored.stored)
         result.rejected_blocks = len(stored.rejected)
         for key in stored.stored:

@@ -40,10 +40,14 @@ HYBRID_KINDS: tuple[HybridKind, ...] = ("window", "state")
 
 @dataclass(frozen=True)
 class HybridConfig:
-    """Which other layer kind joins full attention; `window` in tokens (window kind)."""
+    """Which other layer kind joins full attention; `window` in tokens (window kind);
+    `checkpoint_every` in tokens: where stored requests' hits may land, so stores keep
+    only the window blocks and states a hit there needs (`tierkv.retention`; None:
+    every block boundary, nothing skipped)."""
 
     kind: HybridKind
     window: int | None = None
+    checkpoint_every: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in HYBRID_KINDS:

@@ -175,6 +175,12 @@ def demo_summary(report: dict[str, Any]) -> list[Block]:
     blocks.append(
         f"stored {report['stored_blocks']:,} new blocks ({report['rejected_blocks']:,} "
         f"rejected: no room in the chain); {report['load_failures']:,} blocks failed to load"
+        + (
+            f"; {report['skipped_blocks']:,} window blocks or states not stored "
+            "(no checkpoint's hit needs them)"
+            if report.get("skipped_blocks")
+            else ""
+        )
     )
     blocks += _earlier_run(report.get("earlier_run") or {})
     blocks += _groups(report.get("groups") or [], report["kv_cache"]["block_bytes"])

@@ -103,6 +103,7 @@ class TurnRecord:
     tokens_match: bool
     max_logit_diff: float
     earlier_blocks: int = 0  # blocks served that this run never stored (an earlier run's)
+    skipped_blocks: int = 0  # blocks a store left out: no checkpoint's hit needs them
     group_loaded: list[int] = field(default_factory=list)  # blocks loaded per KV group
     group_stored: list[int] = field(default_factory=list)  # blocks stored per KV group
 
@@ -244,6 +245,7 @@ async def run_demo(
                 load_failures=tier.load_failures,
                 stored_blocks=tier.stored_blocks,
                 rejected_blocks=tier.rejected_blocks,
+                skipped_blocks=tier.skipped_blocks,
                 tokens_match=same_gpu and same_tier,
                 max_logit_diff=max(diff_gpu, diff_tier),
                 earlier_blocks=tier.earlier_blocks,
@@ -377,6 +379,7 @@ def _report(
         "reusable_blocks": looked_up,
         "stored_blocks": sum(r.stored_blocks for r in records),
         "rejected_blocks": sum(r.rejected_blocks for r in records),
+        "skipped_blocks": sum(r.skipped_blocks for r in records),
         "load_failures": sum(r.load_failures for r in records),
         "gpu_hit_rate": gpu_served / looked_up if looked_up else 0.0,
         "recomputed_block_rate": (
