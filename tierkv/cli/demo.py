@@ -245,9 +245,10 @@ def _options(args: argparse.Namespace, device: str, profile: Any) -> Any:
         if args.hybrid is None:
             raise UsageError("--checkpoint-every needs --hybrid window or --hybrid state")
         if args.checkpoint_every % step:
+            near = max(step, args.checkpoint_every // step * step)
             raise UsageError(
                 f"--checkpoint-every {args.checkpoint_every} is not a multiple of the "
-                f"offloaded block ({step} tokens); use e.g. {max(step, args.checkpoint_every // step * step)}"
+                f"offloaded block ({step} tokens); use e.g. {near}"
             )
     try:
         hybrid = None
