@@ -344,3 +344,68 @@ async def test_one_thread_call_reads_good_missing_and_corrupt_blocks_each_on_its
     assert await tier.lookup(keys, CTX) == [k not in (gone, flipped, short) for k in keys]
     assert len(os.listdir("/proc/self/fd")) == fds_before
     await tier.close()
+
+
+async def test_loads_and_unsynced_stores_go_four_blocks_per_thread_call(
+    rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread call per block costs event-loop CPU and buys no depth for reads (one
+    call keeps its chunk's reads in flight) or for writes without fsync (copies into
+    the page cache): those take chunks of 4; fsynced stores spread over io_concurrency
+    calls so their fdatasyncs overlap. Every block still arrives whole."""
+    calls: dict[str, list[int]] = {"read": [], "write": []}
+    real_read, real_write = blockfile.read_blocks, NvmeTier._write_files
+
+    def counting_read(root_fd: int, items: Any, framer: Any) -> Any:
+        calls["read"].append(len(items))
+        return real_read(root_fd, items, framer)
+
+    def counting_write(self: NvmeTier, items: Any, victims: Any) -> Any:
+        calls["write"].append(len(items))
+        return real_write(self, items, victims)
+
+    monkeypatch.setattr(blockfile, "read_blocks", counting_read)
+    monkeypatch.setattr(NvmeTier, "_write_files", counting_write)
+    for fsync, writes in (("never", [4, 4, 4, 4]), ("always", [1] * 16)):
+        calls["read"].clear()
+        calls["write"].clear()
+        tier = rig.tier(io_concurrency=16, fsync=fsync)
+        await tier.open()
+        keys = rig.keys(16)
+        stored, data = await rig.store(tier, keys)
+        assert stored.ok, stored.error
+        assert sorted(calls["write"]) == writes
+        loaded, got = await rig.load(tier, keys)
+        assert loaded.ok, loaded.error
+        assert got == data
+        assert calls["read"] == [4, 4, 4, 4]
+        await tier.remove(keys)
+        await tier.close()
+
+
+def test_chunk_size_per_direction_fsync_and_block_size(tmp_path: Path) -> None:
+    """Small blocks go 4 to a call (up to 4 MiB of them); fsynced stores and blocks of
+    4 MiB and more spread over io_concurrency calls, as many blocks a call as that
+    takes."""
+    from tierkv_nvme.tier import CHUNK_BYTES
+
+    def tier(block_bytes: int, fsync: str) -> NvmeTier:
+        primary = PrimaryTier(1, block_bytes, pin_memory=False, namespace="chunks")
+        config = NvmeTierConfig(
+            type="nvme", path=tmp_path / "kv", capacity="1GiB", io_concurrency=8, fsync=fsync
+        )
+        return NvmeTier(config, primary.view)
+
+    synced, unsynced = tier(4096, "always"), tier(4096, "never")
+    assert [synced.chunk_size(n, "store") for n in (1, 8, 9, 16, 32, 100)] == [1, 1, 2, 2, 4, 4]
+    assert [unsynced.chunk_size(n, "store") for n in (1, 8, 100)] == [4, 4, 4]
+    assert [synced.chunk_size(n, "load") for n in (1, 8, 100)] == [4, 4, 4]
+    for block_bytes, per_call in ((CHUNK_BYTES // 2, 2), (CHUNK_BYTES, 1), (2 * CHUNK_BYTES, 1)):
+        big = tier(block_bytes, "never")
+        assert [big.chunk_size(n, "load") for n in (1, 8, 9, 100)] == [
+            per_call,
+            per_call,
+            max(per_call, 2),
+            4,
+        ]
+        assert big.chunk_size(8, "store") == per_call

@@ -79,7 +79,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_FS_BLOCK = 4096
 MAX_CHUNK = 4
-"""Blocks per worker-thread call at most (see `_in_chunks`)."""
+"""Blocks per worker-thread call at most (see `chunk_size`)."""
+CHUNK_BYTES = 4 << 20
+"""Bytes of small blocks worth one worker-thread call (see `chunk_size`)."""
 READ_ERRORS_BEFORE_DELETE = 3
 """Reads of one block in a row that may fail with an OS error (EIO, a link where
 the file should be, ...) before the block is given up and deleted: one hiccup must
@@ -439,8 +441,7 @@ class NvmeTier(SecondaryTierManager):
         Chunks, not single blocks, because a thread round trip and the event-loop work
         around it cost about as much CPU as reading a 1 MiB block from the page cache;
         small chunks, so a cancelled job waits for little shielded work."""
-        pairs = len(job.keys)
-        size = min(MAX_CHUNK, max(1, -(-pairs // self.config.io_concurrency)))
+        size = self.chunk_size(len(job.keys), verb)
         return await run_job(
             job,
             run_chunk,
@@ -449,6 +450,24 @@ class NvmeTier(SecondaryTierManager):
             timeout=self.config.job_timeout,
             batches=in_batches(job, size),
         )
+
+    def chunk_size(self, pairs: int, verb: str) -> int:
+        """Blocks per worker-thread call for a job of `pairs` blocks.
+
+        A thread round trip and the event-loop work around it cost about 40 us of CPU
+        (measured), as much as reading a 256 KiB block from the page cache. Small
+        blocks are therefore read, and written without fsync, in whole chunks of up to
+        CHUNK_BYTES (at most MAX_CHUNK blocks): one read call keeps its chunk's reads
+        in flight at once (`posix_fadvise(WILLNEED)`, `blockfile.read_blocks`), and a
+        write that is not fsynced only copies into the page cache, so more calls buy
+        no depth. Large blocks (a chunk of one is already CHUNK_BYTES or more), and
+        stores with `fsync: always` (whose fdatasyncs overlap only across calls),
+        spread a job over up to `io_concurrency` calls, where the round trip is small
+        beside the I/O and the depth matters."""
+        spread = min(MAX_CHUNK, max(1, -(-pairs // self.config.io_concurrency)))
+        if verb == "store" and self.config.fsync == "always":
+            return spread
+        return max(spread, min(MAX_CHUNK, CHUNK_BYTES // self.primary.block_bytes))
 
     async def _claim_for_write(self, key: OffloadKey) -> bool:
         """Wait out any write or delete of `key` in flight; then True when this store
