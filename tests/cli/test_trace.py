@@ -40,10 +40,38 @@ def test_bench_trace_prints_a_table(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "40 requests" in out and "   reuse " in out
 
 
+def test_bench_trace_replays_each_prefetch_policy_against_none(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "docs.jsonl"  # six documents in turn, each after a fresh question
+    lines = []
+    for i in range(60):
+        ids = [10 * (i % 6), 10 * (i % 6) + 1, 10 * (i % 6) + 2, 1000 + i]
+        lines.append(json.dumps({"timestamp": 50 * i, "input_length": 2048, "hash_ids": ids}))
+    path.write_text("\n".join(lines) + "\n")
+    args = ["bench", "trace", str(path), "--tiers", "memory", "--block-bytes", "4KiB"]
+    extra = ["--primary", "12", "--tier-capacity", "100%", "--admission", "all"]
+    extra += ["--bandwidth", "memory=3GiB"]
+    policies = ["--prefetch", "best_effort,wait", "--prefetch-depth", "4", "--abandon", "0.25"]
+    assert main([*args, *extra, *policies, "--backlog-load", "3", "--json"]) == 0
+    backlog = json.loads(capsys.readouterr().out)["runs"][0]["backlog"]
+    assert list(backlog) == ["off", "best_effort", "wait"]
+    for name, run in backlog.items():  # clients abandon: the baseline is queued too
+        assert run["server"]["abandon"] == 0.25 and run["dropped"] > 0
+        assert run["server"]["prefetch"] == name
+    assert backlog["wait"]["server"]["depth"] == 4
+    assert backlog["best_effort"]["prefetch_counters"]["prefetched_blocks"] > 0
+    assert backlog["off"]["prefetch_counters"]["prefetched_blocks"] == 0
+    assert main([*args, *extra, "--prefetch", "none", "--json"]) == 0
+    assert list(json.loads(capsys.readouterr().out)["runs"][0]["backlog"]) == ["off"]
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
         (["--admission", "sometimes"], "--admission: sometimes"),
+        (["--prefetch", "eager"], "--prefetch: eager"),
+        (["--abandon", "1"], "must be in [0, 1)"),
         (["--tier-capacity", "lots"], "'lots' is not a block count or a percentage"),
         (["--bandwidth", "nvme"], "write MEDIUM=BYTES_PER_SECOND"),
     ],

@@ -114,11 +114,17 @@ async def test_the_bench_reports_every_run_with_references(tmp_path: Path) -> No
     assert [r["admission"] for r in report["runs"]] == ["all", "reuse"]
     run = report["runs"][0]
     assert 0 < run["hit_rate"] <= report["infinite_cache_hit_rate"]
-    est = run["estimates"]
-    assert est["backlog_ttft"]["mean"] >= est["ttft"]["mean"]
-    assert est["backlog_ttft_prefetch"]["mean"] <= est["backlog_ttft"]["mean"]
+    backlog = run["backlog"]
+    assert list(backlog) == ["off", "best_effort"]
+    assert backlog["off"]["ttft"]["mean"] >= run["estimates"]["ttft"]["mean"]
+    queued = backlog["best_effort"]
+    assert queued["server"]["prefetch"] == "best_effort" and queued["prefetch_calls"] > 0
+    assert queued["prefetch_counters"]["prefetched_blocks"] >= 0
+    assert queued["requests"] == 60 and set(queued["ttft"]) == {"mean", "p50", "p99"}
     lines = summary_lines(report)
     assert "60 requests" in lines[0] and any(" reuse " in line for line in lines)
+    assert any(line.startswith("under a backlog") for line in lines)
+    assert any("best_effort" in line for line in lines)
     assert any("replaying" in s for s in said)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 
@@ -21,6 +21,16 @@ def _floats(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    return value
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be in [0, 1)")
     return value
 
 
@@ -46,7 +56,9 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         "output_length, hash_ids of 512-token blocks) through a real TieredCache, once per "
         "tier capacity and admission policy. Reports the prefix hit rate beside an "
         "infinite cache and a plain LRU of the same capacity, hits and bytes per tier, "
-        "evictions, and a TTFT estimate from a stated cost model (one prefill at a time).",
+        "evictions, and a TTFT estimate from a stated cost model (one prefill at a time); "
+        "under a backlog, a queued replay per prefetch policy drives cache.prefetch for "
+        "the next queued requests and reports TTFT with and without it.",
     )
     p.add_argument("file", type=Path, help="the trace (JSONL)")
     p.add_argument("--requests", type=positive, metavar="N", help="replay only the first N")
@@ -72,8 +84,29 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         help="arrivals scaled so no-cache prefill keeps the server this busy (0.7)",
     )  # fmt: skip
     p.add_argument(
-        "--backlog-load", type=_floats, default=1.3, help="the same, for the backlog case (1.3)"
-    )
+        "--backlog-load", type=_floats, default=1.3,
+        help="the same, for the backlog case: replayed through a modelled server that "
+        "prefetches for queued requests (1.3)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefetch", default="best_effort", metavar="LIST",
+        help="prefetch policies to replay under the backlog, each against no prefetch: "
+        "best_effort, wait; none: skip the queued replays (best_effort)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefetch-depth", type=positive, default=8, metavar="N",
+        help="prefetch for the next N queued requests (8)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefetch-timeout", type=_floats, default=60.0, metavar="S",
+        help="the wait policy's timeout, real seconds; a prefetch ends at its request's "
+        "turn anyway (60)",
+    )  # fmt: skip
+    p.add_argument(
+        "--abandon", type=_share, default=0.0, metavar="P",
+        help="share of requests whose clients give up while queued (dropped at their "
+        "turn, their prefetch cancelled; the same requests in every run) (0)",
+    )  # fmt: skip
     p.add_argument(
         "--prefill-tps", type=_floats, metavar="N",
         help="prefill tokens/s of the model (12000, assumed: Llama-3.1-8B bf16, one H100)",
@@ -94,6 +127,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
+    from tierkv.cache.prefetch import PrefetchPolicy
     from tierkv.trace import CostModel, TraceError
     from tierkv.trace.bench import TraceBenchOptions, run_trace_bench, summary_lines
 
@@ -109,6 +143,15 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(
                 "--plot needs matplotlib: pip install matplotlib (the `plot` extra)"
             ) from None
+    policies = [p.strip() for p in args.prefetch.split(",") if p.strip()]
+    prefetch: tuple[PrefetchPolicy, ...] = ()
+    if policies != ["none"]:
+        wrong = [p for p in policies if p not in ("best_effort", "wait")]
+        if wrong or not policies:
+            raise UsageError(
+                f"--prefetch: {', '.join(wrong) or 'empty'} (use best_effort, wait, or none)"
+            )
+        prefetch = tuple(cast(PrefetchPolicy, p) for p in dict.fromkeys(policies))
     options = TraceBenchOptions(
         args.file,
         limit=args.requests,
@@ -123,6 +166,10 @@ def run(args: argparse.Namespace) -> int:
         backlog_load=args.backlog_load,
         model=model,
         bandwidth=args.bandwidth or {},
+        prefetch=prefetch,
+        prefetch_depth=args.prefetch_depth,
+        prefetch_timeout=args.prefetch_timeout,
+        abandon=args.abandon,
     )
     bad = [a for a in options.admissions if a not in ("all", "reuse")]
     if bad:

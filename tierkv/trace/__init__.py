@@ -1,21 +1,27 @@
 """Replay real request traces through a real `TieredCache` (`tierkv bench trace`):
 hit rates against references computed from the trace itself, bytes per tier, and a
-time-to-first-token estimate from a stated cost model."""
+time-to-first-token estimate from a stated cost model; a queued replay behind a
+modelled server that prefetches for the requests it has queued (`replay_queued`)."""
 
-from tierkv.trace.costmodel import CostModel
+from tierkv.trace.costmodel import CostModel, ServerClock
 from tierkv.trace.format import TraceError, TraceRequest, read_trace, request_keys
 from tierkv.trace.reference import infinite_cache_hits, lru_hits
 from tierkv.trace.replay import ReplayOptions, ReplayReport, replay
+from tierkv.trace.server import QueuedReport, ServerOptions, replay_queued
 
 __all__ = [
     "CostModel",
+    "QueuedReport",
     "ReplayOptions",
     "ReplayReport",
+    "ServerClock",
+    "ServerOptions",
     "TraceError",
     "TraceRequest",
     "infinite_cache_hits",
     "lru_hits",
     "read_trace",
     "replay",
+    "replay_queued",
     "request_keys",
 ]

@@ -1,19 +1,22 @@
 """`tierkv bench trace FILE`: replay a trace once per tier capacity and admission
-policy, and report each beside the trace's own references and a TTFT estimate."""
+policy, and report each beside the trace's own references and a TTFT estimate; then,
+under a backlog, once more per prefetch policy behind the modelled server
+(`tierkv.trace.server`), to set the TTFT with prefetch beside the TTFT without."""
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tierkv.stats import percentile
-from tierkv.trace.costmodel import PRIMARY, CostModel, arrival_scale_for
-from tierkv.trace.format import read_trace, request_keys
+from tierkv.cache.prefetch import PrefetchPolicy
+from tierkv.keys import OffloadKey
+from tierkv.trace.costmodel import PRIMARY, CostModel, arrival_scale_for, ttft_summary
+from tierkv.trace.format import TraceRequest, read_trace, request_keys
 from tierkv.trace.reference import infinite_cache_hits, lru_hits
 from tierkv.trace.replay import ReplayOptions, ReplayReport, primary_and_tier_blocks, replay
+from tierkv.trace.server import ServerOptions, replay_queued
 from tierkv.units import approx_size, format_size
 
 
@@ -32,35 +35,54 @@ class TraceBenchOptions:
     backlog_load: float = 1.3
     model: CostModel = field(default_factory=CostModel)
     bandwidth: Mapping[str, float] = field(default_factory=dict)
-    prefetch_share: float = 0.25  # of the primary: promotion reserve x prefetch share
+    prefetch: tuple[PrefetchPolicy, ...] = ("best_effort",)  # () : no queued replay
+    prefetch_depth: int = 8
+    prefetch_timeout: float = 60.0
+    abandon: float = 0.0
 
 
-def _ttft(times: Sequence[float]) -> dict[str, float]:
-    ordered = sorted(times)
-    return {
-        "mean": statistics.fmean(times),
-        "p50": percentile(ordered, 0.5),
-        "p90": percentile(ordered, 0.9),
-    }
-
-
-def _estimates(report: ReplayReport, o: TraceBenchOptions, real_block: int) -> dict[str, Any]:
+def _model(report: ReplayReport, o: TraceBenchOptions) -> CostModel:
+    """The cost model with the replay's measured tier bandwidths (or `o.bandwidth`)."""
     measured = {m: bw for m, bw in report.load_bandwidth.items() if m != PRIMARY}
-    bandwidth = {PRIMARY: o.model.bandwidth.get(PRIMARY, 25e9), **measured, **o.bandwidth}
-    budget = o.prefetch_share * report.options.primary_blocks * real_block
-    model = replace(o.model, bandwidth=bandwidth, prefetch_budget_bytes=budget)
-    steady = arrival_scale_for(report.costs, model, o.load)
-    backlog = arrival_scale_for(report.costs, model, o.backlog_load)
-    return {
-        "bandwidth": bandwidth,
-        "at_load": o.load,
-        "ttft": _ttft(model.ttft(report.costs, arrival_scale=steady)),
-        "backlog_load": o.backlog_load,
-        "backlog_ttft": _ttft(model.ttft(report.costs, arrival_scale=backlog)),
-        "backlog_ttft_prefetch": _ttft(
-            model.ttft(report.costs, arrival_scale=backlog, prefetch=True)
-        ),
-    }
+    primary = {PRIMARY: o.model.bandwidth.get(PRIMARY, 25e9)}
+    return replace(o.model, bandwidth={**primary, **measured, **o.bandwidth})
+
+
+async def _queued_runs(
+    keyed: Sequence[tuple[TraceRequest, Sequence[OffloadKey]]],
+    options: ReplayOptions,
+    report: ReplayReport,
+    model: CostModel,
+    scale: float,
+    o: TraceBenchOptions,
+    say: Callable[[str], None],
+    label: str,
+) -> dict[str, Any]:
+    """The backlog with and without prefetch, each policy one queued replay through
+    the real cache; the baseline is the plain replay's costs on the same server (the
+    same events reach the cache), or a queued replay of its own when clients abandon."""
+    out: dict[str, Any] = {}
+    for policy in (None, *o.prefetch):
+        name = policy or "off"
+        if policy is None and not o.abandon:
+            out[name] = {"ttft": ttft_summary(model.ttft(report.costs, arrival_scale=scale))}
+            continue
+        server = ServerOptions(
+            arrival_scale=scale,
+            prefetch=policy,
+            depth=o.prefetch_depth,
+            timeout=o.prefetch_timeout,
+            abandon=o.abandon,
+        )
+        say(f"{label}: queued replay, prefetch {name}")
+
+        def tick(n: int, total: int, label: str = f"{label}, prefetch {name}") -> None:
+            if n % 500 == 0 or n == total:
+                say(f"{label}: {n}/{total} requests")
+
+        queued = await replay_queued(keyed, options, server, model, progress=tick)
+        out[name] = queued.as_dict()
+    return out
 
 
 async def run_trace_bench(
@@ -73,7 +95,6 @@ async def run_trace_bench(
     only_keys = [k for _, k in keyed]
     asked = sum(len(k) for k in only_keys)
     distinct = len({key for keys in only_keys for key in keys})
-    real_block = 512 * o.model.kv_bytes_per_token
     out: dict[str, Any] = {
         "trace": str(o.path),
         "requests": len(requests),
@@ -115,7 +136,19 @@ async def run_trace_bench(
             run["tier_capacity"] = capacity
             run["lru_reference_hit_rate"] = lru
             run["lru_tier_only_hit_rate"] = lru_tier
-            run["estimates"] = _estimates(report, o, real_block)
+            model = _model(report, o)
+            backlog = arrival_scale_for(report.costs, model, o.backlog_load)
+            steady = arrival_scale_for(report.costs, model, o.load)
+            run["estimates"] = {
+                "bandwidth": dict(model.bandwidth),
+                "at_load": o.load,
+                "ttft": ttft_summary(model.ttft(report.costs, arrival_scale=steady)),
+                "backlog_load": o.backlog_load,
+                "backlog_arrival_scale": backlog,
+            }
+            run["backlog"] = await _queued_runs(
+                keyed, options, report, model, backlog, o, say, label
+            )
             out["runs"].append(run)
     return out
 
@@ -131,8 +164,7 @@ def summary_lines(report: Mapping[str, Any]) -> list[str]:
         f"{format_size(report['cost_model']['kv_bytes_per_token'])} KV per token",
         "",
         f"{'tier cap':>8} {'admission':>9} {'hit':>6} {'LRU P+T':>7} {'LRU T':>6} {'written':>10} "
-        f"{'declined':>8} {'evicted':>8} {'TTFT mean':>9} {'backlog':>8} {'+prefetch':>9} "
-        f"{'blocks/s':>8}",
+        f"{'declined':>8} {'evicted':>8} {'TTFT mean':>9} {'blocks/s':>8} {'per CPU s':>9}",
     ]
     for run in report["runs"]:
         est = run["estimates"]
@@ -144,15 +176,51 @@ def summary_lines(report: Mapping[str, Any]) -> list[str]:
             f"{run['lru_reference_hit_rate']:>7.1%} {run['lru_tier_only_hit_rate']:>6.1%} "
             f"{approx_size(written, sep=' '):>10} "
             f"{declined:>8,} {evicted:>8,} {est['ttft']['mean']:>8.2f}s "
-            f"{est['backlog_ttft']['mean']:>7.2f}s {est['backlog_ttft_prefetch']['mean']:>8.2f}s "
-            f"{run['trace_blocks_per_second']:>8,.0f}"
+            f"{run['trace_blocks_per_second']:>8,.0f} {run['trace_blocks_per_cpu_second']:>9,.0f}"
         )
     lines.append("")
     lines.append(
         "hit: blocks served / asked (prefix); LRU P+T / T: one plain LRU of the primary's "
         "+ the tier's capacity / of the tier's alone (a write-through chain is inclusive: "
         "the primary's blocks are in the tier too); written: bytes into the tiers; TTFT "
-        "at the given load, then under a backlog without and with prefetch (estimates "
-        "from the cost model)"
+        "at the given load (an estimate from the cost model); blocks/s: the replay's own "
+        "rate, trace blocks per second of wall time and of this process's CPU time"
+    )
+    backlog = [r for r in report["runs"] if len(r.get("backlog", {})) > 1]
+    if backlog:
+        lines += ["", *_backlog_lines(backlog)]
+    return lines
+
+
+def _backlog_lines(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    first = runs[0]
+    lines = [
+        f"under a backlog (arrivals scaled x{first['estimates']['backlog_arrival_scale']:.3f}, "
+        f"load {first['estimates']['backlog_load']}), TTFT mean / p50 / p99 in seconds:",
+        f"{'tier cap':>8} {'admission':>9} {'prefetch':>11} {'mean':>8} {'p50':>8} {'p99':>8} "
+        f"{'vs off':>7} {'prefetched':>10} {'used':>7} {'in time':>7} {'shed':>7} "
+        f"{'cancelled':>9} {'dropped':>7} {'blocks/s':>8} {'per CPU s':>9}",
+    ]
+    for run in runs:
+        off = run["backlog"]["off"]["ttft"]["mean"]
+        for policy, q in run["backlog"].items():
+            t = q["ttft"]
+            c = q.get("prefetch_counters", {})
+            vs = f"{t['mean'] / off - 1:+.0%}" if off and policy != "off" else ""
+            lines.append(
+                f"{run['tier_capacity']:>8} {run['admission']:>9} {policy:>11} "
+                f"{t['mean']:>8.2f} {t['p50']:>8.2f} {t['p99']:>8.2f} {vs:>7} "
+                f"{c.get('prefetched_blocks', 0):>10,} {c.get('prefetch_used', 0):>7,} "
+                f"{q.get('prefetched_in_time', 0):>7,} {c.get('prefetch_shed', 0):>7,} "
+                f"{c.get('prefetch_cancelled', 0):>9,} {q.get('dropped', 0):>7,} "
+                f"{q.get('trace_blocks_per_second', run['trace_blocks_per_second']):>8,.0f} "
+                f"{q.get('trace_blocks_per_cpu_second', run['trace_blocks_per_cpu_second']):>9,.0f}"
+            )
+    lines.append(
+        "off: no prefetch (the plain replay's costs on the same server); a policy: a "
+        "queued replay calling cache.prefetch for the next queued requests. prefetched / "
+        "used / shed / cancelled: the cache's counters (blocks); in time: used blocks "
+        "read before their request's turn (served as primary hits); blocks/s: the "
+        "replay's own rate"
     )
     return lines

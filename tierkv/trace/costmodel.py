@@ -1,6 +1,7 @@
 """A stated cost model for time to first token, so a replay's hits and misses become
 seconds: prefill at a fixed rate, loads at each medium's bandwidth, one prefill at a
-time (requests queue by arrival), and optional prefetch during the queue wait.
+time (requests queue by arrival), and a prefetch channel reading queued requests'
+blocks during their wait (`ServerClock`, which a queued replay drives online).
 
 Every figure is an input. The defaults describe Llama-3.1-8B in bf16 on one H100 and
 are assumptions, not measurements of this project (it has no GPU): 128KiB of KV per
@@ -11,20 +12,47 @@ loads, or from `--bandwidth`. Replace them with your own measurements.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+from tierkv.stats import percentile
 
 PRIMARY = "cpu"
 
 
 @dataclass(frozen=True)
+class PrefetchedBytes:
+    """KV bytes a prefetch read into the primary for a queued request: from which
+    medium, and when the reads ran on the server's prefetch channel (server time)."""
+
+    medium: str
+    nbytes: float
+    begin_s: float
+    end_s: float
+
+    def done_by(self, t: float) -> float:
+        """The share of these bytes read by time `t` (reads progress evenly)."""
+        if t >= self.end_s:
+            return 1.0
+        if t <= self.begin_s:
+            return 0.0
+        return (t - self.begin_s) / (self.end_s - self.begin_s)
+
+
+@dataclass(frozen=True)
 class RequestCost:
     """What one replayed request needed: when it arrived, how many prompt tokens it
-    had to prefill, and the bytes of KV (at the model's real size) each medium served."""
+    had to prefill, and the bytes of KV (at the model's real size) each medium served.
+    Blocks a prefetch brought into the primary are counted under the medium it read
+    them from, and listed in `prefetched`: what was read by the request's start is
+    served at the primary's bandwidth, the rest at the medium's (its load joins the
+    read still under way)."""
 
     arrival_s: float
     prefill_tokens: int
     bytes_by_medium: Mapping[str, float]
+    prefetched: tuple[PrefetchedBytes, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -33,7 +61,6 @@ class CostModel:
     prefill_tokens_per_s: float = 12_000.0
     kv_bytes_per_token: int = 131_072
     bandwidth: Mapping[str, float] = field(default_factory=lambda: {PRIMARY: 25e9})
-    prefetch_budget_bytes: float = float("inf")
 
     def load_seconds(self, bytes_by_medium: Mapping[str, float]) -> float:
         """Seconds to bring these bytes to the GPU, one medium after another; a medium
@@ -48,50 +75,70 @@ class CostModel:
                 total += min(nbytes / bw, recompute)
         return total
 
-    def ttft(
-        self,
-        requests: Sequence[RequestCost],
-        *,
-        prefetch: bool = False,
-        arrival_scale: float = 1.0,
-    ) -> list[float]:
-        """Each request's estimated time to first token: queue wait + loads + prefill.
+    def ttft(self, requests: Sequence[RequestCost], *, arrival_scale: float = 1.0) -> list[float]:
+        """Each request's estimated time to first token (queue wait + loads + prefill),
+        one prefill at a time in arrival order; arrival times are multiplied by
+        `arrival_scale` (below 1: requests come faster). The same `ServerClock` a
+        queued replay runs online, so both give the same figures for the same costs."""
+        clock = ServerClock(self, arrival_scale)
+        return [clock.serve(r) for r in requests]
 
-        One prefill at a time, in arrival order. With `prefetch`, a request that has to
-        wait has its tier bytes promoted into the primary during the wait, one prefetch
-        at a time at the tier's bandwidth, at most `prefetch_budget_bytes` held by
-        queued requests at once; what arrived by the time it starts is served at the
-        primary's bandwidth instead. Arrival times are multiplied by `arrival_scale`
-        (below 1: requests come faster)."""
-        out: list[float] = []
-        server_free = 0.0
-        prefetch_free = 0.0
-        held: list[tuple[float, float]] = []  # (start of the request, bytes held)
-        for r in requests:
-            arrival = r.arrival_s * arrival_scale
-            start = max(arrival, server_free)
-            tier_bytes = {m: b for m, b in r.bytes_by_medium.items() if m != PRIMARY and b}
-            primary_bytes = r.bytes_by_medium.get(PRIMARY, 0)
-            load = self.load_seconds(r.bytes_by_medium)
-            if prefetch and start > arrival and tier_bytes:
-                held = [(s, b) for s, b in held if s > arrival]
-                room = self.prefetch_budget_bytes - sum(b for _, b in held)
-                want = sum(tier_bytes.values())
-                take = max(0.0, min(float(want), room))
-                if take > 0:
-                    share = take / want
-                    duration = self.load_seconds({m: b * share for m, b in tier_bytes.items()})
-                    begin = max(arrival, prefetch_free)
-                    done = min(1.0, max(0.0, (start - begin) / duration)) if duration else 1.0
-                    prefetch_free = begin + duration * done
-                    moved = {m: b * share * done for m, b in tier_bytes.items()}
-                    held.append((start, sum(moved.values())))
-                    rest = {m: b - moved[m] for m, b in tier_bytes.items()}
-                    load = self.load_seconds({**rest, PRIMARY: primary_bytes + sum(moved.values())})
-            service = load + r.prefill_tokens / self.prefill_tokens_per_s
-            server_free = start + service
-            out.append(server_free - arrival)
-        return out
+
+class ServerClock:
+    """The server a queued replay models, in server time (seconds from the first
+    arrival, scaled): one prefill at a time in arrival order, and one prefetch channel
+    that reads queued requests' blocks one prefetch after another at each medium's
+    bandwidth (a tier serves one reader at full speed; a load running meanwhile is not
+    slowed, a simplification that favours neither side much at one prefetch a time)."""
+
+    def __init__(self, model: CostModel, arrival_scale: float = 1.0) -> None:
+        if arrival_scale <= 0:
+            raise ValueError(f"arrival_scale must be > 0, got {arrival_scale}")
+        self.model = model
+        self.arrival_scale = arrival_scale
+        self.server_free = 0.0
+        self.channel_free = 0.0
+
+    def arrival(self, arrival_s: float) -> float:
+        """A request's arrival in server time."""
+        return arrival_s * self.arrival_scale
+
+    def next_start(self, arrival_s: float) -> float:
+        """When a request arriving at `arrival_s` (trace time) starts if it is next."""
+        return max(self.arrival(arrival_s), self.server_free)
+
+    def read_prefetch(self, at: float, bytes_by_medium: Mapping[str, float]) -> tuple[float, float]:
+        """Put a prefetch's reads, issued at server time `at`, on the channel; return
+        when they begin and end."""
+        begin = max(at, self.channel_free)
+        self.channel_free = begin + self.model.load_seconds(bytes_by_medium)
+        return begin, self.channel_free
+
+    def serve(self, r: RequestCost) -> float:
+        """Run `r` next; its time to first token. It starts when it has arrived and
+        the server is free; its service is its loads plus its prefill."""
+        arrival = self.arrival(r.arrival_s)
+        start = max(arrival, self.server_free)
+        by = dict(r.bytes_by_medium)
+        for p in r.prefetched:  # what the prefetch read by now comes from the primary
+            moved = p.nbytes * p.done_by(start)
+            by[p.medium] = by.get(p.medium, 0.0) - moved
+            by[PRIMARY] = by.get(PRIMARY, 0.0) + moved
+        load = self.model.load_seconds({m: b for m, b in by.items() if b > 1e-9})
+        self.server_free = start + load + r.prefill_tokens / self.model.prefill_tokens_per_s
+        return self.server_free - arrival
+
+
+def ttft_summary(times: Sequence[float]) -> dict[str, float]:
+    """Mean, median and 99th percentile (nearest rank) of TTFTs; zeros when none."""
+    if not times:
+        return {"mean": 0.0, "p50": 0.0, "p99": 0.0}
+    ordered = sorted(times)
+    return {
+        "mean": statistics.fmean(ordered),
+        "p50": percentile(ordered, 0.5),
+        "p99": percentile(ordered, 0.99),
+    }
 
 
 def arrival_scale_for(requests: Sequence[RequestCost], model: CostModel, load: float) -> float:

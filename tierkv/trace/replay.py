@@ -6,7 +6,8 @@ does once prefill ends). Each trace block is one tierkv block of `block_bytes` (
 trace's 512-token blocks scaled down, so a replay fits a laptop); the cost model
 scales bytes back to the model's real KV size. What a replay measures: blocks served
 per medium, bytes written to and read from each tier, evictions, each tier's load
-bandwidth at this block size, and its own bookkeeping rate.
+bandwidth at this block size, and its own bookkeeping rate. `tierkv.trace.server`
+replays the same steps behind a modelled server that prefetches for its queue.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from __future__ import annotations
 import math
 import tempfile
 import time
+import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,10 +30,12 @@ from tierkv.config import parse_config
 from tierkv.framing import FIXED_HEADER_BYTES
 from tierkv.jobs import ReqContext
 from tierkv.keys import OffloadKey
-from tierkv.trace.costmodel import PRIMARY, RequestCost
+from tierkv.trace.costmodel import PRIMARY, PrefetchedBytes, RequestCost
 from tierkv.trace.format import TRACE_BLOCK_TOKENS, TraceRequest
 
 FS_BLOCK = 4096
+PREFETCH_COUNTERS = ("prefetched_blocks", "prefetch_used", "prefetch_shed", "prefetch_cancelled")
+"""The cache's prefetch counters a replay reports (`TieredCache.stats().primary`)."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,9 @@ class ReplayReport:
     evictions: Counter[str] = field(default_factory=Counter)
     load_bandwidth: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # this process's CPU time (all threads): the rate on a busy machine
     costs: list[RequestCost] = field(default_factory=list, repr=False)
+    prefetch: dict[str, int] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -96,6 +103,11 @@ class ReplayReport:
             "load_bandwidth": self.load_bandwidth,
             "seconds": self.seconds,
             "trace_blocks_per_second": self.blocks_per_second,
+            "cpu_seconds": self.cpu_seconds,
+            "trace_blocks_per_cpu_second": (
+                self.blocks_asked / self.cpu_seconds if self.cpu_seconds else 0.0
+            ),
+            "prefetch_counters": self.prefetch,
         }
 
 
@@ -116,6 +128,165 @@ def _tier(kind: str, o: ReplayOptions, root: Path, key_bytes: int) -> dict[str, 
     return spec
 
 
+@dataclass(frozen=True)
+class Served:
+    """What one request's load served: the prefix of its keys, each with its medium."""
+
+    keys: list[OffloadKey]
+    sources: list[str]
+
+
+class ReplayChain:
+    """An open cache over the replay's tiers and the steps of one request, shared by
+    the plain replay (`replay`) and the queued one (`tierkv.trace.server`).
+
+    Every store is followed by `flush`: each request's cascades end before the next
+    event, so which blocks are evictable (and so hits, prefetch room and sheds) does
+    not depend on how fast this machine's disk happens to be; a replay is
+    deterministic for a given trace and chain."""
+
+    def __init__(
+        self,
+        cache: TieredCache,
+        report: ReplayReport,
+        longest: int,
+        real_block: int,
+    ) -> None:
+        self.cache = cache
+        self.report = report
+        self.real_block = real_block
+        block_bytes = report.options.block_bytes
+        self._source = torch.zeros(longest, block_bytes, dtype=torch.uint8)
+        self._sink = torch.empty(longest, block_bytes, dtype=torch.uint8)
+        self._load_bytes: Counter[str] = Counter()
+        self._load_time: dict[str, float] = {}
+        self._started = time.perf_counter()
+        self._cpu_started = time.process_time()
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls,
+        requests: Sequence[tuple[TraceRequest, Sequence[OffloadKey]]],
+        options: ReplayOptions,
+        report: ReplayReport,
+        kv_bytes_per_token: int,
+    ) -> AsyncIterator[ReplayChain]:
+        """A fresh chain for `requests` (its tier files in a temporary directory,
+        removed after); `finish` fills the report's totals."""
+        o = options
+        key_bytes = len(requests[0][1][0]) if requests and requests[0][1] else 20
+        with tempfile.TemporaryDirectory(prefix="tierkv-trace-", dir=o.directory) as tmp:
+            config = parse_config(
+                {
+                    # a fresh namespace per run: a redis tier must not serve blocks
+                    # an earlier run (of this bench or another) left there
+                    "namespace": f"{o.namespace}-{uuid.uuid4().hex[:12]}",
+                    "layout": {"block_bytes": o.block_bytes, "groups": [{"block_size": 1}]},
+                    "primary": {
+                        "capacity": o.primary_blocks * o.block_bytes,
+                        "pin_memory": False,
+                    },
+                    "tiers": [_tier(t, o, Path(tmp), key_bytes) for t in o.tiers],
+                    "lookup_timeout": None,  # the replay measures hits, not a busy machine
+                }
+            )
+            longest = max((len(k) for _, k in requests), default=1)
+            async with TieredCache(config) as cache:
+                chain = cls(cache, report, max(1, longest), TRACE_BLOCK_TOKENS * kv_bytes_per_token)
+                yield chain
+                await chain.finish()
+                if "redis" in o.tiers:  # a shared server outlives the run: leave nothing
+                    distinct = list(dict.fromkeys(k for _, ks in requests for k in ks))
+                    await cache.tier("redis").remove(distinct)
+
+    async def load_hit(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> Served:
+        """`lookup` the request's keys and `load` the hit (the prefix up to the first
+        block that failed); count what each medium served."""
+        report = self.report
+        hit = await self.cache.lookup([keys], ctx)
+        load = list(hit.keys_to_load)
+        served = Served([], [])
+        if load:
+            t0 = time.perf_counter()
+            result = await self.cache.load(load, self._sink[: len(load)], ctx)
+            spent = time.perf_counter() - t0
+            ok = set(result.ok_keys)
+            for key in load:  # the prefix stops at the first failed block
+                if key not in ok:
+                    break
+                served.keys.append(key)
+                served.sources.append(result.sources.get(key, PRIMARY))
+            report.failed_loads += len(result.failed_keys)
+            by = Counter(served.sources)
+            for medium, count in by.items():  # a bandwidth sample per medium:
+                # a load served by several is split by their shares of its bytes
+                self._load_bytes[medium] += count * report.options.block_bytes
+                share = spent * count / len(served.keys)
+                self._load_time[medium] = self._load_time.get(medium, 0.0) + share
+            report.served_by.update(by)
+        report.requests += 1
+        report.blocks_asked += len(keys)
+        report.blocks_served += len(served.keys)
+        return served
+
+    async def store_rest(self, keys: Sequence[OffloadKey], served: int) -> None:
+        """Store the blocks after the hit (prefill computed them) and let every
+        cascade finish; count evictions."""
+        cache = self.cache
+        if served < len(keys):
+            stored = await cache.store(keys[served:], self._source[: len(keys) - served])
+            self.report.rejected_stores += len(stored.rejected)
+        await cache.flush()
+        self.count_events()
+
+    def count_events(self) -> None:
+        for event in self.cache.take_events():
+            if event.removed:
+                self.report.evictions[event.medium] += len(event.keys)
+
+    def cost(
+        self,
+        request: TraceRequest,
+        first_ms: float,
+        served: Served,
+        mediums: Mapping[OffloadKey, str] | None = None,
+        prefetched: tuple[PrefetchedBytes, ...] = (),
+    ) -> RequestCost:
+        """The request's cost-model input; `mediums` overrides the medium of keys a
+        prefetch brought into the primary (the tier it read them from)."""
+        by: Counter[str] = Counter()
+        for key, medium in zip(served.keys, served.sources):
+            by[mediums.get(key, medium) if mediums else medium] += 1
+        tokens_hit = len(served.keys) * TRACE_BLOCK_TOKENS
+        return RequestCost(
+            (request.timestamp_ms - first_ms) / 1000.0,
+            max(0, request.input_length - tokens_hit),
+            {m: c * self.real_block for m, c in by.items()},
+            prefetched,
+        )
+
+    async def finish(self) -> None:
+        """Totals for the report: its time, bytes per tier, measured bandwidths."""
+        cache, report = self.cache, self.report
+        await cache.flush()
+        self.count_events()
+        report.seconds = time.perf_counter() - self._started
+        report.cpu_seconds = time.process_time() - self._cpu_started
+        stats = cache.stats()
+        for name, tier in stats.tiers.items():
+            report.bytes_written[name] = int(tier["bytes_in"])
+            report.bytes_read[name] = int(tier["bytes_out"])
+            report.declined[name] = int(tier["declined"])
+        for counter in PREFETCH_COUNTERS:
+            report.prefetch[counter] = int(stats.primary.get(counter, 0))
+        for medium, nbytes in self._load_bytes.items():
+            if self._load_time.get(medium, 0.0) > 0:
+                # measured at this block size: small blocks make it pessimistic for
+                # a model's real ones (pass measured figures to the cost model instead)
+                report.load_bandwidth[medium] = nbytes / self._load_time[medium]
+
+
 async def replay(
     requests: Sequence[tuple[TraceRequest, Sequence[OffloadKey]]],
     options: ReplayOptions,
@@ -123,84 +294,20 @@ async def replay(
     kv_bytes_per_token: int = 131_072,
     progress: Callable[[int, int], None] | None = None,
 ) -> ReplayReport:
-    """Replay `requests` (each with its block keys) through a fresh cache."""
-    o = options
-    report = ReplayReport(o)
+    """Replay `requests` (each with its block keys) through a fresh cache, one after
+    another: per request `lookup`, `load` the hit, `store` the rest."""
+    report = ReplayReport(options)
     if not requests:
         return report
-    key_bytes = len(requests[0][1][0]) if requests[0][1] else 20
-    real_block = TRACE_BLOCK_TOKENS * kv_bytes_per_token
-    with tempfile.TemporaryDirectory(prefix="tierkv-trace-", dir=o.directory) as tmp:
-        config = parse_config(
-            {
-                "namespace": o.namespace,
-                "layout": {"block_bytes": o.block_bytes, "groups": [{"block_size": 1}]},
-                "primary": {"capacity": o.primary_blocks * o.block_bytes, "pin_memory": False},
-                "tiers": [_tier(t, o, Path(tmp), key_bytes) for t in o.tiers],
-                "lookup_timeout": None,  # the replay measures hits, not a busy machine
-            }
-        )
-        longest = max(len(k) for _, k in requests)
-        source = torch.zeros(longest, o.block_bytes, dtype=torch.uint8)
-        sink = torch.empty(longest, o.block_bytes, dtype=torch.uint8)
-        load_bytes: Counter[str] = Counter()
-        load_time: dict[str, float] = {}
-        first = requests[0][0].timestamp_ms
-        started = time.perf_counter()
-        async with TieredCache(config) as cache:
-            for n, (request, keys) in enumerate(requests):
-                ctx = ReqContext(request_id=f"r{n}")
-                hit = await cache.lookup([keys], ctx)
-                load = list(hit.keys_to_load)
-                served = 0
-                by: Counter[str] = Counter()
-                if load:
-                    t0 = time.perf_counter()
-                    result = await cache.load(load, sink[: len(load)], ctx)
-                    spent = time.perf_counter() - t0
-                    ok = set(result.ok_keys)
-                    for key in load:  # the prefix stops at the first failed block
-                        if key not in ok:
-                            break
-                        served += 1
-                        by[result.sources.get(key, PRIMARY)] += 1
-                    report.failed_loads += len(result.failed_keys)
-                    for medium, count in by.items():  # a bandwidth sample per medium:
-                        # a load served by several is split by their shares of its bytes
-                        load_bytes[medium] += count * o.block_bytes
-                        share = spent * count / served
-                        load_time[medium] = load_time.get(medium, 0.0) + share
-                if served < len(keys):
-                    stored = await cache.store(keys[served:], source[: len(keys) - served])
-                    report.rejected_stores += len(stored.rejected)
-                for event in cache.take_events():
-                    if event.removed:
-                        report.evictions[event.medium] += len(event.keys)
-                report.requests += 1
-                report.blocks_asked += len(keys)
-                report.blocks_served += served
-                report.served_by.update(by)
-                tokens_hit = served * TRACE_BLOCK_TOKENS
-                report.costs.append(
-                    RequestCost(
-                        (request.timestamp_ms - first) / 1000.0,
-                        max(0, request.input_length - tokens_hit),
-                        {m: c * real_block for m, c in by.items()},
-                    )
-                )
-                if progress is not None:
-                    progress(n + 1, len(requests))
-            await cache.flush()
-            report.seconds = time.perf_counter() - started
-            for name, tier in cache.stats().tiers.items():
-                report.bytes_written[name] = int(tier["bytes_in"])
-                report.bytes_read[name] = int(tier["bytes_out"])
-                report.declined[name] = int(tier["declined"])
-        for medium, nbytes in load_bytes.items():
-            if load_time.get(medium, 0.0) > 0:
-                # measured at this block size: small blocks make it pessimistic for
-                # a model's real ones (pass measured figures to the cost model instead)
-                report.load_bandwidth[medium] = nbytes / load_time[medium]
+    first = requests[0][0].timestamp_ms
+    async with ReplayChain.open(requests, options, report, kv_bytes_per_token) as chain:
+        for n, (request, keys) in enumerate(requests):
+            ctx = ReqContext(request_id=f"r{n}")
+            served = await chain.load_hit(keys, ctx)
+            await chain.store_rest(keys, len(served.keys))
+            report.costs.append(chain.cost(request, first, served))
+            if progress is not None:
+                progress(n + 1, len(requests))
     return report
 
 
