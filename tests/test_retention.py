@@ -10,20 +10,7 @@ from hypothesis import strategies as st
 from tierkv.keys import OffloadKey, make_offload_key
 from tierkv.layout import GroupSpec, KVLayout
 from tierkv.retention import kept_blocks
-
-
-def needed(group: GroupSpec, tokens: int) -> set[int]:
-    """The blocks a hit of `tokens` needs, from the definition (tokens, not blocks)."""
-    bs = group.block_size
-    if tokens == 0:
-        return set()
-    if group.kind == "full":
-        return set(range(tokens // bs))
-    if group.kind == "state":
-        return {tokens // bs - 1}
-    assert group.window is not None
-    first_token = max(0, tokens - (group.window - 1))  # the window of the next token
-    return {t // bs for t in range(first_token, tokens)}
+from tierkv.testing.hits_oracle import blocks_needed
 
 
 def key(g: int, j: int) -> OffloadKey:
@@ -64,7 +51,7 @@ def test_a_block_is_kept_exactly_when_a_checkpoint_hit_needs_it(
     horizon = tokens + max((g.window or 0) for g in layout.groups) + every
     checkpoints = {p for p in range(every, horizon + 1, every)} | {end_point}
     for g, group in enumerate(layout.groups):
-        want = set().union(*(needed(group, p) for p in checkpoints))
+        want = set().union(*(blocks_needed(group, p) for p in checkpoints))
         got = {j for k, j, ok in zip(keys, positions, kept) if ok and k[-1] == g}
         have = set(range(tokens // group.block_size))
         if group.kind == "full":

@@ -34,22 +34,10 @@ from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
 from tierkv.layout import GroupSpec, KVLayout
 from tierkv.retention import kept_blocks
 from tierkv.testing import FaultyTier
+from tierkv.testing.hits_oracle import blocks_needed
 
 BLOCK = 64
 PLACES = ("none", "primary", "memory", "faulty", "both", "lie")
-
-
-def needed(group: GroupSpec, tokens: int) -> set[int]:
-    """The blocks a hit of `tokens` needs, from the definition."""
-    bs = group.block_size
-    if tokens == 0:
-        return set()
-    if group.kind == "full":
-        return set(range(tokens // bs))
-    if group.kind == "state":
-        return {tokens // bs - 1}
-    assert group.window is not None
-    return {t // bs for t in range(max(0, tokens - (group.window - 1)), tokens)}
 
 
 def oracle(groups: Sequence[GroupSpec], present: Sequence[set[int]], lengths: Sequence[int]) -> int:
@@ -58,7 +46,7 @@ def oracle(groups: Sequence[GroupSpec], present: Sequence[set[int]], lengths: Se
     top = min(n * g.block_size for g, n in zip(groups, lengths))
     for tokens in range(top, -1, -1):
         if all(
-            tokens % g.block_size == 0 and needed(g, tokens) <= have
+            tokens % g.block_size == 0 and blocks_needed(g, tokens) <= have
             for g, have in zip(groups, present)
         ):
             return tokens
@@ -161,7 +149,7 @@ async def run_scenario(s: Scenario) -> None:
         hit = await cache.lookup(ks, gpu_tokens=s.gpu_tokens)
         assert hit.hit_tokens == oracle(groups, shown, lengths)
         for g, (group, r) in enumerate(zip(groups, hit.group_ranges)):
-            need = needed(group, hit.hit_tokens)
+            need = blocks_needed(group, hit.hit_tokens)
             assert set(range(r.first, r.end)) == need or (not need and r.first == r.end)
             assert hit.group_keys[g] == tuple(ks[g][j] for j in sorted(need) if j >= on_gpu[g])
 
@@ -184,7 +172,9 @@ async def run_scenario(s: Scenario) -> None:
         assert usable <= hit.hit_tokens
         assert usable == hit.hit_tokens or failed
         for group, have in zip(groups, served):
-            assert needed(group, usable) <= have, "usable tokens need a block that did not load"
+            assert blocks_needed(group, usable) <= have, (
+                "usable tokens need a block that did not load"
+            )
         assert usable == oracle(groups, served, [r.end for r in hit.group_ranges])
 
         again = await cache.lookup(ks, gpu_tokens=s.gpu_tokens)

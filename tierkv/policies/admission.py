@@ -141,6 +141,4 @@ class ReuseAdmission:
         counts = self.sketch.estimate(keys)
         continuing = self._continuing
         need = self.min_sightings
-        return [
-            bool(c >= need) or key in continuing for key, c in zip(keys, counts.tolist())
-        ]
+        return [bool(c >= need) or key in continuing for key, c in zip(keys, counts.tolist())]
