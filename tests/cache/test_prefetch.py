@@ -328,9 +328,11 @@ async def test_best_effort_sheds_at_once_and_wait_gives_up_after_its_timeout(
             await short.wait()
             assert anyio.current_time() - started < 1
             assert short.shed == queued and not long.done
+            await until(lambda: cache.promoter.prefetches.waiting_for_room == 1)  # long
             tier.gate.set()
         await long.wait()
         assert long.promoted == queued and not long.shed
+        assert cache.promoter.prefetches.waiting_for_room == 0
         assert cache.stats().primary["prefetch_shed"] == 4
         cache.cancel_prefetch("long")
         assert_nothing_left(cache)

@@ -133,6 +133,12 @@ class Prefetcher:
     def active(self) -> bool:
         return bool(self._by_request or self._holder)
 
+    @property
+    def waiting_for_room(self) -> int:
+        """Prefetches now waiting for room (policy `wait`, none free): each resumes when
+        blocks are let go or room is released, or gives up at its deadline."""
+        return self._waiting
+
     # -- the calls --------------------------------------------------------------------
     def start(
         self,

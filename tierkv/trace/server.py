@@ -263,7 +263,7 @@ async def _settle(cache: TieredCache, handles: Sequence[Prefetch]) -> None:
         if not live:
             return
         windows = sum(1 for p in live if p.window is not None)
-        if not windows and prefetches._waiting == len(live):
+        if not windows and prefetches.waiting_for_room == len(live):
             room = min(prefetches.budget - prefetches.holding, cache.primary.promotion_room())
             if room <= 0:
                 return

@@ -27,8 +27,9 @@ down does a lookup raise `TierUnavailable` and a job abort, so the cache's own b
 still sees a dead Redis.
 
 Stores and loads run whole in worker threads, one hop per batch: framing, checksums,
-MACs, the copies that join a frame, and the network I/O itself through redis-py's
-synchronous client (its own blocking connection pool of `max_connections`). On the
+MACs, the copies that join a frame, and the network I/O itself over connections of
+redis-py's blocking pool of `max_connections` (stores send packed SETs, `wire.py`;
+loads read the values off the socket into a reused buffer, `gets.py`). On the
 event loop they cost ~0.4 ms to frame and ~0.3 ms to check a 2 MiB block, plus the
 asyncio client's own sends and reply parsing: 13-27 ms of stall per 64-block job, during
 which no other request of the server progresses. Lookups and removals are small and
@@ -88,6 +89,7 @@ from tierkv.tier import (
 )
 from tierkv_redis.cluster import MOVED_NOTE, ClusterNodes, Node, is_node_down
 from tierkv_redis.config import RedisTierConfig
+from tierkv_redis.gets import pack_get, read_values
 from tierkv_redis.names import BlockNames
 from tierkv_redis.wire import pack_set, send_sets
 
@@ -566,22 +568,9 @@ class RedisTier(SecondaryTierManager):
         """Worker thread: GET each block of `batch`, check its frame and copy its payload
         into its slot while the job lives. Returns (failed keys with the reason, keys
         whose stored values must be deleted, keys Redis no longer has)."""
-        values: list[Any]
-        if len(batch) == 1 and self._names.parts_of(batch[0][0]) == 1:
-            name = self._names.main(batch[0][0])
-            try:
-                if self._ttl_ms is None:
-                    values = [sync.get(name)]
-                else:
-                    values = [sync.getex(name, px=self._ttl_ms)]
-            except ResponseError as exc:
-                values = [exc]
-        else:
-            pipe = sync.pipeline(transaction=False)
-            for key, _ in batch:
-                for name in self._names.all(key):
-                    self._queue_get(pipe, name)
-            values = pipe.execute(raise_on_error=False)
+        px = self._ttl_ms  # GETEX renews the ttl of a block read
+        names = [name for key, _ in batch for name in self._names.all(key)]
+        values = read_values(sync.connection_pool, [pack_get(n.encode(), px) for n in names])
         errors: dict[OffloadKey, str] = {}
         doomed: list[OffloadKey] = []  # keys whose stored values must go
         gone: list[OffloadKey] = []  # keys Redis no longer has (expired, evicted)
@@ -607,15 +596,16 @@ class RedisTier(SecondaryTierManager):
                 errors[key] = f"{missing} of {count} parts missing (evicted or expired); deleted"
                 doomed.append(key)
                 continue
+            frames = [p for p in parts if isinstance(p, bytes | memoryview)]  # all of them
             with guard.hold() as alive:
                 if not alive:
                     errors[key] = "redis load: the job ended before this block was written"
                     continue
                 try:
                     if count == 1:
-                        self.framer.decode_into(key, parts[0], self.primary.block(slot))
+                        self.framer.decode_into(key, frames[0], self.primary.block(slot))
                     else:  # straight from the parts into the slot, no joined copy
-                        self.framer.decode_parts_into(key, parts, self.primary.block(slot))
+                        self.framer.decode_parts_into(key, frames, self.primary.block(slot))
                 except ForeignBlock as exc:  # another trust domain's block: left in place
                     errors[key] = f"not this server's block: {exc}"
                     self.report_foreign([key])
@@ -623,12 +613,6 @@ class RedisTier(SecondaryTierManager):
                     errors[key] = f"corrupt block deleted: {exc}"
                     doomed.append(key)
         return errors, doomed, gone
-
-    def _queue_get(self, pipe: Any, name: str) -> None:
-        if self._ttl_ms is None:
-            pipe.get(name)
-        else:  # a hit keeps the block alive for another ttl
-            pipe.getex(name, px=self._ttl_ms)
 
     async def _unlink(self, client: Client, keys: Sequence[OffloadKey]) -> None:
         pipe = client.pipeline(transaction=False)

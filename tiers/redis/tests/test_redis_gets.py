@@ -1,0 +1,174 @@
+"""`gets.py`, GET replies read straight off the socket, against a real redis-server:
+values byte-identical to what was SET (RESP2 and RESP3, values split over many reads,
+larger than the kept scratch buffer), misses, per-command errors that leave the
+connection usable, push frames between replies, a frozen server, and the slower
+public-parser path giving the same answers."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+from redis.connection import BlockingConnectionPool
+from redis.exceptions import MovedError, OutOfMemoryError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from tierkv_redis import gets
+from tierkv_redis.gets import KEEP_SCRATCH, _error, pack_get, read_values
+from tierkv_redis.testing import RedisServer
+
+
+def _pool(server: RedisServer, **kwargs: object) -> BlockingConnectionPool:
+    kwargs.setdefault("max_connections", 4)
+    return BlockingConnectionPool.from_url(server.url, **kwargs)
+
+
+@pytest.fixture
+def client(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    with redis.Redis.from_url(redis_server.url) as c:
+        yield c
+
+
+def _names(prefix: str, n: int) -> list[str]:
+    return [f"gets-test:{prefix}:{os.urandom(6).hex()}:{i}" for i in range(n)]
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+@pytest.mark.parametrize("direct", [True, False])
+def test_values_read_back_byte_identical_with_misses_and_errors_in_place(
+    redis_server: RedisServer, client: redis.Redis, protocol: int, direct: bool
+) -> None:
+    # sizes that fit one read, span many, and outgrow the scratch buffer mid-batch
+    sizes = [0, 1, 5, 70_000, 1 << 20, 3 << 20, 17]
+    names = _names("mix", len(sizes))
+    values = [os.urandom(n) for n in sizes]
+    for name, value in zip(names, values):
+        client.set(name, value)
+    wrong_type = _names("list", 1)[0]
+    client.rpush(wrong_type, b"x")
+    missing = _names("missing", 1)[0]
+    asked = [*names[:3], missing, wrong_type, *names[3:]]
+    pool = _pool(redis_server, protocol=protocol)
+    try:
+        replies = read_values(pool, [pack_get(n.encode(), None) for n in asked], direct=direct)
+        assert [bytes(r) for r in replies[:3]] == values[:3]  # type: ignore[arg-type]
+        assert replies[3] is None
+        assert isinstance(replies[4], ResponseError) and "WRONGTYPE" in str(replies[4])
+        assert [bytes(r) for r in replies[5:]] == values[3:]  # type: ignore[arg-type]
+        # the connection went back to the pool clean: the next batch reads right
+        again = read_values(pool, [pack_get(names[-1].encode(), None)], direct=direct)
+        assert [bytes(r) for r in again] == [values[-1]]  # type: ignore[arg-type]
+    finally:
+        pool.disconnect()
+
+
+def test_getex_renews_the_ttl(redis_server: RedisServer, client: redis.Redis) -> None:
+    name = _names("ttl", 1)[0]
+    client.set(name, b"v" * 100, px=5_000)
+    pool = _pool(redis_server)
+    try:
+        (value,) = read_values(pool, [pack_get(name.encode(), 600_000)])
+        assert bytes(value) == b"v" * 100  # type: ignore[arg-type]
+        assert client.pttl(name) > 500_000
+    finally:
+        pool.disconnect()
+
+
+def test_a_value_larger_than_the_kept_scratch_reads_whole(
+    redis_server: RedisServer, client: redis.Redis
+) -> None:
+    name = _names("big", 1)[0]
+    value = os.urandom(KEEP_SCRATCH + 12_345)
+    client.set(name, value)
+    pool = _pool(redis_server)
+    try:
+        (got,) = read_values(pool, [pack_get(name.encode(), None)])
+        assert bytes(got) == value  # type: ignore[arg-type]
+        # read into a buffer of its own: the thread does not keep 32 MiB for later
+        assert len(gets._scratch.values) <= KEEP_SCRATCH
+    finally:
+        pool.disconnect()
+
+
+def test_values_read_by_many_threads_stay_each_threads_own(
+    redis_server: RedisServer, client: redis.Redis
+) -> None:
+    names = _names("threads", 32)
+    values = {n: os.urandom(200_000 + i * 1_000) for i, n in enumerate(names)}
+    for n, v in values.items():
+        client.set(n, v)
+    pool = _pool(redis_server)
+    wrong: list[str] = []
+
+    def reader(mine: list[str]) -> None:
+        for _ in range(5):
+            got = read_values(pool, [pack_get(n.encode(), None) for n in mine])
+            wrong.extend(n for n, g in zip(mine, got) if bytes(g) != values[n])  # type: ignore[arg-type]
+
+    threads = [threading.Thread(target=reader, args=(names[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    pool.disconnect()
+    assert wrong == []
+
+
+def test_a_push_frame_between_replies_is_read_past(
+    redis_server: RedisServer, client: redis.Redis
+) -> None:
+    """RESP3 client tracking: a key this connection read is changed by another client,
+    so the server pushes an invalidation before the next reply."""
+    tracked, other = _names("push", 2)
+    client.set(tracked, b"first")
+    client.set(other, b"second" * 1000)
+    pool = _pool(redis_server, protocol=3, max_connections=1)
+    try:
+        conn = pool.get_connection()
+        conn.send_command("CLIENT", "TRACKING", "ON")
+        assert conn.read_response() in (b"OK", "OK")
+        pool.release(conn)
+        (first,) = read_values(pool, [pack_get(tracked.encode(), None)])
+        assert bytes(first) == b"first"  # type: ignore[arg-type]
+        client.set(tracked, b"changed")  # -> an invalidation push on the pooled connection
+        got = read_values(pool, [pack_get(other.encode(), None), pack_get(tracked.encode(), None)])
+        assert [bytes(g) for g in got] == [b"second" * 1000, b"changed"]  # type: ignore[arg-type]
+    finally:
+        pool.disconnect()
+
+
+def test_error_replies_keep_redis_pys_error_classes() -> None:
+    """The tier tells OOM and MOVED (a stale slot map) from other refusals by class."""
+    oom = _error(b"OOM command not allowed when used memory > 'maxmemory'.")
+    assert isinstance(oom, OutOfMemoryError)
+    moved = _error(b"MOVED 3999 127.0.0.1:6381")
+    assert isinstance(moved, MovedError) and (moved.slot_id, moved.port) == (3999, 6381)
+    assert type(_error(b"ERR something else")) is ResponseError
+
+
+def test_a_frozen_server_raises_a_timeout_and_the_connection_is_dropped(
+    start_redis: Callable[..., RedisServer],
+) -> None:
+    server = start_redis()
+    with redis.Redis.from_url(server.url) as c:
+        c.set("gets-test:frozen", b"v" * 10)
+    pool = _pool(server, socket_timeout=0.3, max_connections=1)
+    try:
+        read_values(pool, [pack_get(b"gets-test:frozen", None)])  # one pooled connection
+        server.freeze()
+        with pytest.raises(RedisTimeoutError, match="Timeout reading from"):
+            read_values(pool, [pack_get(b"gets-test:frozen", None)])
+        server.thaw()
+        # the connection with a reply unread was dropped: a fresh one reads the right value
+        (value,) = read_values(pool, [pack_get(b"gets-test:frozen", None)])
+        assert bytes(value) == b"v" * 10  # type: ignore[arg-type]
+    finally:
+        pool.disconnect()
+
+
+def test_pack_get_is_what_redis_py_sends() -> None:
+    conn = redis.connection.Connection()
+    assert pack_get(b"k", None) == b"".join(conn.pack_command("GET", "k"))
+    assert pack_get(b"k", 250) == b"".join(conn.pack_command("GETEX", "k", "PX", "250"))
