@@ -304,6 +304,59 @@ async def test_a_prefetch_never_takes_room_a_waiting_load_waits_for(
         assert_nothing_left(cache)
 
 
+async def test_a_load_taking_over_its_prefetch_keeps_the_room_it_still_needs(
+    faulty_tier_type: str,
+) -> None:
+    """A's load takes over A's prefetch (4 blocks held, the whole budget), which wakes
+    B's `wait` prefetch; A has 20 more blocks to promote, in windows of 4 (16 slots,
+    promotions hold 8). While A has blocks left to promote (`owed`), B starts nothing,
+    even when a window of A lands and frees room: that room is A's next window. Once A
+    has started its last window, B gets the room A leaves."""
+    async with opened(chain([{"type": "faulty"}], promotion_wait="2s")) as cache:
+        tier = cache.tier("faulty")
+        assert isinstance(tier, FaultyTier)
+        a, b = keys(24, "a"), keys(4, "b")
+        data = blocks(24, 3)
+        await only_below(cache, a, data)
+        await only_below(cache, b, blocks(4, 4))
+        prefetches = cache.promoter.prefetches
+        early = cache.prefetch([a[:4]], ctx("A"))
+        await early.wait()
+        assert early.promoted == a[:4] and prefetches.holding == prefetches.budget == 4
+        patient = cache.prefetch([b], ctx("B"), policy="wait", timeout=5)
+        await until(lambda: prefetches.waiting_for_room == 1)
+        tier.gate = anyio.Event()
+        out = torch.zeros_like(data)
+        results: dict[str, Any] = {}
+
+        async def load() -> None:
+            results["A"] = await cache.load(a, out, ctx("A"))
+
+        owing_seen = 0
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(load)
+            await until(lambda: cache.primary.num_staged > 0)  # A's windows are reading
+            while "A" not in results:
+                if prefetches.owed > 0:
+                    owing_seen += 1
+                    assert patient.window is None and patient.promoted == []
+                # let the windows reading now land, one step at a time; B polls meanwhile
+                tier.gate.set()
+                await anyio.sleep(0)
+                tier.gate = anyio.Event()
+                await anyio.sleep(0.015)
+            tier.gate.set()
+        assert owing_seen >= 2  # the check above ran while A had windows left to start
+        assert prefetches.owed == 0
+        assert results["A"].ok and torch.equal(out, data)
+        await patient.wait()
+        assert patient.promoted == b
+        stats = cache.stats().primary
+        assert stats["promotion_waits"] == 0 and stats["promotions_shed"] == 0
+        cache.cancel_prefetch("B")
+        assert_nothing_left(cache)
+
+
 async def test_best_effort_sheds_at_once_and_wait_gives_up_after_its_timeout(
     faulty_tier_type: str,
 ) -> None:

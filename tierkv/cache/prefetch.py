@@ -123,6 +123,9 @@ class Prefetcher:
         self.holding = 0  # slots prefetches hold now: windows reading plus blocks held
         self._changed = Signal()  # a window landed, blocks were let go
         self._waiting = 0  # prefetches waiting for room
+        # blocks the running loads have still to promote: the promotion room they will
+        # take, which no prefetch may take first (the Promoter keeps it)
+        self.owed = 0
 
     @property
     def budget(self) -> int:
@@ -290,11 +293,12 @@ class Prefetcher:
         ]
 
     def _room(self) -> int:
-        """Slots the next window may take: none while a load waits for room."""
+        """Slots the next window may take: none while a load waits for room, and never
+        the room running loads have still to take (`owed`)."""
         primary = self.core.primary
         if primary.waiting(Kind.PROMOTION):
             return 0
-        return max(0, min(self.budget - self.holding, primary.promotion_room()))
+        return max(0, min(self.budget - self.holding, primary.promotion_room() - self.owed))
 
     async def _promote(self, p: Prefetch, targets: list[OffloadKey]) -> None:
         """Stage 1 of `targets` in windows within the budget, one window at a time."""

@@ -66,6 +66,7 @@ class _LoadState:
         self.collected: set[OffloadKey] = set()
         self.slots: dict[OffloadKey, int] = {}  # slot of each key this call holds
         self.late: list[OffloadKey] = []  # held keys found resident after the start
+        self.owed = 0  # blocks still to promote, counted in the prefetches' `owed`
 
 
 class Promoter:
@@ -106,6 +107,8 @@ class Promoter:
         if prefetches.active:  # after taking readers: what a prefetch lets go stays held
             prefetches.on_load(resident, ctx)
         try:
+            # before the first await: a prefetch on_load woke must not take this room
+            self._owe(s, len(to_promote))
             unknown = [k for k in to_promote if index.location(k) is None]
             if unknown:
                 await self.lookup.locate(unknown, ctx)
@@ -113,6 +116,7 @@ class Promoter:
                     if index.location(key) is None:
                         s.errors[key] = "not found in any tier"
                 to_promote = [k for k in to_promote if k not in s.errors]
+                self._owe(s, len(to_promote) - s.owed)
             await self._pipeline(s, dest, resident, to_promote, ctx)
             followers: dict[int, tuple[Flight, list[OffloadKey]]] = {}
             for key, flight in s.waiting.items():
@@ -135,6 +139,7 @@ class Promoter:
                 elif flight.granted.get(key, 0) > 0:
                     flight.granted[key] -= 1
                     primary.complete_load([key])
+            self._owe(s, -s.owed)
             prefetches.changed()  # room this load held may let a waiting prefetch go on
         stats = core.primary_stats
         stats.load_jobs += 1
@@ -216,6 +221,7 @@ class Promoter:
                 flight, moved = self._start(s, to_promote, pos, window, ctx)
                 if moved == pos:
                     return  # no room now
+                self._owe(s, pos - moved)
                 pos = moved
                 if flight is not None:
                     inflight.append(flight)
@@ -252,6 +258,12 @@ class Promoter:
                 self._shed(s, rest, _SHED)
                 core.counters["promotions_shed"] += len(rest)
                 return
+
+    def _owe(self, s: _LoadState, blocks: int) -> None:
+        """Count `blocks` more (or fewer) that this load has still to promote: room the
+        prefetches leave to it (`Prefetcher.owed`)."""
+        s.owed += blocks
+        self.prefetches.owed += blocks
 
     def _shed(self, s: _LoadState, keys: Sequence[OffloadKey], why: str) -> None:
         for key in keys:
