@@ -139,6 +139,8 @@ def test_entry_point_resolves_to_the_redis_tier() -> None:
         ({"socket_timeout": 0}, "greater than 0"),
         ({"max_connections": 0}, "greater than 0"),
         ({"pipline_size": 4}, "Extra inputs are not permitted"),
+        ({"pipeline_size": "fast"}, "Input should be 'auto'"),
+        ({"pipeline_size": 0}, "greater than 0"),
     ],
 )
 def test_bad_config_is_refused_with_a_clear_message(
@@ -146,6 +148,29 @@ def test_bad_config_is_refused_with_a_clear_message(
 ) -> None:
     with pytest.raises(ValidationError, match=message):
         RedisTierConfig.model_validate(fields)
+
+
+@pytest.mark.parametrize(
+    ("setting", "block_bytes", "per_pipeline"),
+    [
+        ("auto", 4096, 64),  # capped
+        ("auto", 64 << 10, 32),  # about 2 MiB per pipeline
+        ("auto", 256 << 10, 8),
+        ("auto", 1 << 20, 1),  # MiB-sized: concurrent single commands
+        ("auto", 8 << 20, 1),
+        (3, 64 << 10, 3),  # a number is taken as it is
+    ],
+)
+def test_pipeline_size_auto_sizes_pipelines_by_bytes(
+    setting: object, block_bytes: int, per_pipeline: int
+) -> None:
+    primary = PrimaryTier(2, block_bytes, pin_memory=False, namespace="pipe")
+    config = RedisTierConfig.model_validate({"pipeline_size": setting})
+    tier = RedisTier(config, primary.view)
+    assert tier.describe()["blocks_per_pipeline"] == per_pipeline
+    keys = random_keys(2 * per_pipeline + 1)
+    batches = tier._batches((k, 0) for k in keys)
+    assert [len(b) for b in batches] == [per_pipeline, per_pipeline, 1]
 
 
 def test_yaml_config_expands_the_password_and_names_bad_paths() -> None:

@@ -11,8 +11,9 @@ when `mac_key_env` is set) fails its key, is deleted and is `report_removed`; so
 block a load finds gone (expired by `ttl`, evicted by Redis's maxmemory policy) or
 half gone. Nothing is ever unpickled.
 
-A job's blocks are sent as commands of `pipeline_size` (1 by default: concurrent single
-commands, which beat pipelines for MiB-sized values), at most `max_connections` at a
+A job's blocks are sent in pipelines of `pipeline_size` commands (`auto`: blocks under
+1 MiB in pipelines of about 2 MiB; MiB-sized blocks as concurrent single commands,
+which beat pipelines for them), at most `max_connections` at a
 time, by the contract's `run_job`. The first connection-level failure of a job
 (refused, reset, timed out, auth) aborts it: every key not yet done fails with a
 message naming the server, so a dead Redis answers a job within about
@@ -88,7 +89,7 @@ from tierkv.tier import (
     run_job,
 )
 from tierkv_redis.cluster import MOVED_NOTE, ClusterNodes, Node, is_node_down
-from tierkv_redis.config import RedisTierConfig
+from tierkv_redis.config import RedisTierConfig, pipeline_blocks
 from tierkv_redis.gets import pack_get, read_values
 from tierkv_redis.names import BlockNames
 from tierkv_redis.wire import pack_set, send_sets
@@ -177,6 +178,7 @@ class RedisTier(SecondaryTierManager):
         )
         ttl = self.config.ttl
         self._ttl_ms: int | None = None if ttl is None else max(1, round(ttl * 1000))
+        self._pipeline = pipeline_blocks(self.config.pipeline_size, primary.block_bytes)
         self._client: Client | None = None  # lookups, removals, deletions
         self._sync: SyncClient | None = None  # stores and loads, in worker threads
         self._cluster: ClusterNodes | None = None  # on a cluster, both per node instead
@@ -356,7 +358,7 @@ class RedisTier(SecondaryTierManager):
         """Group (key, slot) pairs into batches, one pipeline (or command) each. A
         block in several parts always gets a batch of its own, so its parts go down
         one connection in order."""
-        size = self.config.pipeline_size
+        size = self._pipeline
         batches: list[Batch] = []
         current: list[tuple[OffloadKey, int]] = []
         for key, slot in pairs:
@@ -836,6 +838,7 @@ class RedisTier(SecondaryTierManager):
             "ttl": c.ttl,
             "max_connections": c.max_connections,
             "pipeline_size": c.pipeline_size,
+            "blocks_per_pipeline": self._pipeline,
             "part_size": int(c.part_size),
             "mac": self.framer.mac,
             "open": self._client is not None or self._cluster is not None,
