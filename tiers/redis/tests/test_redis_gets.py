@@ -7,13 +7,14 @@ public-parser path giving the same answers."""
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from collections.abc import Callable, Iterator
 
 import pytest
 import redis
 from redis.connection import BlockingConnectionPool
-from redis.exceptions import MovedError, OutOfMemoryError, ResponseError
+from redis.exceptions import InvalidResponse, MovedError, OutOfMemoryError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from tierkv_redis import gets
 from tierkv_redis.gets import KEEP_SCRATCH, _error, pack_get, read_values
@@ -172,3 +173,53 @@ def test_pack_get_is_what_redis_py_sends() -> None:
     conn = redis.connection.Connection()
     assert pack_get(b"k", None) == b"".join(conn.pack_command("GET", "k"))
     assert pack_get(b"k", 250) == b"".join(conn.pack_command("GETEX", "k", "PX", "250"))
+
+
+def test_the_installed_redis_py_gives_the_socket_the_direct_path_reads(
+    redis_server: RedisServer,
+) -> None:
+    """A canary: were a redis-py upgrade to move the socket, loads would still be right
+    (through the parser) but twice as costly; this says so instead of a benchmark."""
+    pool = _pool(redis_server)
+    try:
+        conn = pool.get_connection()
+        try:
+            assert isinstance(getattr(conn, "_sock", None), socket.socket)
+        finally:
+            pool.release(conn)
+    finally:
+        pool.disconnect()
+
+
+@pytest.mark.parametrize("reply", [b"$x1\r\n", b"+OK\r\n", b"$5\r\nabcdefg\r\n"])
+def test_a_reply_that_is_no_get_reply_raises_and_drops_the_connection(reply: bytes) -> None:
+    """Something on the port that is not Redis (or a broken proxy): a clear
+    InvalidResponse naming the address, never a value."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    accepted: list[socket.socket] = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        accepted.append(conn)
+        seen = b""
+        while b"\r\nGET\r\n" not in seen:  # the handshake's CLIENT SETINFOs: OK
+            data = conn.recv(65536)
+            if not data:
+                return
+            conn.sendall(b"+OK\r\n" * data.count(b"SETINFO"))
+            seen += data
+        conn.sendall(reply)
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    pool = BlockingConnectionPool.from_url(f"redis://127.0.0.1:{port}/0", protocol=2)
+    try:
+        with pytest.raises(InvalidResponse, match=f"127.0.0.1:{port}"):
+            read_values(pool, [pack_get(b"k", None)])
+        server.join(5)
+    finally:
+        pool.disconnect()
+        listener.close()
+        for c in accepted:
+            c.close()

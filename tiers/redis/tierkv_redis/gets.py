@@ -133,18 +133,25 @@ class _SocketReplies:
         self.used += n
         return view
 
+    def _count(self, head: bytes) -> int:
+        """The length or count a reply's first line gives after its type byte."""
+        try:
+            return int(head[1:])
+        except ValueError:
+            raise InvalidResponse(f"a bad reply line {head[:40]!r} from {self.where}") from None
+
     def _skip(self, head: bytes) -> None:
         """Read past the rest of a reply whose first line is `head` (any RESP type)."""
         kind = head[:1]
         if kind in b"$=!":  # blob string, verbatim string, blob error
-            length = int(head[1:])
+            length = self._count(head)
             if length >= 0:
                 self._body(memoryview(bytearray(length + 2)))  # small, and dropped
         elif kind in b"*>~":  # array, push, set
-            for _ in range(max(int(head[1:]), 0)):
+            for _ in range(max(self._count(head), 0)):
                 self._skip(self._header())
         elif kind == b"%" or kind == b"|":  # map, attribute: key and value per entry
-            for _ in range(2 * int(head[1:])):
+            for _ in range(2 * self._count(head)):
                 self._skip(self._header())
         # any other type is one line, already read
 
@@ -161,7 +168,7 @@ class _SocketReplies:
         head = self._header()
         kind = head[:1]
         if kind == b"$":
-            length = int(head[1:])
+            length = self._count(head)
             if length < 0:
                 return None
             body = self._room(length + 2)
