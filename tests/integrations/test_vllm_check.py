@@ -125,3 +125,37 @@ def test_the_command_line_entry_point(vllm: Any) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "--kv-transfer-config: ok (OffloadingConnector, TieringOffloadingSpec" in done.stdout
+
+
+def test_groups_of_a_hybrid_model_are_checked_as_vllm_states_them(
+    vllm: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--groups full,window:4,state`: the check resolves the entries against three KV
+    groups, as the adapter will under such a model; the namespace differs from the
+    one-group model's (different windows never share blocks)."""
+    config = json.dumps(transfer_config(NVME))
+    code, full_out, _ = run(capsys, config, "--model", "org/m")
+    assert code == 0
+    code, hybrid_out, _ = run(capsys, config, "--model", "org/m", "--groups", "full,window:4,state")
+    assert code == 0
+    assert "KV groups full,window:4,window:1" in hybrid_out
+    namespace = [line for line in full_out.splitlines() if "namespace" in line]
+    hybrid_namespace = [line for line in hybrid_out.splitlines() if "namespace" in line]
+    assert namespace and hybrid_namespace and namespace != hybrid_namespace
+
+
+def test_a_group_the_adapter_cannot_serve_exits_2_naming_it(
+    vllm: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(capsys, json.dumps(transfer_config(NVME)), "--groups", "full,window:0")
+    assert code == 2 and out == ""
+    assert "secondary_tiers[0]" in err and "sliding_window_size_in_chunks=0" in err
+
+
+@pytest.mark.parametrize("groups", ["full,sliding", "window", "window:x", "state:2", ""])
+def test_a_bad_groups_list_is_refused_with_the_accepted_forms(
+    capsys: pytest.CaptureFixture[str], groups: str
+) -> None:
+    code, out, err = run(capsys, "{}", "--groups", groups)
+    assert code == 2 and out == ""
+    assert "full, window:N (N chunks) or state" in err

@@ -44,8 +44,25 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         action="store_true",
         help="the engine's layout is parallelism-agnostic (namespace without topology)",
     )
+    vc.add_argument(
+        "--groups",
+        type=kv_groups,
+        default=(None,),
+        metavar="LIST",
+        help="the model's KV groups, comma-separated: full, window:N (a sliding window "
+        "of N chunks), state (Mamba); e.g. full,window:32 (full)",
+    )
     vc.add_argument("--json", action="store_true", help="print the report as JSON")
     vc.set_defaults(func=run_check)
+
+
+def kv_groups(text: str) -> tuple[int | None, ...]:
+    from tierkv.integrations.vllm.check import parse_groups
+
+    try:
+        return parse_groups(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run_check(args: argparse.Namespace) -> int:
@@ -61,6 +78,7 @@ def run_check(args: argparse.Namespace) -> int:
         row_bytes=args.row_bytes,
         tp=args.tp,
         parallelism_agnostic=args.parallelism_agnostic,
+        windows=args.groups,
     )
     report = check(args.config, geometry)
     if args.json:

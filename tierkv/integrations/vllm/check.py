@@ -39,6 +39,29 @@ class Geometry:
     row_bytes: int = 2 << 20
     tp: int = 1
     parallelism_agnostic: bool = False
+    # per KV group, as vLLM's offloading config states it: None for full attention,
+    # else the sliding window in chunks (a Mamba state group: 1)
+    windows: tuple[int | None, ...] = (None,)
+
+
+def parse_groups(text: str) -> tuple[int | None, ...]:
+    """`--groups`: each KV group's attention, comma-separated: `full`, `window:N` (a
+    sliding window of N chunks) or `state` (a recurrent state: one chunk)."""
+    windows: list[int | None] = []
+    for item in (part.strip() for part in text.split(",")):
+        kind, _, arg = item.partition(":")
+        if kind == "full" and not arg:
+            windows.append(None)
+        elif kind == "state" and not arg:
+            windows.append(1)
+        elif kind == "window" and arg.isdigit():
+            windows.append(int(arg))
+        else:
+            raise ValueError(
+                f"{item!r} is not a KV group; use full, window:N (N chunks) or state, "
+                "comma-separated, e.g. full,window:32"
+            )
+    return tuple(windows)
 
 
 @dataclass
@@ -103,10 +126,14 @@ def _offloading_config(geometry: Geometry) -> Any:
 
     g = geometry
     return OffloadingConfig(
-        groups=(
+        groups=tuple(
             OffloadingGroupConfig(
-                tokens_per_block=g.tokens_per_block, layer_names=("layer",), group_id=0
-            ),
+                tokens_per_block=g.tokens_per_block,
+                layer_names=(f"layer{i}",),
+                group_id=i,
+                sliding_window_size_in_chunks=window,
+            )
+            for i, window in enumerate(g.windows)
         ),
         worker_kv_bytes_per_block=g.row_bytes // g.tp // g.blocks_per_chunk,
         enable_kv_cache_events=False,
@@ -210,6 +237,10 @@ def check(value: str, geometry: Geometry) -> CheckReport:
     return report
 
 
+def _groups_text(windows: tuple[int | None, ...]) -> str:
+    return ",".join("full" if w is None else f"window:{w}" for w in windows)
+
+
 def render(report: CheckReport, geometry: Geometry) -> str:
     """The report for a person."""
     from tierkv.units import format_size
@@ -221,7 +252,8 @@ def render(report: CheckReport, geometry: Geometry) -> str:
         f"assumed geometry (--model ... to change): model {g.model}, {g.dtype}, "
         f"{g.tokens_per_block} tokens x {g.blocks_per_chunk} blocks per chunk, "
         f"row {format_size(g.row_bytes)}, tp {g.tp}"
-        + (", parallelism-agnostic" if g.parallelism_agnostic else ""),
+        + (", parallelism-agnostic" if g.parallelism_agnostic else "")
+        + (f", KV groups {_groups_text(g.windows)}" if g.windows != (None,) else ""),
     ]
     for t in report.tiers:
         if t.tierkv is None:
