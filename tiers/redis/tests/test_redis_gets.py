@@ -223,3 +223,46 @@ def test_a_reply_that_is_no_get_reply_raises_and_drops_the_connection(reply: byt
         listener.close()
         for c in accepted:
             c.close()
+
+
+def test_pooled_connections_a_restart_closed_are_reconnected(
+    start_redis: Callable[..., RedisServer],
+) -> None:
+    """Every pooled connection of four threads points at a Redis that then restarts:
+    the next reads succeed on reconnected connections, none fails."""
+    server = start_redis()
+    name = b"gets-test:restart"
+    pool = _pool(server, max_connections=4)
+    try:
+        with redis.Redis.from_url(server.url) as c:
+            c.set(name, b"before")
+        barrier = threading.Barrier(4)
+        seen: list[bytes] = []
+        errors: list[BaseException] = []
+
+        def reader() -> None:
+            barrier.wait()  # four connections at once: the pool holds four
+            try:
+                (value,) = read_values(pool, [pack_get(name, None)])
+                seen.append(bytes(value))  # type: ignore[arg-type]
+            except BaseException as exc:  # collected: a thread's failure fails the test
+                errors.append(exc)
+
+        def read_in_four() -> None:
+            threads = [threading.Thread(target=reader) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+
+        read_in_four()
+        assert seen == [b"before"] * 4 and not errors
+        server.stop()
+        server.start()  # same port, empty: persistence is off
+        with redis.Redis.from_url(server.url) as c:
+            c.set(name, b"after")
+        seen.clear()
+        read_in_four()
+        assert errors == [] and seen == [b"after"] * 4
+    finally:
+        pool.disconnect()

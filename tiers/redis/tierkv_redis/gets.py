@@ -186,28 +186,21 @@ class _SocketReplies:
         raise InvalidResponse(f"unexpected reply {head[:40]!r} to a GET from {self.where}")
 
 
-def _read_once(pool: ConnectionPool, commands: Sequence[bytes], direct: bool) -> list[Reply]:
-    conn: Any = pool.get_connection()
-    try:
-        conn.send_packed_command([b"".join(commands)], check_health=False)
-        sock = getattr(conn, "_sock", None)
-        if direct and isinstance(sock, socket.socket):
-            where = f"{getattr(conn, 'host', '?')}:{getattr(conn, 'port', '?')}"
-            replies = _SocketReplies(sock, where)
-            return [replies.next() for _ in commands]
-        out: list[Reply] = []  # the public, slower way
-        for _ in commands:
-            try:
-                out.append(conn.read_response())
-            except ResponseError as exc:
-                out.append(detached(exc))
-        return out
-    except BaseException:
-        # a connection with replies still unread must never go back to the pool
-        conn.disconnect()
-        raise
-    finally:
-        pool.release(conn)
+def _read_on(conn: Any, commands: Sequence[bytes], direct: bool) -> list[Reply]:
+    """Send `commands` down `conn` (connecting it if it is not) and read their replies."""
+    conn.send_packed_command([b"".join(commands)], check_health=False)
+    sock = getattr(conn, "_sock", None)
+    if direct and isinstance(sock, socket.socket):
+        where = f"{getattr(conn, 'host', '?')}:{getattr(conn, 'port', '?')}"
+        replies = _SocketReplies(sock, where)
+        return [replies.next() for _ in commands]
+    out: list[Reply] = []  # the public, slower way
+    for _ in commands:
+        try:
+            out.append(conn.read_response())
+        except ResponseError as exc:
+            out.append(detached(exc))
+    return out
 
 
 def read_values(
@@ -219,7 +212,18 @@ def read_values(
     errors raise, after one retry on a fresh connection (a pooled connection a Redis
     restart closed fails once); a timeout raises at once. `direct=False` reads through
     redis-py's parser, as on a connection whose socket cannot be reached."""
+    conn: Any = pool.get_connection()
     try:
-        return _read_once(pool, commands, direct)
-    except ConnectionError:
-        return _read_once(pool, commands, direct)
+        try:
+            return _read_on(conn, commands, direct)
+        except ConnectionError:
+            # as redis-py retries: the same connection, reconnected (another pooled one
+            # could be just as stale)
+            conn.disconnect()
+            return _read_on(conn, commands, direct)
+    except BaseException:
+        # a connection with replies still unread must never go back to the pool
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
