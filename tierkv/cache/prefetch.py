@@ -292,8 +292,8 @@ class Prefetcher:
             if k not in primary and index.flight(k) is None and index.location(k) is not None
         ]
 
-    def _room(self) -> int:
-        """Slots the next window may take: none while a load waits for room, and never
+    def room(self) -> int:
+        """Slots the next prefetch window may take: none while a load waits for room, and never
         the room running loads have still to take (`owed`)."""
         primary = self.core.primary
         if primary.waiting(Kind.PROMOTION):
@@ -306,7 +306,7 @@ class Prefetcher:
         deadline = anyio.current_time() + p.timeout
         pos = 0
         while pos < len(targets) and not p.ended and core.is_open:
-            room = self._room()
+            room = self.room()
             if room > 0:
                 moved, flight, slots = self._start_window(p, targets, pos, room)
                 if moved > pos:

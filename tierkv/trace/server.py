@@ -263,10 +263,8 @@ async def _settle(cache: TieredCache, handles: Sequence[Prefetch]) -> None:
         if not live:
             return
         windows = sum(1 for p in live if p.window is not None)
-        if not windows and prefetches.waiting_for_room == len(live):
-            room = min(prefetches.budget - prefetches.holding, cache.primary.promotion_room())
-            if room <= 0:
-                return
+        if not windows and prefetches.waiting_for_room == len(live) and prefetches.room() <= 0:
+            return
         # still moving, or waiting where room seems free (they poll for it): give up
         # once nothing has changed for a while (a state the cache cannot move on from)
         state = (prefetches.holding, sum(len(p.promoted) for p in live), len(live), windows)
