@@ -28,7 +28,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 import torch
 
-from tierkv.gpu.cuda_batch import BatchMemcpy
+from tierkv.gpu.cuda_batch import BatchMemcpy, BatchStats
 from tierkv.gpu.executors import RunCopies, flat_bytes, memmove
 from tierkv.gpu.geometry import Geometry
 from tierkv.gpu.mapping import Mapping
@@ -206,6 +206,10 @@ class DmaCopy:
         self._batch = batch
         self._regions = [flat_bytes(t) for layers in groups for t in layers] + [flat_bytes(slab)]
         self._runs = RunCopies(self._regions) if executor == "runs" else None
+
+    @property
+    def batch_stats(self) -> BatchStats | None:
+        return self._batch.stats if self.executor == "batched" and self._batch else None
 
     def plan(self, mapping: Mapping) -> CopyPlan:
         return build_plan(mapping, self._tables, self._slab)

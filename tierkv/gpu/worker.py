@@ -52,7 +52,7 @@ from tierkv.gpu.backends import (
     DmaExecutorName,
     KernelCopy,
 )
-from tierkv.gpu.cuda_batch import MAX_COPIES_PER_CALL, load_batch_memcpy
+from tierkv.gpu.cuda_batch import MAX_COPIES_PER_CALL, BatchStats, load_batch_memcpy
 from tierkv.gpu.geometry import check_layout
 from tierkv.gpu.lanes import CompletionThread, Lane
 from tierkv.gpu.mapping import Mapping, map_specs
@@ -251,6 +251,12 @@ class TransferWorker:
         """Where, within a slot's row, `layer` of sub-block `sub_block` of a `group`
         block lives: `[start, stop)` in bytes."""
         return self.geometry.byte_range(group, layer, sub_block)
+
+    @property
+    def batch_stats(self) -> BatchStats | None:
+        """Calls, copies and refused calls (redone by runs) of the batched memcpy; None
+        where DMA copies are not batched (CPU, the kernel backend, no cuda-bindings)."""
+        return self._dma.batch_stats if self._dma is not None else None
 
     @property
     def dma_executor(self) -> str | None:

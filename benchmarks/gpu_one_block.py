@@ -1,0 +1,93 @@
+"""On a CUDA machine: where the time of a one-block load goes. Per copy backend, the
+median of: `submit` alone (checks, plan, driver call: the host's share), `submit` then
+`torch.cuda.synchronize()` (the copy done), and `await worker.transfer(...)` (the copy
+done and the event loop told, through the completion thread).
+
+    python benchmarks/gpu_one_block.py [--page 64KiB] [--layers 32] [--samples 200]
+
+Without CUDA it says so and exits 0."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import anyio
+import torch
+
+from tierkv.cli.common import size
+from tierkv.gpu import TransferSpec, TransferWorker
+from tierkv.layout import GroupSpec, KVLayout
+from tierkv.primary import PrimaryTier
+
+
+def median_us(run: Callable[[], object], samples: int) -> float:
+    times = []
+    for _ in range(samples):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--page", type=size, default=64 << 10)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=200)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_one_block: no CUDA device here")
+        return 0
+    page, layers, samples = args.page, args.layers, args.samples
+    kv = [torch.zeros(64, page, dtype=torch.uint8, device="cuda") for _ in range(layers)]
+    primary = PrimaryTier(64, layers * page, pin_memory=True)
+    layout = KVLayout(block_bytes=layers * page, groups=(GroupSpec(block_size=16),))
+    spec = TransferSpec("load", [torch.tensor([5])], [torch.tensor([9])], [0])
+    row = primary.view.tensor[0].view(layers, page)
+    print(f"one-block load, {layers} layers x {page // 1024} KiB pages, median of {samples}")
+    for backend in ("dma", "kernel"):
+        worker = TransferWorker(
+            [kv],
+            primary.view,
+            layout,
+            gpu_block_size=16,
+            copy_backend=backend,  # type: ignore[arg-type]
+            ready=torch.cuda.current_stream(),
+        )
+
+        def submit_only(w: TransferWorker = worker) -> None:
+            w.submit(spec)
+
+        def submit_synced(w: TransferWorker = worker) -> None:
+            w.submit(spec)
+            torch.cuda.synchronize()
+
+        async def awaited(w: TransferWorker = worker) -> list[float]:
+            times = []
+            for _ in range(samples):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                await w.transfer(spec)
+                times.append(time.perf_counter() - start)
+            return times
+
+        alone = median_us(submit_only, samples)
+        worker.get_finished()
+        synced = median_us(submit_synced, samples)
+        worker.get_finished()
+        waited = statistics.median(anyio.run(awaited)) * 1e6
+        copy = median_us(lambda: kv[0][:layers].copy_(row, non_blocking=True), samples)
+        print(
+            f"{backend:>6}: submit {alone:.0f} us, submit+synchronize {synced:.0f} us, "
+            f"await transfer {waited:.0f} us (one contiguous copy_ of the bytes: {copy:.0f} us)"
+        )
+        worker.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
