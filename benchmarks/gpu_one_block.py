@@ -55,7 +55,7 @@ def main() -> int:
             primary.view,
             layout,
             gpu_block_size=16,
-            copy_backend=backend,  # type: ignore[arg-type]
+            copy_backend=backend,
             ready=torch.cuda.current_stream(),
         )
 

@@ -17,6 +17,8 @@ import argparse
 import functools
 import gc
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -25,6 +27,7 @@ from tierkv.primary import PrimaryTier
 from tierkv.units import format_size
 
 BLOCK = 2 << 20
+T = TypeVar("T")
 
 
 def meminfo(field: str) -> int:
@@ -43,7 +46,7 @@ def rss() -> int:
     raise KeyError("VmRSS")
 
 
-def measured(make):  # type: ignore[no-untyped-def]
+def measured(make: Callable[[], T]) -> tuple[T, dict[str, float]]:
     avail, mine = meminfo("MemAvailable"), rss()
     start = time.perf_counter()
     thing = make()
@@ -86,7 +89,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_pinning: no CUDA device here; nothing pinned")
         return 0
-    torch.cuda.init()
+    torch.cuda.init()  # type: ignore[no-untyped-call]
     sizes = [int(parse_size(s)) for s in args.sizes.split(",")]
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
     last = None
