@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU proof (issue 17) in one run on a CUDA machine, per ../shared/GPU.md: install
 # tierkv beside the machine's torch, then the CUDA tests, exact-size pinning, the
-# one-block load's parts, DMA by copies per driver call, the GPU bench, the demo at its CUDA defaults and the core
-# suite with CUDA present (STEPS="cuda_tests one_block" runs those only). Each step has
-# its own time limit, so one hang leaves the others' output; logs go to $OUT (default:
-# ./gpu-proof-out).
+# one-block load's parts, DMA by copies per driver call, the GPU bench, the demo at its
+# CUDA defaults and the core suite with CUDA present (STEPS="cuda_tests one_block" runs
+# those only). Each step has its own time limit, so one hang leaves the others' output;
+# logs go to $OUT (default: ./gpu-proof-out).
 # Run from the project root with .whl/ fetched (bash ../shared/gpu/fetch-wheels.sh).
 set -u
 export PYTHONUNBUFFERED=1

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA
 
 PAGE = 4096
 LAYERS = 32
-BLOCKS = 3200  # x 32 layers = 102,400 pages: 13 calls of at most 8192 copies
+BLOCKS = 3200  # x 32 layers = 102,400 pages: 400 calls of at most 256 copies
 TOKENS = 16
 
 

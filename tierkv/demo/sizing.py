@@ -11,8 +11,9 @@ The engine's KV cache holds the longest request by default: its GPU prefix cache
 the shared system prompt warm, but a returning user's conversation has been evicted by
 the others, which is where tierkv's tiers come in.
 
-The CUDA profile has not run on a GPU in this project yet (no GPU was available while
-it was written); its arithmetic is tested on the CPU.
+The CUDA profile ran on an H200 on 2026-11-26: 970M parameters, 20 layers, 16 of 16
+turns identical, tierkv 1.33x TTFT over the GPU prefix cache alone (README). Its
+arithmetic is tested on the CPU.
 """
 
 from __future__ import annotations

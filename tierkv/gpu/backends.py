@@ -3,20 +3,21 @@ interface (`enqueue(mapping, stream, plan)`), chosen by `copy_backend`:
 
 - `kernel`: one index gather plus one scatter per layer (`index_select` /
   `index_copy_`) against the slab's device alias. Fast for tiny pages, but the kernels
-  occupy streaming multiprocessors: on an H100 a concurrent matmul stream ran 33-81 %
-  slower while they copied.
+  occupy streaming multiprocessors: on an H200 a concurrent matmul stream ran 46-55 %
+  slower beside kernel stores (33-81 % on an H100).
 - `dma`: the copy engines, one batched memcpy over the transfer's `CopyPlan` (one
   triple per page, contiguous runs merged). The model keeps the SMs (0-11 % slowdown
-  measured), but each descriptor costs the driver ~0.5 us to submit, so pages much
-  smaller than ~28 KiB are submission-bound.
+  on an H100, at most 9 % on an H200), but each descriptor costs the driver ~0.5 us
+  to submit, so pages much smaller than ~28 KiB are submission-bound.
 - `auto` (the default): `dma` when the plan's mean copy is at least
   `AUTO_MIN_DMA_COPY_BYTES`, else `kernel`; on the CPU device always `kernel` (there
   are no copy engines; the CPU DMA executor exists to prove the plan).
 
-`AUTO_MIN_DMA_COPY_BYTES` (32 KiB) is provisional: the break-even of a ~0.5 us
-descriptor against a 55 GB/s PCIe Gen5 link is ~27.5 KiB (H100 figures from GPU.md and
-vLLM's measurements); `tierkv bench --gpu` measures both backends per page size and
-must confirm it on a GPU.
+`AUTO_MIN_DMA_COPY_BYTES` (32 KiB) was derived from the break-even of a ~0.5 us
+descriptor against a 55 GB/s PCIe Gen5 link (~27.5 KiB) and confirmed on an H200 with
+`tierkv bench --gpu` and `benchmarks/gpu_dma_calls.py`: DMA moved 32 KiB pages at 0.90
+of one contiguous copy and 64 KiB at 0.93 with a concurrent matmul at most 9 % slower;
+at 16 KiB it moved 0.51-0.60, where kernels moved 0.81 but slowed the matmul 49 %.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ DMA_EXECUTORS: tuple[DmaExecutorName, ...] = ("auto", "batched", "runs", "memmov
 
 AUTO_MIN_DMA_COPY_BYTES = 32 * 1024
 """`auto` uses DMA when a transfer's mean copy (after merging runs) is at least this
-many bytes. Provisional, from H100 figures; confirm with `tierkv bench --gpu`."""
+many bytes (confirmed on an H200; see the module docstring)."""
 
 # Copy words, widest first. complex128 serves only as a 16-byte container: the index
 # kernels move it without arithmetic, so every bit pattern (NaN payloads included)
