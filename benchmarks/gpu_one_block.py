@@ -10,6 +10,9 @@ Without CUDA it says so and exits 0."""
 from __future__ import annotations
 
 import argparse
+import cProfile
+import functools
+import pstats
 import statistics
 import time
 from collections.abc import Callable
@@ -21,6 +24,35 @@ from tierkv.cli.common import size
 from tierkv.gpu import TransferSpec, TransferWorker
 from tierkv.layout import GroupSpec, KVLayout
 from tierkv.primary import PrimaryTier
+
+
+def submit_then_sync(worker: TransferWorker, spec: TransferSpec) -> None:
+    worker.submit(spec)
+    torch.cuda.synchronize()
+
+
+async def longest_loop_gap_us(worker: TransferWorker, spec: TransferSpec, threaded: bool) -> float:
+    """The longest the event loop went without running another task while `spec` was
+    issued and awaited: through `start` (the submitter thread for large transfers) or
+    through `submit` (the calling thread)."""
+    gap = 0.0
+    running = True
+
+    async def ticker() -> None:
+        nonlocal gap
+        last = time.perf_counter()
+        while running:
+            await anyio.sleep(0)
+            now = time.perf_counter()
+            gap, last = max(gap, now - last), now
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        await anyio.sleep(0.001)
+        handle = await worker.start(spec) if threaded else worker.submit(spec)
+        await worker.wait(handle)
+        running = False
+    return gap * 1e6
 
 
 def median_us(run: Callable[[], object], samples: int) -> float:
@@ -38,13 +70,16 @@ def main() -> int:
     parser.add_argument("--page", type=size, default=64 << 10)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--samples", type=int, default=200)
+    parser.add_argument(
+        "--profile", action="store_true", help="also print cProfile's top of DMA submits"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_one_block: no CUDA device here")
         return 0
     page, layers, samples = args.page, args.layers, args.samples
-    kv = [torch.zeros(64, page, dtype=torch.uint8, device="cuda") for _ in range(layers)]
-    primary = PrimaryTier(64, layers * page, pin_memory=True)
+    kv = [torch.zeros(1024, page, dtype=torch.uint8, device="cuda") for _ in range(layers)]
+    primary = PrimaryTier(512, layers * page, pin_memory=True)
     layout = KVLayout(block_bytes=layers * page, groups=(GroupSpec(block_size=16),))
     spec = TransferSpec("load", [torch.tensor([5])], [torch.tensor([9])], [0])
     row = primary.view.tensor[0].view(layers, page)
@@ -81,6 +116,29 @@ def main() -> int:
         worker.get_finished()
         waited = statistics.median(anyio.run(awaited)) * 1e6
         copy = median_us(lambda: kv[0][:layers].copy_(row, non_blocking=True), samples)
+        many = TransferSpec("load", [torch.randperm(1024)[:512]], [torch.randperm(512)], [0])
+        big = median_us(functools.partial(worker.submit, many), 5)
+        big_synced = median_us(functools.partial(submit_then_sync, worker, many), 5)
+        worker.get_finished()
+        gaps = {
+            threaded: statistics.median(
+                anyio.run(longest_loop_gap_us, worker, many, threaded) for _ in range(5)
+            )
+            for threaded in (False, True)
+        }
+        print(
+            f"{backend:>6}: 512 blocks: longest loop stall {gaps[False]:.0f} us through "
+            f"submit, {gaps[True]:.0f} us through start (submitter thread)"
+        )
+        if args.profile and backend == "dma":
+            profile = cProfile.Profile()
+            profile.runcall(median_us, submit_only, samples)
+            worker.get_finished()
+            pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+        print(
+            f"{backend:>6}: 512 blocks: submit {big:.0f} us (the loop's share), "
+            f"submit+synchronize {big_synced:.0f} us"
+        )
         print(
             f"{backend:>6}: submit {alone:.0f} us, submit+synchronize {synced:.0f} us, "
             f"await transfer {waited:.0f} us (one contiguous copy_ of the bytes: {copy:.0f} us)"

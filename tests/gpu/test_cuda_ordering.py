@@ -32,7 +32,7 @@ def anyio_backend() -> str:
 
 
 def _worker(
-    copy_backend: Any, ready: Any = None
+    copy_backend: Any, ready: Any = None, threaded: bool = False
 ) -> tuple[TransferWorker, list[torch.Tensor], torch.Tensor]:
     device = torch.device("cuda")
     kv = [torch.zeros(BLOCKS, PAGE, dtype=torch.uint8, device=device) for _ in range(2)]
@@ -40,7 +40,13 @@ def _worker(
     layout = KVLayout(block_bytes=2 * PAGE, groups=(GroupSpec(block_size=4),))
     torch.cuda.synchronize()
     worker = TransferWorker(
-        [kv], slab, layout, gpu_block_size=4, copy_backend=copy_backend, ready=ready
+        [kv],
+        slab,
+        layout,
+        gpu_block_size=4,
+        copy_backend=copy_backend,
+        ready=ready,
+        thread_min_pages=0 if threaded else 10**9,  # from the submitter thread, or not
     )
     return worker, kv, slab
 
@@ -64,14 +70,17 @@ def _engine_writes(
     return made[0]
 
 
+@pytest.mark.parametrize("threaded", [False, True], ids=["on the loop", "submitter thread"])
 @pytest.mark.parametrize("copy_backend", ["kernel", "dma", "auto"])
 @pytest.mark.parametrize("how", ["event per call", "engine stream per worker"])
 async def test_a_store_from_the_loop_thread_stores_the_engine_threads_new_kv(
-    copy_backend: str, how: str
+    copy_backend: str, how: str, threaded: bool
 ) -> None:
     engine_stream = torch.cuda.Stream()
     worker, kv, slab = _worker(
-        copy_backend, ready=engine_stream if how == "engine stream per worker" else None
+        copy_backend,
+        ready=engine_stream if how == "engine stream per worker" else None,
+        threaded=threaded,
     )
     event = _engine_writes(kv, engine_stream, 7)
     ids = list(range(BLOCKS))
@@ -90,15 +99,17 @@ async def test_a_cuda_transfer_without_ready_is_refused() -> None:
     worker.close()
 
 
+@pytest.mark.parametrize("threaded", [False, True], ids=["submit", "start on the thread"])
 @pytest.mark.parametrize("copy_backend", ["kernel", "dma"])
 async def test_an_engine_stream_waiting_on_done_event_reads_the_loaded_kv(
-    copy_backend: str,
+    copy_backend: str, threaded: bool
 ) -> None:
     engine_stream = torch.cuda.Stream()
-    worker, kv, slab = _worker(copy_backend, ready=engine_stream)
+    worker, kv, slab = _worker(copy_backend, ready=engine_stream, threaded=threaded)
     slab.fill_(9)
     ids = list(range(BLOCKS))
-    handle = worker.submit(TransferSpec("load", [ids], [ids], [0]))
+    spec = TransferSpec("load", [ids], [ids], [0])
+    handle = await worker.start(spec) if threaded else worker.submit(spec)
     with torch.cuda.stream(engine_stream):  # enqueued before the copy is known to be done
         engine_stream.wait_event(handle.done_event)
         seen = kv[1].sum(dtype=torch.int64)

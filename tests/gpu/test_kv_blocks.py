@@ -122,13 +122,13 @@ async def test_store_of_partly_cached_requests_moves_only_new_blocks_in_one_subm
             copy_backend=copy_backend,
         )
         submissions: list[int] = []
-        submit = worker.submit
+        start = worker.start
 
-        def counted(spec: Any, *, ready: Any = None) -> Any:
+        async def counted(spec: Any, *, ready: Any = None) -> Any:
             submissions.append(len(spec))
-            return submit(spec, ready=ready)
+            return await start(spec, ready=ready)
 
-        monkeypatch.setattr(worker, "submit", counted)
+        monkeypatch.setattr(worker, "start", counted)
         keys = request_keys(list(range(48)))
         ids = [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]
         # the middle block of group 0 is cached already: the rest is three runs
@@ -194,13 +194,13 @@ async def test_a_cancelled_store_cannot_free_slots_a_queued_copy_still_writes() 
     idle.set()
 
     class QueuedWorker(TransferWorker):
-        def _launch(self, mapping: Any, lane: Any, ready: Any) -> Launched:
+        def _launch(self, mapping: Any, lane: Any) -> Launched:
             if mapping.direction == "store":
                 assert self._kernel is not None
                 kernel = self._kernel
                 run = lambda: kernel.enqueue(mapping, None, None)  # noqa: E731
                 return Launched(_QueuedCopy(run, idle), (), "kernel")
-            return super()._launch(mapping, lane, ready)
+            return super()._launch(mapping, lane)
 
     kv = [[torch.zeros(8, 32, dtype=torch.int16)]]
     kv[0][0][0] = 111  # request A's KV

@@ -716,8 +716,8 @@ def gated(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> list[Gate]:
     gates: list[Gate] = []
     launch = rig.worker._launch
 
-    def launch_gated(mapping: Any, lane: Any, ready: Any) -> Launched:
-        launched = launch(mapping, lane, ready)
+    def launch_gated(mapping: Any, lane: Any) -> Launched:
+        launched = launch(mapping, lane)
         gates.append(Gate())
         return Launched(gates[-1], (), launched.backend)
 

@@ -30,7 +30,7 @@ padding. The first `k` sub-blocks of a block are always the row's first
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +80,11 @@ class Geometry:
     def group_block_bytes(self, group: int) -> int:
         """Bytes of one GPU block of `group`, all layers: its share of a chunk."""
         return sum(self.page_bytes[group])
+
+    def pages(self, gpu_ids: Sequence[Sized]) -> int:
+        """(block, layer) pages of a transfer moving `gpu_ids[g]` blocks of each group:
+        the copies its plan has before contiguous runs are merged."""
+        return sum(len(ids) * len(self.page_bytes[g]) for g, ids in enumerate(gpu_ids))
 
     def layer_offsets(self, group: int) -> tuple[int, ...]:
         """Where each layer's page starts within a chunk of `group`."""

@@ -171,11 +171,12 @@ class KVCacheBlocks:
         specs = self._specs(direction, indices, slots)
         if not specs:
             return
-        handle = self.worker.submit(specs, ready=self.ready)
-        self.done_event = handle.done_event
-        # the caller frees or reuses the slots once this returns: wait for the copy
-        # even if cancelled (copies are bounded)
+        # the caller frees or reuses the slots once this returns: queue the copy (a
+        # large one from the worker's submitter thread, the loop free meanwhile) and
+        # wait for it even if cancelled (copies are bounded)
         with anyio.CancelScope(shield=True):
+            handle = await self.worker.start(specs, ready=self.ready)
+            self.done_event = handle.done_event
             await self.worker.wait(handle)
 
     async def copy_to_slots(

@@ -91,9 +91,14 @@ class CompletionThread:
 @dataclass
 class Lane:
     """One direction: its stream (None on CPU), transfers in flight oldest first,
-    the handles being awaited in submission order, and its completion thread."""
+    the handles being awaited in submission order, its completion thread, and the
+    one-at-a-time thread large transfers are issued from (`TransferWorker.start`)."""
 
     stream: Any
     completions: CompletionThread
     in_flight: deque[Any] = field(default_factory=deque)
     waiters: list[Any] = field(default_factory=list)
+    # held while a copy is queued and added to in_flight, so that stream order and
+    # in_flight order agree when the submitter thread and the caller both launch
+    launching: threading.Lock = field(default_factory=threading.Lock)
+    submitter: Any = None  # anyio.CapacityLimiter(1): this lane's submitter thread
