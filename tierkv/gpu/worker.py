@@ -327,10 +327,7 @@ class TransferWorker:
     def _submit(
         self, spec: TransferSpec | Sequence[TransferSpec], ready: Any, *, claimed: bool
     ) -> TransferHandle:
-        mapping, ready = self._check(spec, ready)
-        lane = self._lanes[mapping.direction]
-        if self._streams.asynchronous:
-            self._streams.order_after(lane.stream, ready)
+        mapping, lane = self._prepare(spec, ready)
         handle = self._queue(mapping, lane, claimed)
         self._reap()
         return handle
@@ -349,12 +346,7 @@ class TransferWorker:
     async def _start(
         self, spec: TransferSpec | Sequence[TransferSpec], ready: Any, *, claimed: bool
     ) -> TransferHandle:
-        mapping, ready = self._check(spec, ready)
-        lane = self._lanes[mapping.direction]
-        if self._streams.asynchronous:
-            # ordered now, on this thread: the copy waits for what `ready` held at this
-            # call, as with `submit` (a later copy queued first only waits longer)
-            self._streams.order_after(lane.stream, ready)
+        mapping, lane = self._prepare(spec, ready)
         if self.geometry.pages(mapping.gpu) < self.thread_min_pages:
             handle = self._queue(mapping, lane, claimed)
         else:
@@ -368,9 +360,13 @@ class TransferWorker:
         self._reap()
         return handle
 
-    def _check(
+    def _prepare(
         self, spec: TransferSpec | Sequence[TransferSpec], ready: Any
-    ) -> tuple[Mapping, Any]:
+    ) -> tuple[Mapping, Lane]:
+        """Check `spec` and order its lane's stream after `ready`, on the calling
+        thread: the copy waits for what `ready` held at this call, even when it is
+        issued later from the submitter thread (a copy issued before it in between
+        only waits longer)."""
         specs = [spec] if isinstance(spec, TransferSpec) else list(spec)
         mapping = map_specs(specs, self.geometry)
         ready = ready if ready is not None else self._ready
@@ -380,7 +376,10 @@ class TransferWorker:
                 "(the stream the model writes KV on, or an event recorded after it) to "
                 "TransferWorker(...) or to this call"
             )
-        return mapping, ready
+        lane = self._lanes[mapping.direction]
+        if self._streams.asynchronous:
+            self._streams.order_after(lane.stream, ready)
+        return mapping, lane
 
     def _queue(self, mapping: Mapping, lane: Lane, claimed: bool) -> TransferHandle:
         """Plan and issue the copy of `mapping` (on CPU: do it) and put it in flight.
