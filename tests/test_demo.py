@@ -21,6 +21,8 @@ from tierkv.demo import (
     build_engine,
     run_demo,
 )
+from tierkv.demo.report import demo_summary
+from tierkv.demo.run import TurnRecord, _by_column
 
 pytestmark = pytest.mark.anyio
 
@@ -129,6 +131,20 @@ async def test_demo_runs_agree_with_and_without_tierkv(tmp_path: Path) -> None:
     corr = report["correctness"]
     assert corr["ok"] and corr["tokens_identical_turns"] == 9
     assert corr["max_logit_diff"] <= corr["atol"] == 1e-3
+    for column in ("gpu_prefix_cache", "tierkv"):
+        seen = corr["by_column"][column]
+        assert seen["tokens_identical_turns"] == 9 and seen["first_differing_turn"] is None
+    assert not any(line.startswith("  GPU prefix cache") for line in _lines(report))
+    # had the tierkv column gone wrong at one turn, the summary would name it and where
+    records = [TurnRecord(**turn) for turn in report["turns"]]
+    records[4].column_match["tierkv"], records[4].column_diff["tierkv"] = False, 3.5
+    corr.update(ok=False, by_column=_by_column(records))
+    lines = _lines(report)
+    assert any(line.startswith("  GPU prefix cache: identical in 9/9 turns,") for line in lines)
+    assert (
+        f"  GPU prefix cache + tierkv: identical in 8/9 turns, max |logit difference| 3.50e+00, "
+        f"first differs at user {records[4].user} turn {records[4].index + 1}"
+    ) in lines
     tiers = report["tiers"]
     assert set(tiers) == {"cpu", "nvme"}
     # blocks really left the primary and came back from the disk
@@ -286,3 +302,7 @@ def test_the_summary_says_when_blocks_came_from_an_earlier_run() -> None:
     assert _earlier_run({"blocks_at_start": {}, "served_blocks": 5}) == [
         "5 blocks served came from an earlier run, so the shares are not a fresh run's"
     ]
+
+
+def _lines(report: dict[str, Any]) -> list[str]:
+    return [b for b in demo_summary(report) if isinstance(b, str)]

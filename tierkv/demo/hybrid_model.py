@@ -8,7 +8,13 @@ tokens. This model makes each kind its own KV-cache group, as a serving engine d
 - group 0: the full-attention layers, a paged KV cache and block table (`model.py`);
 - group 1, `window`: the sliding-window layers, their own paged KV cache and block
   table; a token attends only to itself and the `window - 1` tokens before it, and
-  the pass reads nothing before that (so blocks outside the window need not exist);
+  the pass uses nothing before that (so blocks outside the window need not exist: the
+  rows before the first query's window are read as zeros, masked anyway). The keys'
+  span starts at position 0 whether or not a cache served a prefix, as full attention's
+  does: in bfloat16 the kernels' rounding depends on the span, and one starting at the
+  window after a hit made the 20-layer demo's greedy tokens diverge from the uncached
+  run's (on an H200 and on the CPU, in the GPU prefix cache column too: the model, not
+  the cache);
 - group 1, `state`: the recurrent layers, one state per block boundary in a
   `StateCache` (`recurrent.py`); the pass starts from the state at its first position
   (the boundary's slot, or the request's running state between boundaries).
@@ -167,9 +173,13 @@ class HybridDecoder(nn.Module):
             assert window is not None
             if end > len(tables[1]) * bt:
                 raise ValueError(f"{end} positions do not fit {len(tables[1])} window blocks")
-            first = max(0, start - (window - 1))
-            win_read = _rows(tables[1], first, end, bt, dev)
-            win_write = win_read[start - first :]
+            # the keys' span starts at position 0, as in a pass without a cache, so the
+            # attention kernels see the same shapes and round alike with and without
+            # one (see the module doc); rows before the first query's window are outside
+            # every query's window and read as zeros (their blocks may not exist)
+            win_read = _rows(tables[1], 0, end, bt, dev)
+            win_write = win_read[start:]
+            blank = max(0, start - (window - 1))
         else:
             if running is None:
                 raise ValueError("a recurrent model needs the request's running state")
@@ -196,7 +206,7 @@ class HybridDecoder(nn.Module):
                 g0 += 1
             elif isinstance(other, PagedKVCache):
                 k, v = other.k[g1], other.v[g1]
-                x = layer(x, positions, k, v, win_write, win_read, window=window)
+                x = layer(x, positions, k, v, win_write, win_read, window=window, blank=blank)
                 g1 += 1
             else:
                 assert running is not None

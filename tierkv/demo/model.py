@@ -156,10 +156,13 @@ class AttentionLayer(nn.Module):
         write_rows: torch.Tensor,
         read_rows: torch.Tensor,
         window: int | None = None,
+        blank: int = 0,
     ) -> torch.Tensor:
         """`read_rows`: the cache rows of consecutive positions ending at the last
         query's; with `window` (a sliding-window layer) they may start anywhere at or
-        before the first query's window, and only the window is attended to."""
+        before the first query's window, and only the window is attended to. The first
+        `blank` rows are outside every query's window and may hold anything (NaN):
+        they are read as zeros."""
         n = x.shape[0]
         q, k, v = self.qkv(self.attn_norm(x)).view(n, 3, self.heads, self.head_dim).unbind(1)
         q, k = _rotate(q, positions), _rotate(k, positions)
@@ -167,8 +170,12 @@ class AttentionLayer(nn.Module):
         flat_v = v_cache.view(-1, self.heads, self.head_dim)
         flat_k.index_copy_(0, write_rows, k)
         flat_v.index_copy_(0, write_rows, v)
-        keys = flat_k.index_select(0, read_rows).transpose(0, 1)  # [heads, ctx, dim]
-        values = flat_v.index_select(0, read_rows).transpose(0, 1)
+        keys = flat_k.index_select(0, read_rows)
+        values = flat_v.index_select(0, read_rows)
+        if blank:  # masked anyway, but 0 * NaN would still reach the output
+            keys[:blank] = 0
+            values[:blank] = 0
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [heads, ctx, dim]
         # query i sits at position ctx - n + i and sees positions <= its own
         mask = attention_mask(n, read_rows.shape[0], x.device, window)
         attn = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)

@@ -191,6 +191,15 @@ def demo_summary(report: dict[str, Any]) -> list[Block]:
         f"{corr['turns']} turns (every column vs no cache); max |logit difference| "
         f"{corr['max_logit_diff']:.2e} (tolerance {corr['atol']:.0e}): {verdict}"
     )
+    if not corr["ok"]:  # say which column went wrong, and where first
+        names = {"gpu_prefix_cache": "GPU prefix cache", "tierkv": "GPU prefix cache + tierkv"}
+        for column, seen in (corr.get("by_column") or {}).items():
+            first = seen["first_differing_turn"]
+            blocks.append(
+                f"  {names.get(column, column)}: identical in {seen['tokens_identical_turns']}/"
+                f"{corr['turns']} turns, max |logit difference| {seen['max_logit_diff']:.2e}"
+                + (f", first differs at {first}" if first else "")
+            )
     if report.get("plot"):
         blocks.append(f"plot: {report['plot']}")
     if report.get("metrics_url"):

@@ -102,6 +102,9 @@ class TurnRecord:
     rejected_blocks: int
     tokens_match: bool
     max_logit_diff: float
+    # per cached column against no cache: which one went wrong, when one did
+    column_match: dict[str, bool] = field(default_factory=dict)
+    column_diff: dict[str, float] = field(default_factory=dict)
     earlier_blocks: int = 0  # blocks served that this run never stored (an earlier run's)
     skipped_blocks: int = 0  # blocks a store left out: no checkpoint's hit needs them
     group_loaded: list[int] = field(default_factory=list)  # blocks loaded per KV group
@@ -248,6 +251,8 @@ async def run_demo(
                 skipped_blocks=tier.skipped_blocks,
                 tokens_match=same_gpu and same_tier,
                 max_logit_diff=max(diff_gpu, diff_tier),
+                column_match={"gpu_prefix_cache": same_gpu, "tierkv": same_tier},
+                column_diff={"gpu_prefix_cache": diff_gpu, "tierkv": diff_tier},
                 earlier_blocks=tier.earlier_blocks,
                 group_loaded=list(tier.group_loaded),
                 group_stored=list(tier.group_stored),
@@ -392,7 +397,24 @@ def _report(
             "turns": len(records),
             "tokens_identical_turns": identical,
             "max_logit_diff": max_diff,
+            "by_column": _by_column(records),
             "atol": tol,
         },
         "turns": [asdict(r) for r in records],
     }
+
+
+def _by_column(records: list[TurnRecord]) -> dict[str, dict[str, Any]]:
+    """Per cached column against no cache: identical turns, the largest logit
+    difference, and the first turn that differed (None if none did)."""
+    out: dict[str, dict[str, Any]] = {}
+    for column in ("gpu_prefix_cache", "tierkv"):
+        differing = [r for r in records if not r.column_match.get(column, True)]
+        out[column] = {
+            "tokens_identical_turns": len(records) - len(differing),
+            "max_logit_diff": max((r.column_diff.get(column, 0.0) for r in records), default=0.0),
+            "first_differing_turn": (
+                f"user {differing[0].user} turn {differing[0].index + 1}" if differing else None
+            ),
+        }
+    return out
