@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from tierkv.gpu.backends import AUTO_MIN_DMA_COPY_BYTES, CopyBackendName
+from tierkv.gpu.cuda_batch import MAX_COPIES_PER_CALL
 from tierkv.gpu.geometry import Geometry
 from tierkv.gpu.mapping import map_specs
 from tierkv.gpu.plan import GroupTable, SlabTable, build_plan
@@ -59,6 +60,7 @@ class _Setup:
         device: torch.device,
         copy_backend: CopyBackendName,
         seed: int,
+        max_copies_per_call: int = MAX_COPIES_PER_CALL,
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
         block = num_layers * page_bytes
@@ -88,6 +90,7 @@ class _Setup:
             gpu_block_size=16,
             copy_backend=copy_backend,
             ready=self.ready,
+            max_copies_per_call=max_copies_per_call,
         )
         self.gpu_ids = torch.randperm(2 * self.count, generator=gen)[: self.count]
         self.slots = torch.randperm(slots_total, generator=gen)[
@@ -124,10 +127,12 @@ def benchmark(
     device: str = "cpu",
     copy_backend: CopyBackendName = "auto",
     seed: int = 0,
+    max_copies_per_call: int = MAX_COPIES_PER_CALL,
 ) -> dict[str, Any]:
     """Throughput of a store and a load of `total_bytes` (random GPU blocks to random
     slots) against a raw `copy_` of the same bytes between the same two memories,
-    measured in the same run with one torch thread; best of `repeats`."""
+    measured in the same run with one torch thread; best of `repeats`. `batched_calls`:
+    the batched memcpy's driver calls over all of it (None where DMA is not batched)."""
     dev = torch.device(device)
     setup = _Setup(
         total_bytes,
@@ -137,6 +142,7 @@ def benchmark(
         device=dev,
         copy_backend=copy_backend,
         seed=seed,
+        max_copies_per_call=max_copies_per_call,
     )
     pinned = dev.type == "cuda"
     src = torch.empty(setup.moved, dtype=torch.uint8, device=dev)
@@ -146,6 +152,7 @@ def benchmark(
         raw_load = setup.best(lambda: src.copy_(dst, non_blocking=True), repeats)
         store = setup.best(lambda: setup.move("store"), repeats)
         load = setup.best(lambda: setup.move("load"), repeats)
+    stats = setup.worker.batch_stats
     setup.worker.close()
     gbps = setup.moved / 1e9
     return {
@@ -159,6 +166,7 @@ def benchmark(
         "raw_load_GBps": gbps / raw_load,
         "store_ratio": raw_store / store,
         "load_ratio": raw_load / load,
+        "batched_calls": stats.calls if stats is not None else None,
     }
 
 
