@@ -38,7 +38,9 @@ flight by its own means:
 Before each nvme load phase the system's own files are flushed and dropped from the
 page cache (`posix_fadvise(DONTNEED)`, as `tierkv bench` does), so loads read the disk.
 Each round runs every system (store, load, delete) in turn, the order rotated per
-round, so a noisy neighbour hurts all alike; keys are fresh every round. After each
+round, so a noisy neighbour hurts all alike; keys are fresh every round. `--warmup`
+rounds (1) run first and are not counted: the first 1 GiB stored into a fresh
+redis-server ran at 0.2-0.35 GB/s for whichever system came first. After each
 system's first load the first and last blocks are compared with what was stored.
 """
 
@@ -563,7 +565,8 @@ def measure(
         s.name: {"store": Sample(), "load": Sample()} for s in systems
     }
     edge = [0, src.n - 1]
-    for round_no in range(args.rounds):
+    for round_no in range(args.warmup + args.rounds):
+        counted = round_no >= args.warmup
         shift = round_no % len(systems)
         for system in [*systems[shift:], *systems[:shift]]:
             for phase in ("store", "load"):
@@ -573,12 +576,14 @@ def measure(
                 cpu, start = cpu_seconds(), time.perf_counter()
                 run_calls(op, round_no, src.n, args.batch, args.calls)
                 wall = time.perf_counter() - start
-                results[system.name][phase].seconds.append(wall)
-                results[system.name][phase].cpu.append(cpu_seconds() - cpu)
+                if counted:
+                    results[system.name][phase].seconds.append(wall)
+                    results[system.name][phase].cpu.append(cpu_seconds() - cpu)
             if round_no == 0:
                 system.check(round_no, edge)
             system.cleanup(round_no)
-            log(f"  round {round_no + 1}: {system.name} done")
+            label = f"round {round_no - args.warmup + 1}" if counted else "warm-up"
+            log(f"  {label}: {system.name} done")
     return results
 
 
@@ -632,6 +637,13 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=1, help="calls in flight")
     parser.add_argument("--pipeline", type=int, default=4, help="raw-pipe depth")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="uncounted rounds first (the first stores into a fresh redis-server also "
+        "pay for its memory growing, whichever system runs first)",
+    )
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6391/0")
     parser.add_argument("--dir", default=None, help="where nvme files go (default: /tmp)")
     parser.add_argument("--fsync", default="always,never", help="tierkv nvme fsync modes")
@@ -676,7 +688,8 @@ def main() -> int:
                 shutil.rmtree(root, ignore_errors=True)
             summary = summarize(medium, block, src.n * block, results)
             summary["settings"] = {
-                k: getattr(args, k) for k in ("concurrency", "batch", "calls", "rounds", "pipeline")
+                k: getattr(args, k)
+                for k in ("concurrency", "batch", "calls", "rounds", "warmup", "pipeline")
             }
             print_table(summary)
             summaries.append(summary)
