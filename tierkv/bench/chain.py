@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from hashlib import blake2b
 from typing import Any
 
 from pydantic import ByteSize
@@ -73,8 +74,16 @@ def bench_config(
 
 
 def bench_keys(n: int, tag: str) -> list[OffloadKey]:
-    prefix = tag.encode()[:16].ljust(16, b"\0")
-    return [make_offload_key(prefix + i.to_bytes(16, "big"), 0) for i in range(n)]
+    """`n` distinct keys for `tag` (the same ones for the same tag), shaped like an
+    engine's block hashes: 32 bytes from blake2b, so they spread over an nvme tier's
+    fan-out directories and a Redis Cluster's slots as real keys do. (Keys that began
+    with the tag put every block of a run into one directory, which measured neither
+    the layout's cost nor its spread.)"""
+    seed = tag.encode()
+    return [
+        make_offload_key(blake2b(seed + i.to_bytes(8, "big"), digest_size=32).digest(), 0)
+        for i in range(n)
+    ]
 
 
 def empty_primary(cache: TieredCache) -> int:
