@@ -87,7 +87,7 @@ class Rig:
     def files(self, tier: NvmeTier, suffix: str = "") -> list[Path]:
         """Every file in the tier's fan-out directories (not the lock or the note)."""
         return sorted(
-            p for p in tier.directory.glob("*/*/*") if p.is_file() and p.name.endswith(suffix)
+            p for p in tier.directory.glob("*/*") if p.is_file() and p.name.endswith(suffix)
         )
 
 

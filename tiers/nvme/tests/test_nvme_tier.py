@@ -34,7 +34,7 @@ async def test_each_block_is_one_framed_file_under_a_hex_fanout(rig) -> None:
     for key in keys:
         path = tier.path_of(key)
         hexkey = key.hex()
-        assert path == tier.directory / hexkey[0:2] / hexkey[2:4] / f"{hexkey}.blk"
+        assert path == tier.directory / hexkey[0:2] / f"{hexkey}.blk"
         assert path.read_bytes() == encode_block(key, stored[key], rig.view.namespace)
     assert rig.files(tier) == sorted(tier.path_of(k) for k in keys)
     assert not list(tier.directory.rglob("*.tmp"))

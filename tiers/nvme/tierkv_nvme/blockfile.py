@@ -22,10 +22,10 @@ failed, so nobody reads it. The blocks of one thread call are opened a few at a 
 and announced to the kernel together (`posix_fadvise(WILLNEED)`, `read_blocks`), so
 the disk reads them all while the thread checks the first.
 
-No symlink is followed below the tier's namespace directory: every operation walks
-from the directory's descriptor (`root_fd`) down the two fan-out levels with
+No symlink is followed below the tier's namespace directory: every operation opens
+the fan-out directory from the namespace directory's descriptor (`root_fd`) with
 `O_NOFOLLOW | O_DIRECTORY` and opens, renames and deletes the file relative to the
-leaf directory's descriptor, with `O_NOFOLLOW`. A fan-out directory (or a block file)
+fan-out directory's descriptor, with `O_NOFOLLOW`. A fan-out directory (or a block file)
 replaced by a link to elsewhere fails its key (ELOOP) instead of reading, writing or
 deleting files outside the tier.
 """
@@ -44,8 +44,9 @@ from tierkv.framing import FIXED_HEADER_BYTES, MAX_KEY_BYTES, Framer, Header
 from tierkv.tier import CorruptBlock, OffloadKey, detached
 from tierkv_nvme.layout import TEMP_SUFFIX, temp_name
 
-RelPath = tuple[str, str, str]
-"""(first fan-out directory, second fan-out directory, file name) of a block."""
+RelPath = tuple[str, ...]
+"""(fan-out directory, ..., file name) of a block: `layout.block_relpath`, or
+`layout.legacy_relpath` for the two levels older tiers wrote."""
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +70,14 @@ def _no_link(exc: OSError, where: str) -> OSError:
 
 
 def open_leaf(root_fd: int, rel: RelPath, *, create: bool) -> int:
-    """A descriptor of the leaf fan-out directory of `rel` under `root_fd`, opened
-    without following symlinks; created (both levels) when missing and `create`.
+    """A descriptor of the directory holding `rel`'s file under `root_fd` (its fan-out
+    directories, walked without following symlinks); created when missing and
+    `create`.
 
     Raises FileNotFoundError when missing and not `create`, OSError(ELOOP) for a link."""
     fd = root_fd
     try:
-        for name in rel[:2]:
+        for name in rel[:-1]:
             try:
                 child = os.open(name, _DIR_FLAGS, dir_fd=fd)
             except FileNotFoundError:
@@ -90,7 +92,7 @@ def open_leaf(root_fd: int, rel: RelPath, *, create: bool) -> int:
     except OSError as exc:
         if fd != root_fd:
             os.close(fd)
-        raise _no_link(exc, "/".join(rel[:2])) from None
+        raise _no_link(exc, "/".join(rel[:-1])) from None
     return fd
 
 
@@ -119,7 +121,7 @@ def delete_files(root_fd: int, rels: Iterable[RelPath]) -> int:
             logger.warning("could not delete %s: %s", "/".join(rel), exc)
             continue
         try:
-            os.unlink(rel[2], dir_fd=leaf)
+            os.unlink(rel[-1], dir_fd=leaf)
             deleted += 1
         except FileNotFoundError:
             pass
@@ -162,7 +164,7 @@ def write_block(
     header = framer.encode_header(key, payload)  # checksums (and MACs) off the loop
     leaf = open_leaf(root_fd, rel, create=True)
     try:
-        tmp = temp_name(rel[2])
+        tmp = temp_name(rel[-1])
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _O_CLOEXEC
         fd = os.open(tmp, flags, 0o644, dir_fd=leaf)
         try:
@@ -173,7 +175,7 @@ def write_block(
             finally:
                 os.close(fd)
             # rename never follows a link at the target: it replaces the name itself
-            os.rename(tmp, rel[2], src_dir_fd=leaf, dst_dir_fd=leaf)
+            os.rename(tmp, rel[-1], src_dir_fd=leaf, dst_dir_fd=leaf)
         except BaseException:
             _unlink_quietly(tmp, leaf)
             raise
@@ -220,7 +222,7 @@ def open_block(root_fd: int, rel: RelPath) -> int:
     OSError(ELOOP) for a link."""
     leaf = open_leaf(root_fd, rel, create=False)
     try:
-        return os.open(rel[2], os.O_RDONLY | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=leaf)
+        return os.open(rel[-1], os.O_RDONLY | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=leaf)
     except OSError as exc:
         raise _no_link(exc, "/".join(rel)) from None
     finally:
@@ -234,7 +236,7 @@ def _discard_corrupt(root_fd: int, rel: RelPath, fd: int) -> None:
     except OSError:
         return
     try:
-        _discard_if_same(rel[2], leaf, fd)
+        _discard_if_same(rel[-1], leaf, fd)
     finally:
         os.close(leaf)
 

@@ -1,12 +1,16 @@
 """Where a block lives on disk, as a pure function of the namespace and the key.
 
-    <path>/ns-<namespace hash, 16 hex>/<hex 0:2>/<hex 2:4>/<key hex>.blk
+    <path>/ns-<namespace hash, 16 hex>/<hex 0:2>/<key hex>.blk
 
 - One directory per namespace: two models sharing a disk never read, count or evict
   each other's files, and the directory lock (see `tier.py`) is per namespace.
-- Two levels of 256 fan-out directories from the key's leading hex: keys start with a
-  block hash, so files spread evenly, and 65,536 leaf directories keep each under a
-  few thousand files up to ~100 million blocks.
+- One level of 256 fan-out directories from the key's leading hex: keys start with a
+  block hash, so files spread evenly (~400,000 per directory at 100 million blocks,
+  which ext4's and XFS's name indexes handle). One level, not two: a directory costs
+  a ~0.5 ms `mkdir` on the dev VM, and with 65,536 leaf directories a new tier made
+  one for most of its first ~100,000 blocks, which halved its store speed (measured,
+  see the nvme README). Two-level directories written before (`<hex 0:2>/<hex 2:4>/`,
+  `legacy_relpath`) are moved up a level by the next `open` (`recovery.py`).
 - Names are hex digits only, so no key can name a path outside the tier's directory
   (no `/`, no `..`). A key too long for a file name (over 100 bytes) is named by the
   sha256 of the key instead; the full key is always in the frame header, which is
@@ -50,17 +54,24 @@ def _name_hex(key: OffloadKey) -> tuple[str, str]:
     return f"sha256-{digest}", digest
 
 
-def block_relpath(key: OffloadKey) -> tuple[str, str, str]:
-    """(first fan-out dir, second fan-out dir, file name) of `key`."""
+def block_relpath(key: OffloadKey) -> tuple[str, str]:
+    """(fan-out dir, file name) of `key`."""
     stem, fan = _name_hex(key)
-    fan = fan.ljust(4, "0")  # a key shorter than two bytes still gets two levels
+    fan = fan.ljust(2, "0")  # a key shorter than a byte still gets a fan-out directory
+    return fan[0:2], stem + BLOCK_SUFFIX
+
+
+def legacy_relpath(key: OffloadKey) -> tuple[str, str, str]:
+    """(first, second fan-out dir, file name) where tiers before the one-level layout
+    put `key`; `open` moves such files to `block_relpath`."""
+    stem, fan = _name_hex(key)
+    fan = fan.ljust(4, "0")
     return fan[0:2], fan[2:4], stem + BLOCK_SUFFIX
 
 
 def block_path(ns_dir: Path, key: OffloadKey) -> Path:
     """The file that holds `key`'s frame."""
-    first, second, name = block_relpath(key)
-    return ns_dir / first / second / name
+    return ns_dir.joinpath(*block_relpath(key))
 
 
 def temp_name(final: str) -> str:

@@ -16,21 +16,35 @@ a flipped payload bit is caught by the checksum on `load`, which deletes the fil
 Anything else found (files not ending in `.blk`/`.tmp`, directories that are not
 fan-out directories) is left alone and logged: the tier deletes only what it wrote.
 
-Each top-level fan-out directory is scanned in one worker-thread call, so a disk with
-many blocks is scanned with `io_concurrency` threads and ~256 thread round trips.
+Blocks in the two-level layout of earlier tiers (`ab/cd/<name>.blk`, see `layout.py`)
+are checked the same way and moved up to `ab/<name>.blk` with one `rename` each (where
+that name already holds the block, the old copy is deleted instead); emptied
+second-level directories are removed. A crash halfway leaves some moved and some not,
+and the next `open` moves the rest.
+
+Each fan-out directory is scanned in one worker-thread call, so a disk with many
+blocks is scanned with `io_concurrency` threads and ~256 thread round trips.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierkv.framing import Framer
 from tierkv.tier import CorruptBlock, OffloadKey
 from tierkv_nvme.blockfile import read_header
-from tierkv_nvme.layout import BLOCK_SUFFIX, TEMP_SUFFIX, block_relpath, is_fanout_name
+from tierkv_nvme.layout import (
+    BLOCK_SUFFIX,
+    TEMP_SUFFIX,
+    block_relpath,
+    is_fanout_name,
+    legacy_relpath,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +66,15 @@ class ScanResult:
     removed_temp: list[Path] = field(default_factory=list)
     removed_bad: list[tuple[Path, str]] = field(default_factory=list)
     ignored: list[Path] = field(default_factory=list)
+    moved_up: int = 0
+    """Blocks found in the two-level layout and moved to the one-level path."""
 
     def merge(self, other: ScanResult) -> None:
         self.blocks.extend(other.blocks)
         self.removed_temp.extend(other.removed_temp)
         self.removed_bad.extend(other.removed_bad)
         self.ignored.extend(other.ignored)
+        self.moved_up += other.moved_up
 
 
 def _remove(path: Path) -> bool:
@@ -72,9 +89,14 @@ def _remove(path: Path) -> bool:
 
 
 def _check_block(
-    path: Path, first: str, second: str, framer: Framer, block_bytes: int
+    path: Path,
+    rel: tuple[str, ...],
+    framer: Framer,
+    block_bytes: int,
+    relpath: Callable[[OffloadKey], tuple[str, ...]] = block_relpath,
 ) -> tuple[FoundBlock | None, str]:
-    """(the block, "") when `path` is a good block file, else (None, reason)."""
+    """(the block, "") when `path` (at `rel` in the namespace directory, where the
+    layout's `relpath` must put its key) is a good block file, else (None, reason)."""
     try:
         stat = os.stat(path, follow_symlinks=False)
         header = read_header(path, framer, stat.st_size)
@@ -89,51 +111,99 @@ def _check_block(
     expected = header.size + block_bytes
     if stat.st_size != expected:
         return None, f"file is {stat.st_size} bytes, its frame is {expected} (truncated?)"
-    if block_relpath(header.key) != (first, second, path.name):
+    if relpath(header.key) != rel:
         return None, "header names a key that does not belong at this path"
     return FoundBlock(header.key, expected, stat.st_mtime_ns), ""
 
 
+def _list(directory: str | Path, result: ScanResult) -> list[os.DirEntry[str]] | None:
+    """The entries of `directory`, or None (logged, counted as ignored) when it cannot
+    be listed: one unreadable directory must not cost the rest."""
+    try:
+        with os.scandir(directory) as entries:
+            return list(entries)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        logger.warning("nvme tier: cannot list %s: %s; its blocks are skipped", directory, exc)
+        result.ignored.append(Path(directory))
+        return None
+
+
 def scan_fanout_dir(top: Path, framer: Framer, block_bytes: int) -> ScanResult:
-    """Scan one top-level fan-out directory (`ns/ab/`) and its leaf directories.
+    """Scan one fan-out directory (`ns/ab/`): its block files, and the second-level
+    directories (`ns/ab/cd/`) of the two-level layout, whose blocks move up to `ns/ab/`.
 
     Blocking; run in a worker thread."""
     result = ScanResult()
     first = top.name
-    try:
-        leaves = sorted(os.scandir(top), key=lambda e: e.name)
-    except FileNotFoundError:
+    entries = _list(top, result)
+    if entries is None:
         return result
-    except OSError as exc:
-        logger.warning("nvme tier: cannot list %s: %s; its blocks are skipped", top, exc)
-        result.ignored.append(top)
-        return result
-    for leaf in leaves:
-        if not (leaf.is_dir(follow_symlinks=False) and is_fanout_name(leaf.name)):
-            result.ignored.append(Path(leaf.path))
-            continue
-        try:
-            entries = list(os.scandir(leaf.path))
-        except OSError as exc:  # one unreadable directory must not cost the rest
-            logger.warning("nvme tier: cannot list %s: %s; its blocks are skipped", leaf.path, exc)
-            result.ignored.append(Path(leaf.path))
-            continue
-        for entry in entries:
-            path = Path(entry.path)
-            if not entry.is_file(follow_symlinks=False):
-                result.ignored.append(path)
-            elif entry.name.endswith(TEMP_SUFFIX):
-                if _remove(path):
-                    result.removed_temp.append(path)
-            elif entry.name.endswith(BLOCK_SUFFIX):
-                block, reason = _check_block(path, first, leaf.name, framer, block_bytes)
-                if block is not None:
-                    result.blocks.append(block)
-                elif _remove(path):
-                    result.removed_bad.append((path, reason))
-            else:
-                result.ignored.append(path)
+    legacy: list[os.DirEntry[str]] = []
+    for entry in entries:
+        path = Path(entry.path)
+        if entry.is_dir(follow_symlinks=False) and is_fanout_name(entry.name):
+            legacy.append(entry)
+        elif not entry.is_file(follow_symlinks=False):
+            result.ignored.append(path)
+        elif entry.name.endswith(TEMP_SUFFIX):
+            if _remove(path):
+                result.removed_temp.append(path)
+        elif entry.name.endswith(BLOCK_SUFFIX):
+            block, reason = _check_block(path, (first, entry.name), framer, block_bytes)
+            if block is not None:
+                result.blocks.append(block)
+            elif _remove(path):
+                result.removed_bad.append((path, reason))
+        else:
+            result.ignored.append(path)
+    for leaf in legacy:
+        _move_up(top, leaf, framer, block_bytes, result)
     return result
+
+
+def _move_up(
+    top: Path,
+    leaf: os.DirEntry[str],
+    framer: Framer,
+    block_bytes: int,
+    result: ScanResult,
+) -> None:
+    """Check the blocks of the two-level directory `leaf` under `top` (whose own block
+    files are already scanned) and move each up into `top`; remove `leaf` if that
+    leaves it empty."""
+    entries = _list(leaf.path, result)
+    if entries is None:
+        return
+    for entry in entries:
+        path = Path(entry.path)
+        if not entry.is_file(follow_symlinks=False):
+            result.ignored.append(path)
+        elif entry.name.endswith(TEMP_SUFFIX):
+            if _remove(path):
+                result.removed_temp.append(path)
+        elif entry.name.endswith(BLOCK_SUFFIX):
+            rel = (top.name, leaf.name, entry.name)
+            block, reason = _check_block(path, rel, framer, block_bytes, legacy_relpath)
+            if block is not None and os.path.lexists(top / entry.name):
+                block, reason = None, "the same block is also stored one level up"
+            if block is None:
+                if _remove(path):
+                    result.removed_bad.append((path, reason))
+                continue
+            try:
+                os.rename(path, top / entry.name)
+            except OSError as exc:
+                logger.warning("nvme tier: could not move %s up to %s: %s", path, top, exc)
+                result.ignored.append(path)
+                continue
+            result.blocks.append(block)
+            result.moved_up += 1
+        else:
+            result.ignored.append(path)
+    with contextlib.suppress(OSError):  # not empty: what the tier did not write stays
+        os.rmdir(leaf.path)
 
 
 def list_fanout_dirs(ns_dir: Path) -> tuple[list[Path], list[Path]]:

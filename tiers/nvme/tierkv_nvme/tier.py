@@ -107,6 +107,8 @@ class RecoveryReport:
     removed_temp: int
     removed_bad: int
     evicted_over_capacity: int
+    moved_up: int = 0
+    """Blocks found in the two-level layout of earlier tiers and moved up a level."""
 
 
 class _Entry:
@@ -223,17 +225,20 @@ class NvmeTier(SecondaryTierManager):
             removed_temp=len(scan.removed_temp),
             removed_bad=len(scan.removed_bad),
             evicted_over_capacity=evicted,
+            moved_up=scan.moved_up,
         )
         self._state = "open"
         logger.info(
             "nvme tier %s: %d blocks (%s) recovered; deleted %d temporary and %d bad "
-            "files; evicted %d blocks over capacity",
+            "files; evicted %d blocks over capacity; moved %d blocks of the two-level "
+            "layout up a level",
             self.directory,
             self.recovery.blocks,
             format_size(self._used),
             self.recovery.removed_temp,
             self.recovery.removed_bad,
             evicted,
+            scan.moved_up,
         )
 
     def _take_directory(self) -> int:
