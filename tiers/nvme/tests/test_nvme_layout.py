@@ -9,9 +9,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tierkv_nvme import NvmeTier
 from tierkv_nvme.layout import block_relpath, legacy_relpath
 
 from tierkv.jobs import ReqContext
+from tierkv.keys import OffloadKey
 
 pytestmark = pytest.mark.anyio
 CTX = ReqContext(request_id="nvme-layout")
@@ -36,6 +38,19 @@ async def test_a_new_tier_makes_one_level_of_at_most_256_directories(rig) -> Non
     await tier.close()
 
 
+async def stored_and_closed(
+    rig, n: int
+) -> tuple[NvmeTier, list[OffloadKey], dict[OffloadKey, bytes]]:
+    """A tier that stored `n` blocks and closed: (the tier, its keys, their bytes)."""
+    tier = rig.tier()
+    await tier.open()
+    keys = rig.keys(n)
+    result, stored = await rig.store(tier, keys)
+    assert result.ok, result.error
+    await tier.close()
+    return tier, keys, stored
+
+
 def to_legacy(directory: Path, key: bytes) -> Path:
     """Move `key`'s block file where a two-level tier kept it; its new path."""
     first, second, name = legacy_relpath(key)
@@ -46,12 +61,7 @@ def to_legacy(directory: Path, key: bytes) -> Path:
 
 
 async def test_open_moves_two_level_blocks_up_and_serves_them_byte_identical(rig) -> None:
-    tier = rig.tier()
-    await tier.open()
-    keys = rig.keys(12)
-    result, stored = await rig.store(tier, keys)
-    assert result.ok, result.error
-    await tier.close()
+    tier, keys, stored = await stored_and_closed(rig, 12)
     legacy = [to_legacy(tier.directory, k) for k in keys[:8]]  # a move cut halfway
     temp = legacy[0].with_name(".interrupted.123-0.tmp")
     temp.write_bytes(b"half a block")
@@ -91,12 +101,7 @@ async def test_open_moves_two_level_blocks_up_and_serves_them_byte_identical(rig
 
 
 async def test_a_block_in_both_layouts_is_kept_once(rig) -> None:
-    tier = rig.tier()
-    await tier.open()
-    keys = rig.keys(2)
-    result, stored = await rig.store(tier, keys)
-    assert result.ok, result.error
-    await tier.close()
+    tier, keys, stored = await stored_and_closed(rig, 2)
     copy = tier.directory.joinpath(*legacy_relpath(keys[0]))
     copy.parent.mkdir()
     shutil.copy(tier.path_of(keys[0]), copy)
@@ -119,12 +124,7 @@ async def test_a_two_level_block_that_cannot_move_is_left_for_the_next_open(
 ) -> None:
     """A refused rename (a read-only disk, say) neither deletes the block nor counts it:
     the tier serves without it, and the next open that may move it does."""
-    tier = rig.tier()
-    await tier.open()
-    keys = rig.keys(3)
-    result, stored = await rig.store(tier, keys)
-    assert result.ok, result.error
-    await tier.close()
+    tier, keys, stored = await stored_and_closed(rig, 3)
     stuck = to_legacy(tier.directory, keys[0])
     real_rename = os.rename
 

@@ -130,6 +130,21 @@ def _list(directory: str | Path, result: ScanResult) -> list[os.DirEntry[str]] |
         return None
 
 
+def _block_file(entry: os.DirEntry[str], result: ScanResult) -> Path | None:
+    """The path of `entry` if it is a block file; otherwise None, after deleting it if
+    it is a temporary file and noting it as ignored if it is anything else."""
+    path = Path(entry.path)
+    if entry.is_file(follow_symlinks=False):
+        if entry.name.endswith(BLOCK_SUFFIX):
+            return path
+        if entry.name.endswith(TEMP_SUFFIX):
+            if _remove(path):
+                result.removed_temp.append(path)
+            return None
+    result.ignored.append(path)
+    return None
+
+
 def scan_fanout_dir(top: Path, framer: Framer, block_bytes: int) -> ScanResult:
     """Scan one fan-out directory (`ns/ab/`): its block files, and the second-level
     directories (`ns/ab/cd/`) of the two-level layout, whose blocks move up to `ns/ab/`.
@@ -142,22 +157,17 @@ def scan_fanout_dir(top: Path, framer: Framer, block_bytes: int) -> ScanResult:
         return result
     legacy: list[os.DirEntry[str]] = []
     for entry in entries:
-        path = Path(entry.path)
         if entry.is_dir(follow_symlinks=False) and is_fanout_name(entry.name):
             legacy.append(entry)
-        elif not entry.is_file(follow_symlinks=False):
-            result.ignored.append(path)
-        elif entry.name.endswith(TEMP_SUFFIX):
-            if _remove(path):
-                result.removed_temp.append(path)
-        elif entry.name.endswith(BLOCK_SUFFIX):
-            block, reason = _check_block(path, (first, entry.name), framer, block_bytes)
-            if block is not None:
-                result.blocks.append(block)
-            elif _remove(path):
-                result.removed_bad.append((path, reason))
-        else:
-            result.ignored.append(path)
+            continue
+        path = _block_file(entry, result)
+        if path is None:
+            continue
+        block, reason = _check_block(path, (first, entry.name), framer, block_bytes)
+        if block is not None:
+            result.blocks.append(block)
+        elif _remove(path):
+            result.removed_bad.append((path, reason))
     for leaf in legacy:
         _move_up(top, leaf, framer, block_bytes, result)
     return result
@@ -177,31 +187,25 @@ def _move_up(
     if entries is None:
         return
     for entry in entries:
-        path = Path(entry.path)
-        if not entry.is_file(follow_symlinks=False):
-            result.ignored.append(path)
-        elif entry.name.endswith(TEMP_SUFFIX):
+        path = _block_file(entry, result)
+        if path is None:
+            continue
+        rel = (top.name, leaf.name, entry.name)
+        block, reason = _check_block(path, rel, framer, block_bytes, legacy_relpath)
+        if block is not None and os.path.lexists(top / entry.name):
+            block, reason = None, "the same block is also stored one level up"
+        if block is None:
             if _remove(path):
-                result.removed_temp.append(path)
-        elif entry.name.endswith(BLOCK_SUFFIX):
-            rel = (top.name, leaf.name, entry.name)
-            block, reason = _check_block(path, rel, framer, block_bytes, legacy_relpath)
-            if block is not None and os.path.lexists(top / entry.name):
-                block, reason = None, "the same block is also stored one level up"
-            if block is None:
-                if _remove(path):
-                    result.removed_bad.append((path, reason))
-                continue
-            try:
-                os.rename(path, top / entry.name)
-            except OSError as exc:
-                logger.warning("nvme tier: could not move %s up to %s: %s", path, top, exc)
-                result.ignored.append(path)
-                continue
-            result.blocks.append(block)
-            result.moved_up += 1
-        else:
+                result.removed_bad.append((path, reason))
+            continue
+        try:
+            os.rename(path, top / entry.name)
+        except OSError as exc:
+            logger.warning("nvme tier: could not move %s up to %s: %s", path, top, exc)
             result.ignored.append(path)
+            continue
+        result.blocks.append(block)
+        result.moved_up += 1
     with contextlib.suppress(OSError):  # not empty: what the tier did not write stays
         os.rmdir(leaf.path)
 
