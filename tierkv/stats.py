@@ -59,6 +59,7 @@ class TierStats:
     bytes_out: int = 0  # out of this medium
     failed_keys: int = 0  # keys a job reported failed (misses on load included)
     errors: int = 0  # jobs or lookups that raised or timed out
+    deadline_breaches: int = 0  # jobs the tier did not answer by job_timeout + grace
     drops: int = 0  # cascades not sent: back-pressure
     skipped_unhealthy: int = 0  # requests not sent: circuit open
     declined: int = 0  # stored blocks reuse admission kept out of this tier

@@ -425,12 +425,44 @@ async def test_job_deadlines_release_everything(faulty_tier_type: str) -> None:
         with anyio.fail_after(2):
             result = await cache.load(ks, empty(2))
         assert result.failed_keys == tuple(ks)
-        assert "timed out after 0.1s" in result.errors[ks[0]]
+        # a hung tier keeps no deadline of its own: the driver's backstop ends the job
+        # after its grace, and counts the breach
+        assert "timed out after 0.35s (job_timeout=0.1s)" in result.errors[ks[0]]
         with anyio.fail_after(2):
             await cache.store(keys(2, "more"), blocks(2))
-            await cache.flush()  # the hung cascade also ends at its deadline
-        assert cache.stats().tiers["faulty"]["errors"] >= 2
+            await cache.flush()  # the hung cascade also ends at its backstop
+        stats = cache.stats().tiers["faulty"]
+        assert stats["errors"] >= 2 and stats["deadline_breaches"] >= 2
         tier.hang = False
+
+
+async def test_a_store_cut_by_the_tiers_deadline_keeps_what_it_stored(
+    faulty_tier_type: str,
+) -> None:
+    """The tier's runner owns the deadline: a cascade that stored 4 of 8 blocks when
+    its job_timeout came reports those 4 held (not 0 of 8), the breaker counts no
+    failure, and a later load of all 8 finds the 4 in the tier."""
+    config = chain([faulty(job_timeout="300ms", stall_after_keys=4)], blocks=32)
+    async with open_cache(config) as cache:
+        ks, data = keys(8), blocks(8)
+        with anyio.fail_after(5):
+            await cache.store(ks, data)
+            await cache.flush()
+        tier = cache.tier("faulty")
+        assert isinstance(tier, FaultyTier)
+        assert tier.stored_keys() == set(ks[:4])
+        stats = cache.stats().tiers["faulty"]
+        assert stats["blocks_stored"] == 4 and stats["failed_keys"] == 4
+        assert stats["errors"] == 0 and stats["deadline_breaches"] == 0
+        assert stats["breaker"] == "closed"
+        assert [cache.index.held(k) != 0 for k in ks] == [True] * 4 + [False] * 4
+        tier.config.stall_after_keys = None
+        await evict_all(cache, 32)
+        hit = await cache.lookup([ks])
+        assert hit.hit_tokens == 4 * 16
+        out = empty(4)
+        result = await cache.load(ks[:4], out)
+        assert result.ok_keys == tuple(ks[:4]) and torch.equal(out, data[:4])
 
 
 async def test_cancelled_jobs_in_every_state_leak_nothing(faulty_tier_type: str) -> None:

@@ -25,7 +25,6 @@ import anyio
 
 from tierkv.cache.cascade import Cascader
 from tierkv.cache.core import CacheCore
-from tierkv.cache.guard import TierHandle
 from tierkv.cache.lookup import Lookup
 from tierkv.cache.prefetch import Prefetch, PrefetchPolicy
 from tierkv.cache.promotion import Promoter
@@ -38,14 +37,11 @@ from tierkv.cache.results import (
 )
 from tierkv.cache.writeback import WriteBack
 from tierkv.config import CacheConfig, load_config
-from tierkv.errors import TierUnavailable
+from tierkv.driver import GuardedTier
 from tierkv.events import OffloadingEvent
-from tierkv.health import CircuitBreaker
 from tierkv.jobs import ReqContext
 from tierkv.keys import OffloadKey
 from tierkv.primary import PrimaryTier
-from tierkv.registry import create_tier
-from tierkv.stats import TierStats
 from tierkv.tier import SecondaryTierManager
 
 logger = logging.getLogger(__name__)
@@ -63,21 +59,12 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         self.config = config
         self.primary = PrimaryTier.from_config(config.primary, config.layout, config.namespace)
         self.block_bytes = self.primary.view.block_bytes
-        handles: list[TierHandle] = []
-        for i, (name, tier_config) in enumerate(zip(config.tier_names(), config.tiers)):
-            tier = create_tier(tier_config, self.primary.view)
-            handle = TierHandle(
-                index=i,
-                name=name,
-                tier=tier,
-                config=tier_config,
-                breaker=CircuitBreaker(
-                    name, tier_config.failure_threshold, tier_config.recovery_after
-                ),
-                stats=TierStats(),
+        handles = [
+            GuardedTier.create(
+                tier_config, self.primary.view, index=i, name=name, on_removed=self._on_removed
             )
-            tier.set_removal_listener(self._removal_listener(handle))
-            handles.append(handle)
+            for i, (name, tier_config) in enumerate(zip(config.tier_names(), config.tiers))
+        ]
         self.core = CacheCore(config, self.primary, handles)
         self.index = self.core.index
         self.writeback = WriteBack(self.core)
@@ -102,13 +89,9 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
                 return handle.tier
         raise KeyError(f"no tier named {name!r}; tiers: {', '.join(self.tier_names) or 'none'}")
 
-    def _removal_listener(self, handle: TierHandle) -> _RemovalListener:
-        return _RemovalListener(self, handle)
-
-    def _on_removed(self, handle: TierHandle, keys: tuple[OffloadKey, ...]) -> None:
+    def _on_removed(self, handle: GuardedTier, keys: tuple[OffloadKey, ...]) -> None:
         """A tier reported blocks it no longer holds: forget them there, tell the
         event stream (after the primary's own events)."""
-        handle.note_removed(keys)
         for key in keys:
             self.core.index.note_missing(key, handle.index)
         self.core.emit_tier(handle, keys, removed=True)
@@ -124,43 +107,19 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
             raise RuntimeError("the cache is already open")
         try:
             for handle in core.tiers:
-                try:
-                    await handle.tier.open()
-                except Exception as exc:
-                    message = f"tier {handle.name!r} failed to open: {type(exc).__name__}: {exc}"
-                    if handle.config.required:
-                        raise TierUnavailable(message) from exc
-                    logger.error(
-                        "%s; running without it and retrying every %gs",
-                        message,
-                        handle.config.recovery_after,
-                    )
-                    continue
-                handle.opened = True
+                await handle.open()  # a required tier that fails raises TierUnavailable
         except BaseException:
             with anyio.CancelScope(shield=True):
                 for handle in reversed(core.tiers):
-                    await self._close_tier(handle)
+                    await handle.close()
             raise
         await core.start()
         tg = core.check_open()
         if self.writeback.enabled:
             tg.start_soon(self.writeback.run)
         for handle in core.tiers:
-            if not handle.opened:
-                tg.start_soon(self._reopen, handle)
-
-    async def _reopen(self, handle: TierHandle) -> None:
-        """Retry opening an optional tier until it works; until then it is skipped."""
-        while not handle.opened:
-            await anyio.sleep(max(handle.config.recovery_after, 0.01))
-            try:
-                await handle.tier.open()
-            except Exception as exc:
-                logger.debug("tier %s still fails to open: %s", handle.name, exc)
-                continue
-            handle.opened = True
-            logger.warning("tier %s opened; the cache uses it from now on", handle.name)
+            if not handle.opened:  # optional and down: skipped until it opens
+                tg.start_soon(handle.keep_opening)
 
     async def close(self) -> None:
         """Let background jobs finish (up to `close_timeout`, flushing write-back
@@ -177,17 +136,8 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
                 await core.stop()
                 self.writeback.drop_unwritten()
                 for handle in core.tiers:
-                    await self._close_tier(handle)
+                    await handle.close()
                 self.primary.memory.close()  # unregisters the pinned slab (CUDA)
-
-    async def _close_tier(self, handle: TierHandle) -> None:
-        if not handle.opened:
-            return
-        handle.opened = False
-        try:
-            await handle.tier.close()
-        except Exception:
-            logger.exception("tier %s failed to close", handle.name)
 
     async def __aenter__(self) -> TieredCache:
         await self.open()
@@ -339,14 +289,3 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         if request_id is None:
             return 0
         return self.promoter.prefetches.cancel(request_id)
-
-
-class _RemovalListener:
-    """The callable a tier reports removals to."""
-
-    def __init__(self, cache: TieredCache, handle: TierHandle) -> None:
-        self._cache = cache
-        self._handle = handle
-
-    def __call__(self, keys: tuple[OffloadKey, ...]) -> None:
-        self._cache._on_removed(self._handle, keys)

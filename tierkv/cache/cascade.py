@@ -29,11 +29,11 @@ from collections.abc import Iterable, Sequence
 import anyio
 
 from tierkv.cache.core import CacheCore
-from tierkv.cache.guard import TierHandle
 from tierkv.cache.index import KeyIndex
 from tierkv.cache.results import StoreResult
 from tierkv.cache.validate import check_keys, checked_source, run_validate_hook
 from tierkv.cache.writeback import WriteBack
+from tierkv.driver import GuardedTier
 from tierkv.jobs import JobMetadata, ReqContext
 from tierkv.keys import OffloadKey
 from tierkv.policies.admission import ReuseAdmission
@@ -138,30 +138,22 @@ class Cascader:
         return admitted
 
     def cascade(
-        self, handle: TierHandle, keys: Sequence[OffloadKey], watch: StoreWatch | None = None
+        self, handle: GuardedTier, keys: Sequence[OffloadKey], watch: StoreWatch | None = None
     ) -> None:
         """Send `keys` (ready in the primary) to `handle` in the background, or drop
         them (tier down, or too far behind)."""
         core = self.core
         if not core.is_open:
             return
-        if not handle.usable():
-            handle.stats.skipped_unhealthy += len(keys)
-            return
         nbytes = len(keys) * core.block_bytes
-        stats = handle.stats
-        if (
-            stats.inflight_bytes
-            and stats.inflight_bytes + nbytes > handle.config.max_inflight_bytes
-        ):
-            handle.breaker.abandon()
-            stats.drops += len(keys)
-            logger.debug(
-                "tier %s is behind: dropped a cascade of %d blocks", handle.name, len(keys)
-            )
+        refused = handle.admit("store", len(keys), nbytes)
+        if refused is not None:
+            if refused == "max_inflight":
+                logger.debug(
+                    "tier %s is behind: dropped a cascade of %d blocks", handle.name, len(keys)
+                )
             return
         slots = core.primary.prepare_load(keys)  # protected until the tier answers
-        stats.inflight_bytes += nbytes
         core.index.add_cascading(keys, 1)
         if watch is not None:
             watch.sent(keys)
@@ -169,15 +161,15 @@ class Cascader:
         core.spawn(self._cascade_job, handle, job, nbytes, watch)
 
     async def _cascade_job(
-        self, handle: TierHandle, job: JobMetadata, nbytes: int, watch: StoreWatch | None
+        self, handle: GuardedTier, job: JobMetadata, nbytes: int, watch: StoreWatch | None
     ) -> None:
         core = self.core
         ok_keys: Sequence[OffloadKey] = ()
         try:
-            result = await handle.run_job("store", job, core.block_bytes)
+            result = await handle.run_job("store", job)
             ok_keys = result.ok_keys
         finally:
-            handle.stats.inflight_bytes -= nbytes
+            handle.release("store", nbytes)
             core.primary.complete_load(job.keys)
             core.index.add_cascading(job.keys, -1)
             if watch is not None:

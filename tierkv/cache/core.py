@@ -17,9 +17,9 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
-from tierkv.cache.guard import TierHandle
 from tierkv.cache.index import KeyIndex
 from tierkv.config import CacheConfig
+from tierkv.driver import GuardedTier
 from tierkv.errors import TierUnavailable
 from tierkv.events import OffloadingEvent
 from tierkv.primary import PrimaryTier
@@ -75,7 +75,7 @@ class EventLog:
 class CacheCore:
     """Shared state of one `TieredCache`."""
 
-    def __init__(self, config: CacheConfig, primary: PrimaryTier, tiers: list[TierHandle]):
+    def __init__(self, config: CacheConfig, primary: PrimaryTier, tiers: list[GuardedTier]):
         self.config = config
         self.primary = primary
         self.block_bytes = primary.view.block_bytes
@@ -160,7 +160,7 @@ class CacheCore:
     def next_job_id(self) -> int:
         return next(self.job_ids)
 
-    def emit_tier(self, handle: TierHandle, keys: Sequence[Any], removed: bool) -> None:
+    def emit_tier(self, handle: GuardedTier, keys: Sequence[Any], removed: bool) -> None:
         if keys:
             self.events.drain_primary()
             self.events.emit([OffloadingEvent(tuple(keys), handle.name, removed=removed)])

@@ -18,9 +18,9 @@ from types import MappingProxyType
 import anyio
 
 from tierkv.cache.core import CacheCore
-from tierkv.cache.guard import TierHandle
 from tierkv.cache.results import LookupResult
 from tierkv.cache.validate import check_keys
+from tierkv.driver import GuardedTier
 from tierkv.hits import GroupHit, combine_group_hits
 from tierkv.jobs import ReqContext
 from tierkv.keys import OffloadKey
@@ -54,7 +54,7 @@ class Lookup:
             return {}
         index = core.index
         known = {k: index.location(k) for k in missing}
-        asks: list[tuple[TierHandle, list[OffloadKey]]] = []
+        asks: list[tuple[GuardedTier, list[OffloadKey]]] = []
         for handle in core.tiers:
             i = handle.index
             ask = [k for k in missing if (loc := known[k]) is None or loc >= i]
@@ -84,7 +84,7 @@ class Lookup:
         key in (and whose claim has not failed), once, concurrently. Key -> highest
         tier that has it. Counted per tier as `fallback_lookups` / `fallback_hits`."""
         index = self.core.index
-        asks: list[tuple[TierHandle, list[OffloadKey]]] = []
+        asks: list[tuple[GuardedTier, list[OffloadKey]]] = []
         for handle in self.core.tiers:
             i = handle.index
             ask = [
@@ -101,14 +101,14 @@ class Lookup:
         return found
 
     async def _ask(
-        self, asks: list[tuple[TierHandle, list[OffloadKey]]], ctx: ReqContext
+        self, asks: list[tuple[GuardedTier, list[OffloadKey]]], ctx: ReqContext
     ) -> dict[OffloadKey, int]:
         """One round: each tier asked (concurrently) about its keys in `asks`."""
         index = self.core.index
         timeout = self.core.config.lookup_timeout
         answers: list[list[bool] | None] = [None] * len(asks)
 
-        async def ask_one(n: int, handle: TierHandle, keys: list[OffloadKey]) -> None:
+        async def ask_one(n: int, handle: GuardedTier, keys: list[OffloadKey]) -> None:
             answers[n] = await handle.lookup(keys, ctx, timeout)
 
         if len(asks) == 1:

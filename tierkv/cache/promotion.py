@@ -455,4 +455,4 @@ class Promoter:
     ) -> None:
         core = self.core
         job = JobMetadata(core.next_job_id(), tuple(keys), tuple(slot_of[k] for k in keys), ctx)
-        results[t] = await core.tiers[t].run_job("load", job, core.block_bytes)
+        results[t] = await core.tiers[t].run_job("load", job)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import anyio
 
 from tierkv.cache.core import CacheCore
-from tierkv.cache.guard import TierHandle
+from tierkv.driver import GuardedTier
 from tierkv.jobs import JobMetadata
 from tierkv.keys import OffloadKey
 
@@ -50,7 +50,7 @@ class WriteBack:
     def wake(self) -> None:
         self._wakeup.set()
 
-    def _drop(self, key: OffloadKey, handle: TierHandle, why: str) -> None:
+    def _drop(self, key: OffloadKey, handle: GuardedTier, why: str) -> None:
         self.core.index.clean(key, handle.index)
         handle.stats.drops += 1
         self.core.counters["write_back_dropped"] += 1
@@ -164,7 +164,7 @@ class WriteBack:
             core.released.notify()
         return sum(1 for k in keys if index.is_clean(k))
 
-    async def _demote_to(self, handle: TierHandle, keys: list[OffloadKey]) -> None:
+    async def _demote_to(self, handle: GuardedTier, keys: list[OffloadKey]) -> None:
         """One write-back job. A tier that is down costs no attempt."""
         core = self.core
         if not handle.usable():
@@ -172,7 +172,7 @@ class WriteBack:
             return
         slots = [core.primary.slot_of(k) for k in keys]
         job = JobMetadata(core.next_job_id(), tuple(keys), tuple(s for s in slots if s is not None))
-        result = await handle.run_job("store", job, core.block_bytes)
+        result = await handle.run_job("store", job)
         index = core.index
         index.note_held(result.ok_keys, handle.index)
         core.emit_tier(handle, result.ok_keys, removed=False)

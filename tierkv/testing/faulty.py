@@ -3,7 +3,7 @@ for the cache's own tests and for demos of failure handling."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 from pydantic import Field
@@ -12,6 +12,7 @@ from tierkv.errors import TierUnavailable
 from tierkv.jobs import JobMetadata, JobResult, ReqContext
 from tierkv.keys import OffloadKey
 from tierkv.memory_tier import MemoryTier, MemoryTierConfig
+from tierkv.runner import Batch, run_job
 from tierkv.slab import PrimaryView
 from tierkv.tier import TierConfig
 from tierkv.units import Duration
@@ -20,6 +21,13 @@ from tierkv.units import Duration
 class FaultyTierConfig(MemoryTierConfig):
     delay: Duration = Field(default=0.0, description="added to every store and load job")
     lookup_delay: Duration = Field(default=0.0, description="added to every lookup")
+    stall_after_keys: int | None = Field(
+        default=None,
+        ge=0,
+        description="a store or load job moves this many keys, then stalls on the next "
+        "one; it runs key by key under `run_job` and its job_timeout, as a well-behaved "
+        "tier does, so the stalled keys fail as late and the moved ones are kept",
+    )
 
 
 class FaultyTier(MemoryTier):
@@ -73,14 +81,39 @@ class FaultyTier(MemoryTier):
 
     async def store(self, job: JobMetadata) -> JobResult:
         await self._misbehave("store", job.keys)
+        if self.config.stall_after_keys is not None:
+            return await self._key_by_key(job, super().store)
         return await super().store(job)
+
+    async def _key_by_key(
+        self, job: JobMetadata, move: Callable[[JobMetadata], Awaitable[JobResult]]
+    ) -> JobResult:
+        """`move` one key at a time under the job's deadline, stalling (until the
+        deadline) after `stall_after_keys` of them."""
+        moved = 0
+
+        async def work(batch: Batch) -> dict[OffloadKey, str]:
+            nonlocal moved
+            if moved >= (self.config.stall_after_keys or 0):
+                await anyio.sleep_forever()
+            moved += len(batch)
+            keys, slots = zip(*batch)
+            result = await move(JobMetadata(job.job_id, tuple(keys), tuple(slots), job.ctx))
+            return {k: result.error or "failed" for k in result.failed_keys}
+
+        return await run_job(
+            job, work, label="faulty", concurrency=1, timeout=self.config.job_timeout
+        )
 
     async def load(self, job: JobMetadata) -> JobResult:
         await self._misbehave("load", job.keys)
         lies = [k for k in job.keys if k in self.lie_about and k not in self._frames]
+        if self.config.stall_after_keys is not None:
+            result = await self._key_by_key(job, super().load)
+        else:
+            result = await super().load(job)
         if not lies:
-            return await super().load(job)
-        result = await super().load(job)
+            return result
         return JobResult.partial(job, {k: "faulty tier lied" for k in result.failed_keys})
 
     def stored_keys(self) -> set[OffloadKey]:

@@ -4,10 +4,12 @@ vLLM (0.33, `vllm.v1.kv_offload.tiering`) keeps its CPU primary (a shared-memory
 slab of chunk rows) and its GPU worker; its `TieringOffloadingManager` calls a
 secondary tier synchronously from the scheduler, under its lock, and expects every
 call to return at once. This class is that tier. It wraps vLLM's slab in a tierkv
-`PrimaryView` (zero-copy: a tier reads and writes the rows in place), runs the tierkv
-tier's coroutines on one event-loop thread of its own, and turns their outcomes into
-vLLM's `JobResult`s, each job reported exactly once: done, failed, past its
-`job_timeout`, refused (tier down, too many bytes in flight) or cut off by shutdown.
+`PrimaryView` (zero-copy: a tier reads and writes the rows in place), drives the
+tierkv tier through the shared guarded-tier driver (`tierkv.driver.GuardedTier`: its
+breaker, in-flight budget, answer checks, deadline backstop, reopen) on one event-loop
+thread of its own, and turns the outcomes into vLLM's `JobResult`s, each job reported
+exactly once: done, failed, past its `job_timeout`, refused (tier down, too many bytes
+in flight) or cut off by shutdown. It only translates and crosses threads.
 
 Lookups are batched per scheduler step (`lookups.LookupBook`): RETRY while the tier
 is being asked, then the answer, which a failed load or a removal reported by the
@@ -20,7 +22,6 @@ bounded by `drain_timeout`.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Collection, Iterable, Mapping
 from types import MappingProxyType
@@ -40,14 +41,14 @@ from vllm.v1.kv_offload.tiering.base import SecondaryTierManager as VllmSecondar
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tierkv.errors import TierUnavailable
+from tierkv.driver import GuardedTier, JobKind
+from tierkv.driver.engine_jobs import EngineJobs
+from tierkv.driver.loop_thread import LoopThread
 from tierkv.integrations.vllm import metrics
 from tierkv.integrations.vllm.lookups import LookupBook
-from tierkv.integrations.vllm.loop import LoopThread
 from tierkv.integrations.vllm.settings import geometry_of, resolve_entry
 from tierkv.jobs import JobMetadata, JobResult, ReqContext
 from tierkv.keys import OffloadKey
-from tierkv.registry import get_tier_class
 from tierkv.slab import PrimaryView
 from tierkv.tier import SecondaryTierManager
 
@@ -57,6 +58,15 @@ _HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 MAX_TOUCHED = 1 << 16
 """Keys of reuse kept for one step's `touch` at most (beyond, the rest is dropped:
 recency is a hint)."""
+
+
+_OpenJob = tuple[JobKind, int, tuple[OffloadKey, ...], bool]
+"""What the adapter keeps of a job until it is reported: its kind, its bytes, its keys
+and whether the driver admitted it (its bytes then count in flight until it ends)."""
+
+
+def _error_of(result: JobResult | None) -> str | None:
+    return result.error if result is not None else None
 
 
 def _index_of(offloading_spec: Any, entry: Mapping[str, Any]) -> int | None:
@@ -111,59 +121,67 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
         # labelled as vLLM labels this tier in its own metrics, so the two join
         self._metrics = metrics.TierMetrics(f"{'?' if index is None else index + 1}:{tier_type}")
         self._touched: list[OffloadKey] = []
-        self._max_inflight = int(resolved.tier.max_inflight_bytes)
         self._row_bytes = row_bytes
         self._view: PrimaryView | None = PrimaryView(primary_kv_view, row_bytes, self.namespace)
-        tier_cls = get_tier_class(resolved.tier.type)
-        self._tier: SecondaryTierManager | None = tier_cls(resolved.tier, self._view)
-        self._removal_expected = bool(tier_cls.reports_evictions)
+        self._driver: GuardedTier | None = GuardedTier.create(
+            resolved.tier,
+            self._view,
+            index=index or 0,
+            name=self._name,
+            on_removed=self._on_removed,
+        )
+        self._removal_expected = bool(type(self._driver.tier).reports_evictions)
         self._lookups = LookupBook()
-        self._tier.set_removal_listener(self._on_removed)
         self._events: list[OffloadingEvent] | None = (
             [] if offloading_spec.kv_events_config.enable_kv_cache_events else None
         )
-        self._removed_inbox: list[tuple[OffloadKey, ...]] = []
 
-        # job bookkeeping shared by the scheduler thread and the loop thread
-        self._lock = threading.Condition()
-        self._open_jobs: dict[int, tuple[bool, int, tuple[OffloadKey, ...]]] = {}
-        self._scopes: dict[int, anyio.CancelScope] = {}  # running jobs (loop thread)
-        self._store_bytes = 0
         self._finished: list[VllmJobResult] = []
         self._closed = False
-        self._up = False
-
         self._loop = LoopThread(f"tierkv-vllm-{self._name}")
+        # job id -> (kind, bytes, keys, admitted by the driver); its lock also guards
+        # the finished results and the events
+        self._jobs: EngineJobs[_OpenJob] = EngineJobs(self._loop, self._name)
+        self._lock = self._jobs.lock
+        self._open(self._driver, resolved.tier.required)
+        logger.info("tierkv tier %s under vLLM, namespace %r", self._name, self.namespace)
+
+    def _open(self, driver: GuardedTier, required: bool) -> None:
+        """Open the tier on the loop thread. A required tier that fails (or hangs past
+        a minute) raises; an optional one serves as a miss and reopens in the
+        background every `recovery_after`."""
         try:
-            self._loop.run(self._tier.open(), timeout=max(60.0, self._timeout))
-            self._up = True
+            self._loop.run(driver.open(), timeout=max(60.0, self._timeout))
         except Exception as exc:
-            if resolved.tier.required:
+            if required:
                 self._loop.stop()
                 raise
-            logger.warning(
-                "tierkv tier %s did not open (%s); it serves as a miss and retries every "
-                "%.1fs (required: false)",
-                self._name,
-                exc,
-                float(resolved.tier.recovery_after),
-            )
-            self._loop.spawn(lambda: self._reopen(float(resolved.tier.recovery_after)))
-        logger.info("tierkv tier %s under vLLM, namespace %r", self._name, self.namespace)
+            logger.warning("tierkv tier %s did not open (%s); it serves as a miss", self._name, exc)
+        if not driver.opened:
+            self._loop.spawn(driver.keep_opening)
 
     # -- what tests and logs look at ---------------------------------------------------
     @property
+    def driver(self) -> GuardedTier:
+        """The guarded tier this adapter drives (its methods run on the loop thread)."""
+        assert self._driver is not None, "the tier was shut down"
+        return self._driver
+
+    @property
     def tierkv_tier(self) -> SecondaryTierManager:
         """The tierkv tier this adapter drives (its methods run on the loop thread)."""
-        assert self._tier is not None, "the tier was shut down"
-        return self._tier
+        return self.driver.tier
 
     @property
     def loop(self) -> LoopThread:
         return self._loop
 
+    @property
+    def _up(self) -> bool:
+        return self._driver is not None and self._driver.opened
+
     def describe(self) -> dict[str, Any]:
-        tier = self._tier.describe() if self._tier is not None else {}
+        tier = self._driver.tier.describe() if self._driver is not None else {}
         return {"namespace": self.namespace, "up": self._up, **tier}
 
     # -- vLLM's secondary-tier interface ---------------------------------------------
@@ -197,8 +215,7 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
 
     def get_stats(self) -> Any:
         """What only the tier knows, since the last call (see `metrics.py`)."""
-        with self._lock:
-            in_flight = self._store_bytes
+        in_flight = self._driver.stats.inflight_bytes if self._driver is not None else 0
         return self._metrics.take(up=self._up and not self._closed, store_bytes_in_flight=in_flight)
 
     def on_request_finished(self, req_context: VllmReqContext) -> None:
@@ -216,8 +233,7 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
         return finished
 
     def has_pending_work(self) -> bool:
-        with self._lock:
-            return bool(self._open_jobs)
+        return self._jobs.pending()
 
     def drain_jobs(self) -> None:
         """Wait until every submitted job has been reported; bounded, because vLLM
@@ -231,52 +247,10 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
         them: they are reported failed at once. A job that outlives even that (a
         thread stuck in the kernel) raises RuntimeError: returning while it may still
         write into the primary would corrupt it silently."""
-        with self._lock:
-            self._wait_for_jobs(self._drain_timeout)
-            late = list(self._open_jobs)
-        if not late:
-            return
-        logger.warning(
-            "tierkv tier %s: %d jobs still running after drain_timeout=%gs; cancelling them",
-            self._name,
-            len(late),
-            self._drain_timeout,
-        )
-        self._cancel_jobs(late)
-        with self._lock:
-            self._wait_for_jobs(self._shutdown_grace)
-            stuck = list(self._open_jobs)
-        if not stuck:
-            return
-        if not self._loop.is_alive():
-            for job_id in stuck:
-                self._finish(job_id, None, "the tier's event-loop thread is gone", reason="error")
-            return
-        raise RuntimeError(
-            f"tierkv tier {self._name}: {len(stuck)} jobs did not end within "
-            f"drain_timeout={self._drain_timeout:g}s + shutdown_grace="
-            f"{self._shutdown_grace:g}s even when cancelled (I/O stuck in the kernel?); "
-            "not returning while they may still write into vLLM's primary"
-        )
+        self._jobs.drain(self._drain_timeout, self._shutdown_grace, self._fail)
 
-    def _wait_for_jobs(self, timeout: float) -> None:
-        """Under `_lock`: until no job is open, `timeout` passed or the loop died."""
-        deadline = time.monotonic() + timeout
-        while self._open_jobs and self._loop.is_alive():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            self._lock.wait(min(left, 0.05))
-
-    def _cancel_jobs(self, job_ids: list[int]) -> None:
-        def cancel() -> None:
-            for job_id in job_ids:
-                scope = self._scopes.get(job_id)
-                if scope is not None:
-                    scope.cancel()
-
-        if self._loop.is_alive():
-            self._loop.loop.call_soon_threadsafe(cancel)
+    def _fail(self, job_id: int, error: str) -> None:
+        self._finish(job_id, None, error, reason="error")
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self._events is None:
@@ -291,8 +265,7 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
         if self._closed:
             return
         self._closed = True
-        with self._lock:
-            self._wait_for_jobs(self._shutdown_grace)
+        self._jobs.wait(self._shutdown_grace)
         try:
             if self._loop.is_alive():
                 self._loop.run(self._close(), timeout=self._shutdown_grace + 30.0)
@@ -302,7 +275,7 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
             logger.exception("tierkv tier %s did not close cleanly", self._name)
         finally:
             self._loop.stop()
-            for job_id in list(self._open_jobs):
+            for job_id in self._jobs.open_ids():
                 self._finish(
                     job_id, None, "tierkv tier shut down before the job ended", reason="shutdown"
                 )
@@ -314,7 +287,7 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
         adapter (a caller holding `tierkv_tier`, a worker thread left on a frozen
         socket, whose `SlotGuard` is closed) keeps the region mapped, and no cycle
         waits for the garbage collector."""
-        view, self._view, self._tier = self._view, None, None
+        view, self._view, self._driver = self._view, None, None
         if view is not None:
             try:
                 view.release()
@@ -327,25 +300,24 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
 
     # -- jobs ----------------------------------------------------------------------------
     def _submit(self, job: TransferJob, *, is_load: bool) -> None:
+        """On the scheduler thread: refuse at once what the driver will not take (the
+        tier is down, its stores in flight would pass `max_inflight_bytes`), or hand
+        the job to the loop thread."""
+        kind: JobKind = "load" if is_load else "store"
         keys = tuple(job.keys)
         nbytes = len(keys) * self._row_bytes
-        with self._lock:
-            self._open_jobs[job.job_id] = (is_load, nbytes, keys)
-            if not is_load:
-                self._store_bytes += nbytes
-            too_much = not is_load and self._store_bytes > self._max_inflight
-        if self._closed or not self._up:
-            self._finish(
-                job.job_id, None, f"tierkv tier {self._name} is not serving", reason="not_serving"
-            )
-            return
-        if too_much and nbytes < self._store_bytes:
-            self._finish(
-                job.job_id,
-                None,
-                "dropped: max_inflight_bytes already in flight",
-                reason="max_inflight",
-            )
+        driver = self._driver
+        refused = "not_serving" if self._closed or driver is None else None
+        if refused is None:
+            assert driver is not None
+            refused = driver.admit(kind, len(keys), nbytes)
+        self._jobs.add(job.job_id, (kind, nbytes, keys, refused is None))
+        if refused is not None:
+            why = {
+                "not_serving": f"tierkv tier {self._name} is not serving",
+                "max_inflight": "dropped: max_inflight_bytes already in flight",
+            }[refused]
+            self._finish(job.job_id, None, why, reason=refused)
             return
         try:
             ctx = ReqContext(
@@ -356,31 +328,26 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
         except (ValueError, TypeError) as exc:
             self._finish(job.job_id, None, f"malformed job: {exc}", reason="error")
             return
-        self._loop.spawn(lambda: self._run(tk_job, is_load))
+        self._loop.spawn(lambda: self._run(tk_job, kind))
 
-    async def _run(self, job: JobMetadata, is_load: bool) -> None:
+    async def _run(self, job: JobMetadata, kind: JobKind) -> None:
         """One tier job on the loop thread; reports its outcome whatever happens."""
-        tier = self._tier
+        driver = self._driver
         started = time.monotonic()
         result: JobResult | None = None
         error: str | None = None
         reason = "error"
-        scope = anyio.CancelScope()
-        self._scopes[job.job_id] = scope
         try:
-            assert tier is not None
-            with scope, anyio.fail_after(self._timeout):
-                result = await (tier.load(job) if is_load else tier.store(job))
+            assert driver is not None
+            with self._jobs.cancellable(job.job_id) as scope:
+                outcome = await driver.run(kind, job)
+                result = outcome.result
+                if outcome.failure in ("timeout", "error"):
+                    error, reason = result.error, outcome.failure
             if scope.cancelled_caught:
                 error, reason = "cancelled: drain_jobs waited past drain_timeout", "shutdown"
-        except TimeoutError:
-            error = f"no result within job_timeout={self._timeout:g}s"
-            reason = "timeout"
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
         finally:
             # also on cancellation (shutdown): report, then let the cancel go on
-            self._scopes.pop(job.job_id, None)
             if result is None and error is None:
                 error, reason = "cancelled by shutdown", "shutdown"
             self._finish(job.job_id, result, error, time.monotonic() - started, reason=reason)
@@ -396,73 +363,80 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
     ) -> None:
         """Report `job_id` once: the first call wins, later ones do nothing. `reason`
         labels a failure in the metrics (`metrics.FAILURE_REASONS`)."""
-        with self._lock:
-            opened = self._open_jobs.pop(job_id, None)
+        with self._jobs.ending(job_id) as opened:
             if opened is None:
                 return
-            is_load, nbytes, keys = opened
-            if not is_load:
-                self._store_bytes -= nbytes
-        ok = set(result.ok_keys) & set(keys) if result is not None else set()
-        failed = [k for k in keys if k not in ok]
+            kind, nbytes, keys, admitted = opened
+            if admitted and self._driver is not None:
+                self._driver.release(kind, nbytes)
+            ok = set(result.ok_keys) & set(keys) if result is not None else set()
+            failed = [k for k in keys if k not in ok]
+            label = reason if error else "keys_failed"
+            self._count_failure(kind, job_id, keys, failed, label, error or _error_of(result))
+            # facts first, so the lookup that follows the result already knows them
+            if kind == "load" and failed:
+                self._lookups.load_failed(failed)
+            if kind == "store" and ok:
+                self._lookups.learn_stored(ok)
+            report = VllmJobResult(
+                job_id=job_id,
+                success=not failed,
+                successful_keys=tuple(k for k in keys if k in ok)
+                if kind == "load" and failed and ok
+                else None,
+                transfer_time=elapsed,
+                transfer_bytes=len(ok) * self._row_bytes if ok else None,
+            )
+            with self._lock:
+                if self._events is not None and kind == "store" and ok:  # the job's order
+                    self._events.append(self._event([k for k in keys if k in ok], removed=False))
+                self._finished.append(report)
+
+    def _count_failure(
+        self,
+        op: JobKind,
+        job_id: int,
+        keys: tuple[OffloadKey, ...],
+        failed: list[OffloadKey],
+        label: str,
+        error: str | None,
+    ) -> None:
+        """Metrics (`label`: `metrics.FAILURE_REASONS`) and a debug line for a job that
+        failed some keys."""
         if failed:
-            op = "load" if is_load else "store"
-            self._metrics.count(metrics.FAILED_JOBS, 1, op, reason if error else "keys_failed")
+            self._metrics.count(metrics.FAILED_JOBS, 1, op, label)
             self._metrics.count(metrics.FAILED_BLOCKS, len(failed), op)
         if error or failed:
             logger.debug(
                 "tierkv tier %s: %s job %d: %d of %d keys failed: %s",
                 self._name,
-                "load" if is_load else "store",
+                op,
                 job_id,
                 len(failed),
                 len(keys),
-                error or (result.error if result is not None else None),
+                error,
             )
-        # facts first, so the lookup that follows the result already knows them
-        if is_load and failed:
-            self._lookups.load_failed(failed)
-        if not is_load and ok:
-            self._lookups.learn_stored(ok)
-        successful = None
-        if is_load and failed and ok:
-            successful = tuple(k for k in keys if k in ok)
-        report = VllmJobResult(
-            job_id=job_id,
-            success=not failed,
-            successful_keys=successful,
-            transfer_time=elapsed,
-            transfer_bytes=len(ok) * self._row_bytes if ok else None,
-        )
-        with self._lock:
-            if self._events is not None and not is_load and ok:  # in the job's order
-                self._events.append(self._event([k for k in keys if k in ok], removed=False))
-            self._finished.append(report)
-            self._lock.notify_all()
 
     # -- lookups and tier life on the loop thread --------------------------------------
     async def _ask(self, batch: dict[str, list[tuple[OffloadKey, object]]]) -> None:
         async def one(request_id: str, pairs: list[tuple[OffloadKey, object]]) -> None:
             keys = [k for k, _ in pairs]
-            try:
-                assert self._tier is not None
-                with anyio.fail_after(self._timeout):
-                    found = await self._tier.lookup(keys, ReqContext(request_id=request_id))
-                if len(found) != len(keys):
-                    raise TierUnavailable(f"answered {len(found)} of {len(keys)} keys")
-            except Exception as exc:
-                logger.warning("tierkv tier %s lookup failed (a miss): %s", self._name, exc)
+            found = None
+            if self._driver is not None:
+                ctx = ReqContext(request_id=request_id)
+                found = await self._driver.lookup(keys, ctx, self._timeout)
+            if found is None:  # down, slow or broken: a miss (the driver logged why)
                 found = [False] * len(keys)
                 self._metrics.count(metrics.LOOKUP_ERRORS, len(keys))
             self._metrics.count(metrics.LOOKUP_KEYS, len(keys))
-            self._metrics.count(metrics.LOOKUP_HITS, sum(map(bool, found)))
-            self._lookups.deliver((k, token, bool(f)) for (k, token), f in zip(pairs, found))
+            self._metrics.count(metrics.LOOKUP_HITS, sum(found))
+            self._lookups.deliver((k, token, f) for (k, token), f in zip(pairs, found))
 
         async with anyio.create_task_group() as group:
             for request_id, pairs in batch.items():
                 group.start_soon(one, request_id, pairs)
 
-    def _on_removed(self, keys: tuple[OffloadKey, ...]) -> None:
+    def _on_removed(self, driver: GuardedTier, keys: tuple[OffloadKey, ...]) -> None:
         """The tier dropped these blocks on its own (eviction, expiry, a bad read)."""
         self._lookups.forget(keys)
         self._metrics.count(metrics.REMOVED_BLOCKS, len(keys))
@@ -482,28 +456,10 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
         )
 
     async def _touch(self, keys: tuple[OffloadKey, ...]) -> None:
-        try:
-            assert self._tier is not None
-            with anyio.fail_after(self._timeout):
-                await self._tier.touch(keys)
-        except Exception as exc:  # recency is a hint: never a failure
-            logger.debug("tierkv tier %s: touch failed: %s", self._name, exc)
-            return
-        self._metrics.count(metrics.TOUCHED_BLOCKS, len(keys))
-
-    async def _reopen(self, every: float) -> None:
-        while not self._closed and not self._up:
-            await anyio.sleep(every)
-            try:
-                assert self._tier is not None
-                await self._tier.open()
-                self._up = True
-                logger.info("tierkv tier %s opened", self._name)
-            except Exception as exc:
-                logger.debug("tierkv tier %s still does not open: %s", self._name, exc)
+        if self._driver is not None and await self._driver.touch(keys, self._timeout):
+            self._metrics.count(metrics.TOUCHED_BLOCKS, len(keys))
 
     async def _close(self) -> None:
         await self._loop.cancel_spawned()
-        if self._tier is not None and self._up:
-            with anyio.move_on_after(30.0):
-                await self._tier.close()
+        if self._driver is not None:
+            await self._driver.close(timeout=30.0)

@@ -1,9 +1,10 @@
-"""One asyncio event loop on its own thread, owned by one adapter.
+"""One asyncio event loop on its own thread, owned by one engine adapter.
 
-vLLM's secondary-tier calls are synchronous and must not block; tierkv tiers are
-async. The adapter hands every tier coroutine to this loop with `spawn` (a
-thread-safe call that only enqueues) and reads the outcomes from thread-safe
-queues; only start-up (`run`, opening the tier) and shutdown wait on the loop.
+Engines call their tiers synchronously from their own threads (vLLM's scheduler,
+SGLang's cache controller, LMCache's controller threads); tierkv tiers are async. An
+adapter hands every tier coroutine to this loop with `spawn` (a thread-safe call that
+only enqueues) and reads the outcomes from thread-safe queues (`engine_jobs`); only
+start-up (`run`, opening the tier) and shutdown wait on the loop.
 """
 
 from __future__ import annotations

@@ -1,0 +1,366 @@
+"""`GuardedTier`: one secondary tier as the cache and every engine adapter drive it.
+
+Whatever a tier does (raises, hangs, answers for the wrong keys, goes down and comes
+back), the driver turns it into a well-formed answer, so nothing above it has to
+distrust the tier again. One owner per rule:
+
+- **The job deadline** belongs to the tier's runner (`tierkv.runner.run_job` fails the
+  keys it has not finished by `job_timeout` and keeps the rest). The driver only
+  backstops it at `job_timeout` plus a grace (`checks.backstop_after`): a tier still
+  silent then broke the contract; its whole job fails and `deadline_breaches` counts it.
+- **The circuit breaker** (`tierkv.health`): failures open it, a probe closes it;
+  while open the tier is a miss and jobs are refused as `not_serving`.
+- **The in-flight budget** (`max_inflight_bytes`): stores past it are refused as
+  `max_inflight` (`admit`/`release`), so a slow tier is skipped, not queued behind.
+- **Answer checks** (`checks.checked_result`): every key exactly once; a block the
+  tier removed while its store ran is not reported held.
+- **Life**: `open` (a required tier that fails raises; an optional one is reopened by
+  `keep_opening`), `close`.
+- **Statistics** (`TierStats`), read by `TieredCache.stats()` and the adapters' metrics.
+
+Every method runs on the event loop that runs the tier, except `admit` and `release`,
+which any thread may call (an engine refuses a job at once, on its own thread); an
+adapter whose engine calls from its own threads crosses to that loop for the rest
+(vLLM: `LoopThread`) and only translates. Nothing but cancellation raises out of
+`run_job`, `lookup` and `touch`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import anyio
+
+from tierkv.driver.checks import backstop_after, checked_flags, checked_result, without_removed
+from tierkv.errors import TierUnavailable
+from tierkv.health import CircuitBreaker
+from tierkv.jobs import JobMetadata, JobResult, ReqContext
+from tierkv.keys import OffloadKey
+from tierkv.registry import create_tier
+from tierkv.slab import PrimaryView
+from tierkv.stats import TierStats
+from tierkv.tier import SecondaryTierManager, TierConfig
+
+__all__ = ["Failure", "GuardedTier", "JobKind", "JobOutcome", "Refusal"]
+
+logger = logging.getLogger(__name__)
+
+JobKind = Literal["store", "load"]
+Refusal = Literal["not_serving", "max_inflight"]
+"""Why `admit` kept a job from the tier: it is not open or its breaker is open; its
+stores in flight would pass `max_inflight_bytes`."""
+Failure = Literal["keys_failed", "timeout", "error"]
+"""Why a job that ran failed keys: the tier reported them failed (late keys
+included); it gave no answer by the backstop; it raised."""
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """A job's checked result and, when some key failed, why (`Failure`)."""
+
+    result: JobResult
+    failure: Failure | None = None
+
+
+class GuardedTier:
+    """One secondary tier of a chain, guarded (see the module docstring)."""
+
+    def __init__(
+        self,
+        tier: SecondaryTierManager,
+        *,
+        index: int = 0,
+        name: str | None = None,
+        on_removed: Callable[[GuardedTier, tuple[OffloadKey, ...]], None] | None = None,
+    ) -> None:
+        self.tier = tier
+        self.config: TierConfig = tier.config
+        self.index = index
+        self.name = name or tier.name
+        self.breaker = CircuitBreaker(
+            self.name, self.config.failure_threshold, self.config.recovery_after
+        )
+        self.stats = TierStats()
+        self.block_bytes = tier.primary.block_bytes
+        self.opened = False
+        self.closed = False
+        self._on_removed = on_removed
+        # the breaker and the in-flight bytes: `admit` and `release` may come from
+        # an engine's thread while the loop thread records results
+        self._lock = threading.Lock()
+        # keys the tier reported removed while a store job runs, per running job
+        self._removed_during: dict[int, set[OffloadKey]] = {}
+        tier.set_removal_listener(self._removed)
+
+    @classmethod
+    def create(
+        cls,
+        config: TierConfig,
+        primary: PrimaryView,
+        *,
+        index: int = 0,
+        name: str | None = None,
+        on_removed: Callable[[GuardedTier, tuple[OffloadKey, ...]], None] | None = None,
+    ) -> GuardedTier:
+        """The registered tier type of `config`, built over `primary` and guarded."""
+        return cls(create_tier(config, primary), index=index, name=name, on_removed=on_removed)
+
+    # -- what callers ask ---------------------------------------------------------------
+    @property
+    def bit(self) -> int:
+        """This tier's bit in the cache's per-key `held` masks."""
+        return 1 << self.index
+
+    @property
+    def policy(self) -> str:
+        return self.config.write_policy
+
+    def usable(self) -> bool:
+        """Open and its breaker lets a request through (a half-open probe counts)."""
+        with self._lock:
+            return self.opened and self.breaker.allow()
+
+    def healthy(self) -> bool:
+        """Open and its breaker closed; asks for no probe. A half-open tier is still
+        proving itself (its one probe may hang): write-back must not count on it."""
+        return self.opened and self.breaker.state.value == "closed"
+
+    def admit(self, kind: JobKind, keys: int, nbytes: int) -> Refusal | None:
+        """Whether a job of `keys` blocks (`nbytes`) may go to the tier now: None, and a
+        store's bytes count as in flight until `release`; or why not (counted)."""
+        stats = self.stats
+        with self._lock:
+            if not (self.opened and self.breaker.allow()):
+                stats.skipped_unhealthy += keys
+                return "not_serving"
+            if kind == "load":
+                return None
+            in_flight = stats.inflight_bytes
+            if in_flight and in_flight + nbytes > self.config.max_inflight_bytes:
+                self.breaker.abandon()  # a half-open probe taken above is not spent
+                stats.drops += keys
+                return "max_inflight"
+            stats.inflight_bytes += nbytes
+            return None
+
+    def release(self, kind: JobKind, nbytes: int) -> None:
+        """An admitted job ended (whatever its result)."""
+        if kind == "store":
+            with self._lock:
+                self.stats.inflight_bytes -= nbytes
+
+    def _record(self, ok: bool | None) -> None:
+        """Tell the breaker: success, failure, or None (the call was abandoned)."""
+        with self._lock:
+            if ok is None:
+                self.breaker.abandon()
+            elif ok:
+                self.breaker.record_success()
+            else:
+                self.breaker.record_failure()
+
+    # -- jobs ----------------------------------------------------------------------------
+    async def run_job(self, kind: JobKind, job: JobMetadata) -> JobResult:
+        """Run one job; every key of the result reported exactly once. Never raises
+        (except cancellation)."""
+        return (await self.run(kind, job)).result
+
+    async def run(self, kind: JobKind, job: JobMetadata) -> JobOutcome:
+        """`run_job`, with why keys failed (for an adapter's metrics)."""
+        stats = self.stats
+        started = anyio.current_time()
+        stats.inflight_jobs += 1
+        if kind == "store":
+            self._removed_during[job.job_id] = set()
+        try:
+            outcome = await self._call(kind, job)
+        finally:
+            stats.inflight_jobs -= 1
+            removed = self._removed_during.pop(job.job_id, None)
+        result = outcome.result
+        elapsed = anyio.current_time() - started
+        if self._failed_whole(kind, job, outcome, elapsed):
+            stats.errors += 1
+            self._record(False)
+        else:
+            self._record(True)
+        if removed:
+            result = without_removed(job, result, removed, self.name)
+            failure = outcome.failure or ("keys_failed" if result.failed_keys else None)
+            outcome = JobOutcome(result, failure)
+        self._count(kind, result, elapsed)
+        return outcome
+
+    async def _call(self, kind: JobKind, job: JobMetadata) -> JobOutcome:
+        op = self.tier.store if kind == "store" else self.tier.load
+        limit = backstop_after(self.config.job_timeout)
+        try:
+            with anyio.fail_after(limit):
+                answer = await op(job)
+        except TimeoutError:
+            return JobOutcome(self._breach(kind, job, limit), "timeout")
+        except anyio.get_cancelled_exc_class():
+            self._record(None)
+            raise
+        except Exception as exc:
+            error = f"tier {self.name}: {kind} failed: {type(exc).__name__}: {exc}"
+            return JobOutcome(JobResult.failure(job, error), "error")
+        result = checked_result(job, answer, self.name)
+        return JobOutcome(result, "keys_failed" if result.failed_keys else None)
+
+    def _breach(self, kind: JobKind, job: JobMetadata, limit: float) -> JobResult:
+        """The tier gave no answer by the backstop: its job fails whole."""
+        self.stats.deadline_breaches += 1
+        timeout = self.config.job_timeout
+        logger.warning(
+            "tier %s broke its deadline: a %s job of %d keys gave no answer within "
+            "job_timeout=%gs and %gs of grace; all its keys failed (a tier reports the "
+            "keys it has not finished by job_timeout itself: tierkv.tier.run_job does)",
+            self.name,
+            kind,
+            len(job.keys),
+            timeout,
+            limit - timeout,
+        )
+        return JobResult.failure(
+            job, f"tier {self.name}: {kind} timed out after {limit:g}s (job_timeout={timeout:g}s)"
+        )
+
+    def _failed_whole(
+        self, kind: JobKind, job: JobMetadata, outcome: JobOutcome, elapsed: float
+    ) -> bool:
+        """Whether the job counts against the tier's health: it raised or broke its
+        deadline; a store that stored nothing and said why; or a job that ran to its
+        deadline and moved nothing. A job that moved part of its keys is progress."""
+        result = outcome.result
+        if outcome.failure in ("timeout", "error"):
+            return True
+        if not job.keys or result.ok_keys:
+            return False
+        if kind == "store" and result.error:
+            return True  # a tier that can store nothing is down, raised or not
+        return elapsed >= self.config.job_timeout
+
+    def _count(self, kind: JobKind, result: JobResult, elapsed: float) -> None:
+        stats = self.stats
+        stats.job_latency.add(elapsed)
+        moved = len(result.ok_keys) * self.block_bytes
+        if kind == "store":
+            stats.store_jobs += 1
+            stats.blocks_stored += len(result.ok_keys)
+            stats.bytes_in += moved
+        else:
+            stats.load_jobs += 1
+            stats.blocks_loaded += len(result.ok_keys)
+            stats.bytes_out += moved
+        stats.failed_keys += len(result.failed_keys)
+        if result.failed_keys and result.error:
+            logger.debug("tier %s %s job: %s", self.name, kind, result.error)
+
+    # -- lookups and hints -------------------------------------------------------------
+    async def lookup(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext, timeout: float | None
+    ) -> list[bool] | None:
+        """The tier's answer, one flag per key; None when it is unusable, slow (past
+        `timeout`) or broken."""
+        stats = self.stats
+        if not self.usable():
+            stats.skipped_unhealthy += 1
+            return None
+        started = anyio.current_time()
+        stats.lookups += 1
+        stats.lookup_keys += len(keys)
+        try:
+            with anyio.fail_after(timeout):
+                flags = checked_flags(await self.tier.lookup(keys, ctx), keys)
+        except TimeoutError:
+            stats.lookup_timeouts += 1
+            stats.errors += 1
+            self._record(False)
+            return None
+        except anyio.get_cancelled_exc_class():
+            self._record(None)
+            raise
+        except Exception as exc:
+            logger.warning("tier %s lookup failed: %s: %s", self.name, type(exc).__name__, exc)
+            stats.errors += 1
+            self._record(False)
+            return None
+        self._record(True)
+        stats.lookup_latency.add(anyio.current_time() - started)
+        return flags
+
+    async def touch(self, keys: Sequence[OffloadKey], timeout: float | None) -> bool:
+        """Forward reuse to the tier's eviction order; a hint, so a failure is only
+        logged. True when the tier took it."""
+        if not self.opened:
+            return False
+        try:
+            with anyio.fail_after(timeout):
+                await self.tier.touch(keys)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as exc:
+            logger.debug("tier %s: touch failed: %s", self.name, exc)
+            return False
+        return True
+
+    # -- removals ------------------------------------------------------------------------
+    def _removed(self, keys: tuple[OffloadKey, ...]) -> None:
+        """The tier's `report_removed`: stores running now must not count these keys;
+        then the owner forgets them."""
+        for removed in self._removed_during.values():
+            removed.update(keys)
+        if self._on_removed is not None:
+            self._on_removed(self, keys)
+
+    # -- life ----------------------------------------------------------------------------
+    async def open(self) -> bool:
+        """Open the tier. A required tier that fails raises `TierUnavailable` (the
+        tier's error chained); an optional one is logged and returns False (serve
+        without it; `keep_opening` retries)."""
+        self.closed = False
+        try:
+            await self.tier.open()
+        except Exception as exc:
+            message = f"tier {self.name!r} failed to open: {type(exc).__name__}: {exc}"
+            if self.config.required:
+                raise TierUnavailable(message) from exc
+            logger.error(
+                "%s; running without it and retrying every %gs",
+                message,
+                self.config.recovery_after,
+            )
+            return False
+        self.opened = True
+        return True
+
+    async def keep_opening(self) -> None:
+        """Retry opening every `recovery_after` until it works or `close` is called."""
+        while not self.opened and not self.closed:
+            await anyio.sleep(max(self.config.recovery_after, 0.01))
+            if self.closed:
+                return
+            try:
+                await self.tier.open()
+            except Exception as exc:
+                logger.debug("tier %s still fails to open: %s", self.name, exc)
+                continue
+            self.opened = True
+            logger.warning("tier %s opened; it is used from now on", self.name)
+
+    async def close(self, timeout: float | None = None) -> None:
+        """Close the tier if it is open (bounded by `timeout`); errors are logged."""
+        self.closed = True
+        if not self.opened:
+            return
+        self.opened = False
+        try:
+            with anyio.move_on_after(timeout):
+                await self.tier.close()
+        except Exception:
+            logger.exception("tier %s failed to close", self.name)
