@@ -159,6 +159,24 @@ class TierkvEntry:
     shutdown_grace: float = 10.0  # seconds jobs in flight get at shutdown
     drain_timeout: float | None = None  # seconds drain_jobs waits; None: job_timeout + grace
 
+    @property
+    def drain_seconds(self) -> float:
+        """How long `drain_jobs` waits before it cancels what runs."""
+        if self.drain_timeout is not None:
+            return self.drain_timeout
+        return float(self.tier.job_timeout) + self.shutdown_grace
+
+
+def index_of(offloading_spec: Any, entry: Mapping[str, Any]) -> int | None:
+    """The position in `secondary_tiers` of the entry vLLM built us from."""
+    configs = getattr(offloading_spec, "secondary_tier_configs", None) or []
+    for i, config in enumerate(configs):
+        if isinstance(config, Mapping) and all(
+            config.get(k) is v or config.get(k) == v for k, v in entry.items()
+        ):
+            return i
+    return None
+
 
 def geometry_of(offloading_spec: Any, row_bytes: int) -> VllmGeometry:
     """What vLLM's normalized `OffloadingConfig` says about the bytes of a chunk."""

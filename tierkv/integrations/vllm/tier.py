@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable
 from types import MappingProxyType
 from typing import Any
 
@@ -46,7 +46,7 @@ from tierkv.driver.engine_jobs import EngineJobs
 from tierkv.driver.loop_thread import LoopThread
 from tierkv.integrations.vllm import metrics
 from tierkv.integrations.vllm.lookups import LookupBook
-from tierkv.integrations.vllm.settings import geometry_of, resolve_entry
+from tierkv.integrations.vllm.settings import geometry_of, index_of, resolve_entry
 from tierkv.jobs import JobMetadata, JobResult, ReqContext
 from tierkv.keys import OffloadKey
 from tierkv.slab import PrimaryView
@@ -69,17 +69,6 @@ def _error_of(result: JobResult | None) -> str | None:
     return result.error if result is not None else None
 
 
-def _index_of(offloading_spec: Any, entry: Mapping[str, Any]) -> int | None:
-    """The position in `secondary_tiers` of the entry vLLM built us from."""
-    configs = getattr(offloading_spec, "secondary_tier_configs", None) or []
-    for i, config in enumerate(configs):
-        if isinstance(config, Mapping) and all(
-            config.get(k) is v or config.get(k) == v for k, v in entry.items()
-        ):
-            return i
-    return None
-
-
 class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
     """A tierkv tier plugin (nvme, redis, s3, memory, any third-party type) serving
     vLLM's tiering manager. Built by vLLM's `SecondaryTierFactory` from a
@@ -97,7 +86,7 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         row_bytes = self.block_size_bytes
-        index = _index_of(offloading_spec, entry)
+        index = index_of(offloading_spec, entry)
         resolved = resolve_entry(
             entry,
             geometry_of(offloading_spec, row_bytes),
@@ -113,11 +102,7 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
         self._name = resolved.name
         self._timeout = float(resolved.tier.job_timeout)
         self._shutdown_grace = resolved.shutdown_grace
-        self._drain_timeout = (
-            self._timeout + self._shutdown_grace
-            if resolved.drain_timeout is None
-            else resolved.drain_timeout
-        )
+        self._drain_timeout = resolved.drain_seconds
         # labelled as vLLM labels this tier in its own metrics, so the two join
         self._metrics = metrics.TierMetrics(f"{'?' if index is None else index + 1}:{tier_type}")
         self._touched: list[OffloadKey] = []

@@ -1,0 +1,210 @@
+"""`GuardedTier`: the one driver between a tier and the cache or an engine adapter."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import anyio
+import pytest
+
+from tierkv.driver import GuardedTier, backstop_after
+from tierkv.driver.checks import checked_result
+from tierkv.errors import TierUnavailable
+from tierkv.jobs import JobMetadata, JobResult, ReqContext
+from tierkv.memory_tier import MemoryTier, MemoryTierConfig
+from tierkv.slab import PrimaryView
+from tierkv.testing import FaultyTier, random_keys
+from tierkv.testing.faulty import FaultyTierConfig
+
+pytestmark = pytest.mark.anyio
+
+BLOCK = 256
+SLOTS = 16
+
+
+def view() -> PrimaryView:
+    return PrimaryView(bytearray(BLOCK * SLOTS), BLOCK, "test")
+
+
+def faulty(**fields: Any) -> tuple[GuardedTier, FaultyTier]:
+    tier = FaultyTier(FaultyTierConfig(type="faulty", **fields), view())
+    return GuardedTier(tier, name="faulty"), tier
+
+
+def job(n: int, job_id: int = 1) -> JobMetadata:
+    return JobMetadata(job_id, tuple(random_keys(n)), tuple(range(n)))
+
+
+async def opened(**fields: Any) -> tuple[GuardedTier, FaultyTier]:
+    guarded, tier = faulty(**fields)
+    assert await guarded.open()
+    return guarded, tier
+
+
+def test_the_backstop_is_the_deadline_plus_a_bounded_grace() -> None:
+    assert backstop_after(0.1) == pytest.approx(0.35)  # at least 0.25 s of grace
+    assert backstop_after(2.0) == pytest.approx(3.0)  # half the deadline
+    assert backstop_after(30.0) == pytest.approx(35.0)  # at most 5 s
+
+
+async def test_keys_stored_by_the_tiers_deadline_are_kept_and_count_as_progress() -> None:
+    guarded, tier = await opened(job_timeout="200ms", stall_after_keys=3)
+    j = job(6)
+    outcome = await guarded.run("store", j)
+    assert outcome.result.ok_keys == j.keys[:3]
+    assert outcome.result.failed_keys == j.keys[3:]
+    assert "job_timeout" in (outcome.result.error or "")
+    assert outcome.failure == "keys_failed"
+    assert tier.stored_keys() == set(j.keys[:3])
+    stats = guarded.stats
+    assert (stats.blocks_stored, stats.failed_keys, stats.errors) == (3, 3, 0)
+    assert stats.deadline_breaches == 0 and guarded.breaker.state.value == "closed"
+
+
+async def test_a_job_that_moved_nothing_by_its_deadline_counts_against_the_tier() -> None:
+    guarded, _ = await opened(job_timeout="100ms", stall_after_keys=0, failure_threshold=1)
+    outcome = await guarded.run("load", job(2))
+    assert outcome.result.ok_keys == () and outcome.failure == "keys_failed"
+    assert guarded.stats.errors == 1 and guarded.breaker.state.value == "open"
+
+
+async def test_a_tier_silent_past_the_backstop_breaks_the_contract(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    guarded, tier = await opened(job_timeout="100ms")
+    tier.hang = True
+    j = job(3)
+    started = anyio.current_time()
+    with caplog.at_level(logging.WARNING, logger="tierkv.driver.guarded"):
+        outcome = await guarded.run("store", j)
+    assert anyio.current_time() - started < 2
+    assert outcome.failure == "timeout" and outcome.result.failed_keys == j.keys
+    assert "timed out after 0.35s (job_timeout=0.1s)" in (outcome.result.error or "")
+    assert guarded.stats.deadline_breaches == 1 and guarded.stats.errors == 1
+    assert "broke its deadline" in caplog.text
+    tier.hang = False
+
+
+async def test_a_raising_tier_fails_its_job_and_opens_the_breaker() -> None:
+    guarded, tier = await opened(failure_threshold=2, recovery_after="1h")
+    tier.down = True
+    for i in range(2):
+        outcome = await guarded.run("load", job(2, job_id=i))
+        assert outcome.failure == "error"
+        assert "TierUnavailable: faulty tier is down" in (outcome.result.error or "")
+    assert guarded.breaker.state.value == "open"
+    assert guarded.admit("load", 2, 0) == "not_serving"
+    assert guarded.admit("store", 2, 2 * BLOCK) == "not_serving"
+    assert guarded.stats.skipped_unhealthy == 4
+    assert await guarded.lookup(random_keys(1), ReqContext(), None) is None
+
+
+async def test_stores_past_max_inflight_bytes_are_refused_until_released() -> None:
+    guarded, _ = await opened(max_inflight_bytes=2 * BLOCK)
+    assert guarded.admit("store", 4, 4 * BLOCK) is None  # nothing in flight: always goes
+    assert guarded.admit("store", 1, BLOCK) == "max_inflight"
+    assert guarded.admit("load", 8, 8 * BLOCK) is None  # loads have no byte budget
+    guarded.release("store", 4 * BLOCK)
+    assert guarded.admit("store", 2, 2 * BLOCK) is None
+    assert guarded.stats.drops == 1 and guarded.stats.inflight_bytes == 2 * BLOCK
+
+
+async def test_a_tier_is_held_to_every_key_exactly_once() -> None:
+    j = job(3)
+    other = JobResult(99, j.keys, (), None)
+    assert checked_result(j, other, "t").failed_keys == j.keys
+    assert checked_result(j, "nonsense", "t").ok_keys == ()
+    twice = JobResult(j.job_id, (j.keys[0], j.keys[0], random_keys(1)[0]), (), None)
+    checked = checked_result(j, twice, "t")
+    assert checked.ok_keys == (j.keys[0],) and checked.failed_keys == j.keys[1:]
+    assert checked.error == "tier t did not report every key"
+
+
+async def test_a_block_removed_while_its_store_ran_is_not_reported_held() -> None:
+    guarded, tier = await opened()
+    told: list[tuple[Any, ...]] = []
+    guarded = GuardedTier(tier, name="faulty", on_removed=lambda g, keys: told.append(keys))
+    guarded.opened = True
+    j = job(2)
+    gate = anyio.Event()
+    tier.gate = gate
+    async with anyio.create_task_group() as tg:
+        results: list[JobResult] = []
+
+        async def store() -> None:
+            results.append(await guarded.run_job("store", j))
+
+        tg.start_soon(store)
+        await anyio.sleep(0.01)
+        tier.report_removed([j.keys[1]])  # evicted while the store is still running
+        gate.set()
+    assert results[0].ok_keys == (j.keys[0],) and results[0].failed_keys == (j.keys[1],)
+    assert told == [(j.keys[1],)]
+
+
+async def test_a_wrong_lookup_answer_is_a_miss_and_an_error() -> None:
+    guarded, tier = await opened()
+
+    async def short(keys: Any, ctx: Any) -> list[bool]:
+        return [True]
+
+    tier.lookup = short  # type: ignore[method-assign]
+    assert await guarded.lookup(random_keys(3), ReqContext(), 1.0) is None
+    assert guarded.stats.errors == 1
+
+
+async def test_touch_is_a_hint_a_failure_is_not_raised() -> None:
+    guarded, tier = await opened()
+
+    async def broken(keys: Any) -> None:
+        raise OSError("gone")
+
+    tier.touch = broken  # type: ignore[method-assign]
+    assert await guarded.touch(random_keys(2), 1.0) is False
+    assert guarded.stats.errors == 0
+
+
+class _Flaky(MemoryTier):
+    """Fails to open while `refuse` is set."""
+
+    refuse = True
+
+    async def open(self) -> None:
+        if self.refuse:
+            raise ConnectionRefusedError("no server")
+
+
+def flaky(required: bool) -> GuardedTier:
+    config = MemoryTierConfig(type="memory", required=required, recovery_after="10ms")
+    return GuardedTier(_Flaky(config, view()), name="flaky")
+
+
+async def test_a_required_tier_that_fails_to_open_raises_with_the_cause() -> None:
+    guarded = flaky(required=True)
+    with pytest.raises(TierUnavailable, match="tier 'flaky' failed to open: ConnectionRefused"):
+        await guarded.open()
+    assert not guarded.opened
+
+
+async def test_an_optional_tier_is_reopened_until_it_works_and_stops_at_close() -> None:
+    guarded = flaky(required=False)
+    assert await guarded.open() is False and not guarded.usable()
+    tier = guarded.tier
+    assert isinstance(tier, _Flaky)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(guarded.keep_opening)
+        await anyio.sleep(0.05)
+        assert not guarded.opened
+        tier.refuse = False
+        with anyio.fail_after(2):
+            while not guarded.opened:
+                await anyio.sleep(0.01)
+    assert guarded.usable()
+    await guarded.close()
+    assert not guarded.opened and guarded.closed
+    never = flaky(required=False)
+    await never.close()  # closed before it opened: keep_opening ends at once
+    with anyio.fail_after(1):
+        await never.keep_opening()
+    assert not never.opened
