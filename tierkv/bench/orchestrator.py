@@ -44,38 +44,10 @@ async def bench_orchestrator(
     )
     progress(f"orchestrator: making {n:,} keys")
     keys = bench_keys(n, "orch")
-    sample = min(n, 1 << 16)  # keys per timed lookup/load pass
-    unknown = bench_keys(sample, "miss")
-    rates: dict[str, list[float]] = {"store": [], "lookup_hit": [], "lookup_miss": [], "load": []}
-
-    def calls(pool: list[OffloadKey], start: int, end: int) -> Iterator[list[OffloadKey]]:
-        for i in range(start, end, per_call):
-            yield pool[i : min(end, i + per_call)]
-
     async with TieredCache(config) as cache:
-        segment = -(-n // options.repeat)
-        for first in range(0, n, segment):
-            progress(f"orchestrator: storing keys {first:,}..{min(n, first + segment):,}")
-            t0 = time.perf_counter()
-            done = 0
-            for chunk in calls(keys, first, first + segment):
-                await cache.store(chunk, NoCopy(len(chunk)))
-                done += len(chunk)
-            if done:
-                rates["store"].append(done / (time.perf_counter() - t0))
+        rates = {"store": await _fill(cache, keys, options, progress)}
         cache.take_events()
-        for rep in range(options.repeat):
-            progress(f"orchestrator: lookups and loads, repetition {rep + 1}/{options.repeat}")
-            for name, pool in (("lookup_hit", keys), ("lookup_miss", unknown), ("load", keys)):
-                t0 = time.perf_counter()
-                done = 0
-                for chunk in calls(pool, 0, sample):
-                    if name == "load":
-                        await cache.load(chunk, NoCopy(len(chunk)))
-                    else:
-                        await cache.lookup([chunk])
-                    done += len(chunk)
-                rates[name].append(done / (time.perf_counter() - t0))
+        rates.update(await _lookups_and_loads(cache, keys, options, progress))
         bookkeeping = await bench_bookkeeping(cache, keys, block_bytes, options, progress)
         resident = len(cache.primary)
     return {
@@ -88,3 +60,59 @@ async def bench_orchestrator(
             for name, values in rates.items()
         },
     }
+
+
+def _calls(
+    pool: list[OffloadKey], start: int, end: int, per_call: int
+) -> Iterator[list[OffloadKey]]:
+    """`pool[start:end]` in calls of `per_call` keys."""
+    for i in range(start, end, per_call):
+        yield pool[i : min(end, i + per_call)]
+
+
+async def _fill(
+    cache: TieredCache,
+    keys: list[OffloadKey],
+    options: BenchOptions,
+    progress: Callable[[str], None],
+) -> list[float]:
+    """Store every key, in `repeat` segments: the keys per second of each segment."""
+    n = len(keys)
+    rates = []
+    segment = -(-n // options.repeat)
+    for first in range(0, n, segment):
+        progress(f"orchestrator: storing keys {first:,}..{min(n, first + segment):,}")
+        t0 = time.perf_counter()
+        done = 0
+        for chunk in _calls(keys, first, first + segment, options.lookup_batch):
+            await cache.store(chunk, NoCopy(len(chunk)))
+            done += len(chunk)
+        if done:
+            rates.append(done / (time.perf_counter() - t0))
+    return rates
+
+
+async def _lookups_and_loads(
+    cache: TieredCache,
+    keys: list[OffloadKey],
+    options: BenchOptions,
+    progress: Callable[[str], None],
+) -> dict[str, list[float]]:
+    """Keys per second, once per repetition, of lookups of resident keys, of lookups
+    of unknown keys (which ask the tier), and of loads, over a sample of the keys."""
+    sample = min(len(keys), 1 << 16)  # keys per timed lookup/load pass
+    unknown = bench_keys(sample, "miss")
+    rates: dict[str, list[float]] = {"lookup_hit": [], "lookup_miss": [], "load": []}
+    for rep in range(options.repeat):
+        progress(f"orchestrator: lookups and loads, repetition {rep + 1}/{options.repeat}")
+        for name, pool in (("lookup_hit", keys), ("lookup_miss", unknown), ("load", keys)):
+            t0 = time.perf_counter()
+            done = 0
+            for chunk in _calls(pool, 0, sample, options.lookup_batch):
+                if name == "load":
+                    await cache.load(chunk, NoCopy(len(chunk)))
+                else:
+                    await cache.lookup([chunk])
+                done += len(chunk)
+            rates[name].append(done / (time.perf_counter() - t0))
+    return rates
