@@ -16,9 +16,10 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -36,6 +37,9 @@ from tierkv.cli.common import (
 from tierkv.cli.progress import Progress
 from tierkv.config import CacheConfig, load_config
 from tierkv.units import format_size
+
+if TYPE_CHECKING:
+    from tierkv.demo.run import TurnRecord
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -72,6 +76,15 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         help="also draw TTFT per turn for the three columns (needs matplotlib); without "
         "FILE, a new tierkv-demo-ttft-*.png in the temporary directory; the path is printed",
     )
+    _workload_arguments(demo)
+    _hybrid_arguments(demo)
+    _model_arguments(demo)
+    _metrics_arguments(demo)
+    demo.set_defaults(func=run)
+
+
+def _workload_arguments(demo: argparse.ArgumentParser) -> None:
+    """The chat: how many users and turns, and the tokens of each prompt part and reply."""
     g = demo.add_argument_group("workload (defaults: by device; CPU values shown)")
     g.add_argument("--users", type=positive, metavar="N", help="conversations (4)")
     g.add_argument("--turns", type=positive, metavar="N", help="turns per user (4)")
@@ -84,6 +97,10 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     g.add_argument(
         "--reply-tokens", type=positive, metavar="N", help="tokens decoded per turn (16)"
     )
+
+
+def _hybrid_arguments(demo: argparse.ArgumentParser) -> None:
+    """A hybrid model's other layer kind, its window, and where stored hits may land."""
     g = demo.add_argument_group("hybrid models")
     g.add_argument(
         "--hybrid",
@@ -109,6 +126,10 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         "each request's end), so stores keep only the window blocks and states those "
         "hits need (layout.checkpoint_every; default: every block boundary)",
     )
+
+
+def _model_arguments(demo: argparse.ArgumentParser) -> None:
+    """The model's shape and dtype, the device, and the engines' KV cache and primary."""
     g = demo.add_argument_group("model and KV cache (defaults: by device; CPU values shown)")
     g.add_argument("--layers", type=positive, metavar="N", help="4 (CUDA 20)")
     g.add_argument("--hidden", type=positive, metavar="N", help="256 (CUDA 2048)")
@@ -146,6 +167,10 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     g.add_argument(
         "--atol", type=float, metavar="X", default=None, help="logit tolerance (by dtype)"
     )
+
+
+def _metrics_arguments(demo: argparse.ArgumentParser) -> None:
+    """The Prometheus endpoint, and how long it stays up after the run."""
     g = demo.add_argument_group("metrics")
     g.add_argument(
         "--metrics-port",
@@ -162,7 +187,6 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         default=0.0,
         help="keep serving metrics this long after the run",
     )
-    demo.set_defaults(func=run)
 
 
 # -- where the tiers keep their files ------------------------------------------------------
@@ -290,8 +314,7 @@ def _options(args: argparse.Namespace, device: str, profile: Any) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tierkv.demo.report import demo_summary, render
-    from tierkv.demo.run import TurnRecord, run_demo
+    from tierkv.demo.run import run_demo
 
     if args.plot is not None:
         from tierkv.demo.plot import check_available
@@ -302,23 +325,6 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(str(exc)) from None
     device, profile = _profile(args)
     options = _options(args, device, profile)
-    files: dict[str, Any] = {}
-
-    def show(report: dict[str, Any]) -> None:
-        progress.stop()
-        report["tier_files"] = files
-        if args.plot is not None:
-            from tierkv.demo.plot import plot_path, plot_ttft
-
-            report["plot"] = str(plot_ttft(report, plot_path(args.plot)))
-        if args.json:
-            print_json(report)
-        else:
-            render(demo_summary(report))
-            if args.linger > 0 and report.get("metrics_url"):
-                print(f"serving metrics for {args.linger:g} s more (Ctrl-C to stop)")
-        sys.stdout.flush()
-
     total = options.workload.users * options.workload.turns
     default_primary = format_size(args.primary or profile.primary_capacity)
     with (
@@ -326,26 +332,15 @@ def run(args: argparse.Namespace) -> int:
         demo_chain(args.config, keep=args.keep, primary=default_primary) as (config, where),
         Progress(not args.json, total, "warming up", command="demo") as progress,
     ):
-        files.update(where)
         progress.update(
             f"model: {options.model.layers} layers x {options.model.hidden} hidden on {device}"
         )
-
-        def on_turn(record: TurnRecord) -> None:
-            served = sum(record.sources.values())
-            progress.update(
-                f"user {record.user} turn {record.index + 1}: TTFT "
-                f"{record.ttft['no_cache'] * 1e3:.0f} / {record.ttft['gpu_prefix_cache'] * 1e3:.0f}"
-                f" / {record.ttft['tierkv'] * 1e3:.0f} ms, {served} blocks from tierkv",
-                advance=1,
-            )
-
         report = anyio.run(
             lambda: run_demo(
                 config,
                 options,
-                on_turn=on_turn,
-                on_report=show,
+                on_turn=partial(_show_turn, progress),
+                on_report=partial(_show_report, args, progress, dict(where)),
                 metrics_port=args.metrics_port,
                 metrics_host=args.metrics_host,
                 linger=args.linger,
@@ -355,3 +350,38 @@ def run(args: argparse.Namespace) -> int:
         print("tierkv: error: the runs with and without a cache disagree", file=sys.stderr)
         return 1
     return 0
+
+
+def _show_turn(progress: Progress, record: TurnRecord) -> None:
+    """A finished turn on the progress line: its TTFT per column, and the blocks
+    tierkv served."""
+    served = sum(record.sources.values())
+    progress.update(
+        f"user {record.user} turn {record.index + 1}: TTFT "
+        f"{record.ttft['no_cache'] * 1e3:.0f} / {record.ttft['gpu_prefix_cache'] * 1e3:.0f}"
+        f" / {record.ttft['tierkv'] * 1e3:.0f} ms, {served} blocks from tierkv",
+        advance=1,
+    )
+
+
+def _show_report(
+    args: argparse.Namespace, progress: Progress, files: dict[str, Any], report: dict[str, Any]
+) -> None:
+    """The report, printed while the cache (and the metrics endpoint) is still up:
+    with where the tiers kept their `files` and the plot, if asked for, as JSON or as
+    the summary."""
+    from tierkv.demo.report import demo_summary, render
+
+    progress.stop()
+    report["tier_files"] = files
+    if args.plot is not None:
+        from tierkv.demo.plot import plot_path, plot_ttft
+
+        report["plot"] = str(plot_ttft(report, plot_path(args.plot)))
+    if args.json:
+        print_json(report)
+    else:
+        render(demo_summary(report))
+        if args.linger > 0 and report.get("metrics_url"):
+            print(f"serving metrics for {args.linger:g} s more (Ctrl-C to stop)")
+    sys.stdout.flush()

@@ -190,36 +190,57 @@ class DemoEngine:
             reused = result.gpu_hit_tokens
             if cache is not None:
                 reused += await self._reuse(cache, reusable, len(hit), table, result)
-            logits = await self._compute(
-                lambda: self.model(prompt[reused:], reused, table, self.kv)
-            )
-            token = int(logits.argmax())
-            result.ttft = time.perf_counter() - started
-            result.tokens.append(token)
-            result.logits.append(logits)
-            for step in range(1, max_new_tokens):
-                logits = await self._compute(
-                    partial(self.model, [token], len(prompt) + step - 1, table, self.kv)
-                )
-                token = int(logits.argmax())
-                result.tokens.append(token)
-                result.logits.append(logits)
-            result.total = time.perf_counter() - started
+            await self._decode(prompt, reused, max_new_tokens, table, started, result)
             # KV exists for every token but the last one generated
             computed_keys = self.block_keys(prompt + result.tokens[:-1])
             if cache is not None:
-                # the blocks the GPU prefix cache did not provide: loaded ones are
-                # already present below, computed ones are new
-                new = computed_keys[len(hit) :]
-                if self.stored_keys is not None:
-                    self.stored_keys.update(new)
-                stored = await cache.store(new, self._blocks(table, len(hit), len(new)))
-                result.stored_blocks = len(stored.stored)
-                result.rejected_blocks = len(stored.rejected)
-                result.group_stored = [result.stored_blocks]
+                await self._store(cache, computed_keys, len(hit), table, result)
             return result
         finally:
             await self._release(chunks, computed_keys)
+
+    async def _decode(
+        self,
+        prompt: list[int],
+        reused: int,
+        max_new_tokens: int,
+        table: list[int],
+        started: float,
+        result: Generation,
+    ) -> None:
+        """Prefill `prompt` after its first `reused` tokens (their KV is in `table`),
+        then decode greedily into `result`; its `ttft` and `total` run from `started`."""
+        logits = await self._compute(lambda: self.model(prompt[reused:], reused, table, self.kv))
+        token = int(logits.argmax())
+        result.ttft = time.perf_counter() - started
+        result.tokens.append(token)
+        result.logits.append(logits)
+        for step in range(1, max_new_tokens):
+            logits = await self._compute(
+                partial(self.model, [token], len(prompt) + step - 1, table, self.kv)
+            )
+            token = int(logits.argmax())
+            result.tokens.append(token)
+            result.logits.append(logits)
+        result.total = time.perf_counter() - started
+
+    async def _store(
+        self,
+        cache: TieredCache,
+        computed_keys: list[OffloadKey],
+        gpu_hit: int,
+        table: list[int],
+        result: Generation,
+    ) -> None:
+        """Store the blocks the GPU prefix cache did not provide (those after its
+        `gpu_hit` blocks): loaded ones are already present below, computed ones are new."""
+        new = computed_keys[gpu_hit:]
+        if self.stored_keys is not None:
+            self.stored_keys.update(new)
+        stored = await cache.store(new, self._blocks(table, gpu_hit, len(new)))
+        result.stored_blocks = len(stored.stored)
+        result.rejected_blocks = len(stored.rejected)
+        result.group_stored = [result.stored_blocks]
 
     def _blocks(self, table: list[int], first: int, count: int) -> KVCacheBlocks:
         """Offloaded blocks `first .. first + count` of a request as GPU blocks."""

@@ -229,14 +229,7 @@ class HybridEngine:
             )
         groups = self.groups
         tables: list[Table] = [[None] * needed for _ in groups]
-        # 1. the GPU prefix cache, by the group rules
-        flags = [[a.is_cached(k) for k in keys] for a, keys in zip(self.allocators, reusable)]
-        gpu_tokens, ranges = combine_group_hits(groups, flags)
-        valid: list[set[int]] = []
-        for g, r in enumerate(ranges):
-            held = self.allocators[g].hold(reusable[g][r.first : r.end])
-            tables[g][r.first : r.end] = held
-            valid.append(set(range(r.first, r.end)))
+        gpu_tokens, valid = self._hold_gpu_hit(reusable, tables)
         release_keys: list[list[OffloadKey | None]] = [[None] * needed for _ in groups]
         try:
             result = Generation([], [], 0.0, 0.0, len(prompt))
@@ -249,37 +242,63 @@ class HybridEngine:
                 reuse = await self._reuse(cache, reusable, gpu_tokens, tables, valid, result)
             for g, table in enumerate(tables):  # what the passes write
                 await self._fill(g, table, range(reuse // ot, needed))
-            model_tables = self._model_tables(tables)
-            other = self.caches.other
-            running = other.running() if isinstance(other, StateCache) else None
-            caches = self.caches
-            logits = await self._compute(
-                lambda: self.model(prompt[reuse:], reuse, model_tables, caches, running)
-            )
-            token = int(logits.argmax())
-            result.ttft = time.perf_counter() - started
-            result.tokens.append(token)
-            result.logits.append(logits)
-            for step in range(1, max_new_tokens):
-                position = len(prompt) + step - 1
-                logits = await self._compute(
-                    partial(self.model, [token], position, model_tables, caches, running)
-                )
-                token = int(logits.argmax())
-                result.tokens.append(token)
-                result.logits.append(logits)
-            result.total = time.perf_counter() - started
+            await self._decode(prompt, reuse, max_new_tokens, tables, started, result)
             computed = self.block_keys(prompt + result.tokens[:-1])
-            for g, keys in enumerate(computed):
-                for j, key in enumerate(keys):  # blocks whose content is what the key says
-                    if j >= reuse // ot or j in valid[g]:
-                        release_keys[g][j] = key
+            _keep_known_content(computed, reuse // ot, valid, release_keys)
             if cache is not None:
                 await self._store(cache, computed, gpu_tokens // ot, tables, release_keys, result)
             result.reused_tokens = reuse - gpu_tokens
             return result
         finally:
             await self._release(tables, release_keys)
+
+    def _hold_gpu_hit(
+        self, reusable: list[list[OffloadKey]], tables: list[Table]
+    ) -> tuple[int, list[set[int]]]:
+        """Step 1, the GPU prefix cache by the group rules: hold in `tables` the blocks
+        each group needs for the longest hit every group can serve; return that hit in
+        tokens and, per group, the blocks whose content is now valid."""
+        flags = [[a.is_cached(k) for k in keys] for a, keys in zip(self.allocators, reusable)]
+        gpu_tokens, ranges = combine_group_hits(self.groups, flags)
+        valid: list[set[int]] = []
+        for g, r in enumerate(ranges):
+            held = self.allocators[g].hold(reusable[g][r.first : r.end])
+            tables[g][r.first : r.end] = held
+            valid.append(set(range(r.first, r.end)))
+        return gpu_tokens, valid
+
+    async def _decode(
+        self,
+        prompt: list[int],
+        reuse: int,
+        max_new_tokens: int,
+        tables: list[Table],
+        started: float,
+        result: Generation,
+    ) -> None:
+        """Prefill `prompt` after its first `reuse` tokens, then decode greedily into
+        `result`, as `DemoEngine._decode`; a state model carries its running state
+        from pass to pass."""
+        model_tables = self._model_tables(tables)
+        other = self.caches.other
+        running = other.running() if isinstance(other, StateCache) else None
+        caches = self.caches
+        logits = await self._compute(
+            lambda: self.model(prompt[reuse:], reuse, model_tables, caches, running)
+        )
+        token = int(logits.argmax())
+        result.ttft = time.perf_counter() - started
+        result.tokens.append(token)
+        result.logits.append(logits)
+        for step in range(1, max_new_tokens):
+            position = len(prompt) + step - 1
+            logits = await self._compute(
+                partial(self.model, [token], position, model_tables, caches, running)
+            )
+            token = int(logits.argmax())
+            result.tokens.append(token)
+            result.logits.append(logits)
+        result.total = time.perf_counter() - started
 
     async def _reuse(
         self,
@@ -372,3 +391,19 @@ class HybridEngine:
         result.rejected_blocks = len(stored.rejected)
         for key in stored.stored:
             result.group_stored[get_offload_group_idx(key)] += 1
+
+
+def _keep_known_content(
+    computed: list[list[OffloadKey]],
+    first_computed: int,
+    valid: list[set[int]],
+    content: list[list[OffloadKey | None]],
+) -> None:
+    """Set `content[g][j]` to the key of each block whose content is what the key
+    says: computed by this request (from block `first_computed` on), or valid from
+    the GPU hit or a load. The others stay None: a null block, or one whose load
+    failed, is released without a key."""
+    for g, keys in enumerate(computed):
+        for j, key in enumerate(keys):
+            if j >= first_computed or j in valid[g]:
+                content[g][j] = key

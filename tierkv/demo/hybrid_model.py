@@ -170,33 +170,9 @@ class HybridDecoder(nn.Module):
         window = self.hybrid.window
         other = caches.other
         if isinstance(other, PagedKVCache):
-            assert window is not None
-            if end > len(tables[1]) * bt:
-                raise ValueError(f"{end} positions do not fit {len(tables[1])} window blocks")
-            # the keys' span starts at position 0, as in a pass without a cache, so the
-            # attention kernels see the same shapes and round alike with and without
-            # one (see the module doc); rows before the first query's window are outside
-            # every query's window and read as zeros (their blocks may not exist)
-            win_read = _rows(tables[1], 0, end, bt, dev)
-            win_write = win_read[start:]
-            blank = max(0, start - (window - 1))
+            win_read, win_write, blank = self._window_rows(tables[1], start, end, bt)
         else:
-            if running is None:
-                raise ValueError("a recurrent model needs the request's running state")
-            st = caches.state_tokens
-            if end // st > len(tables[1]):
-                raise ValueError(f"{end} positions need {end // st} state slots")
-            if start == 0:
-                begin = [torch.zeros_like(r) for r in running]
-            elif start % st == 0:  # at a boundary: the cached state (restored or not)
-                begin = [s[tables[1][start // st - 1]] for s in other.states]
-            else:
-                begin = list(running)
-            writes = [
-                (i, tables[1][(start + i + 1) // st - 1])
-                for i in range(n)
-                if (start + i + 1) % st == 0
-            ]
+            begin, writes = _state_steps(tables[1], start, n, caches.state_tokens, other, running)
         x = self.embed(torch.tensor(tokens, dtype=torch.long, device=dev))
         g0 = g1 = 0
         for layer, kind in zip(self.layers, self.kinds):
@@ -214,3 +190,47 @@ class HybridDecoder(nn.Module):
                 g1 += 1
         logits: torch.Tensor = self.lm_head(self.norm(x[-1:]))[0].float()
         return logits
+
+    def _window_rows(
+        self, table: Sequence[int], start: int, end: int, bt: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The window group's cache rows a pass over `[start, end)` reads and writes,
+        and how many leading rows of the read are outside every query's window."""
+        window = self.hybrid.window
+        assert window is not None
+        if end > len(table) * bt:
+            raise ValueError(f"{end} positions do not fit {len(table)} window blocks")
+        # the keys' span starts at position 0, as in a pass without a cache, so the
+        # attention kernels see the same shapes and round alike with and without
+        # one (see the module doc); rows before the first query's window are outside
+        # every query's window and read as zeros (their blocks may not exist)
+        read = _rows(table, 0, end, bt, self.device)
+        return read, read[start:], max(0, start - (window - 1))
+
+
+def _state_steps(
+    table: Sequence[int],
+    start: int,
+    n: int,
+    state_tokens: int,
+    cache: StateCache,
+    running: list[torch.Tensor] | None,
+) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
+    """For a pass of `n` tokens from `start` through the state group's slots `table`:
+    the state each recurrent layer starts from (zeros at position 0, the cached state
+    at a block boundary, else the request's `running` state), and the `(token, slot)`
+    pairs where a block boundary's state is written."""
+    if running is None:
+        raise ValueError("a recurrent model needs the request's running state")
+    st = state_tokens
+    end = start + n
+    if end // st > len(table):
+        raise ValueError(f"{end} positions need {end // st} state slots")
+    if start == 0:
+        begin = [torch.zeros_like(r) for r in running]
+    elif start % st == 0:  # at a boundary: the cached state (restored or not)
+        begin = [s[table[start // st - 1]] for s in cache.states]
+    else:
+        begin = list(running)
+    writes = [(i, table[(start + i + 1) // st - 1]) for i in range(n) if (start + i + 1) % st == 0]
+    return begin, writes

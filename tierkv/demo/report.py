@@ -99,20 +99,44 @@ COLUMN_TITLES = {
 def demo_summary(report: dict[str, Any]) -> list[Block]:
     """The demo's closing summary: setup, TTFT in three columns, where the reused
     blocks came from, correctness."""
+    blocks: list[Block] = [*_setup(report), ""]
+    blocks += _ttft_table(report)
+    blocks.append("")
+    blocks += _served_from(report)
+    blocks += _earlier_run(report.get("earlier_run") or {})
+    blocks += _groups(report.get("groups") or [], report["kv_cache"]["block_bytes"])
+    blocks.append("")
+    blocks += _correctness(report["correctness"])
+    if report.get("plot"):
+        blocks.append(f"plot: {report['plot']}")
+    if report.get("metrics_url"):
+        blocks.append(f"metrics: {report['metrics_url']}")
+    blocks.append(f"ran in {report['elapsed_seconds']:.1f} s")
+    return blocks
+
+
+def _setup(report: dict[str, Any]) -> list[Block]:
+    """What ran: the workload, the model (and a hybrid's layer kinds), the KV cache,
+    the chain, and where the tiers kept their files."""
     m, kv, wl, chain = report["model"], report["kv_cache"], report["workload"], report["chain"]
-    ttft, corr = report["ttft"], report["correctness"]
-    columns = report["columns"]
     tiers = " -> ".join(
         ["primary", *(f"{t['name']} ({t['write_policy']})" for t in chain["tiers"])]
     )
     gpu = report["gpu_prefix_cache"]["tierkv"]
-    blocks: list[Block] = [
+    lines: list[Block] = [
         f"tierkv demo: {wl['users']} users x {wl['turns']} turns, system prompt "
         f"{wl['system_tokens']} tokens, {wl['message_tokens']} tokens per message, "
         f"{wl['reply_tokens']} per reply",
         f"model: {m['layers']} layers x {m['hidden']} hidden, {m['heads']} heads, vocab "
         f"{m['vocab']} ({m['parameters'] / 1e6:.1f}M parameters, random weights seed "
         f"{m['seed']}) on {m['device']}, {m['dtype']}, {m['torch_threads']} torch threads",
+    ]
+    hybrid = m.get("hybrid")
+    if hybrid:
+        kinds = ["full" if i % 2 == 0 else hybrid["kind"] for i in range(m["layers"])]
+        window = f" (window {hybrid['window']} tokens)" if hybrid.get("window") else ""
+        lines.append(f"hybrid: layers {', '.join(kinds)}{window}; one KV group per kind")
+    lines += [
         f"KV cache per engine: {kv['gpu_blocks']} blocks x {kv['gpu_block_tokens']} tokens "
         f"(its GPU prefix cache: {gpu['capacity_blocks']} blocks of "
         f"{kv['offloaded_block_tokens']} tokens); offloaded block "
@@ -120,19 +144,19 @@ def demo_summary(report: dict[str, Any]) -> list[Block]:
         f"chain: {tiers}; primary {chain['primary_capacity']} = "
         f"{chain['primary_blocks']} blocks ({chain['eviction']})",
     ]
-    hybrid = m.get("hybrid")
-    if hybrid:
-        kinds = ["full" if i % 2 == 0 else hybrid["kind"] for i in range(m["layers"])]
-        window = f" (window {hybrid['window']} tokens)" if hybrid.get("window") else ""
-        blocks.insert(2, f"hybrid: layers {', '.join(kinds)}{window}; one KV group per kind")
     files = report.get("tier_files")
     if files and files["paths"] and files["temporary"]:
-        blocks.append("tier files: in a temporary directory, removed at exit")
+        lines.append("tier files: in a temporary directory, removed at exit")
     elif files and files["paths"]:
         kept = "; ".join(f"{t} {', '.join(p)}" for t, p in files["paths"].items())
-        blocks.append(f"tier files: kept ({kept})")
-    blocks.append("")
-    prefill = report["prefill_tokens"]
+        lines.append(f"tier files: kept ({kept})")
+    return lines
+
+
+def _ttft_table(report: dict[str, Any]) -> list[Block]:
+    """TTFT and prefill tokens per column, the speed-ups against no cache, and
+    tierkv's against the GPU prefix cache alone."""
+    ttft, columns, prefill = report["ttft"], report["columns"], report["prefill_tokens"]
     rows = [
         [label, *(f"{ttft[c][key]:.1f} ms" for c in columns)]
         for label, key in (("TTFT mean", "mean_ms"), ("TTFT p50", "p50_ms"), ("TTFT p90", "p90_ms"))
@@ -146,12 +170,16 @@ def demo_summary(report: dict[str, Any]) -> list[Block]:
             f"{ttft['speedup_vs_no_cache']:.2f}x",
         ]
     )
-    blocks.append(TextTable(["", *(COLUMN_TITLES[c] for c in columns)], rows))
-    blocks.append(
+    return [
+        TextTable(["", *(COLUMN_TITLES[c] for c in columns)], rows),
         f"tierkv over the GPU prefix cache alone: {ttft['speedup']:.2f}x TTFT "
-        f"({ttft['speedup_returning_turns']:.2f}x on returning turns)"
-    )
-    blocks.append("")
+        f"({ttft['speedup_returning_turns']:.2f}x on returning turns)",
+    ]
+
+
+def _served_from(report: dict[str, Any]) -> list[Block]:
+    """Where the tierkv column's reusable blocks came from (the GPU prefix cache,
+    each medium, or nowhere: recomputed), and what the stores and loads did."""
     rows = [["GPU prefix cache", f"{report['gpu_hit_rate']:.1%}", "", "", ""]]
     for name, data in report["tiers"].items():
         rows.append(
@@ -164,48 +192,45 @@ def demo_summary(report: dict[str, Any]) -> list[Block]:
             ]
         )
     rows.append(["recomputed", f"{report['recomputed_block_rate']:.1%}", "", "", ""])
-    blocks.append(
-        TextTable(
-            ["served from", "share", "blocks", "bytes in", "bytes out"],
-            rows,
-            title=f"GPU prefix cache + tierkv: {report['reusable_blocks']:,} reusable prompt "
-            "blocks",
-        )
+    table = TextTable(
+        ["served from", "share", "blocks", "bytes in", "bytes out"],
+        rows,
+        title=f"GPU prefix cache + tierkv: {report['reusable_blocks']:,} reusable prompt blocks",
     )
-    blocks.append(
+    skipped = (
+        f"; {report['skipped_blocks']:,} window blocks or states not stored "
+        "(no checkpoint's hit needs them)"
+        if report.get("skipped_blocks")
+        else ""
+    )
+    return [
+        table,
         f"stored {report['stored_blocks']:,} new blocks ({report['rejected_blocks']:,} "
         f"rejected: no room in the chain); {report['load_failures']:,} blocks failed to load"
-        + (
-            f"; {report['skipped_blocks']:,} window blocks or states not stored "
-            "(no checkpoint's hit needs them)"
-            if report.get("skipped_blocks")
-            else ""
-        )
-    )
-    blocks += _earlier_run(report.get("earlier_run") or {})
-    blocks += _groups(report.get("groups") or [], report["kv_cache"]["block_bytes"])
-    blocks.append("")
+        + skipped,
+    ]
+
+
+def _correctness(corr: dict[str, Any]) -> list[Block]:
+    """The verdict over every turn; when it failed, which column went wrong, and
+    where first."""
     verdict = "OK" if corr["ok"] else "FAILED"
-    blocks.append(
+    lines: list[Block] = [
         f"correctness: greedy tokens identical in {corr['tokens_identical_turns']}/"
         f"{corr['turns']} turns (every column vs no cache); max |logit difference| "
         f"{corr['max_logit_diff']:.2e} (tolerance {corr['atol']:.0e}): {verdict}"
-    )
-    if not corr["ok"]:  # say which column went wrong, and where first
-        names = {"gpu_prefix_cache": "GPU prefix cache", "tierkv": "GPU prefix cache + tierkv"}
-        for column, seen in (corr.get("by_column") or {}).items():
-            first = seen["first_differing_turn"]
-            blocks.append(
-                f"  {names.get(column, column)}: identical in {seen['tokens_identical_turns']}/"
-                f"{corr['turns']} turns, max |logit difference| {seen['max_logit_diff']:.2e}"
-                + (f", first differs at {first}" if first else "")
-            )
-    if report.get("plot"):
-        blocks.append(f"plot: {report['plot']}")
-    if report.get("metrics_url"):
-        blocks.append(f"metrics: {report['metrics_url']}")
-    blocks.append(f"ran in {report['elapsed_seconds']:.1f} s")
-    return blocks
+    ]
+    if corr["ok"]:
+        return lines
+    names = {"gpu_prefix_cache": "GPU prefix cache", "tierkv": "GPU prefix cache + tierkv"}
+    for column, seen in (corr.get("by_column") or {}).items():
+        first = seen["first_differing_turn"]
+        lines.append(
+            f"  {names.get(column, column)}: identical in {seen['tokens_identical_turns']}/"
+            f"{corr['turns']} turns, max |logit difference| {seen['max_logit_diff']:.2e}"
+            + (f", first differs at {first}" if first else "")
+        )
+    return lines
 
 
 def _groups(groups: list[dict[str, Any]], block_bytes: int) -> list[Block]:

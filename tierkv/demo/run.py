@@ -37,7 +37,7 @@ from tierkv.demo.hybrid_engine import HybridEngine
 from tierkv.demo.hybrid_model import HybridConfig, HybridDecoder
 from tierkv.demo.model import ModelConfig, TinyDecoder
 from tierkv.demo.sizing import gpu_blocks_for
-from tierkv.demo.workload import ChatWorkload, WorkloadConfig
+from tierkv.demo.workload import ChatWorkload, Turn, WorkloadConfig
 from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
 from tierkv.stats import percentile
 from tierkv.units import format_size
@@ -200,11 +200,10 @@ async def run_demo(
     `on_report` gets the report while the cache (and the metrics endpoint, with
     `metrics_port`) is still up; the run then waits `linger` seconds before closing."""
     started = time.perf_counter()
-    wl = options.workload
     engines = build_engines(options)
     tiered = engines["tierkv"]
     config = demo_config(config, tiered, options)
-    workload = ChatWorkload(wl, options.model.vocab)
+    workload = ChatWorkload(options.workload, options.model.vocab)
     records: list[TurnRecord] = []
 
     async with AsyncExitStack() as stack:
@@ -214,51 +213,16 @@ async def run_demo(
         tiered.stored_keys = set()  # to tell this run's blocks from an earlier run's
         metrics_url = None
         if metrics_port is not None:
-            from tierkv.metrics import serve_metrics
-
-            server = await stack.enter_async_context(
-                serve_metrics(cache, port=metrics_port, host=metrics_host)
-            )
-            metrics_url = server.url
+            metrics_url = await _serve_metrics(stack, cache, metrics_port, metrics_host)
         # warm-up: first calls into torch pay one-time costs
         warm = [t % options.model.vocab for t in range(tiered.offload_tokens + 1)]
         await engines["no_cache"].generate(warm, 2, use_cache=False)
 
         for number, turn in enumerate(workload.turns()):
-            runs: dict[str, Generation] = {}
-            shift = number % len(COLUMNS)
-            for column in COLUMNS[shift:] + COLUMNS[:shift]:
-                runs[column] = await engines[column].generate(
-                    turn.prompt, wl.reply_tokens, use_cache=column == "tierkv"
-                )
-            base, tier = runs["no_cache"], runs["tierkv"]
-            same_gpu, diff_gpu = compare(base, runs["gpu_prefix_cache"])
-            same_tier, diff_tier = compare(base, tier)
-            record = TurnRecord(
-                user=turn.user,
-                index=turn.index,
-                prompt_tokens=len(turn.prompt),
-                ttft={c: runs[c].ttft for c in COLUMNS},
-                gpu_hit_blocks={
-                    c: runs[c].gpu_hit_tokens // tiered.offload_tokens for c in COLUMNS
-                },
-                reused_tokens=tier.reused_tokens,
-                looked_up_blocks=tier.looked_up_blocks,
-                sources=dict(tier.sources),
-                load_failures=tier.load_failures,
-                stored_blocks=tier.stored_blocks,
-                rejected_blocks=tier.rejected_blocks,
-                skipped_blocks=tier.skipped_blocks,
-                tokens_match=same_gpu and same_tier,
-                max_logit_diff=max(diff_gpu, diff_tier),
-                column_match={"gpu_prefix_cache": same_gpu, "tierkv": same_tier},
-                column_diff={"gpu_prefix_cache": diff_gpu, "tierkv": diff_tier},
-                earlier_blocks=tier.earlier_blocks,
-                group_loaded=list(tier.group_loaded),
-                group_stored=list(tier.group_stored),
-            )
+            runs = await _run_columns(engines, turn, options.workload.reply_tokens, number)
+            record = _turn_record(turn, runs, tiered.offload_tokens)
             records.append(record)
-            workload.reply(turn, base.tokens)
+            workload.reply(turn, runs["no_cache"].tokens)
             if on_turn is not None:
                 on_turn(record)
         await cache.flush()
@@ -274,6 +238,57 @@ async def run_demo(
         if linger > 0:
             await anyio.sleep(linger)
     return report
+
+
+async def _serve_metrics(stack: AsyncExitStack, cache: TieredCache, port: int, host: str) -> str:
+    """Serve `cache`'s Prometheus metrics until `stack` closes; return the URL."""
+    from tierkv.metrics import serve_metrics
+
+    server = await stack.enter_async_context(serve_metrics(cache, port=port, host=host))
+    return server.url
+
+
+async def _run_columns(
+    engines: dict[str, Engine], turn: Turn, reply_tokens: int, number: int
+) -> dict[str, Generation]:
+    """Turn `number` on each column's engine, the order rotated by one column per
+    turn so that no column always runs on a warm CPU cache."""
+    runs: dict[str, Generation] = {}
+    shift = number % len(COLUMNS)
+    for column in COLUMNS[shift:] + COLUMNS[:shift]:
+        runs[column] = await engines[column].generate(
+            turn.prompt, reply_tokens, use_cache=column == "tierkv"
+        )
+    return runs
+
+
+def _turn_record(turn: Turn, runs: dict[str, Generation], offload_tokens: int) -> TurnRecord:
+    """What one turn did: every column's TTFT and GPU hit, the tierkv column's
+    traffic, and both cached columns compared with the run without a cache."""
+    base, tier = runs["no_cache"], runs["tierkv"]
+    same_gpu, diff_gpu = compare(base, runs["gpu_prefix_cache"])
+    same_tier, diff_tier = compare(base, tier)
+    return TurnRecord(
+        user=turn.user,
+        index=turn.index,
+        prompt_tokens=len(turn.prompt),
+        ttft={c: runs[c].ttft for c in COLUMNS},
+        gpu_hit_blocks={c: runs[c].gpu_hit_tokens // offload_tokens for c in COLUMNS},
+        reused_tokens=tier.reused_tokens,
+        looked_up_blocks=tier.looked_up_blocks,
+        sources=dict(tier.sources),
+        load_failures=tier.load_failures,
+        stored_blocks=tier.stored_blocks,
+        rejected_blocks=tier.rejected_blocks,
+        skipped_blocks=tier.skipped_blocks,
+        tokens_match=same_gpu and same_tier,
+        max_logit_diff=max(diff_gpu, diff_tier),
+        column_match={"gpu_prefix_cache": same_gpu, "tierkv": same_tier},
+        column_diff={"gpu_prefix_cache": diff_gpu, "tierkv": diff_tier},
+        earlier_blocks=tier.earlier_blocks,
+        group_loaded=list(tier.group_loaded),
+        group_stored=list(tier.group_stored),
+    )
 
 
 def blocks_held(cache: TieredCache) -> dict[str, int]:
@@ -303,76 +318,29 @@ def _report(
     options: DemoOptions,
     records: list[TurnRecord],
 ) -> dict[str, Any]:
+    """The run's JSON report: the setup, TTFT and prefill per column, where the
+    tierkv column's reusable blocks came from, correctness, and every turn."""
     tiered = engines["tierkv"]
-    ot = tiered.offload_tokens
-    stats = cache.stats()
-    media = [PRIMARY_MEDIUM, *cache.tier_names]
     looked_up = sum(r.looked_up_blocks for r in records)
-    served = {m: sum(r.sources.get(m, 0) for r in records) for m in media}
     gpu_served = sum(r.gpu_hit_blocks["tierkv"] for r in records)
-    moved = {
-        PRIMARY_MEDIUM: (stats.primary["bytes_in"], stats.primary["bytes_out"]),
-        **{n: (t["bytes_in"], t["bytes_out"]) for n, t in stats.tiers.items()},
-    }
-    tiers = {
-        m: {
-            "hit_rate": served[m] / looked_up if looked_up else 0.0,
-            "blocks_served": served[m],
-            "bytes_in": moved[m][0],
-            "bytes_out": moved[m][1],
-        }
-        for m in media
-    }
-    returning = [r for r in records if r.index > 0]
-    tol = options.tolerance
-    identical = sum(r.tokens_match for r in records)
-    max_diff = max((r.max_logit_diff for r in records), default=0.0)
-    correct = identical == len(records) and max_diff <= tol and not math.isnan(max_diff)
-    prompt_tokens = sum(r.prompt_tokens for r in records)
-    gpu_only = sum(r.gpu_hit_blocks["gpu_prefix_cache"] for r in records) * ot
-    tier_reused = sum(r.reused_tokens for r in records)
-
-    model = tiered.model
+    tiers = _tier_shares(cache, records, looked_up)
+    tier_served = sum(t["blocks_served"] for t in tiers.values())
+    correctness = _correctness(records, options.tolerance)
     return {
-        "ok": correct,
+        "ok": correctness["ok"],
         "columns": list(COLUMNS),
-        "model": {
-            **asdict(options.model),
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "device": str(model.device),
-            "torch_threads": torch.get_num_threads(),
-            "hybrid": asdict(options.hybrid) if options.hybrid is not None else None,
-        },
+        "model": _model_facts(tiered, options),
         "kv_cache": {
             "gpu_blocks": tiered.chunks.num_chunks * tiered.block_factor,
             "gpu_block_tokens": tiered.kv.block_tokens,
-            "offloaded_block_tokens": ot,
+            "offloaded_block_tokens": tiered.offload_tokens,
             "block_bytes": int(config.layout.block_bytes),
             "engines": len(engines),
         },
         "workload": asdict(options.workload),
-        "chain": {
-            "namespace": config.namespace,
-            "primary_blocks": cache.primary.num_blocks,
-            "primary_capacity": format_size(int(config.primary.capacity)),
-            "eviction": config.primary.eviction,
-            "tiers": [
-                {"name": name, "type": t.type, "write_policy": t.write_policy}
-                for name, t in zip(cache.tier_names, config.tiers)
-            ],
-        },
-        "ttft": {
-            **{c: _ttft([r.ttft[c] for r in records]) for c in COLUMNS},
-            "speedup": _speedup(records, "gpu_prefix_cache", "tierkv"),
-            "speedup_vs_no_cache": _speedup(records, "no_cache", "tierkv"),
-            "speedup_returning_turns": _speedup(returning, "gpu_prefix_cache", "tierkv"),
-            "gpu_prefix_cache_vs_no_cache": _speedup(records, "no_cache", "gpu_prefix_cache"),
-        },
-        "prefill_tokens": {
-            "no_cache": prompt_tokens,
-            "gpu_prefix_cache": prompt_tokens - gpu_only,
-            "tierkv": prompt_tokens - gpu_served * ot - tier_reused,
-        },
+        "chain": _chain_facts(config, cache),
+        "ttft": _ttft_by_column(records),
+        "prefill_tokens": _prefill_tokens(records, tiered.offload_tokens),
         "gpu_prefix_cache": {
             c: {
                 "hit_blocks": engines[c].chunks.hit_chunks,
@@ -387,20 +355,101 @@ def _report(
         "skipped_blocks": sum(r.skipped_blocks for r in records),
         "load_failures": sum(r.load_failures for r in records),
         "gpu_hit_rate": gpu_served / looked_up if looked_up else 0.0,
-        "recomputed_block_rate": (
-            1 - (gpu_served + sum(served.values())) / looked_up if looked_up else 0.0
-        ),
+        "recomputed_block_rate": (1 - (gpu_served + tier_served) / looked_up if looked_up else 0.0),
         "tiers": tiers,
         "groups": group_report(tiered, records),
-        "correctness": {
-            "ok": correct,
-            "turns": len(records),
-            "tokens_identical_turns": identical,
-            "max_logit_diff": max_diff,
-            "by_column": _by_column(records),
-            "atol": tol,
-        },
+        "correctness": correctness,
         "turns": [asdict(r) for r in records],
+    }
+
+
+def _model_facts(tiered: Engine, options: DemoOptions) -> dict[str, Any]:
+    """The model's config, its size, and where and how it ran."""
+    model = tiered.model
+    return {
+        **asdict(options.model),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "device": str(model.device),
+        "torch_threads": torch.get_num_threads(),
+        "hybrid": asdict(options.hybrid) if options.hybrid is not None else None,
+    }
+
+
+def _chain_facts(config: CacheConfig, cache: TieredCache) -> dict[str, Any]:
+    """The chain the tierkv column ran on: its primary and its tiers in order."""
+    return {
+        "namespace": config.namespace,
+        "primary_blocks": cache.primary.num_blocks,
+        "primary_capacity": format_size(int(config.primary.capacity)),
+        "eviction": config.primary.eviction,
+        "tiers": [
+            {"name": name, "type": t.type, "write_policy": t.write_policy}
+            for name, t in zip(cache.tier_names, config.tiers)
+        ],
+    }
+
+
+def _tier_shares(
+    cache: TieredCache, records: list[TurnRecord], looked_up: int
+) -> dict[str, dict[str, Any]]:
+    """Per medium (the primary, then each tier): its share of the `looked_up`
+    reusable blocks, the blocks it served, and the bytes that went in and out."""
+    stats = cache.stats()
+    moved = {
+        PRIMARY_MEDIUM: (stats.primary["bytes_in"], stats.primary["bytes_out"]),
+        **{n: (t["bytes_in"], t["bytes_out"]) for n, t in stats.tiers.items()},
+    }
+    shares = {}
+    for m in [PRIMARY_MEDIUM, *cache.tier_names]:
+        served = sum(r.sources.get(m, 0) for r in records)
+        shares[m] = {
+            "hit_rate": served / looked_up if looked_up else 0.0,
+            "blocks_served": served,
+            "bytes_in": moved[m][0],
+            "bytes_out": moved[m][1],
+        }
+    return shares
+
+
+def _ttft_by_column(records: list[TurnRecord]) -> dict[str, Any]:
+    """TTFT per column, and the speed-ups between columns (over every turn, and over
+    the returning turns, where a user's own conversation can be reused)."""
+    returning = [r for r in records if r.index > 0]
+    return {
+        **{c: _ttft([r.ttft[c] for r in records]) for c in COLUMNS},
+        "speedup": _speedup(records, "gpu_prefix_cache", "tierkv"),
+        "speedup_vs_no_cache": _speedup(records, "no_cache", "tierkv"),
+        "speedup_returning_turns": _speedup(returning, "gpu_prefix_cache", "tierkv"),
+        "gpu_prefix_cache_vs_no_cache": _speedup(records, "no_cache", "gpu_prefix_cache"),
+    }
+
+
+def _prefill_tokens(records: list[TurnRecord], offload_tokens: int) -> dict[str, int]:
+    """Prompt tokens each column prefilled: all of them without a cache, less the GPU
+    prefix cache's hits, less those and what tierkv's tiers served."""
+    prompt_tokens = sum(r.prompt_tokens for r in records)
+    gpu_only = sum(r.gpu_hit_blocks["gpu_prefix_cache"] for r in records) * offload_tokens
+    gpu_served = sum(r.gpu_hit_blocks["tierkv"] for r in records)
+    tier_reused = sum(r.reused_tokens for r in records)
+    return {
+        "no_cache": prompt_tokens,
+        "gpu_prefix_cache": prompt_tokens - gpu_only,
+        "tierkv": prompt_tokens - gpu_served * offload_tokens - tier_reused,
+    }
+
+
+def _correctness(records: list[TurnRecord], tol: float) -> dict[str, Any]:
+    """Whether every turn's tokens were identical in every column and the logits
+    within `tol`; and per cached column, where it went wrong."""
+    identical = sum(r.tokens_match for r in records)
+    max_diff = max((r.max_logit_diff for r in records), default=0.0)
+    return {
+        "ok": identical == len(records) and max_diff <= tol and not math.isnan(max_diff),
+        "turns": len(records),
+        "tokens_identical_turns": identical,
+        "max_logit_diff": max_diff,
+        "by_column": _by_column(records),
+        "atol": tol,
     }
 
 
