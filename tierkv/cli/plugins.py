@@ -91,8 +91,19 @@ def _fields(model: type[TierConfig], skip: set[str]) -> dict[str, dict[str, Any]
 
 
 def run(args: argparse.Namespace) -> int:
-    from tierkv.demo.report import TextTable, render
+    from tierkv.demo.report import render
 
+    report, broken = _plugins_report()
+    if args.json:
+        print_json(report)
+    else:
+        render(_text_blocks(report))
+    return 1 if broken else 0
+
+
+def _plugins_report() -> tuple[dict[str, Any], list[str]]:
+    """The fields every tier takes, and per installed type its package, class and own
+    fields (or the error its import raised); and the names of the broken types."""
     common = set(TierConfig.model_fields)
     report: dict[str, Any] = {
         "common_fields": _fields(TierConfig, {"type"}),
@@ -111,9 +122,14 @@ def run(args: argparse.Namespace) -> int:
             entry["error"] = exc.problems[0]
             broken.append(name)
         report["types"][name] = entry
-    if args.json:
-        print_json(report)
-        return 1 if broken else 0
+    return report, broken
+
+
+def _text_blocks(report: dict[str, Any]) -> list[Any]:
+    """The report for a person: the installed types, the known ones not installed
+    (with what to install), each type's own fields, then the common fields."""
+    from tierkv.demo.report import TextTable
+
     rows = []
     for name, entry in report["types"].items():
         origin = (
@@ -130,26 +146,22 @@ def run(args: argparse.Namespace) -> int:
         blocks.append("")
         if "error" in entry:
             blocks.append(f"{name}: BROKEN: {entry['error']}")
-            continue
-        if not entry["fields"]:
+        elif not entry["fields"]:
             blocks.append(f"{name}: no fields of its own")
-            continue
-        blocks.append(
-            TextTable(
-                ["field", "default", "description"],
-                [[f, d["default_text"], d["description"]] for f, d in entry["fields"].items()],
-                title=f"{name}: its own fields",
-                align="lll",
-            )
-        )
+        else:
+            blocks.append(_fields_table(entry["fields"], f"{name}: its own fields"))
     blocks.append("")
-    blocks.append(
-        TextTable(
-            ["field", "default", "description"],
-            [[f, d["default_text"], d["description"]] for f, d in report["common_fields"].items()],
-            title="every tier also takes",
-            align="lll",
-        )
+    blocks.append(_fields_table(report["common_fields"], "every tier also takes"))
+    return blocks
+
+
+def _fields_table(fields: dict[str, dict[str, Any]], title: str) -> Any:
+    """Config fields with their defaults and descriptions, as a table."""
+    from tierkv.demo.report import TextTable
+
+    return TextTable(
+        ["field", "default", "description"],
+        [[f, d["default_text"], d["description"]] for f, d in fields.items()],
+        title=title,
+        align="lll",
     )
-    render(blocks)
-    return 1 if broken else 0

@@ -6,12 +6,17 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 
 from tierkv.cli.common import UsageError, positive, print_json, size
 from tierkv.cli.progress import Progress
+
+if TYPE_CHECKING:
+    from tierkv.cache.prefetch import PrefetchPolicy
+    from tierkv.trace import CostModel
+    from tierkv.trace.bench import TraceBenchOptions
 
 
 def _floats(text: str) -> float:
@@ -60,6 +65,17 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         "under a backlog, a queued replay per prefetch policy drives cache.prefetch for "
         "the next queued requests and reports TTFT with and without it.",
     )
+    _replay_arguments(p)
+    _backlog_arguments(p)
+    _cost_model_arguments(p)
+    p.add_argument("--plot", metavar="FILE.png", help="hit rate and bytes written vs capacity")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=run)
+
+
+def _replay_arguments(p: argparse.ArgumentParser) -> None:
+    """What is replayed (the trace, how much of it) and through what: the block size,
+    the primary, the tiers and their capacities, the admission policies."""
     p.add_argument("file", type=Path, help="the trace (JSONL)")
     p.add_argument("--requests", type=positive, metavar="N", help="replay only the first N")
     p.add_argument(
@@ -79,6 +95,11 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--redis-url", metavar="URL", help="for a redis tier")
     p.add_argument("--dir", type=Path, metavar="DIR", help="where nvme writes (a temp dir)")
+
+
+def _backlog_arguments(p: argparse.ArgumentParser) -> None:
+    """How busy the modelled server is, and the backlog's queued replays: the
+    prefetch policies, how far ahead they look, and clients that give up."""
     p.add_argument(
         "--load", type=_floats, default=0.7,
         help="arrivals scaled so no-cache prefill keeps the server this busy (0.7)",
@@ -107,6 +128,10 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         help="share of requests whose clients give up while queued (dropped at their "
         "turn, their prefetch cancelled; the same requests in every run) (0)",
     )  # fmt: skip
+
+
+def _cost_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The cost model's figures that turn the replay's blocks and bytes into TTFT."""
     p.add_argument(
         "--prefill-tps", type=_floats, metavar="N",
         help="prefill tokens/s of the model (12000, assumed: Llama-3.1-8B bf16, one H100)",
@@ -119,23 +144,13 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         help="bytes/s per medium for the cost model, e.g. nvme=3GiB,cpu=25GiB "
         "(default: the primary 25 GB/s, tiers as measured by the replay)",
     )  # fmt: skip
-    p.add_argument("--plot", metavar="FILE.png", help="hit rate and bytes written vs capacity")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from dataclasses import replace
+    from tierkv.trace import TraceError
+    from tierkv.trace.bench import run_trace_bench, summary_lines
 
-    from tierkv.cache.prefetch import PrefetchPolicy
-    from tierkv.trace import CostModel, TraceError
-    from tierkv.trace.bench import TraceBenchOptions, run_trace_bench, summary_lines
-
-    model = CostModel()
-    if args.prefill_tps:
-        model = replace(model, prefill_tokens_per_s=args.prefill_tps)
-    if args.kv_bytes_per_token:
-        model = replace(model, kv_bytes_per_token=args.kv_bytes_per_token)
+    model = _cost_model(args)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -143,34 +158,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(
                 "--plot needs matplotlib: pip install matplotlib (the `plot` extra)"
             ) from None
-    policies = [p.strip() for p in args.prefetch.split(",") if p.strip()]
-    prefetch: tuple[PrefetchPolicy, ...] = ()
-    if policies != ["none"]:
-        wrong = [p for p in policies if p not in ("best_effort", "wait")]
-        if wrong or not policies:
-            raise UsageError(
-                f"--prefetch: {', '.join(wrong) or 'empty'} (use best_effort, wait, or none)"
-            )
-        prefetch = tuple(cast(PrefetchPolicy, p) for p in dict.fromkeys(policies))
-    options = TraceBenchOptions(
-        args.file,
-        limit=args.requests,
-        block_bytes=args.block_bytes,
-        primary=args.primary,
-        tier_capacities=tuple(c.strip() for c in args.tier_capacity.split(",")),
-        tiers=tuple(t.strip() for t in args.tiers.split(",")),
-        admissions=tuple(a.strip() for a in args.admission.split(",")),
-        redis_url=args.redis_url,
-        directory=args.dir,
-        load=args.load,
-        backlog_load=args.backlog_load,
-        model=model,
-        bandwidth=args.bandwidth or {},
-        prefetch=prefetch,
-        prefetch_depth=args.prefetch_depth,
-        prefetch_timeout=args.prefetch_timeout,
-        abandon=args.abandon,
-    )
+    options = _options(args, model, _prefetch_policies(args.prefetch))
     bad = [a for a in options.admissions if a not in ("all", "reuse")]
     if bad:
         raise UsageError(f"--admission: {', '.join(bad)} (use all, reuse)")
@@ -191,3 +179,58 @@ def run(args: argparse.Namespace) -> int:
         where = plot_trace(report, args.plot).resolve()
         print(f"plot: {where}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def _cost_model(args: argparse.Namespace) -> CostModel:
+    """The stated cost model, with the prefill rate and KV size given on the command line."""
+    from dataclasses import replace
+
+    from tierkv.trace import CostModel
+
+    model = CostModel()
+    if args.prefill_tps:
+        model = replace(model, prefill_tokens_per_s=args.prefill_tps)
+    if args.kv_bytes_per_token:
+        model = replace(model, kv_bytes_per_token=args.kv_bytes_per_token)
+    return model
+
+
+def _prefetch_policies(text: str) -> tuple[PrefetchPolicy, ...]:
+    """`--prefetch`: the policies to replay under the backlog, each once, in the
+    order given; `none`: no queued replay."""
+    policies = [p.strip() for p in text.split(",") if p.strip()]
+    if policies == ["none"]:
+        return ()
+    wrong = [p for p in policies if p not in ("best_effort", "wait")]
+    if wrong or not policies:
+        raise UsageError(
+            f"--prefetch: {', '.join(wrong) or 'empty'} (use best_effort, wait, or none)"
+        )
+    return tuple(cast("PrefetchPolicy", p) for p in dict.fromkeys(policies))
+
+
+def _options(
+    args: argparse.Namespace, model: CostModel, prefetch: tuple[PrefetchPolicy, ...]
+) -> TraceBenchOptions:
+    """The bench's options from the command line's (lists split at commas)."""
+    from tierkv.trace.bench import TraceBenchOptions
+
+    return TraceBenchOptions(
+        args.file,
+        limit=args.requests,
+        block_bytes=args.block_bytes,
+        primary=args.primary,
+        tier_capacities=tuple(c.strip() for c in args.tier_capacity.split(",")),
+        tiers=tuple(t.strip() for t in args.tiers.split(",")),
+        admissions=tuple(a.strip() for a in args.admission.split(",")),
+        redis_url=args.redis_url,
+        directory=args.dir,
+        load=args.load,
+        backlog_load=args.backlog_load,
+        model=model,
+        bandwidth=args.bandwidth or {},
+        prefetch=prefetch,
+        prefetch_depth=args.prefetch_depth,
+        prefetch_timeout=args.prefetch_timeout,
+        abandon=args.abandon,
+    )

@@ -75,14 +75,21 @@ async def _queued_runs(
             abandon=o.abandon,
         )
         say(f"{label}: queued replay, prefetch {name}")
-
-        def tick(n: int, total: int, label: str = f"{label}, prefetch {name}") -> None:
-            if n % 500 == 0 or n == total:
-                say(f"{label}: {n}/{total} requests")
-
+        tick = _ticker(say, f"{label}, prefetch {name}")
         queued = await replay_queued(keyed, options, server, model, progress=tick)
         out[name] = queued.as_dict()
     return out
+
+
+def _ticker(say: Callable[[str], None], label: str) -> Callable[[int, int], None]:
+    """A replay's progress callback: says how far `label` got every 500 requests and
+    at the end."""
+
+    def tick(n: int, total: int) -> None:
+        if n % 500 == 0 or n == total:
+            say(f"{label}: {n}/{total} requests")
+
+    return tick
 
 
 async def run_trace_bench(
@@ -93,25 +100,15 @@ async def run_trace_bench(
     requests = read_trace(o.path, o.limit)
     keyed = [(r, request_keys(r)) for r in requests]
     only_keys = [k for _, k in keyed]
-    asked = sum(len(k) for k in only_keys)
-    distinct = len({key for keys in only_keys for key in keys})
-    out: dict[str, Any] = {
-        "trace": str(o.path),
-        "requests": len(requests),
-        "blocks_asked": asked,
-        "distinct_blocks": distinct,
-        "infinite_cache_hit_rate": infinite_cache_hits(only_keys) / asked,
-        "cost_model": {
-            "model": o.model.model,
-            "prefill_tokens_per_s": o.model.prefill_tokens_per_s,
-            "kv_bytes_per_token": o.model.kv_bytes_per_token,
-        },
-        "runs": [],
-    }
+    out = _trace_facts(o, len(requests), only_keys)
+    asked, distinct = out["blocks_asked"], out["distinct_blocks"]
     for capacity in o.tier_capacities:
         primary, tier = primary_and_tier_blocks(distinct, o.primary, capacity)
-        lru = lru_hits(only_keys, primary + tier) / asked
-        lru_tier = lru_hits(only_keys, tier) / asked
+        facts = {
+            "tier_capacity": capacity,
+            "lru_reference_hit_rate": lru_hits(only_keys, primary + tier) / asked,
+            "lru_tier_only_hit_rate": lru_hits(only_keys, tier) / asked,
+        }
         for admission in o.admissions:
             options = ReplayOptions(
                 block_bytes=o.block_bytes,
@@ -123,34 +120,60 @@ async def run_trace_bench(
                 redis_url=o.redis_url,
             )
             label = f"tier {capacity} ({tier} blocks), admission {admission}"
-            say(f"replaying: {label}")
-
-            def tick(n: int, total: int, label: str = label) -> None:
-                if n % 500 == 0 or n == total:
-                    say(f"{label}: {n}/{total} requests")
-
-            report = await replay(
-                keyed, options, kv_bytes_per_token=o.model.kv_bytes_per_token, progress=tick
-            )
-            run = report.as_dict()
-            run["tier_capacity"] = capacity
-            run["lru_reference_hit_rate"] = lru
-            run["lru_tier_only_hit_rate"] = lru_tier
-            model = _model(report, o)
-            backlog = arrival_scale_for(report.costs, model, o.backlog_load)
-            steady = arrival_scale_for(report.costs, model, o.load)
-            run["estimates"] = {
-                "bandwidth": dict(model.bandwidth),
-                "at_load": o.load,
-                "ttft": ttft_summary(model.ttft(report.costs, arrival_scale=steady)),
-                "backlog_load": o.backlog_load,
-                "backlog_arrival_scale": backlog,
-            }
-            run["backlog"] = await _queued_runs(
-                keyed, options, report, model, backlog, o, say, label
-            )
-            out["runs"].append(run)
+            out["runs"].append(await _replay_run(keyed, options, facts, o, say, label))
     return out
+
+
+def _trace_facts(
+    o: TraceBenchOptions, requests: int, keys: list[list[OffloadKey]]
+) -> dict[str, Any]:
+    """The report's head: what the trace asks for, what an infinite cache would
+    serve of it, and the cost model; its `runs` still empty."""
+    asked = sum(len(k) for k in keys)
+    return {
+        "trace": str(o.path),
+        "requests": requests,
+        "blocks_asked": asked,
+        "distinct_blocks": len({key for request in keys for key in request}),
+        "infinite_cache_hit_rate": infinite_cache_hits(keys) / asked,
+        "cost_model": {
+            "model": o.model.model,
+            "prefill_tokens_per_s": o.model.prefill_tokens_per_s,
+            "kv_bytes_per_token": o.model.kv_bytes_per_token,
+        },
+        "runs": [],
+    }
+
+
+async def _replay_run(
+    keyed: Sequence[tuple[TraceRequest, Sequence[OffloadKey]]],
+    options: ReplayOptions,
+    facts: dict[str, Any],
+    o: TraceBenchOptions,
+    say: Callable[[str], None],
+    label: str,
+) -> dict[str, Any]:
+    """One replay at one capacity and admission: its report with `facts` (the
+    capacity and the LRU references), the TTFT estimate at the steady load, and the
+    backlog's queued replays."""
+    say(f"replaying: {label}")
+    report = await replay(
+        keyed, options, kv_bytes_per_token=o.model.kv_bytes_per_token, progress=_ticker(say, label)
+    )
+    run = report.as_dict()
+    run.update(facts)
+    model = _model(report, o)
+    backlog = arrival_scale_for(report.costs, model, o.backlog_load)
+    steady = arrival_scale_for(report.costs, model, o.load)
+    run["estimates"] = {
+        "bandwidth": dict(model.bandwidth),
+        "at_load": o.load,
+        "ttft": ttft_summary(model.ttft(report.costs, arrival_scale=steady)),
+        "backlog_load": o.backlog_load,
+        "backlog_arrival_scale": backlog,
+    }
+    run["backlog"] = await _queued_runs(keyed, options, report, model, backlog, o, say, label)
+    return run
 
 
 def summary_lines(report: Mapping[str, Any]) -> list[str]:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.errors import ConfigError
-from tierkv.integrations.vllm.settings import resolve_entry
+from tierkv.integrations.vllm.settings import VllmGeometry, resolve_entry
 
 EXTRA = "kv_connector_extra_config"
 
@@ -168,7 +168,29 @@ def check(value: str, geometry: Geometry) -> CheckReport:
 
     kv_transfer_config, arg_utils, spec_factory, tier_factory = _vllm()
     register()  # what vLLM's plugin loading does at start-up
-    text = read_config_text(value)
+    config = _parse(read_config_text(value), kv_transfer_config, arg_utils)
+    if config.kv_connector != "OffloadingConnector":
+        raise _problem(
+            "kv_connector",
+            f": {config.kv_connector!r}; tierkv tiers plug into vLLM's OffloadingConnector",
+        )
+    extra = config.kv_connector_extra_config or {}
+    spec = _tiering_spec(extra, spec_factory)
+    entries = extra.get("secondary_tiers", [])
+    if not isinstance(entries, list):
+        raise _problem(f"{EXTRA}.secondary_tiers", ": must be a list of tier entries")
+    cpu = extra.get("cpu_bytes_to_use")
+    report = CheckReport(config.kv_connector, spec, int(cpu) if isinstance(cpu, int) else None)
+    geo = geometry_of(SimpleNamespace(config=_offloading_config(geometry)), geometry.row_bytes)
+    for i, entry in enumerate(entries):
+        where = f"{EXTRA}.secondary_tiers[{i}]"
+        report.tiers.append(_check_entry(where, entry, tier_factory, geo))
+    return report
+
+
+def _parse(text: str, kv_transfer_config: Any, arg_utils: Any) -> Any:
+    """`text` as vLLM's command line reads `--kv-transfer-config`: human-readable
+    numbers expanded, then validated as its `KVTransferConfig`."""
     expand = getattr(arg_utils, "_expand_json_human_readable_numbers", lambda s: s)
     text = expand(text)  # `80G` as vLLM's command line reads it
     try:
@@ -178,17 +200,16 @@ def check(value: str, geometry: Geometry) -> CheckReport:
     from pydantic import TypeAdapter, ValidationError
 
     try:
-        config = TypeAdapter(kv_transfer_config).validate_json(text)
+        return TypeAdapter(kv_transfer_config).validate_json(text)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
         raise _problem(where, f": {first.get('msg')} (as vLLM's --kv-transfer-config)") from None
-    if config.kv_connector != "OffloadingConnector":
-        raise _problem(
-            "kv_connector",
-            f": {config.kv_connector!r}; tierkv tiers plug into vLLM's OffloadingConnector",
-        )
-    extra = config.kv_connector_extra_config or {}
+
+
+def _tiering_spec(extra: Mapping[str, Any], spec_factory: Any) -> str:
+    """The name of the spec vLLM's factory picks for `extra`, which must be the one
+    that takes secondary tiers."""
     try:
         spec_cls = spec_factory.get_spec_cls(extra)
     except Exception as exc:
@@ -198,43 +219,39 @@ def check(value: str, geometry: Geometry) -> CheckReport:
             f"{EXTRA}.spec_name",
             f": {spec_cls.__name__} takes no secondary tiers; use TieringOffloadingSpec",
         )
-    entries = extra.get("secondary_tiers", [])
-    if not isinstance(entries, list):
-        raise _problem(f"{EXTRA}.secondary_tiers", ": must be a list of tier entries")
-    cpu = extra.get("cpu_bytes_to_use")
-    report = CheckReport(
-        config.kv_connector, spec_cls.__name__, int(cpu) if isinstance(cpu, int) else None
-    )
-    geo = geometry_of(SimpleNamespace(config=_offloading_config(geometry)), geometry.row_bytes)
-    for i, entry in enumerate(entries):
-        where = f"{EXTRA}.secondary_tiers[{i}]"
-        if not isinstance(entry, Mapping) or not entry.get("type"):
-            raise _problem(where, ": each entry is an object with a `type`")
-        try:
-            tier_factory.get_tier_class(dict(entry))
-        except Exception as exc:
-            raise _problem(f"{where}.type", f": {exc}") from None
-        vllm_type = str(entry["type"])
-        checked = CheckedTier(where, vllm_type)
-        if vllm_type == "tierkv":
-            kwargs = {
-                k: v for k, v in entry.items() if k not in ("type", "module_path", "backpressure")
-            }
-            resolved = resolve_entry(kwargs, geo, where=where)
-            tier = resolved.tier
-            checked.tierkv = {
-                "type": tier.type,
-                "name": resolved.name,
-                "namespace": resolved.namespace,
-                "medium": resolved.medium,
-                "locality": resolved.locality,
-                "capacity": int(getattr(tier, "capacity", 0) or 0) or None,
-                "job_timeout": float(tier.job_timeout),
-                "shutdown_grace": resolved.shutdown_grace,
-                "drain_timeout": resolved.drain_timeout,
-            }
-        report.tiers.append(checked)
-    return report
+    return str(spec_cls.__name__)
+
+
+def _check_entry(where: str, entry: Any, tier_factory: Any, geo: VllmGeometry) -> CheckedTier:
+    """One `secondary_tiers` entry: its type through vLLM's tier factory, and a
+    `tierkv` entry through the adapter's resolver with the keyword arguments vLLM's
+    factory would pass it."""
+    if not isinstance(entry, Mapping) or not entry.get("type"):
+        raise _problem(where, ": each entry is an object with a `type`")
+    try:
+        tier_factory.get_tier_class(dict(entry))
+    except Exception as exc:
+        raise _problem(f"{where}.type", f": {exc}") from None
+    vllm_type = str(entry["type"])
+    checked = CheckedTier(where, vllm_type)
+    if vllm_type == "tierkv":
+        kwargs = {
+            k: v for k, v in entry.items() if k not in ("type", "module_path", "backpressure")
+        }
+        resolved = resolve_entry(kwargs, geo, where=where)
+        tier = resolved.tier
+        checked.tierkv = {
+            "type": tier.type,
+            "name": resolved.name,
+            "namespace": resolved.namespace,
+            "medium": resolved.medium,
+            "locality": resolved.locality,
+            "capacity": int(getattr(tier, "capacity", 0) or 0) or None,
+            "job_timeout": float(tier.job_timeout),
+            "shutdown_grace": resolved.shutdown_grace,
+            "drain_timeout": resolved.drain_timeout,
+        }
+    return checked
 
 
 def _groups_text(windows: tuple[int | None, ...]) -> str:
