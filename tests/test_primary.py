@@ -115,6 +115,27 @@ def test_failed_store_frees_only_slots_still_being_written() -> None:
     assert out is not None and out.slots[0] in (1, 2)
 
 
+def test_an_event_sink_gets_every_event_as_it_happens_kept_ones_first() -> None:
+    p = make("lru", blocks=2)
+    store(p, A)  # kept for take_events: no sink yet
+    got: list[OffloadingEvent] = []
+    p.set_event_sink(got.append)
+    assert got == [OffloadingEvent((A,), "cpu", removed=False)]  # handed over, in order
+    store(p, B)
+    out = p.prepare_store([C])  # evicts A: told before C's slot is even written
+    assert out is not None
+    assert got[1:] == [
+        OffloadingEvent((B,), "cpu", removed=False),
+        OffloadingEvent((A,), "cpu", removed=True),
+    ]
+    p.complete_store([C])
+    assert got[-1] == OffloadingEvent((C,), "cpu", removed=False)
+    assert p.take_events() == []  # the sink took them all
+    p.set_event_sink(None)
+    store(p, D)
+    assert len(got) == 4 and [e.removed for e in p.take_events()] == [True, False]
+
+
 def test_lookup_counts_the_ready_prefix_only() -> None:
     p = make()
     store(p, A, B)

@@ -45,6 +45,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from tierkv.cache import CacheStats, TieredCache
+from tierkv.cache.counters import CacheCounters
 from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
 
 logger = logging.getLogger(__name__)
@@ -97,56 +98,9 @@ SUMMARIES: dict[str, tuple[str, str]] = {
 BREAKER_STATES = ("closed", "open", "half_open")
 PRIMARY_GAUGES = ("blocks", "resident", "free", "evictable", "promoting", "write_back_pending")
 CACHE_COUNTERS: dict[str, tuple[str, str]] = {
-    # cache-wide fields of stats().primary -> (metric name without prefix/suffix, help)
-    "store_rejected": (
-        "store_rejected_blocks",
-        "Blocks a store reported rejected: no room in the primary, and no tier below "
-        "accepted the blocks that would free it, within store_timeout",
-    ),
-    "store_waits": (
-        "store_waits",
-        "Times a store waited for cascades to release primary slots (not rejected)",
-    ),
-    "write_back_dropped": (
-        "write_back_dropped_blocks",
-        "Dirty blocks given up for a write-back tier: past write_back_max_dirty while the "
-        "tier was down, or after repeated failed write-backs",
-    ),
-    "promotions_shed": (
-        "promotions_shed_blocks",
-        "Blocks a load reported failed (recompute): no primary room for their promotion "
-        "within promotion_wait",
-    ),
-    "promotion_waits": (
-        "promotion_waits",
-        "Times a load was woken by room released for its promotion (waited, not shed)",
-    ),
-    "load_fallbacks": (
-        "load_fallback_blocks",
-        "Blocks a load found further down the chain after every tier it knew of failed them",
-    ),
-    "store_skipped": (
-        "store_skipped_blocks",
-        "Blocks a store left out: sliding-window and state blocks no hit at a checkpoint "
-        "can use (layout.checkpoint_every)",
-    ),
-    "prefetched_blocks": (
-        "prefetched_blocks",
-        "Blocks prefetches promoted into the primary for queued requests",
-    ),
-    "prefetch_used": (
-        "prefetch_used_blocks",
-        "Prefetched blocks a load then read from the primary or joined while in flight",
-    ),
-    "prefetch_cancelled": (
-        "prefetch_cancelled_blocks",
-        "Prefetched (or still reading) blocks released unused by cancel_prefetch",
-    ),
-    "prefetch_shed": (
-        "prefetch_shed_blocks",
-        "Blocks a prefetch did not promote: its share of the promotion reserve (prefetch_share) "
-        "or the room was taken, or loads waited for room (best_effort, or past its timeout)",
-    ),
+    # cache-wide fields of stats().primary -> (metric name without prefix/suffix, help):
+    # the cache's own counters, declared once with their names and help beside them
+    **CacheCounters.metrics(),
     "room_wakeups": (
         "room_wakeups",
         "Stores and loads woken because primary room they could use was released",

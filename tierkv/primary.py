@@ -25,13 +25,18 @@ A store or promotion that finds no room waits in `wait_for_room`, and is woken o
 when room it can use is released (`tierkv.room`). The cache asks through this API and
 never reads the block table itself.
 
+Every change to the block table is an event (`stored`, or `removed` for victims). They
+wait in the primary for `take_events`, or, once the cache has set an event sink
+(`set_event_sink`), go to it the moment they happen: then no caller has to remember to
+collect them, and they stay ahead of whatever a tier reports afterwards.
+
 Not thread-safe: the orchestrator drives it from the event loop thread.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -51,6 +56,8 @@ from tierkv.units import Size, format_size
 logger = logging.getLogger(__name__)
 
 MEDIUM = "cpu"
+
+EventSink = Callable[[OffloadingEvent], None]
 
 
 class PrimaryConfig(BaseModel):
@@ -143,7 +150,8 @@ class PrimaryTier:
         self._blocks: dict[OffloadKey, _Block] = {}
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives slot 0 first
         self._evictable = 0
-        self._events: list[OffloadingEvent] = []
+        self._events: list[OffloadingEvent] = []  # kept for take_events (no sink)
+        self._sink: EventSink | None = None
         self.promotion_share = 0  # slots promotions may hold at once (`set_promotion_share`)
         self._staged = 0  # slots promotions hold now
         self._waiters = RoomWaiters()
@@ -384,7 +392,7 @@ class PrimaryTier:
             pop = blocks.pop
             free.extend([pop(key).slot for key in victims])
             self._evictable -= len(victims)
-            self._events.append(OffloadingEvent(tuple(victims), MEDIUM, removed=True))
+            self._emit(OffloadingEvent(tuple(victims), MEDIUM, removed=True))
         slots = free[len(free) - len(new_keys) :][::-1] if new_keys else []
         del free[len(free) - len(new_keys) :]
         blocks.update(zip(new_keys, map(_Block, slots)))  # WRITING: admitted pinned
@@ -437,7 +445,7 @@ class PrimaryTier:
                 self._free.append(block.slot)
         self._staged -= staged
         if done:
-            self._events.append(OffloadingEvent(tuple(done), MEDIUM, removed=False))
+            self._emit(OffloadingEvent(tuple(done), MEDIUM, removed=False))
         self._wake()
 
     def prepare_load(self, keys: Sequence[OffloadKey]) -> list[int]:
@@ -482,7 +490,23 @@ class PrimaryTier:
         if released:
             self._wake()
 
+    # -- events -------------------------------------------------------------------
+    def set_event_sink(self, sink: EventSink | None) -> None:
+        """Send every event to `sink` as it happens (None: keep them for `take_events`
+        again). Events still kept go to the new sink first, so none is lost or
+        reordered."""
+        self._sink = sink
+        if sink is not None and self._events:
+            for event in self.take_events():
+                sink(event)
+
+    def _emit(self, event: OffloadingEvent) -> None:
+        if self._sink is not None:
+            self._sink(event)
+        else:
+            self._events.append(event)
+
     def take_events(self) -> list[OffloadingEvent]:
-        """Events since the last call, oldest first."""
+        """Events since the last call, oldest first (none while a sink takes them)."""
         events, self._events = self._events, []
         return events

@@ -3,6 +3,9 @@ hits once per request, flights, and the bound."""
 
 from __future__ import annotations
 
+import anyio
+import pytest
+
 from tierkv.cache.index import Flight, KeyIndex, lowest_bit
 
 A, B, C, D = (bytes([c]) * 8 for c in b"ABCD")
@@ -79,3 +82,48 @@ def test_with_hits_keeps_order_and_the_keys_at_the_threshold() -> None:
             index.count_hit(key, f"r{n}")
     assert index.with_hits([C, B, A, b"unknown-key"], 2) == [C, A]
     assert index.with_hits([C, B, A], 0)[-1] == A and len(index.with_hits([C, B, A, b"x"], 0)) == 4
+
+
+def test_a_flight_counts_its_starter_and_the_waiters_that_join_or_leave() -> None:
+    flight = Flight([A, B])
+    assert A in flight and C not in flight
+    assert flight.waiters(A) == 1 and flight.waiters(C) == 0  # whoever started it waits
+    flight.join(A)
+    flight.join(A)
+    flight.leave(A)  # gave up before the window landed: no reader for it
+    flight.leave(B)
+    assert flight.waiting() == {A: 2}  # nobody waits on B any more
+
+
+def test_a_landed_flight_grants_one_reader_per_waiter_on_each_key_it_read() -> None:
+    flight = Flight([A, B, C])
+    flight.join(A)
+    flight.served(A, "nvme")
+    flight.failed(B, "tier nvme could not load it")
+    assert flight.read_keys() == ([A], [B, C])  # C: not answered yet
+    assert not flight.landed
+    flight.finish(flight.waiting())
+    assert flight.landed
+    assert flight.take(A) == "nvme" and flight.take(A) == "nvme"  # two waiters on A
+    assert flight.take(A) is None  # no reader left for a third
+    assert flight.take(B) is None and flight.error(B) == "tier nvme could not load it"
+    assert flight.take(C) is None and flight.error(C) == "promotion cancelled"
+    assert flight.waiters(A) == 2  # the count stays as it was when the window landed
+
+
+@pytest.mark.anyio
+async def test_waiting_on_a_flight_returns_once_it_lands() -> None:
+    flight = Flight([A])
+    woke: list[bool] = []
+
+    async def waiter() -> None:
+        await flight.wait()
+        woke.append(flight.landed)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter)
+        await anyio.sleep(0)
+        assert woke == []
+        flight.finish({})
+    assert woke == [True]
+    assert flight.take(A) is None and flight.error(A) == "promotion cancelled"

@@ -182,7 +182,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
             room_wakeups=self.primary.wakeups,
             background_jobs=core.background,
             indexed_keys=len(core.index),
-            **core.counters,
+            **core.counters.as_dict(),
         )
         tiers = {}
         for handle in core.tiers:

@@ -19,18 +19,19 @@ A store that says where each block sits in its group (`positions`) keeps only th
 blocks a hit can use (`tierkv.retention`: every full-attention block, sliding-window
 blocks inside a window before a checkpoint, states at checkpoints); the rest are
 reported `skipped` and counted (`store_skipped`), never copied or cascaded.
+
+The store itself runs as a `StoreRun` (`tierkv.cache.store_run`), one state object per
+call; this module keeps the cascades every store, hit count and sighting starts.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
-
-import anyio
+from collections.abc import Sequence
 
 from tierkv.cache.core import CacheCore
-from tierkv.cache.index import KeyIndex
 from tierkv.cache.results import StoreResult
+from tierkv.cache.store_run import StoreRun, StoreWatch
 from tierkv.cache.validate import check_keys, checked_source, run_validate_hook
 from tierkv.cache.writeback import WriteBack
 from tierkv.driver import GuardedTier
@@ -38,53 +39,8 @@ from tierkv.jobs import JobMetadata, ReqContext
 from tierkv.keys import OffloadKey
 from tierkv.policies.admission import ReuseAdmission
 from tierkv.retention import kept_blocks
-from tierkv.room import Kind
 
 logger = logging.getLogger(__name__)
-
-
-class StoreWatch:
-    """What one store's cascades did: keys of the request that no tier accepted (and
-    that no cascade still carries) are `unsafe` to evict while the store runs."""
-
-    def __init__(self, index: KeyIndex) -> None:
-        self.index = index
-        self.outstanding: dict[OffloadKey, int] = {}
-        self.accepted: set[OffloadKey] = set()
-        self.unsafe: set[OffloadKey] = set()
-
-    def sent(self, keys: Sequence[OffloadKey]) -> None:
-        for key in keys:
-            self.outstanding[key] = self.outstanding.get(key, 0) + 1
-
-    def settled(self, keys: Sequence[OffloadKey], ok_keys: Sequence[OffloadKey]) -> None:
-        self.accepted.update(ok_keys)
-        for key in keys:
-            left = self.outstanding.get(key, 1) - 1
-            if left > 0:
-                self.outstanding[key] = left
-                continue
-            self.outstanding.pop(key, None)
-            if key not in self.accepted:
-                self.unsafe.add(key)
-
-    def placed(self, keys: Sequence[OffloadKey]) -> None:
-        """`keys` are in the primary and every cascade for them has been started."""
-        for key in keys:
-            # (dirty blocks are never evicted anyway)
-            if (
-                key not in self.outstanding
-                and key not in self.accepted
-                and self.index.is_clean(key)
-            ):
-                self.unsafe.add(key)
-
-    def declined(self, keys: Iterable[OffloadKey]) -> None:
-        """Admission kept `keys` out of a tier on purpose: evictable like accepted ones."""
-        self.accepted.update(keys)
-
-    def may_evict(self, key: OffloadKey) -> bool:
-        return key not in self.unsafe and self.index.is_clean(key)
 
 
 class Cascader:
@@ -100,7 +56,6 @@ class Cascader:
         self._declines_free = all(
             h.config.admission == "reuse" for h in core.tiers if h.policy == "write_through"
         )
-        self.window = max(1, core.primary.num_blocks // 4)
 
     # -- cascades ----------------------------------------------------------------------
     def after_store(self, keys: Sequence[OffloadKey], watch: StoreWatch | None = None) -> None:
@@ -220,113 +175,6 @@ class Cascader:
                 self.cascade(handle, batch)
 
     # -- store -------------------------------------------------------------------------
-    def _streams(self) -> bool:
-        """Whether a block that leaves the primary can land somewhere below."""
-        return any(
-            h.opened and h.policy in ("write_through", "write_back") for h in self.core.tiers
-        )
-
-    def _behind(self, nbytes: int) -> bool:
-        """Whether a write-through tier would drop a cascade of `nbytes` now (it already
-        has `max_inflight_bytes` in flight)."""
-        for h in self.core.tiers:
-            stats = h.stats
-            if (
-                h.policy == "write_through"
-                and stats.inflight_bytes
-                and stats.inflight_bytes + nbytes > h.config.max_inflight_bytes
-                and h.usable()
-            ):
-                return True
-        return False
-
-    def _may_free_room(self) -> bool:
-        """Whether something in flight will release primary slots."""
-        primary = self.core.primary
-        return self.core.background > 0 or primary.num_staged > 0 or primary.num_held > 0
-
-    def _window(self, rest: int, deadline: float) -> int:
-        """How many of the `rest` blocks the next window places: all when they fit the
-        store's room, else a quarter of the primary (so copying a window overlaps the
-        cascade of the one before), less when the room is smaller; 0 for no room now.
-        The promotions' unheld share is taken only when nothing in flight can release
-        room, or the deadline passed: a store always progresses."""
-        room = self._room(deadline)
-        return rest if rest <= room else min(self.window, room)
-
-    def _room(self, deadline: float) -> int:
-        """The store's room now (see `_window`)."""
-        primary = self.core.primary
-        room = primary.store_room()
-        if not room and (not self._may_free_room() or anyio.current_time() >= deadline):
-            room = primary.store_room(take_aside=True)
-        return room
-
-    async def _wait(self, deadline: float) -> bool:
-        """Wait, up to `deadline`, until room a store can use is released. False when
-        the deadline has passed."""
-        left = deadline - anyio.current_time()
-        if left <= 0:
-            return False
-        self.core.counters["store_waits"] += 1
-        await self.core.primary.wait_for_room(Kind.STORE, 1, left)
-        return True
-
-    async def _await_room(
-        self, want: Sequence[OffloadKey], watch: StoreWatch, deadline: float
-    ) -> str | None:
-        """No block of `want` could be placed: write dirty victims back, or wait for
-        room. None to try again, or why the rest of the store is rejected."""
-        if self.writeback.enabled:  # dirty victims: write them back, within the deadline
-            made = False
-            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
-                made = await self.writeback.make_room(len(want))
-            if made or self._room_now(want, watch, deadline):  # loads may have let go meanwhile
-                return None
-        if not self._streams() or not self._may_free_room():
-            return (
-                "the primary tier has no room: its blocks are held by reads, writes "
-                "or cascades, or no lower tier accepted the blocks that would make room"
-            )
-        if not await self._wait(deadline):
-            timeout = self.core.config.store_timeout
-            return f"no room in the primary tier within store_timeout ({timeout:g}s)"
-        return None
-
-    def _room_now(self, want: Sequence[OffloadKey], watch: StoreWatch, deadline: float) -> bool:
-        """Whether a slot for the next key is there now (free, or a victim this store
-        may evict): the next window then places at least one block."""
-        primary = self.core.primary
-        if not self._room(deadline):
-            return False
-        if primary.num_free:
-            return True
-        wanted = set(want)
-        return bool(primary.candidates(1, lambda k: k not in wanted and watch.may_evict(k)))
-
-    async def _settle(
-        self, keys: list[OffloadKey], deadline: float
-    ) -> tuple[list[OffloadKey], list[OffloadKey], list[OffloadKey]]:
-        """Wait (up to `deadline`) for the writes others are making of `keys` to end.
-        Returns (ready now, lost: the write failed and the slot is gone, still being
-        written at the deadline)."""
-        primary, index = self.core.primary, self.core.index
-        while True:
-            writing = [k for k in keys if k in primary and not primary.is_ready(k)]
-            left = deadline - anyio.current_time()
-            if not writing or left <= 0:
-                break
-            flight = next((f for k in writing if (f := index.flight(k)) is not None), None)
-            with anyio.move_on_after(left):
-                if flight is not None:  # a promotion: its end is an event
-                    await flight.done.wait()
-                else:  # another store's copy into its slots: short
-                    await anyio.sleep(0.001)
-        ready = [k for k in keys if primary.is_ready(k)]
-        lost = [k for k in keys if k not in primary]
-        late = [k for k in keys if k in primary and not primary.is_ready(k)]
-        return ready, lost, late
-
     async def store(
         self,
         keys: Sequence[OffloadKey],
@@ -334,17 +182,28 @@ class Cascader:
         positions: Sequence[int] | None = None,
         end_tokens: int | None = None,
     ) -> StoreResult:
+        """Check the whole request before anything changes, then run it (`StoreRun`)."""
         core = self.core
         core.check_open()
         keys = list(keys)
         check_keys(keys, "keys")
         src = checked_source(source, len(keys), core.block_bytes)
-        primary = core.primary
+        position, skipped = self._positions(keys, positions, end_tokens)
+        run = StoreRun(core, self.writeback, self, position, skipped)
+        if hasattr(src, "validate"):  # e.g. KVCacheBlocks: GPU block ids, coverage
+            run_validate_hook(src, "store", [position[k] for k in run.new], core.primary.view)
+        return await run.run(src)
+
+    def _positions(
+        self, keys: list[OffloadKey], positions: Sequence[int] | None, end_tokens: int | None
+    ) -> tuple[dict[OffloadKey, int], list[OffloadKey]]:
+        """Each key to store -> its index in the source (a key given twice: its first),
+        and the keys left out because no hit at a checkpoint can use them."""
         skipped: list[OffloadKey] = []
         if positions is None:
             position = {key: i for i, key in enumerate(keys)}
         else:  # blocks no hit at a checkpoint can use are not stored (tierkv.retention)
-            keep = kept_blocks(core.config.layout, keys, positions, end_tokens)
+            keep = kept_blocks(self.core.config.layout, keys, positions, end_tokens)
             position = {key: i for i, (key, ok) in enumerate(zip(keys, keep)) if ok}
             skipped = [key for key, ok in zip(keys, keep) if not ok]
         if len(position) + len(skipped) != len(keys):  # rare: a key twice; its first place counts
@@ -352,103 +211,4 @@ class Cascader:
             for i, key in enumerate(keys):
                 if key not in left_out:
                     position.setdefault(key, i)
-        resident, in_flight, new = primary.partition(position)
-        already = resident
-        # keys another store or a promotion is writing right now: `already_present`
-        # only once that write succeeded; if it fails, this store writes them
-        pending: list[OffloadKey] = list(in_flight)
-        if hasattr(src, "validate"):  # e.g. KVCacheBlocks: GPU block ids, coverage
-            run_validate_hook(src, "store", [position[k] for k in new], primary.view)
-        stored: list[OffloadKey] = []
-        rejected: list[OffloadKey] = []
-        error: str | None = None
-        watch = StoreWatch(core.index)
-        placed: list[OffloadKey] = []  # stored, not yet told to the watch (needed lazily)
-        deadline = anyio.current_time() + core.config.store_timeout
-        streaming = False
-        i = 0
-        while i < len(new) or pending:
-            if i >= len(new):  # every new key placed: settle what others were writing
-                ready, new, late = await self._settle(pending, deadline)
-                already.extend(ready)
-                pending, i = [], 0
-                if late:
-                    error = (
-                        "another store or promotion of these blocks was still writing "
-                        f"them at store_timeout ({core.config.store_timeout:g}s)"
-                    )
-                    rejected.extend(late)
-                continue
-            if new[i] in primary:  # stored meanwhile by someone else
-                (already if primary.is_ready(new[i]) else pending).append(new[i])
-                i += 1
-                continue
-            size = self._window(len(new) - i, deadline)
-            got: list[OffloadKey] = []
-            slots: list[int] = []
-            if size:
-                streaming = streaming or size < len(new) - i
-                # a streaming store waits for a write-through tier that is behind rather
-                # than have the window's cascade dropped: its blocks must leave the
-                # primary to make room for the next windows (a store that fits never
-                # waits here; its cascade is dropped and counted instead)
-                behind = streaming and self._behind(size * core.block_bytes)
-                if behind and await self._wait(deadline):
-                    continue
-                want = new[i : i + size]  # the primary skips keys stored meanwhile
-                if placed:  # a later window may evict: this request's earlier blocks must be safe
-                    watch.placed(placed)
-                    placed.clear()
-                veto = watch.may_evict if watch.unsafe or core.index.dirty_count else None
-                prepared = primary.prepare_store_prefix(want, may_evict=veto)
-                core.events.drain_primary()
-                got, slots = prepared.keys_to_store, prepared.slots
-            else:
-                want = new[i : i + min(self.window, len(new) - i)]
-            if not got:
-                error = await self._await_room(want, watch, deadline)
-                if error is not None:
-                    break
-                continue
-            success = False
-            try:
-                await src.copy_to_slots(primary.view, [position[k] for k in got], slots)
-                success = True
-            finally:
-                primary.complete_store(got, success=success)
-                core.events.drain_primary()
-            stats = core.primary_stats
-            stats.store_jobs += 1
-            stats.blocks_stored += len(got)
-            stats.bytes_in += len(got) * core.block_bytes
-            stored.extend(got)
-            self.after_store(got, watch)
-            placed.extend(got)
-            if got == want[: len(got)]:  # nothing was skipped: a prefix of `new[i:]`
-                i += len(got)
-                continue
-            got_set, last = set(got), got[-1]
-            while True:  # move past the window; keys it skipped were stored meanwhile
-                key = new[i]
-                i += 1
-                if key not in got_set:
-                    (already if primary.is_ready(key) else pending).append(key)
-                if key == last:
-                    break
-        if error is not None:
-            for key in [*new[i:], *pending]:  # present only if ready; in flight is not
-                (already if primary.is_ready(key) else rejected).append(key)
-            core.primary_stats.drops += len(rejected)
-            core.counters["store_rejected"] += len(rejected)
-            if not rejected:
-                error = None
-        core.counters["store_skipped"] += len(skipped)  # counted once the store ran
-        if len(already) != len(resident):  # some were settled later: back to key order
-            already.sort(key=position.__getitem__)
-        return StoreResult(
-            stored=tuple(stored),
-            already_present=tuple(already),
-            rejected=tuple(rejected),
-            error=error,
-            skipped=tuple(skipped),
-        )
+        return position, skipped

@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
+from tierkv.cache.counters import CacheCounters
 from tierkv.cache.index import KeyIndex
 from tierkv.config import CacheConfig
 from tierkv.driver import GuardedTier
@@ -31,26 +32,49 @@ MAX_EVENTS = 65536  # events kept for take_events(); older ones are dropped and 
 
 
 class Signal:
-    """Wakes every task waiting for 'something was released' (slots, flights)."""
+    """Wakes every task waiting for 'something was released' (slots, flights).
+
+    Counts its waiters, so a notice nobody waits for costs nothing (no new event)."""
 
     def __init__(self) -> None:
         self._event = anyio.Event()
+        self._waiting = 0
+
+    @property
+    def waiting(self) -> int:
+        """Tasks waiting now."""
+        return self._waiting
 
     def notify(self) -> None:
-        self._event.set()
-        self._event = anyio.Event()
+        if self._waiting:
+            self._event.set()
+            self._event = anyio.Event()
 
     async def wait(self) -> None:
-        await self._event.wait()
+        self._waiting += 1
+        try:
+            await self._event.wait()
+        finally:
+            self._waiting -= 1
 
 
 class EventLog:
-    """Stored/removed events of every medium, bounded, oldest first."""
+    """Stored/removed events of every medium, bounded, oldest first.
+
+    The log is the primary's event sink: the primary hands over each event as it
+    changes its block table, so its events are always ahead of a tier's that follow
+    (a tier's store is reported after the primary made the block ready), and no code
+    that changes the primary has to remember to collect them."""
 
     def __init__(self, primary: PrimaryTier, limit: int = MAX_EVENTS) -> None:
-        self._primary = primary
         self._events: deque[OffloadingEvent] = deque(maxlen=limit)
         self.dropped = 0
+        primary.set_event_sink(self.append)
+
+    def append(self, event: OffloadingEvent) -> None:
+        if len(self._events) == self._events.maxlen:
+            self.dropped += 1
+        self._events.append(event)
 
     def emit(self, events: Sequence[OffloadingEvent]) -> None:
         maxlen = self._events.maxlen or 0
@@ -59,14 +83,7 @@ class EventLog:
             self.dropped += overflow
         self._events.extend(events)
 
-    def drain_primary(self) -> None:
-        """Move the primary's pending events into the log (always before a tier's)."""
-        events = self._primary.take_events()
-        if events:
-            self.emit(events)
-
     def take(self) -> list[OffloadingEvent]:
-        self.drain_primary()
         events = list(self._events)
         self._events.clear()
         return events
@@ -97,15 +114,10 @@ class CacheCore:
         self.idle.set()
         self._stop = anyio.Event()
         self._supervisor: asyncio.Task[None] | None = None
-        self.counters: dict[str, int] = {
-            "store_rejected": 0,
-            "store_waits": 0,
-            "write_back_dropped": 0,
-            "promotions_shed": 0,
-            "promotion_waits": 0,
-            "load_fallbacks": 0,
-            "store_skipped": 0,
-        }
+        self.counters = CacheCounters()
+        # promotion room may have been released (a window landed, a load or prefetch let
+        # go of blocks): prefetches waiting for room look again
+        self.room_changed = Signal()
 
     # -- background jobs ---------------------------------------------------------------
     async def start(self) -> None:
@@ -162,5 +174,4 @@ class CacheCore:
 
     def emit_tier(self, handle: GuardedTier, keys: Sequence[Any], removed: bool) -> None:
         if keys:
-            self.events.drain_primary()
             self.events.emit([OffloadingEvent(tuple(keys), handle.name, removed=removed)])

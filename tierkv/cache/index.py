@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Iterable
-from dataclasses import dataclass, field
 
 import anyio
 
@@ -42,15 +41,95 @@ _ONE_CASCADE = 1 << _CASCADING
 _ONE_HIT = 1 << _HITS
 
 
-@dataclass
 class Flight:
-    """One promotion window several loads may wait on (single flight)."""
+    """One promotion window several loads (and a prefetch) may wait on: single flight.
 
-    keys: list[OffloadKey]
-    done: anyio.Event = field(default_factory=anyio.Event)
-    waiters: dict[OffloadKey, int] = field(default_factory=dict)
-    outcome: dict[OffloadKey, tuple[str | None, str | None]] = field(default_factory=dict)
-    granted: dict[OffloadKey, int] = field(default_factory=dict)  # readers taken for waiters
+    It counts, per key, the waiters (whoever started the window counts as one; a load
+    that finds the key in flight joins; one that gives up before the window lands
+    leaves), records how each key's read ended, and when the window lands hands each
+    waiter of a key that landed one reader on its block (`finish`), which the waiter
+    takes with `take`. The counts live here, changed only through these methods, so
+    every reader handed out is taken or given back exactly once."""
+
+    __slots__ = ("_done", "_granted", "_outcome", "_waiters", "keys")
+
+    def __init__(self, keys: list[OffloadKey]) -> None:
+        self.keys = keys
+        self._done = anyio.Event()
+        self._waiters: dict[OffloadKey, int] = dict.fromkeys(keys, 1)  # the starter
+        self._outcome: dict[OffloadKey, tuple[str | None, str | None]] = {}
+        self._granted: dict[OffloadKey, int] = {}  # readers taken for waiters, not yet taken
+
+    def __contains__(self, key: object) -> bool:
+        """Whether `key` is one of the window's keys."""
+        return key in self._waiters
+
+    # -- waiters (before the window lands) -----------------------------------------------
+    def join(self, key: OffloadKey) -> None:
+        """One more waiter on `key`."""
+        self._waiters[key] = self._waiters.get(key, 0) + 1
+
+    def leave(self, key: OffloadKey) -> None:
+        """A waiter on `key` gives up before the window lands: no reader for it."""
+        self._waiters[key] -= 1
+
+    def waiters(self, key: OffloadKey) -> int:
+        """How many wait (or waited, once landed) on `key`."""
+        return self._waiters.get(key, 0)
+
+    # -- the read (stage 1) ----------------------------------------------------------------
+    def served(self, key: OffloadKey, medium: str) -> None:
+        """`key` was read from the tier `medium`."""
+        self._outcome[key] = (medium, None)
+
+    def failed(self, key: OffloadKey, error: str) -> None:
+        """`key` could not be read, for `error`."""
+        self._outcome[key] = (None, error)
+
+    def read_keys(self) -> tuple[list[OffloadKey], list[OffloadKey]]:
+        """The keys read so far, and the rest (failed or not answered), in order."""
+        outcome = self._outcome
+        ok = [k for k in self.keys if outcome.get(k, (None, None))[0] is not None]
+        rest = [k for k in self.keys if outcome.get(k, (None, None))[0] is None]
+        return ok, rest
+
+    def waiting(self) -> dict[OffloadKey, int]:
+        """Key -> waiters, for the keys someone still waits on."""
+        return {k: n for k, n in self._waiters.items() if n > 0}
+
+    def finish(self, readers: dict[OffloadKey, int]) -> None:
+        """The window landed: keys never answered are cancelled, and the waiters of
+        each key read get the readers the primary gave them (`readers`, as `waiting`
+        said when the blocks were made ready). Wakes every waiter."""
+        for key in self.keys:
+            self._outcome.setdefault(key, (None, "promotion cancelled"))
+        for key, n in readers.items():
+            if self._outcome.get(key, (None, None))[0] is not None:
+                self._granted[key] = n
+        self._done.set()
+
+    # -- after it lands ------------------------------------------------------------------
+    @property
+    def landed(self) -> bool:
+        return self._done.is_set()
+
+    async def wait(self) -> None:
+        """Wait until the window has landed."""
+        await self._done.wait()
+
+    def take(self, key: OffloadKey) -> str | None:
+        """A waiter's share of `key`: the tier it was read from, and one reader on its
+        block that is now the caller's to give back; None when it was not read (see
+        `error`) or no reader is left for it."""
+        medium = self._outcome.get(key, (None, None))[0]
+        if medium is None or self._granted.get(key, 0) <= 0:
+            return None
+        self._granted[key] -= 1
+        return medium
+
+    def error(self, key: OffloadKey) -> str:
+        """Why `key` was not read (for a waiter `take` gave nothing)."""
+        return self._outcome.get(key, (None, None))[1] or "promotion failed"
 
 
 def lowest_bit(mask: int) -> int | None:

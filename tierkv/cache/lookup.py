@@ -145,8 +145,43 @@ class Lookup:
         ctx: ReqContext,
         gpu_tokens: int = 0,
     ) -> LookupResult:
-        core = self.core
-        groups = core.config.layout.groups
+        """Where each key is (the GPU, the primary, or the tier the tiers name), the
+        longest prefix every group can serve, and the keys that serve it."""
+        groups = self.core.config.layout.groups
+        self._check(keys_per_group, gpu_tokens)
+        if not gpu_tokens and len(groups) == 1 and groups[0].kind == "full":
+            keys = keys_per_group[0]
+            if self.core.primary.lookup(keys) == len(keys):  # the hot case: all resident
+                return self._all_resident(keys, groups[0].block_size, ctx)
+        where, missing = self._in_primary(keys_per_group, gpu_tokens)
+        if missing:
+            tiers = self.core.tiers
+            for key, i in (await self.locate(list(missing), ctx)).items():
+                where[key] = tiers[i].name
+        tokens, ranges = self._hit(keys_per_group, where, bool(missing))
+        if gpu_tokens:
+            group_keys = tuple(
+                tuple(k for k in keys[r.first : r.end] if where[k] != _GPU)
+                for keys, r in zip(keys_per_group, ranges)
+            )
+        else:
+            group_keys = tuple(
+                tuple(keys[r.first : r.end]) for keys, r in zip(keys_per_group, ranges)
+            )
+        locations = {k: where[k] for keys in group_keys for k in keys}
+        if missing:
+            self.core.primary.touch([k for k, m in locations.items() if m == PRIMARY_MEDIUM])
+        else:
+            self.core.primary.touch(list(locations))
+        if self.on_hits is not None:
+            self._report_hits(keys_per_group, ranges, ctx)
+        return LookupResult(
+            tokens, group_keys, tuple(ranges), MappingProxyType(locations), gpu_tokens
+        )
+
+    def _check(self, keys_per_group: Sequence[Sequence[OffloadKey]], gpu_tokens: int) -> None:
+        """A request that does not fit the layout raises before anything is asked."""
+        groups = self.core.config.layout.groups
         if len(keys_per_group) != len(groups):
             raise ValueError(
                 f"lookup got keys for {len(keys_per_group)} groups; the layout has {len(groups)}"
@@ -155,11 +190,15 @@ class Lookup:
             raise ValueError(f"gpu_tokens must be a non-negative int, got {gpu_tokens!r}")
         for g, keys in enumerate(keys_per_group):
             check_keys(keys, f"keys_per_group[{g}]")
-        primary = core.primary
-        if not gpu_tokens and len(groups) == 1 and groups[0].kind == "full":
-            keys = keys_per_group[0]
-            if primary.lookup(keys) == len(keys):  # the hot case: all resident
-                return self._all_resident(keys, groups[0].block_size, ctx)
+
+    def _in_primary(
+        self, keys_per_group: Sequence[Sequence[OffloadKey]], gpu_tokens: int
+    ) -> tuple[dict[OffloadKey, str], dict[OffloadKey, None]]:
+        """The first pass: keys the GPU holds (the leading `gpu_tokens` of each group)
+        and keys ready in the primary, by medium; and the keys neither has, in order
+        (counted as the primary's misses)."""
+        groups = self.core.config.layout.groups
+        primary = self.core.primary
         where: dict[OffloadKey, str] = {}
         missing: dict[OffloadKey, None] = {}
         on_gpu = 0
@@ -174,57 +213,50 @@ class Lookup:
             for key in rest:
                 if key not in where:
                     missing[key] = None
-        ps = core.primary_stats
+        ps = self.core.primary_stats
         ps.lookups += 1
         ps.lookup_keys += len(where) - on_gpu + len(missing)
         ps.hits += len(where) - on_gpu
         ps.misses += len(missing)
-        if missing:
-            tiers = core.tiers
-            for key, i in (await self.locate(list(missing), ctx)).items():
-                where[key] = tiers[i].name
+        return where, missing
 
+    def _hit(
+        self,
+        keys_per_group: Sequence[Sequence[OffloadKey]],
+        where: dict[OffloadKey, str],
+        missed: bool,
+    ) -> tuple[int, list[GroupHit]]:
+        """The tokens every group can serve from the keys in `where`, and each group's
+        range of blocks (one full-attention group: its present prefix)."""
+        groups = self.core.config.layout.groups
         if len(groups) == 1 and groups[0].kind == "full":
             keys = keys_per_group[0]
             end = len(keys)
-            if missing:
+            if missed:
                 for j, key in enumerate(keys):
                     if key not in where:
                         end = j
                         break
-            tokens = end * groups[0].block_size
-            ranges = [GroupHit(0, end)]
+            return end * groups[0].block_size, [GroupHit(0, end)]
+        present = [[k in where for k in keys] for keys in keys_per_group]
+        return combine_group_hits(groups, present)
+
+    def _report_hits(
+        self,
+        keys_per_group: Sequence[Sequence[OffloadKey]],
+        ranges: Sequence[GroupHit],
+        ctx: ReqContext,
+    ) -> None:
+        """Tell `on_hits` every key the request looked up and the keys past its hit."""
+        assert self.on_hits is not None
+        if len(keys_per_group) == 1:  # one group's keys are distinct (prefix-chained)
+            seen, tail = keys_per_group[0], keys_per_group[0][ranges[0].end :]
         else:
-            present = [[k in where for k in keys] for keys in keys_per_group]
-            tokens, ranges = combine_group_hits(groups, present)
-        if gpu_tokens:
-            group_keys = tuple(
-                tuple(k for k in keys[r.first : r.end] if where[k] != _GPU)
-                for keys, r in zip(keys_per_group, ranges)
+            seen = list(dict.fromkeys(k for keys in keys_per_group for k in keys))
+            tail = list(
+                dict.fromkeys(k for keys, r in zip(keys_per_group, ranges) for k in keys[r.end :])
             )
-        else:
-            group_keys = tuple(
-                tuple(keys[r.first : r.end]) for keys, r in zip(keys_per_group, ranges)
-            )
-        locations = {k: where[k] for keys in group_keys for k in keys}
-        if missing:
-            core.primary.touch([k for k, m in locations.items() if m == PRIMARY_MEDIUM])
-        else:
-            core.primary.touch(list(locations))
-        if self.on_hits is not None:
-            if len(keys_per_group) == 1:  # one group's keys are distinct (prefix-chained)
-                seen, tail = keys_per_group[0], keys_per_group[0][ranges[0].end :]
-            else:
-                seen = list(dict.fromkeys(k for keys in keys_per_group for k in keys))
-                tail = list(
-                    dict.fromkeys(
-                        k for keys, r in zip(keys_per_group, ranges) for k in keys[r.end :]
-                    )
-                )
-            self.on_hits(seen, ctx, tail)
-        return LookupResult(
-            tokens, group_keys, tuple(ranges), MappingProxyType(locations), gpu_tokens
-        )
+        self.on_hits(seen, ctx, tail)
 
     def _all_resident(
         self, keys: Sequence[OffloadKey], block_size: int, ctx: ReqContext

@@ -30,12 +30,13 @@ every `_POLL` seconds, for room a cascade releases) up to its `timeout` in all.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Literal
 
 import anyio
 
-from tierkv.cache.core import CacheCore, Signal
+from tierkv.cache.core import CacheCore
+from tierkv.cache.flights import FlightRunner
 from tierkv.cache.index import Flight
 from tierkv.cache.lookup import Lookup
 from tierkv.cache.results import LookupResult
@@ -49,10 +50,7 @@ logger = logging.getLogger(__name__)
 
 PrefetchPolicy = Literal["best_effort", "wait"]
 
-COUNTERS = ("prefetched_blocks", "prefetch_used", "prefetch_cancelled", "prefetch_shed")
 _POLL = 0.01  # a waiting prefetch also looks for room this often (cascades release it)
-
-RunFlight = Callable[[Flight, list[int], ReqContext], Awaitable[None]]
 
 
 class Prefetch:
@@ -112,20 +110,16 @@ class Prefetch:
 class Prefetcher:
     """Every prefetch of one cache, and the budget they share."""
 
-    def __init__(self, core: CacheCore, lookup: Lookup, run_flight: RunFlight) -> None:
+    def __init__(self, core: CacheCore, lookup: Lookup, flights: FlightRunner) -> None:
         self.core = core
         self.lookup = lookup
-        self._run_flight = run_flight
-        for name in COUNTERS:
-            core.counters.setdefault(name, 0)
+        self.flights = flights  # stage 1, shared with the loads
         self._by_request: dict[str, list[Prefetch]] = {}
         self._holder: dict[OffloadKey, Prefetch] = {}  # landed keys a prefetch holds
         self.holding = 0  # slots prefetches hold now: windows reading plus blocks held
-        self._changed = Signal()  # a window landed, blocks were let go
-        self._waiting = 0  # prefetches waiting for room
         # blocks the running loads have still to promote: the promotion room they will
-        # take, which no prefetch may take first (the Promoter keeps it)
-        self.owed = 0
+        # take, which no prefetch may take first (loads `owe` and `settle` it)
+        self._owed = 0
 
     @property
     def budget(self) -> int:
@@ -140,7 +134,20 @@ class Prefetcher:
     def waiting_for_room(self) -> int:
         """Prefetches now waiting for room (policy `wait`, none free): each resumes when
         blocks are let go or room is released, or gives up at its deadline."""
-        return self._waiting
+        return self.core.room_changed.waiting
+
+    @property
+    def owed(self) -> int:
+        """Blocks the running loads have still to promote."""
+        return self._owed
+
+    def owe(self, blocks: int) -> None:
+        """A load has `blocks` more to promote: room no prefetch may take first."""
+        self._owed += blocks
+
+    def settle(self, blocks: int) -> None:
+        """A load promoted, joined or gave up `blocks` of what it was owed."""
+        self._owed -= blocks
 
     # -- the calls --------------------------------------------------------------------
     def start(
@@ -207,7 +214,7 @@ class Prefetcher:
                 p = holder.get(key)
                 if p is not None and key not in p.used:
                     p.used.add(key)
-                    counters["prefetch_used"] += 1
+                    counters.prefetch_used += 1
         rid = ctx.request_id
         if rid is not None and rid in self._by_request:
             for p in list(self._by_request[rid]):
@@ -223,7 +230,7 @@ class Prefetcher:
         if cancelled:
             unused = sum(1 for k in p.held if k not in p.used)
             reading = len(p.window.keys) if p.window is not None else 0
-            core.counters["prefetch_cancelled"] += unused + reading
+            core.counters.prefetch_cancelled += unused + reading
         if p.held:
             held = list(p.held)
             p.held.clear()
@@ -238,12 +245,7 @@ class Prefetcher:
             if not mine:
                 del self._by_request[p.request_id or ""]
         p._released.set()
-        self.changed()
-
-    def changed(self) -> None:
-        """Room may have been released: wake the prefetches waiting for it."""
-        if self._waiting:
-            self._changed.notify()
+        core.room_changed.notify()
 
     # -- the background task -----------------------------------------------------------
     async def _drive(self, p: Prefetch) -> None:
@@ -298,7 +300,7 @@ class Prefetcher:
         primary = self.core.primary
         if primary.waiting(Kind.PROMOTION):
             return 0
-        return max(0, min(self.budget - self.holding, primary.promotion_room() - self.owed))
+        return max(0, min(self.budget - self.holding, primary.promotion_room() - self._owed))
 
     async def _promote(self, p: Prefetch, targets: list[OffloadKey]) -> None:
         """Stage 1 of `targets` in windows within the budget, one window at a time."""
@@ -308,87 +310,67 @@ class Prefetcher:
         while pos < len(targets) and not p.ended and core.is_open:
             room = self.room()
             if room > 0:
-                moved, flight, slots = self._start_window(p, targets, pos, room)
+                moved, flight = self._start_window(p, targets, pos, room)
                 if moved > pos:
                     pos = moved
                     if flight is not None:
-                        await self._await_window(p, flight, slots)
+                        await self._await_window(p, flight)
                     continue
             # no room now: best_effort stops; wait looks again until its deadline,
             # unless it alone holds the whole budget (waiting cannot help then)
             left = deadline - anyio.current_time()
             if left <= 0 or (self.holding >= self.budget and self.holding == len(p.held)):
                 break
-            self._waiting += 1
-            try:
-                with anyio.move_on_after(min(left, _POLL)):
-                    await self._changed.wait()
-            finally:
-                self._waiting -= 1
+            with anyio.move_on_after(min(left, _POLL)):
+                await core.room_changed.wait()
         if pos < len(targets) and not p.ended and core.is_open:
             p.shed.extend(targets[pos:])
-            core.counters["prefetch_shed"] += len(targets) - pos
+            core.counters.prefetch_shed += len(targets) - pos
 
     def _start_window(
         self, p: Prefetch, targets: list[OffloadKey], pos: int, room: int
-    ) -> tuple[int, Flight | None, list[int]]:
-        """Reserve slots for the next window (keys resident or promoted by someone else
-        meanwhile are skipped). Returns the position past what was taken (`pos` when
-        nothing could be), the window's flight (None when it took no slot) and slots."""
-        core = self.core
-        primary, index = core.primary, core.index
+    ) -> tuple[int, Flight | None]:
+        """Start the next window (keys resident or promoted by someone else meanwhile
+        are skipped). Returns the position past what was taken (`pos` when nothing
+        could be) and the window's flight (None when it took no slot)."""
         chunk = targets[pos : pos + room]
-        mine = [k for k in chunk if index.flight(k) is None and k not in primary]
-        prepared = primary.prepare_promotion(mine, may_evict=index.is_clean) if mine else None
-        core.events.drain_primary()
-        got = prepared.keys_to_store if prepared is not None else []
-        refused = mine[len(got)] if len(got) < len(mine) else None
-        moved = pos
-        for key in chunk:
-            if key == refused:
-                break  # no room for it (held or dirty blocks): a later window, or shed
-            moved += 1
-        if not got or prepared is None:
-            return moved, None, []
-        flight = Flight(keys=got, waiters=dict.fromkeys(got, 1))
-        for key in got:
-            index.set_flight(key, flight)
-        self.holding += len(got)
-        p.window = flight
-        core.spawn(self._run_flight, flight, prepared.slots, p.ctx)
-        return moved, flight, prepared.slots
+        flight, refused = self.flights.start(chunk, p.ctx)
+        # a refused key has no room: it and the rest wait for a later window, or shed
+        moved = pos + (chunk.index(refused) if refused is not None else len(chunk))
+        if flight is not None:
+            self.holding += len(flight.keys)
+            p.window = flight
+        return moved, flight
 
-    async def _await_window(self, p: Prefetch, flight: Flight, slots: list[int]) -> None:
+    async def _await_window(self, p: Prefetch, flight: Flight) -> None:
         """Wait for the window to land, then take (or, once ended, let go of) the reader
         it gives this prefetch on each block."""
         core = self.core
         primary, counters = core.primary, core.counters
         try:
-            await flight.done.wait()
+            await flight.wait()
         finally:
             p.window = None
-            landed = flight.done.is_set()
+            landed = flight.landed
             for key in flight.keys:
                 if not landed:  # cancelled (close): no reader for a prefetch that is gone
-                    flight.waiters[key] -= 1
+                    flight.leave(key)
                     p.failed[key] = "prefetch cancelled"
                     self.holding -= 1
                     continue
-                medium, error = flight.outcome.get(key, (None, "promotion failed"))
-                if medium is None or flight.granted.get(key, 0) <= 0:
-                    p.failed[key] = error or "promotion failed"
+                if flight.take(key) is None:
+                    p.failed[key] = flight.error(key)
                     self.holding -= 1
                     continue
-                flight.granted[key] -= 1
                 p.promoted.append(key)
-                counters["prefetched_blocks"] += 1
-                if flight.waiters.get(key, 0) > 1:  # a load joined the window
+                counters.prefetched_blocks += 1
+                if flight.waiters(key) > 1:  # a load joined the window
                     p.used.add(key)
-                    counters["prefetch_used"] += 1
+                    counters.prefetch_used += 1
                 if p.ended:
                     primary.complete_load([key])
                     self.holding -= 1
                 else:
                     p.held.add(key)
                     self._holder[key] = p
-            self.changed()
+            core.room_changed.notify()

@@ -53,7 +53,7 @@ class WriteBack:
     def _drop(self, key: OffloadKey, handle: GuardedTier, why: str) -> None:
         self.core.index.clean(key, handle.index)
         handle.stats.drops += 1
-        self.core.counters["write_back_dropped"] += 1
+        self.core.counters.write_back_dropped += 1
         logger.debug("dropped a write-back block for tier %s: %s", handle.name, why)
 
     def admit(self, keys: Sequence[OffloadKey]) -> None:
@@ -69,7 +69,7 @@ class WriteBack:
                 for handle in down:
                     tiers &= ~handle.bit
                     handle.stats.drops += 1
-                    self.core.counters["write_back_dropped"] += 1
+                    self.core.counters.write_back_dropped += 1
             if tiers:
                 index.mark_dirty(key, tiers)
         self.wake()
