@@ -14,10 +14,10 @@ import torch
 
 from tierkv.cache import TieredCache
 from tierkv.config import parse_config
+from tierkv.contract.keys import OffloadKey, hash_token_blocks, make_offload_key
 from tierkv.gpu import TransferWorker, required_block_bytes
 from tierkv.gpu.kv_blocks import KVCacheBlocks
 from tierkv.gpu.worker import Launched
-from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
 
 pytestmark = pytest.mark.anyio
 

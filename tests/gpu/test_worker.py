@@ -25,7 +25,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tierkv.errors import ConfigError
+from tierkv.contract.errors import ConfigError
 from tierkv.gpu import (
     DIRECTIONS,
     Direction,

@@ -38,15 +38,15 @@ from tierkv.cache.results import (
 )
 from tierkv.cache.writeback import WriteBack
 from tierkv.config import CacheConfig, load_config
-from tierkv.errors import TierUnavailable
-from tierkv.events import OffloadingEvent
+from tierkv.contract.errors import TierUnavailable
+from tierkv.contract.events import OffloadingEvent
+from tierkv.contract.jobs import ReqContext
+from tierkv.contract.keys import OffloadKey
+from tierkv.contract.tier import SecondaryTierManager
 from tierkv.health import CircuitBreaker
-from tierkv.jobs import ReqContext
-from tierkv.keys import OffloadKey
 from tierkv.primary import PrimaryTier
 from tierkv.registry import create_tier
 from tierkv.stats import TierStats
-from tierkv.tier import SecondaryTierManager
 
 logger = logging.getLogger(__name__)
 

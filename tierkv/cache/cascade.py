@@ -34,8 +34,8 @@ from tierkv.cache.index import KeyIndex
 from tierkv.cache.results import StoreResult
 from tierkv.cache.validate import check_keys, checked_source, run_validate_hook
 from tierkv.cache.writeback import WriteBack
-from tierkv.jobs import JobMetadata, ReqContext
-from tierkv.keys import OffloadKey
+from tierkv.contract.jobs import JobMetadata, ReqContext
+from tierkv.contract.keys import OffloadKey
 from tierkv.policies.admission import ReuseAdmission
 from tierkv.retention import kept_blocks
 from tierkv.room import Kind

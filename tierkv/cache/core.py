@@ -20,8 +20,8 @@ from anyio.abc import TaskGroup
 from tierkv.cache.guard import TierHandle
 from tierkv.cache.index import KeyIndex
 from tierkv.config import CacheConfig
-from tierkv.errors import TierUnavailable
-from tierkv.events import OffloadingEvent
+from tierkv.contract.errors import TierUnavailable
+from tierkv.contract.events import OffloadingEvent
 from tierkv.primary import PrimaryTier
 from tierkv.stats import TierStats
 

@@ -12,11 +12,11 @@ from typing import Literal
 
 import anyio
 
+from tierkv.contract.jobs import JobMetadata, JobResult, ReqContext
+from tierkv.contract.keys import OffloadKey
+from tierkv.contract.tier import SecondaryTierManager, TierConfig
 from tierkv.health import CircuitBreaker
-from tierkv.jobs import JobMetadata, JobResult, ReqContext
-from tierkv.keys import OffloadKey
 from tierkv.stats import TierStats
-from tierkv.tier import SecondaryTierManager, TierConfig
 
 logger = logging.getLogger(__name__)
 

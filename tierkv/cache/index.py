@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from tierkv.keys import OffloadKey
+from tierkv.contract.keys import OffloadKey
 
 MAX_TIERS = 16
 _MASK = (1 << 16) - 1

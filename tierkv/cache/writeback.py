@@ -23,8 +23,8 @@ import anyio
 
 from tierkv.cache.core import CacheCore
 from tierkv.cache.guard import TierHandle
-from tierkv.jobs import JobMetadata
-from tierkv.keys import OffloadKey
+from tierkv.contract.jobs import JobMetadata
+from tierkv.contract.keys import OffloadKey
 
 logger = logging.getLogger(__name__)
 

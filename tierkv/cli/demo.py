@@ -35,7 +35,7 @@ from tierkv.cli.common import (
 )
 from tierkv.cli.progress import Progress
 from tierkv.config import CacheConfig, load_config
-from tierkv.units import format_size
+from tierkv.contract.units import format_size
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:

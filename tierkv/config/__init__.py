@@ -14,7 +14,7 @@ path and says the bad value once, all problems at once:
 must be UTF-8 and may not repeat a key. Sizes are bytes in binary units: a size in
 bits (`4Gb`) is an error, a decimal one (`2MB`) an error for `layout.block_bytes` and a
 logged warning elsewhere (`sizes`). With `check_machine=True` the sizes are also
-checked against this machine, in the same error (`tierkv.machine`). Secrets (fields
+checked against this machine, in the same error (`tierkv.config.machine`). Secrets (fields
 named like `password`, the password of a URL) never appear in an error, and
 `CacheConfig.model_dump()` masks them.
 

@@ -48,7 +48,8 @@ import anyio.lowlevel
 import anyio.to_thread
 import torch
 
-from tierkv.errors import ConfigError
+from tierkv.contract.errors import ConfigError
+from tierkv.contract.units import format_size
 from tierkv.gpu.alias import DeviceView, device_alias, require_pinned, uva_view
 from tierkv.gpu.backends import (
     AUTO_MIN_DMA_COPY_BYTES,
@@ -75,7 +76,6 @@ from tierkv.gpu.spec import (
 from tierkv.gpu.streams import Completion, CudaStreams, ImmediateStreams, Streams
 from tierkv.layout import KVLayout
 from tierkv.primary import HostSlab
-from tierkv.units import format_size
 
 logger = logging.getLogger(__name__)
 

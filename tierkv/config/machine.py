@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tierkv.tier import TierConfig
-from tierkv.units import approx_size, format_size
+from tierkv.contract.tier import TierConfig
+from tierkv.contract.units import approx_size, format_size
 
 if TYPE_CHECKING:
     from tierkv.config import CacheConfig
