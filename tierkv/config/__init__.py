@@ -20,7 +20,9 @@ named like `password`, the password of a URL) never appear in an error, and
 
 One idea per module: `model` (the `CacheConfig` model, tier names), `loading`
 (`parse_config`, `load_config`), `reading` (file text and YAML), `environment`
-(`${VAR}`), `messages` (errors by YAML path), `sizes` (units), `checks` (across tiers).
+(`${VAR}`), `messages` (errors by YAML path), `sizes` (units), `checks` (across tiers),
+`machine` (sizes against this machine). The modules import each other, never this
+package, so importing it cannot run in a circle.
 """
 
 from __future__ import annotations
