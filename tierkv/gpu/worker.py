@@ -280,6 +280,17 @@ class TransferWorker:
         block lives: `[start, stop)` in bytes."""
         return self.geometry.byte_range(group, layer, sub_block)
 
+    def serves(self, view: HostSlab | torch.Tensor) -> bool:
+        """Whether this worker moves blocks to and from `view` (a `HostSlab`, or a
+        `[num_slots, block_bytes]` tensor): the very slab it was built over, not just
+        one of the same shape. A worker of another cache with the same geometry would
+        copy into that cache's slots; callers that are handed a worker check this."""
+        tensor = view.tensor if isinstance(view, HostSlab) else view
+        return (
+            tuple(tensor.shape) == (self.num_slots, self.block_bytes)
+            and tensor.data_ptr() == self._slab.data_ptr()
+        )
+
     @property
     def batch_stats(self) -> BatchStats | None:
         """Calls, copies and refused calls (redone by runs) of the batched memcpy; None
