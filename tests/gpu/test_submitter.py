@@ -16,7 +16,7 @@ import torch
 
 from tierkv.contract.errors import ConfigError
 from tierkv.gpu import TransferSpec, TransferSpecError, TransferWorker
-from tierkv.gpu.worker import Launched
+from tierkv.gpu.lanes import Launched
 from tierkv.layout import GroupSpec, KVLayout
 
 pytestmark = pytest.mark.anyio

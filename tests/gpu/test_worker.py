@@ -35,7 +35,7 @@ from tierkv.gpu import (
     TransferWorker,
     required_block_bytes,
 )
-from tierkv.gpu.worker import Launched
+from tierkv.gpu.lanes import Launched
 from tierkv.layout import GroupSpec, KVLayout
 from tierkv.primary import HostSlab, PrimaryTier
 
