@@ -23,8 +23,8 @@ from typing import TypeVar
 import torch
 
 from tierkv.cli.common import size as parse_size
+from tierkv.contract.units import format_size
 from tierkv.primary import PrimaryTier
-from tierkv.units import format_size
 
 BLOCK = 2 << 20
 T = TypeVar("T")

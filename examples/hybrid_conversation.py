@@ -21,7 +21,7 @@ import json
 from typing import Any
 
 from tierkv import TieredCache, hash_token_blocks, make_offload_key, parse_config
-from tierkv.keys import OffloadKey, get_offload_group_idx
+from tierkv.contract.keys import OffloadKey, get_offload_group_idx
 
 
 def layouts(block: int, window: int) -> dict[str, list[dict[str, Any]]]:

@@ -31,7 +31,7 @@ import torch
 
 from tierkv.cache import TieredCache
 from tierkv.config import parse_config
-from tierkv.keys import OffloadKey, make_offload_key
+from tierkv.contract.keys import OffloadKey, make_offload_key
 
 BLOCK = 64
 

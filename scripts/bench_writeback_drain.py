@@ -27,7 +27,7 @@ import torch
 
 from tierkv.cache import TieredCache
 from tierkv.config import parse_config
-from tierkv.keys import make_offload_key
+from tierkv.contract.keys import make_offload_key
 from tierkv.stats import percentile
 
 BATCH_STORE = 4096  # keys per store call while filling

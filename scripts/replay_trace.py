@@ -31,8 +31,8 @@ import torch
 
 from tierkv.cache import TieredCache
 from tierkv.config import parse_config
-from tierkv.jobs import ReqContext
-from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
+from tierkv.contract.jobs import ReqContext
+from tierkv.contract.keys import OffloadKey, hash_token_blocks, make_offload_key
 
 TRACE = (
     Path(__file__).resolve().parent.parent.parent / "shared/traces/mooncake_synthetic_trace.jsonl"

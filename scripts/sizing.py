@@ -40,7 +40,7 @@ from pydantic import ByteSize, TypeAdapter
 
 from tierkv.cache import TieredCache
 from tierkv.config import CacheConfig, parse_config
-from tierkv.keys import OffloadKey, make_offload_key
+from tierkv.contract.keys import OffloadKey, make_offload_key
 
 
 def _size(text: str) -> int:

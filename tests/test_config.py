@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tierkv.config import load_config, parse_config
-from tierkv.errors import ConfigError, UnknownTierType
+from tierkv.contract.errors import ConfigError, UnknownTierType
 from tierkv.memory_tier import MemoryTierConfig
 
 GOOD = """

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from tierkv.framing import header_bytes
-from tierkv.jobs import JobMetadata
-from tierkv.keys import OffloadKey
+from tierkv.contract.framing import header_bytes
+from tierkv.contract.jobs import JobMetadata
+from tierkv.contract.keys import OffloadKey
 from tierkv.memory_tier import MemoryTier, MemoryTierConfig
 from tierkv.primary import PrimaryTier, PrimaryView
 from tierkv.testing import TierConformanceSuite, fill_slots, random_keys
@@ -73,7 +73,7 @@ async def test_capacity_counts_framed_bytes_and_evicts_least_recent() -> None:
 
 
 async def test_closed_tier_refuses_work() -> None:
-    from tierkv.errors import TierUnavailable
+    from tierkv.contract.errors import TierUnavailable
 
     _, tier = _tier(capacity=1 << 20)
     await tier.close()
@@ -82,8 +82,8 @@ async def test_closed_tier_refuses_work() -> None:
 
 
 def test_report_removed_reaches_the_listener_only_when_set() -> None:
+    from tierkv.contract.slab import PrimaryView
     from tierkv.memory_tier import MemoryTier, MemoryTierConfig
-    from tierkv.slab import PrimaryView
 
     tier = MemoryTier(MemoryTierConfig(type="memory"), PrimaryView(bytearray(16), 8, "ns"))
     tier.report_removed([b"k" * 8])  # no listener yet: nothing to tell, nothing raised

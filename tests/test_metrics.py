@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tierkv.cache import TieredCache
 from tierkv.config import parse_config
-from tierkv.keys import hash_token_blocks, make_offload_key
+from tierkv.contract.keys import hash_token_blocks, make_offload_key
 from tierkv.metrics import TieredCacheCollector, serve_metrics
 
 pytestmark = pytest.mark.anyio

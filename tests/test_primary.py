@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierkv.errors import BlockStateError, ConfigError
-from tierkv.events import OffloadingEvent
+from tierkv.contract.errors import BlockStateError, ConfigError
+from tierkv.contract.events import OffloadingEvent
 from tierkv.layout import KVLayout
 from tierkv.primary import HostSlab, PrimaryConfig, PrimaryTier
 

@@ -33,3 +33,13 @@ def test_every_public_name_resolves_from_its_module() -> None:
     for name, module in tierkv._EXPORTS.items():
         assert getattr(tierkv, name) is getattr(importlib.import_module(module), name), name
     assert sorted(tierkv.__all__) == sorted([*tierkv._EXPORTS, "__version__"])
+
+
+def test_tierkv_tier_re_exports_the_contracts_names_for_plugin_authors() -> None:
+    """Plugins import `tierkv.tier`; the contract itself lives in `tierkv.contract`."""
+    import tierkv.contract.tier as contract
+    import tierkv.tier as plugin_api
+
+    assert plugin_api.__all__ == contract.__all__
+    for name in contract.__all__:
+        assert getattr(plugin_api, name) is getattr(contract, name), name

@@ -116,9 +116,9 @@ def test_tierkv_plugins_shows_the_skeleton_field_descriptions(
 
 
 def test_a_tier_from_the_skeleton_stores_into_its_own_directory(tmp_path: Path) -> None:
-    from tierkv.jobs import JobMetadata
-    from tierkv.keys import make_offload_key
-    from tierkv.slab import PrimaryView
+    from tierkv.contract.jobs import JobMetadata
+    from tierkv.contract.keys import make_offload_key
+    from tierkv.contract.slab import PrimaryView
 
     scope = _exec_skeleton()
     config = scope["FloppyConfig"](type="floppy", path=tmp_path / "floppy")  # type: ignore[operator]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tierkv.errors import PluginImportError, UnknownTierType
+from tierkv.contract.errors import PluginImportError, UnknownTierType
 from tierkv.memory_tier import MemoryTier, MemoryTierConfig
 from tierkv.primary import PrimaryTier
 from tierkv.registry import (

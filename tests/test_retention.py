@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierkv.keys import OffloadKey, make_offload_key
+from tierkv.contract.keys import OffloadKey, make_offload_key
 from tierkv.layout import GroupSpec, KVLayout
 from tierkv.retention import kept_blocks
 from tierkv.testing.hits_oracle import blocks_needed

@@ -1,8 +1,9 @@
 """tierkv: keeps an LLM server's KV cache alive after it leaves the GPU.
 
 The names below are the whole public API: what an inference server embeds and what a
-tier plugin author implements. Plugin authors import from `tierkv.tier` (the contract,
-torch-free), `tierkv.framing` (the stored format) and `tierkv.testing` (the
+tier plugin author implements. Plugin authors import from `tierkv.tier` (the plugin
+contract's names, torch-free), the contract's own modules in `tierkv.contract` for
+more (`tierkv.contract.framing`: the stored format) and `tierkv.testing` (the
 conformance suite). Everything else is importable from its own module and may move.
 
 Names are imported on first use, so `import tierkv.tier` (a plugin) does not pull in
@@ -33,25 +34,25 @@ _EXPORTS: dict[str, str] = {
     "KVCacheBlocks": "tierkv.gpu.kv_blocks",
     "TransferWorker": "tierkv.gpu.worker",
     "required_block_bytes": "tierkv.gpu.geometry",
-    "OffloadingEvent": "tierkv.events",
+    "OffloadingEvent": "tierkv.contract.events",
     # keys
-    "OffloadKey": "tierkv.keys",
-    "make_offload_key": "tierkv.keys",
-    "hash_token_blocks": "tierkv.keys",
+    "OffloadKey": "tierkv.contract.keys",
+    "make_offload_key": "tierkv.contract.keys",
+    "hash_token_blocks": "tierkv.contract.keys",
     # writing a tier
-    "SecondaryTierManager": "tierkv.tier",
-    "TierConfig": "tierkv.tier",
-    "PrimaryView": "tierkv.slab",
-    "JobMetadata": "tierkv.jobs",
-    "JobResult": "tierkv.jobs",
-    "ReqContext": "tierkv.jobs",
+    "SecondaryTierManager": "tierkv.contract.tier",
+    "TierConfig": "tierkv.contract.tier",
+    "PrimaryView": "tierkv.contract.slab",
+    "JobMetadata": "tierkv.contract.jobs",
+    "JobResult": "tierkv.contract.jobs",
+    "ReqContext": "tierkv.contract.jobs",
     "register_tier": "tierkv.registry",
     # errors
-    "TierKVError": "tierkv.errors",
-    "ConfigError": "tierkv.errors",
-    "TierUnavailable": "tierkv.errors",
-    "CorruptBlock": "tierkv.errors",
-    "ForeignBlock": "tierkv.errors",
+    "TierKVError": "tierkv.contract.errors",
+    "ConfigError": "tierkv.contract.errors",
+    "TierUnavailable": "tierkv.contract.errors",
+    "CorruptBlock": "tierkv.contract.errors",
+    "ForeignBlock": "tierkv.contract.errors",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
@@ -98,23 +99,50 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers
     from tierkv.config import (
         parse_config as parse_config,
     )
-    from tierkv.errors import (
+    from tierkv.contract.errors import (
         ConfigError as ConfigError,
     )
-    from tierkv.errors import (
+    from tierkv.contract.errors import (
         CorruptBlock as CorruptBlock,
     )
-    from tierkv.errors import (
+    from tierkv.contract.errors import (
         ForeignBlock as ForeignBlock,
     )
-    from tierkv.errors import (
+    from tierkv.contract.errors import (
         TierKVError as TierKVError,
     )
-    from tierkv.errors import (
+    from tierkv.contract.errors import (
         TierUnavailable as TierUnavailable,
     )
-    from tierkv.events import (
+    from tierkv.contract.events import (
         OffloadingEvent as OffloadingEvent,
+    )
+    from tierkv.contract.jobs import (
+        JobMetadata as JobMetadata,
+    )
+    from tierkv.contract.jobs import (
+        JobResult as JobResult,
+    )
+    from tierkv.contract.jobs import (
+        ReqContext as ReqContext,
+    )
+    from tierkv.contract.keys import (
+        OffloadKey as OffloadKey,
+    )
+    from tierkv.contract.keys import (
+        hash_token_blocks as hash_token_blocks,
+    )
+    from tierkv.contract.keys import (
+        make_offload_key as make_offload_key,
+    )
+    from tierkv.contract.slab import (
+        PrimaryView as PrimaryView,
+    )
+    from tierkv.contract.tier import (
+        SecondaryTierManager as SecondaryTierManager,
+    )
+    from tierkv.contract.tier import (
+        TierConfig as TierConfig,
     )
     from tierkv.gpu.geometry import (
         required_block_bytes as required_block_bytes,
@@ -125,24 +153,6 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers
     from tierkv.gpu.worker import (
         TransferWorker as TransferWorker,
     )
-    from tierkv.jobs import (
-        JobMetadata as JobMetadata,
-    )
-    from tierkv.jobs import (
-        JobResult as JobResult,
-    )
-    from tierkv.jobs import (
-        ReqContext as ReqContext,
-    )
-    from tierkv.keys import (
-        OffloadKey as OffloadKey,
-    )
-    from tierkv.keys import (
-        hash_token_blocks as hash_token_blocks,
-    )
-    from tierkv.keys import (
-        make_offload_key as make_offload_key,
-    )
     from tierkv.layout import (
         GroupSpec as GroupSpec,
     )
@@ -151,13 +161,4 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers
     )
     from tierkv.registry import (
         register_tier as register_tier,
-    )
-    from tierkv.slab import (
-        PrimaryView as PrimaryView,
-    )
-    from tierkv.tier import (
-        SecondaryTierManager as SecondaryTierManager,
-    )
-    from tierkv.tier import (
-        TierConfig as TierConfig,
     )

@@ -30,7 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from tierkv.units import Size
+from tierkv.contract.units import Size
 
 
 class GroupSpec(BaseModel):

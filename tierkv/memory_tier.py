@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import anyio
 from pydantic import ByteSize, Field
 
-from tierkv.tier import (
+from tierkv.contract.tier import (
     CorruptBlock,
     InFlightJobs,
     JobMetadata,

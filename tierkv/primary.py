@@ -43,15 +43,15 @@ from typing import Literal, NamedTuple
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from tierkv.errors import BlockStateError, ConfigError
-from tierkv.events import OffloadingEvent
-from tierkv.keys import OffloadKey
+from tierkv.contract.errors import BlockStateError, ConfigError
+from tierkv.contract.events import OffloadingEvent
+from tierkv.contract.keys import OffloadKey
+from tierkv.contract.slab import PrimaryView
+from tierkv.contract.units import Size, format_size
 from tierkv.layout import KVLayout
 from tierkv.pinning import HostMemory
 from tierkv.policies import CanEvict, EvictionPolicy, evict_any, make_policy
 from tierkv.room import Kind, RoomWaiters
-from tierkv.slab import PrimaryView
-from tierkv.units import Size, format_size
 
 logger = logging.getLogger(__name__)
 

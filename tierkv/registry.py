@@ -12,9 +12,9 @@ import importlib.metadata as md
 import sys
 from dataclasses import dataclass
 
-from tierkv.errors import PluginImportError, UnknownTierType
-from tierkv.slab import PrimaryView
-from tierkv.tier import SecondaryTierManager, TierConfig
+from tierkv.contract.errors import PluginImportError, UnknownTierType
+from tierkv.contract.slab import PrimaryView
+from tierkv.contract.tier import SecondaryTierManager, TierConfig
 
 ENTRY_POINT_GROUP = "tierkv.tiers"
 

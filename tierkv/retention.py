@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tierkv.keys import OffloadKey, get_offload_group_idx
+from tierkv.contract.keys import OffloadKey, get_offload_group_idx
 from tierkv.layout import GroupSpec, KVLayout
 
 

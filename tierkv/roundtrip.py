@@ -16,12 +16,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from tierkv.config import CacheConfig
-from tierkv.jobs import JobMetadata, ReqContext
-from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
+from tierkv.contract.jobs import JobMetadata, ReqContext
+from tierkv.contract.keys import OffloadKey, hash_token_blocks, make_offload_key
+from tierkv.contract.tier import SecondaryTierManager
+from tierkv.contract.units import format_size
 from tierkv.primary import PrimaryTier
 from tierkv.registry import create_tier
-from tierkv.tier import SecondaryTierManager
-from tierkv.units import format_size
 
 _job_ids = itertools.count(1)
 

@@ -1,13 +1,11 @@
-"""The tier contract: what a secondary-tier plugin implements.
+"""The plugin contract's public names, under the name plugin authors import.
 
-This module is the whole public API a plugin author needs (`tierkv.testing` holds the
-conformance suite). A tier moves bytes only between itself and primary slots: on
-`store` it reads `primary.block(slot)`, on `load` it writes it. Everything async;
-nothing blocks the event loop.
+    from tierkv.contract.tier import SecondaryTierManager, TierConfig, run_job, ...
 
-The contract is torch-free and imports nothing of the cache: it is the modules
-`tierkv.tier`, `slab`, `keys`, `jobs`, `events`, `errors`, `framing`, `mac`, `runner`,
-`units` and `redact` (checked by import-linter, see pyproject.toml).
+The contract itself lives in `tierkv.contract` (this module re-exports
+`tierkv.contract.tier`, which gathers what a tier needs from the contract's modules).
+It stays here so a plugin has one stable import while the contract's modules move;
+like the contract, it imports no torch and nothing of the cache.
 
 Register a tier with an entry point:
 
@@ -17,33 +15,34 @@ Register a tier with an entry point:
 
 from __future__ import annotations
 
-import threading
-from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from contextlib import asynccontextmanager
-from typing import Any, ClassVar, Literal
-
-import anyio
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveInt, field_validator
-
-from tierkv.errors import ConfigError, CorruptBlock, ForeignBlock, TierUnavailable, detached
-from tierkv.framing import Framer
-from tierkv.jobs import JobMetadata, JobResult, ReqContext
-from tierkv.keys import OffloadKey
-from tierkv.mac import MacKey, load_mac_key
-from tierkv.redact import redact_url
-from tierkv.runner import (
+from tierkv.contract.tier import (
     Batch,
+    CorruptBlock,
+    Duration,
+    ForeignBlock,
+    Framer,
+    InFlightJobs,
     IOThreads,
     JobAborted,
+    JobMetadata,
+    JobResult,
+    OffloadKey,
+    PrimaryView,
+    RemovalListener,
+    ReqContext,
+    SecondaryTierManager,
+    Size,
     SlotGuard,
+    TierConfig,
+    TierUnavailable,
+    WritePolicy,
+    detached,
     in_batches,
     in_thread,
     per_key,
+    redact_url,
     run_job,
 )
-from tierkv.slab import PrimaryView
-from tierkv.units import Duration, Size
 
 __all__ = [
     "redact_url",
@@ -73,257 +72,3 @@ __all__ = [
     "per_key",
     "run_job",
 ]
-
-WritePolicy = Literal["write_through", "write_back", "write_through_selective"]
-Admission = Literal["all", "reuse"]
-
-RemovalListener = Callable[[tuple[OffloadKey, ...]], None]
-"""Called with the keys a tier reports it no longer holds (see `report_removed`)."""
-
-
-class TierConfig(BaseModel):
-    """Fields every tier's YAML section has. A plugin subclasses it for its own
-    fields; unknown fields are rejected, not ignored. Give each field a
-    `Field(description=...)`: `tierkv plugins` lists it beside the field's default.
-    Sizes are `Size` (YAML `4GiB`; bits are refused, decimal units warned about) and
-    durations `Duration` (`250ms`)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    type: str = Field(description="the tier type, as registered in `tierkv.tiers`")
-    name: str | None = Field(
-        default=None,
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
-        description="how stats, metrics and events name this tier (unique in a chain); "
-        "default: its type, or type-i when the chain has several of that type",
-    )
-    write_policy: WritePolicy = Field(
-        default="write_through",
-        description="write_through: every stored block; write_back: only blocks the "
-        "primary evicts; write_through_selective: blocks looked up at least min_hits times",
-    )
-    min_hits: PositiveInt = Field(
-        default=2, description="lookups before write_through_selective writes a block"
-    )
-    admission: Admission = Field(
-        default="all",
-        description="which stored blocks a write_through tier is written: all; or reuse: "
-        "a block seen in at least 2 requests (remembered past its eviction), or new blocks "
-        "of a request that hit at least half its blocks (a continuing conversation)",
-    )
-    job_timeout: Duration = Field(
-        default=30.0,
-        gt=0,
-        description="a job not answered by then is cancelled and all its keys count as failed",
-    )
-    required: bool = Field(
-        default=True,
-        description="false: a tier that fails to open does not stop the cache; it is "
-        "skipped and reopened in the background every recovery_after until it works",
-    )
-    max_inflight_bytes: Size = Field(
-        default=ByteSize(256 << 20),
-        gt=0,
-        description="cascades beyond this many bytes in flight to the tier are dropped",
-    )
-    failure_threshold: PositiveInt = Field(
-        default=3, description="consecutive errors that open the tier's circuit breaker"
-    )
-    recovery_after: Duration = Field(
-        default=5.0, description="how long an open breaker waits before one probe"
-    )
-    mac_key_env: str | None = Field(
-        default=None,
-        description="name of an environment variable holding a secret (at least 32 "
-        "bytes): frames then carry a keyed MAC, and only frames whose MAC checks under "
-        "it are accepted. For tiers shared by several servers (trust domains)",
-    )
-
-    @field_validator("admission")
-    @classmethod
-    def _admission_needs_write_through(cls, value: str, info: Any) -> str:
-        policy = info.data.get("write_policy", "write_through")
-        if value != "all" and policy != "write_through":
-            raise ValueError(
-                f"admission {value!r} applies to write_through tiers; this tier is "
-                f"{policy} (write_through_selective already admits by min_hits)"
-            )
-        return value
-
-    @field_validator("mac_key_env")
-    @classmethod
-    def _mac_key_is_set(cls, name: str | None) -> str | None:
-        if name is not None:
-            if not name or not name.replace("_", "").isalnum():
-                raise ValueError(f"{name!r} is not an environment variable name")
-            load_mac_key(name)  # a missing or short secret is an error here, not later
-        return name
-
-    def mac_key(self) -> MacKey | None:
-        """The MAC key named by `mac_key_env`, read from the environment now."""
-        if self.mac_key_env is None:
-            return None
-        try:
-            return load_mac_key(self.mac_key_env)
-        except ValueError as exc:
-            raise ConfigError(f"mac_key_env: {exc}") from None
-
-
-class SecondaryTierManager(ABC):
-    """A storage tier below the primary. Subclass it, set `Config`, implement the
-    abstract methods, and pass `tierkv.testing.TierConformanceSuite`.
-
-    Rules every tier keeps:
-    - `lookup` is batched: one answer per key, in order.
-    - A job's result names every key exactly once, in `ok_keys` or `failed_keys`;
-      partial success is normal.
-    - Stored bytes are framed by `self.framer` (`tierkv.framing`: a checksum always, a
-      keyed MAC when the config sets `mac_key_env`); a load that reads bytes failing
-      the check reports the key failed, deletes it and reports it removed. A
-      `ForeignBlock` (signed by another trust domain's MAC key) fails its key too; a
-      tier whose storage other servers share (`shared_storage = True`) leaves it in
-      place and counts it with `report_foreign`.
-    - Per-key work goes through `run_job` (concurrency, deadline, late keys failed,
-      partial results); blocking calls and whole-block CPU work (framing, checksums,
-      copies) through `in_thread`, never on the event loop.
-    - A tier that is down raises `TierUnavailable` or reports keys failed; it never
-      hangs past its `job_timeout`.
-    - `close` finishes (or fails) in-flight jobs before releasing resources.
-    - A job may be cancelled (its `job_timeout`, the cache closing). After it returns
-      or is cancelled it must not touch its slots again: run blocking I/O through
-      `anyio.to_thread.run_sync`, which waits for the thread when cancelled.
-    - Blocks that leave the tier by the tier's own doing (its capacity eviction, an
-      expiry, a deletion after a failed check) are reported with `report_removed`, so
-      the cache forgets them and emits `removed` events for this tier. Blocks the
-      cache asked to `remove` need no report.
-    """
-
-    Config: ClassVar[type[TierConfig]] = TierConfig
-    reports_evictions: ClassVar[bool] = False
-    """True when the tier evicts blocks itself (a capacity bound) and reports every
-    block that leaves it with `report_removed`, so a consumer of its events may expect
-    a removal for each block stored (vLLM's `removal_expected`). False for a tier
-    whose blocks vanish unseen (a Redis evicting under maxmemory, a TTL) or never."""
-    shared_storage: ClassVar[bool] = False
-    """True when other servers read and write the same stored blocks (a Redis, a
-    bucket): a block signed by another MAC key is theirs, and is left in place. False
-    for storage private to this tier (its memory, its directory), where such a block
-    can only be this tier's own under an earlier key and is deleted like a corrupt one."""
-
-    def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
-        if not isinstance(config, self.Config):
-            raise TypeError(
-                f"{type(self).__name__} needs a {self.Config.__name__}, got {type(config).__name__}"
-            )
-        self.config = config
-        self.primary = primary
-        self.framer = Framer(primary.namespace, config.mac_key())
-        """Writes and checks this tier's frames (with a MAC when `mac_key_env` is set)."""
-        self._removal_listener: RemovalListener | None = None
-        self._foreign_lock = threading.Lock()
-        self.foreign_blocks = 0
-        """Loads that found a block signed by another MAC key (`report_foreign`)."""
-
-    @staticmethod
-    @abstractmethod
-    def get_tier_type() -> str:
-        """The name used in YAML `type:` and in the entry point."""
-
-    @property
-    def name(self) -> str:
-        """How logs and events name this tier."""
-        return self.get_tier_type()
-
-    async def open(self) -> None:  # noqa: B027 - optional hook
-        """Connect, recover an index, check health. Default: nothing to do."""
-
-    async def close(self) -> None:  # noqa: B027 - optional hook
-        """Finish in-flight work and release everything. Default: nothing to do."""
-
-    @abstractmethod
-    async def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[bool]:
-        """For each key, whether this tier holds it."""
-
-    @abstractmethod
-    async def store(self, job: JobMetadata) -> JobResult:
-        """Copy `primary.block(slot)` into the tier for each key/slot of `job`."""
-
-    @abstractmethod
-    async def load(self, job: JobMetadata) -> JobResult:
-        """Copy each key's bytes from the tier into `primary.block(slot)`.
-
-        The slot of a key reported failed may hold anything (a zero-copy read may
-        have filled it before the check failed); the cache never reads it."""
-
-    @abstractmethod
-    async def remove(self, keys: Sequence[OffloadKey]) -> None:
-        """Delete `keys`; keys not held are ignored."""
-
-    async def touch(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 - optional hook
-        """These blocks were just reused, served from a tier above this one: a tier
-        that evicts by recency counts it as a use (a block hot in the primary is not
-        the coldest down here). Keys not held are ignored; cheap and best effort, no
-        I/O of block bytes. Default: nothing."""
-
-    def set_removal_listener(self, listener: RemovalListener | None) -> None:
-        """Where `report_removed` goes: the cache sets it when it adopts the tier."""
-        self._removal_listener = listener
-
-    def report_removed(self, keys: Iterable[OffloadKey]) -> None:
-        """Tell the cache these blocks are gone from this tier (own eviction, expiry,
-        deletion after a failed check). Call it from the event-loop thread, after the
-        thread that did the deleting has returned."""
-        removed = tuple(keys)
-        if removed and self._removal_listener is not None:
-            self._removal_listener(removed)
-
-    def report_foreign(self, keys: Iterable[OffloadKey]) -> None:
-        """Count blocks a load found signed by another trust domain's key (failed for
-        this tier, left in place). Safe from any thread."""
-        n = sum(1 for _ in keys)
-        if n:
-            with self._foreign_lock:
-                self.foreign_blocks += n
-
-    def describe(self) -> dict[str, Any]:
-        """A JSON-able summary for `tierkv plugins` and logs (no secrets)."""
-        return {"type": self.get_tier_type()}
-
-
-class InFlightJobs:
-    """Counts a tier's running jobs so `close` can wait for them to finish.
-
-    async with self._inflight.job():   # raises TierUnavailable once closing
-        ...
-    await self._inflight.drain()       # in close(): refuse new jobs, wait
-    """
-
-    def __init__(self, tier_name: str) -> None:
-        self._tier_name = tier_name
-        self._count = 0
-        self._idle = anyio.Event()
-        self._idle.set()
-        self.closing = False
-
-    @property
-    def count(self) -> int:
-        return self._count
-
-    @asynccontextmanager
-    async def job(self) -> AsyncIterator[None]:
-        if self.closing:
-            raise TierUnavailable(f"tier {self._tier_name!r} is closed")
-        if self._count == 0:
-            self._idle = anyio.Event()
-        self._count += 1
-        try:
-            yield
-        finally:
-            self._count -= 1
-            if self._count == 0:
-                self._idle.set()
-
-    async def drain(self) -> None:
-        """Refuse new jobs and wait until the running ones have finished."""
-        self.closing = True
-        await self._idle.wait()

@@ -34,9 +34,9 @@ from tierkv_redis.testing import RedisServer
 from tierkv_s3 import S3Tier, S3TierConfig
 from tierkv_s3.testing import MotoServer
 
-from tierkv.jobs import JobMetadata, JobResult
-from tierkv.keys import make_offload_key
-from tierkv.slab import PrimaryView
+from tierkv.contract.jobs import JobMetadata, JobResult
+from tierkv.contract.keys import make_offload_key
+from tierkv.contract.slab import PrimaryView
 from tierkv.tier import SecondaryTierManager
 
 

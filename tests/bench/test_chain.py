@@ -10,7 +10,7 @@ from tierkv.bench import empty_primary
 from tierkv.bench.chain import bench_keys
 from tierkv.cache import TieredCache
 from tierkv.config import parse_config
-from tierkv.keys import make_offload_key
+from tierkv.contract.keys import make_offload_key
 
 pytestmark = pytest.mark.anyio
 

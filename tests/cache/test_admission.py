@@ -11,9 +11,9 @@ import torch
 
 from tierkv.cache import TieredCache
 from tierkv.config import parse_config
-from tierkv.errors import ConfigError
-from tierkv.jobs import ReqContext
-from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
+from tierkv.contract.errors import ConfigError
+from tierkv.contract.jobs import ReqContext
+from tierkv.contract.keys import OffloadKey, hash_token_blocks, make_offload_key
 
 pytestmark = pytest.mark.anyio
 

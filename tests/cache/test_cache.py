@@ -18,9 +18,9 @@ import torch
 from tierkv.cache import TieredCache
 from tierkv.cache.results import StoreResult
 from tierkv.config import parse_config
-from tierkv.errors import TierUnavailable
-from tierkv.events import OffloadingEvent
-from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
+from tierkv.contract.errors import TierUnavailable
+from tierkv.contract.events import OffloadingEvent
+from tierkv.contract.keys import OffloadKey, hash_token_blocks, make_offload_key
 from tierkv.memory_tier import MemoryTier
 from tierkv.testing import FaultyTier
 
@@ -381,7 +381,7 @@ async def test_lookup_timeout_counts_a_slow_tier_as_a_miss(faulty_tier_type: str
 
 def _job(cache: TieredCache, ks: list[OffloadKey]) -> Any:
     """A job storing zeros for `ks` straight into a tier (bypassing the cache)."""
-    from tierkv.jobs import JobMetadata
+    from tierkv.contract.jobs import JobMetadata
 
     return JobMetadata(10_000 + len(ks), tuple(ks), tuple(range(len(ks))))
 

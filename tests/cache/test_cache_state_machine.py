@@ -24,7 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from tierkv.cache import TieredCache
 from tierkv.config import parse_config
-from tierkv.keys import make_offload_key
+from tierkv.contract.keys import make_offload_key
 from tierkv.registry import register_tier, unregister_tier
 from tierkv.testing import FaultyTier
 

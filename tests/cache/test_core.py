@@ -7,7 +7,7 @@ import anyio
 import pytest
 
 from tierkv.cache.core import EventLog, Signal
-from tierkv.events import OffloadingEvent
+from tierkv.contract.events import OffloadingEvent
 from tierkv.primary import PrimaryTier
 
 pytestmark = pytest.mark.anyio

@@ -12,7 +12,7 @@ import torch
 from tierkv.cache import TieredCache
 from tierkv.cache.counters import CacheCounters
 from tierkv.config import parse_config
-from tierkv.keys import hash_token_blocks, make_offload_key
+from tierkv.contract.keys import hash_token_blocks, make_offload_key
 
 pytestmark = pytest.mark.anyio
 

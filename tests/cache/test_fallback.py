@@ -11,8 +11,8 @@ import torch
 
 from tierkv.cache import TieredCache
 from tierkv.config import parse_config
-from tierkv.jobs import JobMetadata, ReqContext
-from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
+from tierkv.contract.jobs import JobMetadata, ReqContext
+from tierkv.contract.keys import OffloadKey, hash_token_blocks, make_offload_key
 from tierkv.testing import FaultyTier
 
 pytestmark = pytest.mark.anyio

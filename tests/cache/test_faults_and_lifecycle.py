@@ -14,7 +14,7 @@ import torch
 
 from tierkv.cache import TieredCache
 from tierkv.config import parse_config
-from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
+from tierkv.contract.keys import OffloadKey, hash_token_blocks, make_offload_key
 from tierkv.testing import FaultyTier
 
 pytestmark = pytest.mark.anyio
@@ -285,7 +285,7 @@ async def test_a_tier_answering_one_key_twice_and_another_not_at_all_is_held_to_
     """The guard holds a tier to 'every key exactly once': a store answer naming one key
     twice and leaving another out passed as complete, so the event named the key
     twice and the forgotten key got no reason."""
-    from tierkv.jobs import JobMetadata, JobResult
+    from tierkv.contract.jobs import JobMetadata, JobResult
 
     async with TieredCache(parse_config(chain([{"type": "faulty"}], blocks=8))) as cache:
         tier = cache.tier("faulty")

@@ -15,7 +15,12 @@ import torch
 
 from tierkv.cache import TieredCache
 from tierkv.config import parse_config
-from tierkv.keys import OffloadKey, get_offload_group_idx, hash_token_blocks, make_offload_key
+from tierkv.contract.keys import (
+    OffloadKey,
+    get_offload_group_idx,
+    hash_token_blocks,
+    make_offload_key,
+)
 from tierkv.testing import FaultyTier
 
 pytestmark = pytest.mark.anyio

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 from tierkv.cache import TieredCache
 from tierkv.config import parse_config
-from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
+from tierkv.contract.keys import OffloadKey, hash_token_blocks, make_offload_key
 from tierkv.layout import GroupSpec, KVLayout
 from tierkv.retention import kept_blocks
 from tierkv.testing import FaultyTier

@@ -20,8 +20,8 @@ import torch
 from tierkv.cache import TieredCache
 from tierkv.cache.prefetch import Prefetch
 from tierkv.config import parse_config
-from tierkv.jobs import ReqContext
-from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
+from tierkv.contract.jobs import ReqContext
+from tierkv.contract.keys import OffloadKey, hash_token_blocks, make_offload_key
 from tierkv.room import Kind
 from tierkv.testing import FaultyTier
 

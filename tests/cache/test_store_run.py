@@ -15,7 +15,7 @@ from tierkv.cache import TieredCache
 from tierkv.cache.store_run import StoreRun, store_window
 from tierkv.cache.validate import checked_source
 from tierkv.config import parse_config
-from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
+from tierkv.contract.keys import OffloadKey, hash_token_blocks, make_offload_key
 
 pytestmark = pytest.mark.anyio
 

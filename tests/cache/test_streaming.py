@@ -19,8 +19,8 @@ import torch
 
 from tierkv.cache import TieredCache
 from tierkv.config import parse_config
-from tierkv.events import OffloadingEvent
-from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
+from tierkv.contract.events import OffloadingEvent
+from tierkv.contract.keys import OffloadKey, hash_token_blocks, make_offload_key
 from tierkv.testing import FaultyTier
 
 pytestmark = pytest.mark.anyio
@@ -266,7 +266,7 @@ async def test_lookup_skips_tokens_the_gpu_holds_and_asks_each_tier_once(
 
 
 async def test_selective_write_through_counts_hits_per_request() -> None:
-    from tierkv.jobs import ReqContext
+    from tierkv.contract.jobs import ReqContext
 
     config = {
         "namespace": "sel",
@@ -354,7 +354,7 @@ async def test_tiers_holding_parts_of_one_request_are_read_concurrently(
 
 def _direct_job(cache: TieredCache, ks: list[OffloadKey]) -> Any:
     """A job storing the bytes of `ks` from their primary slots straight into a tier."""
-    from tierkv.jobs import JobMetadata
+    from tierkv.contract.jobs import JobMetadata
 
     slots = [cache.primary.slot_of(k) for k in ks]
     return JobMetadata(50_000 + len(ks), tuple(ks), tuple(s for s in slots if s is not None))

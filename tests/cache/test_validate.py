@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tierkv.cache.validate import check_keys
-from tierkv.keys import make_offload_key
+from tierkv.contract.keys import make_offload_key
 
 GOOD = [make_offload_key(bytes([i]) * 8, 0) for i in range(5)]
 

@@ -12,7 +12,7 @@ import torch
 from tierkv.cache import TieredCache
 from tierkv.cache.index import KeyIndex
 from tierkv.config import parse_config
-from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
+from tierkv.contract.keys import OffloadKey, hash_token_blocks, make_offload_key
 from tierkv.testing import FaultyTier
 
 pytestmark = pytest.mark.anyio

@@ -10,7 +10,7 @@ import pytest
 
 import tierkv
 from tierkv.cli import main
-from tierkv.errors import PluginImportError
+from tierkv.contract.errors import PluginImportError
 
 
 def test_plugins_lists_memory(capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,12 +15,12 @@ import torch
 
 from tierkv.cache import TieredCache
 from tierkv.config import CacheConfig, parse_config
+from tierkv.contract.keys import OffloadKey
 from tierkv.demo import DemoOptions, ModelConfig, WorkloadConfig, run_demo
 from tierkv.demo.engine import Generation
 from tierkv.demo.hybrid_engine import HybridEngine
 from tierkv.demo.hybrid_model import HybridConfig, HybridDecoder
 from tierkv.demo.run import agrees
-from tierkv.keys import OffloadKey
 from tierkv.registry import register_tier, unregister_tier
 from tierkv.testing.faulty import FaultyTier
 

@@ -8,12 +8,12 @@ from typing import Any
 import anyio
 import pytest
 
+from tierkv.contract.errors import TierUnavailable
+from tierkv.contract.jobs import JobMetadata, JobResult, ReqContext
+from tierkv.contract.slab import PrimaryView
 from tierkv.driver import GuardedTier, backstop_after
 from tierkv.driver.checks import checked_result
-from tierkv.errors import TierUnavailable
-from tierkv.jobs import JobMetadata, JobResult, ReqContext
 from tierkv.memory_tier import MemoryTier, MemoryTierConfig
-from tierkv.slab import PrimaryView
 from tierkv.testing import FaultyTier, random_keys
 from tierkv.testing.faulty import FaultyTierConfig
 

@@ -14,10 +14,10 @@ import torch
 
 from tierkv.cache import TieredCache
 from tierkv.config import parse_config
+from tierkv.contract.keys import OffloadKey, hash_token_blocks, make_offload_key
 from tierkv.gpu import TransferWorker, required_block_bytes
 from tierkv.gpu.kv_blocks import KVCacheBlocks
-from tierkv.gpu.worker import Launched
-from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
+from tierkv.gpu.lanes import Launched
 
 pytestmark = pytest.mark.anyio
 
@@ -196,8 +196,8 @@ async def test_a_cancelled_store_cannot_free_slots_a_queued_copy_still_writes() 
     class QueuedWorker(TransferWorker):
         def _launch(self, mapping: Any, lane: Any) -> Launched:
             if mapping.direction == "store":
-                assert self._kernel is not None
-                kernel = self._kernel
+                kernel = self._backends.kernel
+                assert kernel is not None
                 run = lambda: kernel.enqueue(mapping, None, None)  # noqa: E731
                 return Launched(_QueuedCopy(run, idle), (), "kernel")
             return super()._launch(mapping, lane)

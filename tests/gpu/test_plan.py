@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tierkv.errors import ConfigError
+from tierkv.contract.errors import ConfigError
 from tierkv.gpu import TransferSpec, TransferWorker
 from tierkv.gpu.backends import group_tables
 from tierkv.gpu.executors import RunCopies, flat_bytes, memmove

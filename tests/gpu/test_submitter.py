@@ -14,9 +14,9 @@ import anyio
 import pytest
 import torch
 
-from tierkv.errors import ConfigError
+from tierkv.contract.errors import ConfigError
 from tierkv.gpu import TransferSpec, TransferSpecError, TransferWorker
-from tierkv.gpu.worker import Launched
+from tierkv.gpu.lanes import Launched
 from tierkv.layout import GroupSpec, KVLayout
 
 pytestmark = pytest.mark.anyio

@@ -25,7 +25,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tierkv.errors import ConfigError
+from tierkv.contract.errors import ConfigError
 from tierkv.gpu import (
     DIRECTIONS,
     Direction,
@@ -35,7 +35,7 @@ from tierkv.gpu import (
     TransferWorker,
     required_block_bytes,
 )
-from tierkv.gpu.worker import Launched
+from tierkv.gpu.lanes import Launched
 from tierkv.layout import GroupSpec, KVLayout
 from tierkv.primary import HostSlab, PrimaryTier
 
@@ -407,6 +407,31 @@ def test_a_raw_slab_tensor_works_like_a_primary_view() -> None:
     assert int(slab[1].sum()) == 7 * 64
     view_worker = TransferWorker(kv, HostSlab(slab, "ns"), layout, gpu_block_size=GPU_BLOCK)
     assert view_worker.num_slots == 2
+
+
+def test_a_worker_serves_the_slab_it_was_built_over_and_no_other() -> None:
+    """`serves` is what `KVCacheBlocks` checks before a copy: the worker's own slab (as
+    the `HostSlab` it was given, its tensor, or another view object over that memory),
+    never a slab of the same shape elsewhere nor its memory under another shape."""
+    kv = [[torch.zeros(4, 64, dtype=torch.uint8)]]
+    layout = KVLayout(block_bytes=64, groups=(GroupSpec(block_size=GPU_BLOCK),))
+    primary = PrimaryTier(num_blocks=3, block_bytes=64)
+    worker = TransferWorker(kv, primary.view, layout, gpu_block_size=GPU_BLOCK)
+    slab = primary.view.tensor
+    assert worker.serves(primary.view)
+    assert worker.serves(slab)
+    assert worker.serves(HostSlab(slab, "another namespace"))  # same memory, same rows
+    other = PrimaryTier(num_blocks=3, block_bytes=64)  # same shape, other memory
+    assert not worker.serves(other.view)
+    assert not worker.serves(other.view.tensor)
+    assert not worker.serves(slab[:2])  # starts at the same byte, fewer slots
+    assert not worker.serves(slab.view(6, 32))  # the same bytes as other rows
+
+    raw = torch.zeros(3, 64, dtype=torch.uint8)
+    raw_worker = TransferWorker(kv, raw, layout, gpu_block_size=GPU_BLOCK)
+    assert raw_worker.serves(raw)
+    assert raw_worker.serves(HostSlab(raw, "ns"))
+    assert not raw_worker.serves(slab)
 
 
 # -- layout checks at construction ----------------------------------------------------

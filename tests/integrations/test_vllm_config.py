@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tierkv.errors import ConfigError, UnknownTierType
+from tierkv.contract.errors import ConfigError, UnknownTierType
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

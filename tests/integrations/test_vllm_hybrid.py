@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tierkv.errors import ConfigError
+from tierkv.contract.errors import ConfigError
 from tierkv.hits import combine_group_hits
 from tierkv.integrations.vllm import VllmGeometry
 from tierkv.layout import KVLayout

@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 import pytest
 
-from tierkv.jobs import ReqContext
+from tierkv.contract.jobs import ReqContext
 from tierkv.registry import register_tier, unregister_tier
 from tierkv.testing import FaultyTier
 
@@ -164,7 +164,7 @@ def test_drain_jobs_returns_when_the_loop_thread_is_gone(vllm: Any, faulty_tier_
 def test_a_bad_drain_timeout_is_refused_with_its_path(
     vllm: Any, faulty_tier_type: str, bad: object
 ) -> None:
-    from tierkv.errors import ConfigError
+    from tierkv.contract.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"secondary_tiers\[0\]\.drain_timeout"):
         vllm.engine([vllm.entry(faulty(), drain_timeout=bad)])

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tierkv.jobs import ReqContext
+from tierkv.contract.jobs import ReqContext
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tierkv.keys import OffloadKey
+from tierkv.contract.keys import OffloadKey
 from tierkv.trace.costmodel import CostModel, arrival_scale_for
 from tierkv.trace.format import TraceRequest, request_keys
 from tierkv.trace.replay import ReplayOptions, primary_and_tier_blocks, replay

@@ -14,7 +14,7 @@ import torch
 from tierkv.bench.chain import bench_keys
 from tierkv.bench.options import BenchOptions
 from tierkv.cache import TieredCache
-from tierkv.keys import OffloadKey
+from tierkv.contract.keys import OffloadKey
 from tierkv.primary import HostSlab
 
 

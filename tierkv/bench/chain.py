@@ -15,10 +15,10 @@ from pydantic import ByteSize
 from tierkv.bench.options import BenchOptions
 from tierkv.cache import TieredCache
 from tierkv.config import CacheConfig
-from tierkv.keys import OffloadKey, make_offload_key
+from tierkv.contract.keys import OffloadKey, make_offload_key
+from tierkv.contract.tier import TierConfig
 from tierkv.layout import GroupSpec, KVLayout
 from tierkv.primary import PrimaryConfig
-from tierkv.tier import TierConfig
 
 BLOCK_TOKENS = 16  # tokens per block in the bench layout (any value works)
 

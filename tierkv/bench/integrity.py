@@ -5,7 +5,7 @@ For each way of framing, the time to frame a block (`Framer.encode`: header, che
 MAC, one copy) and to check it back into a slot (`Framer.decode_into`), best of a few
 rounds over the same random blocks, one thread. The ratio is MAC / checksum-only
 (encode + decode): 1.0 would be free. Keyed BLAKE2b (hashlib) is timed beside keyed
-BLAKE3 over the same bytes, the measurement `tierkv.mac` chose BLAKE3 by.
+BLAKE3 over the same bytes, the measurement `tierkv.contract.mac` chose BLAKE3 by.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from tierkv.framing import Framer
-from tierkv.keys import make_offload_key
-from tierkv.mac import MacKey
+from tierkv.contract.framing import Framer
+from tierkv.contract.keys import make_offload_key
+from tierkv.contract.mac import MacKey
 
 _ROUNDS = 5
 

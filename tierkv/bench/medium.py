@@ -19,8 +19,8 @@ from tierkv.bench.raw_remote import RawRedis, RawS3
 from tierkv.bench.timing import Batch, Timing, drive, split_batches, summarize
 from tierkv.cache import TieredCache
 from tierkv.config import CacheConfig
-from tierkv.keys import OffloadKey
-from tierkv.tier import TierConfig
+from tierkv.contract.keys import OffloadKey
+from tierkv.contract.tier import TierConfig
 
 RAW_BASELINES: dict[str, Callable[[TierConfig, int], RawMedium]] = {
     "nvme": lambda tier, block_bytes: RawFile(tier, block_bytes),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tierkv.units import format_size
+from tierkv.contract.units import format_size
 
 
 @dataclass(frozen=True)

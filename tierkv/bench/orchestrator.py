@@ -15,7 +15,7 @@ from tierkv.bench.chain import bench_chain, bench_keys
 from tierkv.bench.options import BenchOptions
 from tierkv.cache import TieredCache
 from tierkv.config import CacheConfig
-from tierkv.keys import OffloadKey
+from tierkv.contract.keys import OffloadKey
 from tierkv.memory_tier import MemoryTierConfig
 
 

@@ -10,7 +10,7 @@ import anyio
 import torch
 
 from tierkv.bench.timing import Batch
-from tierkv.tier import SecondaryTierManager
+from tierkv.contract.tier import SecondaryTierManager
 
 
 def _row(t: torch.Tensor, i: int) -> memoryview:

@@ -16,7 +16,7 @@ import torch
 
 from tierkv.bench.raw import RawMedium
 from tierkv.bench.timing import Batch
-from tierkv.tier import SecondaryTierManager
+from tierkv.contract.tier import SecondaryTierManager
 
 
 def drop_page_cache(paths: Sequence[Path]) -> None:

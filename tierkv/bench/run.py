@@ -17,8 +17,8 @@ from tierkv.bench.raw import RawMemcpy
 from tierkv.bench.streaming import bench_streaming
 from tierkv.bench.targets import check_targets
 from tierkv.config import CacheConfig
+from tierkv.contract.units import format_size
 from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
-from tierkv.units import format_size
 
 
 async def run_bench(

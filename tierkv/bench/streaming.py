@@ -22,9 +22,9 @@ from tierkv.bench.raw_files import RawBlockFiles, RawFile
 from tierkv.blocks import HostBlocks
 from tierkv.cache import TieredCache
 from tierkv.config import CacheConfig
-from tierkv.jobs import JobMetadata
-from tierkv.keys import OffloadKey
-from tierkv.units import format_size
+from tierkv.contract.jobs import JobMetadata
+from tierkv.contract.keys import OffloadKey
+from tierkv.contract.units import format_size
 
 
 async def bench_streaming(

@@ -8,8 +8,8 @@ from typing import Any
 
 from tierkv.bench.integrity import integrity_summary
 from tierkv.bench.targets import TARGET, check_targets, missed_targets
+from tierkv.contract.units import format_size
 from tierkv.demo.report import Block, TextTable
-from tierkv.units import format_size
 
 MISSED = "MISSED"
 """The flag beside a figure that misses its target."""

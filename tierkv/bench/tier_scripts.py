@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
-from tierkv.jobs import JobMetadata
-from tierkv.keys import make_offload_key
-from tierkv.tier import SecondaryTierManager
+from tierkv.contract.jobs import JobMetadata
+from tierkv.contract.keys import make_offload_key
+from tierkv.contract.tier import SecondaryTierManager
 
 
 class TierJobBench:

@@ -37,12 +37,12 @@ from tierkv.cache.results import (
 )
 from tierkv.cache.writeback import WriteBack
 from tierkv.config import CacheConfig, load_config
+from tierkv.contract.events import OffloadingEvent
+from tierkv.contract.jobs import ReqContext
+from tierkv.contract.keys import OffloadKey
+from tierkv.contract.tier import SecondaryTierManager
 from tierkv.driver import GuardedTier
-from tierkv.events import OffloadingEvent
-from tierkv.jobs import ReqContext
-from tierkv.keys import OffloadKey
 from tierkv.primary import PrimaryTier
-from tierkv.tier import SecondaryTierManager
 
 logger = logging.getLogger(__name__)
 

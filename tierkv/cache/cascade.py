@@ -34,9 +34,9 @@ from tierkv.cache.results import StoreResult
 from tierkv.cache.store_run import StoreRun, StoreWatch
 from tierkv.cache.validate import check_keys, checked_source, run_validate_hook
 from tierkv.cache.writeback import WriteBack
+from tierkv.contract.jobs import JobMetadata, ReqContext
+from tierkv.contract.keys import OffloadKey
 from tierkv.driver import GuardedTier
-from tierkv.jobs import JobMetadata, ReqContext
-from tierkv.keys import OffloadKey
 from tierkv.policies.admission import ReuseAdmission
 from tierkv.retention import kept_blocks
 

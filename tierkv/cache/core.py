@@ -20,9 +20,9 @@ from anyio.abc import TaskGroup
 from tierkv.cache.counters import CacheCounters
 from tierkv.cache.index import KeyIndex
 from tierkv.config import CacheConfig
+from tierkv.contract.errors import TierUnavailable
+from tierkv.contract.events import OffloadingEvent
 from tierkv.driver import GuardedTier
-from tierkv.errors import TierUnavailable
-from tierkv.events import OffloadingEvent
 from tierkv.primary import PrimaryTier
 from tierkv.stats import TierStats
 

@@ -19,8 +19,8 @@ import anyio
 from tierkv.cache.core import CacheCore
 from tierkv.cache.index import Flight
 from tierkv.cache.lookup import Lookup
-from tierkv.jobs import JobMetadata, JobResult, ReqContext
-from tierkv.keys import OffloadKey
+from tierkv.contract.jobs import JobMetadata, JobResult, ReqContext
+from tierkv.contract.keys import OffloadKey
 
 
 class FlightRunner:

@@ -29,7 +29,7 @@ from collections.abc import Container, Iterable
 
 import anyio
 
-from tierkv.keys import OffloadKey
+from tierkv.contract.keys import OffloadKey
 
 MAX_TIERS = 16
 _MASK = (1 << 16) - 1

@@ -20,10 +20,10 @@ import anyio
 from tierkv.cache.core import CacheCore
 from tierkv.cache.results import LookupResult
 from tierkv.cache.validate import check_keys
+from tierkv.contract.jobs import ReqContext
+from tierkv.contract.keys import OffloadKey
 from tierkv.driver import GuardedTier
 from tierkv.hits import GroupHit, combine_group_hits
-from tierkv.jobs import ReqContext
-from tierkv.keys import OffloadKey
 from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
 
 _GPU = "gpu"

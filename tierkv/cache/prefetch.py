@@ -41,9 +41,9 @@ from tierkv.cache.index import Flight
 from tierkv.cache.lookup import Lookup
 from tierkv.cache.results import LookupResult
 from tierkv.cache.validate import check_keys
+from tierkv.contract.jobs import ReqContext
+from tierkv.contract.keys import OffloadKey
 from tierkv.hits import combine_group_hits
-from tierkv.jobs import ReqContext
-from tierkv.keys import OffloadKey
 from tierkv.room import Kind
 
 logger = logging.getLogger(__name__)

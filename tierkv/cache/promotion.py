@@ -41,8 +41,8 @@ from tierkv.cache.lookup import Lookup
 from tierkv.cache.prefetch import Prefetcher
 from tierkv.cache.results import LoadResult
 from tierkv.cache.validate import check_keys, checked_destination
-from tierkv.jobs import ReqContext
-from tierkv.keys import OffloadKey
+from tierkv.contract.jobs import ReqContext
+from tierkv.contract.keys import OffloadKey
 from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
 from tierkv.room import Kind
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from tierkv.contract.keys import OffloadKey
 from tierkv.hits import GroupHit, combine_group_hits
-from tierkv.keys import OffloadKey
 from tierkv.layout import GroupSpec
 
 

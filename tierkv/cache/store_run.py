@@ -26,7 +26,7 @@ from tierkv.cache.core import CacheCore
 from tierkv.cache.index import KeyIndex
 from tierkv.cache.results import StoreResult
 from tierkv.cache.writeback import WriteBack
-from tierkv.keys import OffloadKey
+from tierkv.contract.keys import OffloadKey
 from tierkv.room import Kind
 
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from tierkv.blocks import BlockDestination, BlockSource, as_destination, as_source
-from tierkv.keys import OffloadKey
+from tierkv.contract.keys import OffloadKey
 from tierkv.primary import HostSlab
 
 

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 import anyio
 
 from tierkv.cache.core import CacheCore
+from tierkv.contract.jobs import JobMetadata
+from tierkv.contract.keys import OffloadKey
 from tierkv.driver import GuardedTier
-from tierkv.jobs import JobMetadata
-from tierkv.keys import OffloadKey
 
 logger = logging.getLogger(__name__)
 

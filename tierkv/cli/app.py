@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from tierkv import __version__
 from tierkv.cli import bench, demo, plugins, roundtrip, validate, vllm
 from tierkv.cli.common import UsageError, one_line
-from tierkv.errors import ConfigError, TierKVError
+from tierkv.contract.errors import ConfigError, TierKVError
 
 COMMANDS = (demo, bench, validate, plugins, roundtrip, vllm)
 

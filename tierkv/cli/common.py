@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from tierkv.config import CacheConfig, load_config, parse_config
-from tierkv.errors import ConfigError, PluginImportError, UnknownTierType
+from tierkv.contract.errors import ConfigError, PluginImportError, UnknownTierType
 from tierkv.registry import get_tier_class
 
 DEFAULT_SECONDARY: dict[str, Any] = {"type": "nvme", "capacity": "4GiB", "fsync": "never"}
@@ -95,7 +95,7 @@ def default_chain(directory: Path, *, primary: str = "8MiB") -> CacheConfig:
 def check_machine(config: CacheConfig, source: str) -> None:
     """A ConfigError (exit 2) for what in `config` could never fit this machine's
     memory and disks."""
-    from tierkv.machine import machine_problems
+    from tierkv.config.machine import machine_problems
 
     problems = machine_problems(config)
     if problems:

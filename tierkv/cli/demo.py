@@ -36,7 +36,7 @@ from tierkv.cli.common import (
 )
 from tierkv.cli.progress import Progress
 from tierkv.config import CacheConfig, load_config
-from tierkv.units import format_size
+from tierkv.contract.units import format_size
 
 if TYPE_CHECKING:
     from tierkv.demo.run import TurnRecord

@@ -11,10 +11,10 @@ from pydantic import ByteSize
 from pydantic.fields import FieldInfo
 
 from tierkv.cli.common import print_json
-from tierkv.errors import ConfigError
+from tierkv.contract.errors import ConfigError
+from tierkv.contract.tier import TierConfig
+from tierkv.contract.units import format_size, parse_duration
 from tierkv.registry import KNOWN_TIER_PACKAGES, get_tier_class, install_hint, installed_tiers
-from tierkv.tier import TierConfig
-from tierkv.units import format_size, parse_duration
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:

@@ -33,8 +33,8 @@ async def _connect(config: CacheConfig) -> list[dict[str, Any]]:
     """Open each tier on its own, ask it about one key, close it; time both."""
     import os
 
-    from tierkv.jobs import ReqContext
-    from tierkv.keys import make_offload_key
+    from tierkv.contract.jobs import ReqContext
+    from tierkv.contract.keys import make_offload_key
     from tierkv.primary import PrimaryTier
     from tierkv.registry import create_tier
 

@@ -14,13 +14,15 @@ path and says the bad value once, all problems at once:
 must be UTF-8 and may not repeat a key. Sizes are bytes in binary units: a size in
 bits (`4Gb`) is an error, a decimal one (`2MB`) an error for `layout.block_bytes` and a
 logged warning elsewhere (`sizes`). With `check_machine=True` the sizes are also
-checked against this machine, in the same error (`tierkv.machine`). Secrets (fields
+checked against this machine, in the same error (`tierkv.config.machine`). Secrets (fields
 named like `password`, the password of a URL) never appear in an error, and
 `CacheConfig.model_dump()` masks them.
 
 One idea per module: `model` (the `CacheConfig` model, tier names), `loading`
 (`parse_config`, `load_config`), `reading` (file text and YAML), `environment`
-(`${VAR}`), `messages` (errors by YAML path), `sizes` (units), `checks` (across tiers).
+(`${VAR}`), `messages` (errors by YAML path), `sizes` (units), `checks` (across tiers),
+`machine` (sizes against this machine). The modules import each other, never this
+package, so importing it cannot run in a circle.
 """
 
 from __future__ import annotations

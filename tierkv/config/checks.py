@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from tierkv.config.model import PRIMARY_NAME, tier_names
-from tierkv.tier import TierConfig
+from tierkv.contract.tier import TierConfig
 
 
 def name_problems(tiers: list[tuple[int, TierConfig]]) -> list[str]:

@@ -13,17 +13,17 @@ from pydantic import ValidationError
 
 from tierkv.config.checks import name_problems, path_problems
 from tierkv.config.environment import expand
+from tierkv.config.machine import fit_problems
 from tierkv.config.messages import briefly, format_validation_error
 from tierkv.config.model import CacheConfig
 from tierkv.config.reading import decode_utf8, read_yaml
 from tierkv.config.sizes import unit_problems
-from tierkv.errors import ConfigError, PluginImportError, UnknownTierType
-from tierkv.machine import fit_problems
+from tierkv.contract.errors import ConfigError, PluginImportError, UnknownTierType
+from tierkv.contract.redact import redact_text
+from tierkv.contract.tier import TierConfig
+from tierkv.contract.units import format_size
 from tierkv.primary import PrimaryConfig
-from tierkv.redact import redact_text
 from tierkv.registry import get_tier_class
-from tierkv.tier import TierConfig
-from tierkv.units import format_size
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def parse_config(
     Every problem is reported at once, by YAML path, in one `ConfigError`; warnings
     (a decimal size: `tierkv.config.sizes`) go to this module's logger, one record
     each. With `check_machine`, sizes are also checked against this machine
-    (`tierkv.machine`: the primary against its memory, disk tiers against their
+    (`tierkv.config.machine`: the primary against its memory, disk tiers against their
     filesystems) beside the structural checks: on every field that parsed, so a
     capacity that is itself invalid is checked once it is fixed."""
     raw = read_yaml(data, source) if isinstance(data, str) else data

@@ -12,7 +12,7 @@ from typing import Any, Union
 
 from pydantic import BaseModel, ValidationError
 
-from tierkv.redact import is_secret_field, redact_text, redact_url
+from tierkv.contract.redact import is_secret_field, redact_text, redact_url
 
 
 def yaml_path(loc: tuple[Any, ...]) -> str:

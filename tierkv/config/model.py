@@ -14,11 +14,11 @@ from pydantic import (
     model_serializer,
 )
 
+from tierkv.contract.redact import mask_secrets
+from tierkv.contract.tier import TierConfig
+from tierkv.contract.units import Duration
 from tierkv.layout import KVLayout
 from tierkv.primary import PrimaryConfig
-from tierkv.redact import mask_secrets
-from tierkv.tier import TierConfig
-from tierkv.units import Duration
 
 
 class CacheConfig(BaseModel):

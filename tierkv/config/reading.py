@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 
 from tierkv.config.messages import yaml_path
-from tierkv.errors import ConfigError
+from tierkv.contract.errors import ConfigError
 
 
 class StrictLoader(yaml.SafeLoader):

@@ -25,8 +25,8 @@ from typing import Any
 from pydantic import BaseModel, ByteSize, TypeAdapter, ValidationError
 
 from tierkv.config.messages import inner_model, yaml_path
+from tierkv.contract.units import unit_hint
 from tierkv.layout import KVLayout
-from tierkv.units import unit_hint
 
 BINARY_ONLY: tuple[tuple[type[BaseModel], str], ...] = ((KVLayout, "block_bytes"),)
 """The size fields a decimal unit may not be written in."""

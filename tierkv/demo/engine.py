@@ -21,11 +21,11 @@ import anyio
 import torch
 
 from tierkv.cache import TieredCache
+from tierkv.contract.keys import OffloadKey, hash_token_blocks, make_offload_key
 from tierkv.demo.model import ModelConfig, PagedKVCache, TinyDecoder
 from tierkv.demo.prefix_cache import ChunkAllocator
 from tierkv.gpu import TransferWorker, required_block_bytes
 from tierkv.gpu.kv_blocks import KVCacheBlocks
-from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
 from tierkv.layout import GroupSpec, KVLayout
 
 T = TypeVar("T")

@@ -33,6 +33,12 @@ import torch
 
 from tierkv.cache import TieredCache
 from tierkv.cache.results import LookupResult
+from tierkv.contract.keys import (
+    OffloadKey,
+    get_offload_group_idx,
+    hash_token_blocks,
+    make_offload_key,
+)
 from tierkv.demo.engine import Generation
 from tierkv.demo.hybrid_model import HybridDecoder
 from tierkv.demo.model import PagedKVCache
@@ -41,7 +47,6 @@ from tierkv.demo.recurrent import StateCache
 from tierkv.gpu import TransferWorker, required_block_bytes
 from tierkv.gpu.kv_blocks import KVCacheBlocks
 from tierkv.hits import combine_group_hits
-from tierkv.keys import OffloadKey, get_offload_group_idx, hash_token_blocks, make_offload_key
 from tierkv.layout import GroupSpec, KVLayout
 
 T = TypeVar("T")

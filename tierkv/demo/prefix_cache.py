@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from tierkv.keys import OffloadKey
+from tierkv.contract.keys import OffloadKey
 
 
 class ChunkAllocator:

@@ -8,9 +8,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from tierkv.contract.units import approx_size
 from tierkv.demo.groups import compared_to_full, describe_group
 from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
-from tierkv.units import approx_size
 
 
 @dataclass

@@ -31,6 +31,7 @@ from pydantic import ByteSize
 
 from tierkv.cache import TieredCache
 from tierkv.config import CacheConfig
+from tierkv.contract.units import format_size
 from tierkv.demo.engine import DemoEngine, Generation, build_engine, resolve_device
 from tierkv.demo.groups import group_report
 from tierkv.demo.hybrid_engine import HybridEngine
@@ -40,7 +41,6 @@ from tierkv.demo.sizing import gpu_blocks_for
 from tierkv.demo.workload import ChatWorkload, Turn, WorkloadConfig
 from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
 from tierkv.stats import percentile
-from tierkv.units import format_size
 
 DEFAULT_ATOL = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 2e-1}
 """Largest |logit difference| accepted between a run with a cache and the run without.

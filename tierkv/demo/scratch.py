@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 from tierkv.config import CacheConfig
-from tierkv.tier import TierConfig
+from tierkv.contract.tier import TierConfig
 
 PATH_SUFFIXES = ("_path", "_dir", "_file")
 """Field names taken as paths when their value is a string."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tierkv.jobs import JobMetadata, JobResult
-from tierkv.keys import OffloadKey
+from tierkv.contract.jobs import JobMetadata, JobResult
+from tierkv.contract.keys import OffloadKey
 
 BACKSTOP_GRACE_SHARE = 0.5
 """The backstop's grace as a share of `job_timeout`, bounded by the two below."""
@@ -18,7 +18,7 @@ def backstop_after(job_timeout: float) -> float:
     """Seconds after which the driver stops waiting for a tier's job: `job_timeout`
     plus a grace.
 
-    The deadline itself belongs to the tier's runner (`tierkv.runner.run_job`), which
+    The deadline itself belongs to the tier's runner (`tierkv.contract.runner.run_job`), which
     fails the keys it has not finished by then and keeps the rest. The grace leaves it
     room to cancel its batches and let its threads return (a block's I/O: milliseconds);
     a tier still silent after that broke the contract and loses the whole job."""

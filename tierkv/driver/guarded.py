@@ -4,7 +4,7 @@ Whatever a tier does (raises, hangs, answers for the wrong keys, goes down and c
 back), the driver turns it into a well-formed answer, so nothing above it has to
 distrust the tier again. One owner per rule:
 
-- **The job deadline** belongs to the tier's runner (`tierkv.runner.run_job` fails the
+- **The job deadline** belongs to the tier's runner (`tierkv.contract.runner.run_job` fails the
   keys it has not finished by `job_timeout` and keeps the rest). The driver only
   backstops it at `job_timeout` plus a grace (`checks.backstop_after`): a tier still
   silent then broke the contract; its whole job fails and `deadline_breaches` counts it.
@@ -35,15 +35,15 @@ from typing import Literal
 
 import anyio
 
+from tierkv.contract.errors import TierUnavailable
+from tierkv.contract.jobs import JobMetadata, JobResult, ReqContext
+from tierkv.contract.keys import OffloadKey
+from tierkv.contract.slab import PrimaryView
+from tierkv.contract.tier import SecondaryTierManager, TierConfig
 from tierkv.driver.checks import backstop_after, checked_flags, checked_result, without_removed
-from tierkv.errors import TierUnavailable
 from tierkv.health import CircuitBreaker
-from tierkv.jobs import JobMetadata, JobResult, ReqContext
-from tierkv.keys import OffloadKey
 from tierkv.registry import create_tier
-from tierkv.slab import PrimaryView
 from tierkv.stats import TierStats
-from tierkv.tier import SecondaryTierManager, TierConfig
 
 __all__ = ["Failure", "GuardedTier", "JobKind", "JobOutcome", "Refusal"]
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from tierkv.errors import ConfigError
+from tierkv.contract.errors import ConfigError
 
 DeviceView = Callable[[torch.Tensor, torch.device], torch.Tensor]
 

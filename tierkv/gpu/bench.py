@@ -23,6 +23,7 @@ import anyio
 import numpy as np
 import torch
 
+from tierkv.contract.units import format_size
 from tierkv.gpu.backends import AUTO_MIN_DMA_COPY_BYTES, CopyBackendName
 from tierkv.gpu.cuda_batch import MAX_COPIES_PER_CALL
 from tierkv.gpu.geometry import Geometry
@@ -31,7 +32,6 @@ from tierkv.gpu.plan import GroupTable, SlabTable, build_plan
 from tierkv.gpu.spec import Direction, TransferSpec
 from tierkv.gpu.worker import TransferWorker
 from tierkv.layout import GroupSpec, KVLayout
-from tierkv.units import format_size
 
 PAGE_SIZES = (4 << 10, 16 << 10, 64 << 10)
 BACKENDS: tuple[CopyBackendName, ...] = ("kernel", "dma")

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tierkv.errors import ConfigError
+from tierkv.contract.errors import ConfigError
+from tierkv.contract.units import format_size
 from tierkv.layout import KVLayout
-from tierkv.units import format_size
 
 
 def page_bytes_of(kv_cache: torch.Tensor) -> int:

@@ -115,12 +115,7 @@ class KVCacheBlocks:
     def check_view(self, view: HostSlab) -> None:
         """The worker copies to and from its own slab: it must be `view`'s (a worker of
         another cache with the same shape would copy into that cache's slots)."""
-        slab = self.worker._slab
-        if (
-            view.num_blocks != self.worker.num_slots
-            or view.block_bytes != self.worker.block_bytes
-            or view.tensor.data_ptr() != slab.data_ptr()
-        ):
+        if not self.worker.serves(view):
             raise ValueError("this KVCacheBlocks' worker was built over another primary slab")
 
     def _specs(

@@ -5,7 +5,9 @@ then wakes the event loop (`notify`, which the worker turns into
 says a copy finished.
 
 Copies of one lane run on one stream, so they finish in submission order; the thread
-waits on them in that order.
+waits on them in that order. A lane holds `TransferHandle`s: a submitted transfer, as
+the worker hands it to its caller, with what the lane needs to finish it (`Launched`:
+its completion and the buffers to keep alive until then).
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierkv.gpu.streams import Completion
+import anyio
+
+from tierkv.gpu.spec import DIRECTIONS, Direction, TransferResult
+from tierkv.gpu.streams import Completion, Streams
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +93,38 @@ class CompletionThread:
                 thread.join(timeout)
 
 
+@dataclass(eq=False)
+class TransferHandle:
+    """A submitted transfer. `result` is set once its copy is complete; `done_event`
+    (CUDA) is the event that closes the copy: an engine stream that waits on it sees
+    the copied bytes, so the model can be enqueued before the copy has finished."""
+
+    transfer_id: int
+    direction: Direction
+    num_blocks: int
+    num_bytes: int
+    backend: str
+    done_event: Any = None
+    result: TransferResult | None = None
+    _completion: Completion | None = field(default=None, repr=False)
+    _keepalive: tuple[object, ...] = field(default=(), repr=False)
+    _claimed: bool = field(default=False, repr=False)
+    _wakeup: anyio.Event | None = field(default=None, repr=False)
+
+    def done(self) -> bool:
+        return self.result is not None
+
+
+@dataclass(frozen=True)
+class Launched:
+    """What `_launch` started: how to tell it is done, what to keep alive until then,
+    and which backend moves the bytes."""
+
+    completion: Completion
+    keepalive: tuple[object, ...]
+    backend: str
+
+
 @dataclass
 class Lane:
     """One direction: its stream (None on CPU), transfers in flight oldest first,
@@ -96,9 +133,43 @@ class Lane:
 
     stream: Any
     completions: CompletionThread
-    in_flight: deque[Any] = field(default_factory=deque)
-    waiters: list[Any] = field(default_factory=list)
+    in_flight: deque[TransferHandle] = field(default_factory=deque)
+    waiters: list[TransferHandle] = field(default_factory=list)
     # held while a copy is queued and added to in_flight, so that stream order and
     # in_flight order agree when the submitter thread and the caller both launch
     launching: threading.Lock = field(default_factory=threading.Lock)
     submitter: Any = None  # anyio.CapacityLimiter(1): this lane's submitter thread
+
+    def reap(self, unclaimed: Callable[[TransferResult], None]) -> None:
+        """Finish, in order, every transfer at the head whose copy is complete (set
+        its result, let go of its completion and buffers; `unclaimed` gets the results
+        nobody awaits), then wake the first waiter if its transfer is done. On the
+        event loop thread (`TransferWorker._reap`)."""
+        while self.in_flight:
+            handle = self.in_flight[0]
+            assert handle._completion is not None
+            if not handle._completion.query():
+                break
+            self.in_flight.popleft()
+            handle.result = TransferResult(
+                handle.transfer_id,
+                handle.direction,
+                handle.num_blocks,
+                handle.num_bytes,
+                handle._completion.seconds(),
+                handle.backend,
+            )
+            handle._completion, handle._keepalive = None, ()
+            if not handle._claimed:
+                unclaimed(handle.result)
+        if self.waiters and self.waiters[0].done() and self.waiters[0]._wakeup:
+            self.waiters[0]._wakeup.set()
+
+
+def new_lanes(streams: Streams, notify: Callable[[], None]) -> dict[Direction, Lane]:
+    """One lane per direction, each on a new stream of `streams` with its own
+    completion thread (not started until a copy is watched) that calls `notify`."""
+    return {
+        d: Lane(streams.new_stream(), CompletionThread(f"tierkv-{d}-completion", notify))
+        for d in DIRECTIONS
+    }

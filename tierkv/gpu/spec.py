@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, TypeAlias
 
 import torch
 
-from tierkv.errors import TierKVError
+from tierkv.contract.errors import TierKVError
 
 if TYPE_CHECKING:
     import numpy as np

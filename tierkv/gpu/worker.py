@@ -40,7 +40,6 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -48,34 +47,23 @@ import anyio.lowlevel
 import anyio.to_thread
 import torch
 
-from tierkv.errors import ConfigError
-from tierkv.gpu.alias import DeviceView, device_alias, require_pinned, uva_view
-from tierkv.gpu.backends import (
-    AUTO_MIN_DMA_COPY_BYTES,
-    COPY_BACKENDS,
-    DMA_EXECUTORS,
-    CopyBackend,
-    CopyBackendName,
-    DmaCopy,
-    DmaExecutorName,
-    KernelCopy,
-)
-from tierkv.gpu.cuda_batch import MAX_COPIES_PER_CALL, BatchStats, load_batch_memcpy
+from tierkv.contract.units import format_size
+from tierkv.gpu.alias import DeviceView, require_pinned, uva_view
+from tierkv.gpu.backends import CopyBackendName, DmaExecutorName
+from tierkv.gpu.cuda_batch import MAX_COPIES_PER_CALL, BatchStats
 from tierkv.gpu.geometry import check_layout
-from tierkv.gpu.lanes import CompletionThread, Lane
+from tierkv.gpu.lanes import Lane, Launched, TransferHandle, new_lanes
 from tierkv.gpu.mapping import Mapping, map_specs
-from tierkv.gpu.plan import CopyPlan
+from tierkv.gpu.options import Backends, WorkerOptions
 from tierkv.gpu.spec import (
-    DIRECTIONS,
     Direction,
     TransferResult,
     TransferSpec,
     TransferSpecError,
 )
-from tierkv.gpu.streams import Completion, CudaStreams, ImmediateStreams, Streams
+from tierkv.gpu.streams import CudaStreams, ImmediateStreams, Streams
 from tierkv.layout import KVLayout
 from tierkv.primary import HostSlab
-from tierkv.units import format_size
 
 logger = logging.getLogger(__name__)
 
@@ -90,38 +78,6 @@ us) costs more than it frees."""
 MAX_UNCLAIMED_RESULTS = 4096
 """Results of transfers nobody awaited kept for `get_finished` at most; older ones
 are dropped (`TransferWorker.unclaimed_dropped`)."""
-
-
-@dataclass(eq=False)
-class TransferHandle:
-    """A submitted transfer. `result` is set once its copy is complete; `done_event`
-    (CUDA) is the event that closes the copy: an engine stream that waits on it sees
-    the copied bytes, so the model can be enqueued before the copy has finished."""
-
-    transfer_id: int
-    direction: Direction
-    num_blocks: int
-    num_bytes: int
-    backend: str
-    done_event: Any = None
-    result: TransferResult | None = None
-    _completion: Completion | None = field(default=None, repr=False)
-    _keepalive: tuple[object, ...] = field(default=(), repr=False)
-    _claimed: bool = field(default=False, repr=False)
-    _wakeup: anyio.Event | None = field(default=None, repr=False)
-
-    def done(self) -> bool:
-        return self.result is not None
-
-
-@dataclass(frozen=True)
-class Launched:
-    """What `_launch` started: how to tell it is done, what to keep alive until then,
-    and which backend moves the bytes."""
-
-    completion: Completion
-    keepalive: tuple[object, ...]
-    backend: str
 
 
 class TransferWorker:
@@ -161,32 +117,15 @@ class TransferWorker:
         max_copies_per_call: int = MAX_COPIES_PER_CALL,
         thread_min_pages: int = THREAD_MIN_PAGES,
     ) -> None:
-        if isinstance(max_copies_per_call, bool) or max_copies_per_call < 1:
-            raise ConfigError(
-                f"max_copies_per_call: {max_copies_per_call!r} must be a positive int",
-                source="TransferWorker",
-            )
-        if (
-            not isinstance(thread_min_pages, int)
-            or isinstance(thread_min_pages, bool)
-            or thread_min_pages < 0
-        ):
-            raise ConfigError(
-                f"thread_min_pages: {thread_min_pages!r} must be an int >= 0",
-                source="TransferWorker",
-            )
+        options = WorkerOptions(
+            copy_backend=copy_backend,
+            dma_executor=dma_executor,
+            device_view=device_view,
+            max_copies_per_call=max_copies_per_call,
+            thread_min_pages=thread_min_pages,
+        )
         self.thread_min_pages = thread_min_pages
         slab = primary.tensor if isinstance(primary, HostSlab) else primary
-        if copy_backend not in COPY_BACKENDS:
-            raise ConfigError(
-                f"copy_backend: {copy_backend!r} is not one of {', '.join(COPY_BACKENDS)}",
-                source="TransferWorker",
-            )
-        if dma_executor not in DMA_EXECUTORS:
-            raise ConfigError(
-                f"dma_executor: {dma_executor!r} is not one of {', '.join(DMA_EXECUTORS)}",
-                source="TransferWorker",
-            )
         groups, geometry = check_layout(kv_caches, slab, layout, gpu_block_size)
         assert isinstance(slab, torch.Tensor)
         self.geometry = geometry
@@ -207,31 +146,8 @@ class TransferWorker:
         self.unclaimed_dropped = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._progress: anyio.Event | None = None
-
-        self._kernel: KernelCopy | None = None
-        self._dma: DmaCopy | None = None
-        if copy_backend in ("auto", "kernel"):
-            # CUDA only: kernels reach the pinned slab through its device alias
-            alias = device_alias(slab, self.device, device_view) if cuda else slab
-            self._kernel = KernelCopy(groups, alias, geometry)
-        if copy_backend == "dma" or (copy_backend == "auto" and cuda):
-            try:
-                self._dma = DmaCopy(
-                    groups,
-                    slab,
-                    geometry,
-                    executor=dma_executor,
-                    batch=load_batch_memcpy(max_copies_per_call) if cuda else None,
-                )
-            except ValueError as exc:
-                raise ConfigError(f"dma_executor: {exc}", source="TransferWorker") from None
-        self._lanes: dict[Direction, Lane] = {
-            d: Lane(
-                self._streams.new_stream(),
-                CompletionThread(f"tierkv-{d}-completion", self._notify),
-            )
-            for d in DIRECTIONS
-        }
+        self._backends = Backends.build(groups, slab, geometry, self.device, options)
+        self._lanes: dict[Direction, Lane] = new_lanes(self._streams, self._notify)
         logger.debug(
             "transfer worker on %s: %d groups, factor %d, block %s, pages %s, backend %s",
             self.device,
@@ -280,33 +196,33 @@ class TransferWorker:
         block lives: `[start, stop)` in bytes."""
         return self.geometry.byte_range(group, layer, sub_block)
 
+    def serves(self, view: HostSlab | torch.Tensor) -> bool:
+        """Whether this worker moves blocks to and from `view` (a `HostSlab`, or a
+        `[num_slots, block_bytes]` tensor): the very slab it was built over, not just
+        one of the same shape. A worker of another cache with the same geometry would
+        copy into that cache's slots; callers that are handed a worker check this."""
+        tensor = view.tensor if isinstance(view, HostSlab) else view
+        return (
+            tuple(tensor.shape) == (self.num_slots, self.block_bytes)
+            and tensor.data_ptr() == self._slab.data_ptr()
+        )
+
     @property
     def batch_stats(self) -> BatchStats | None:
         """Calls, copies and refused calls (redone by runs) of the batched memcpy; None
         where DMA copies are not batched (CPU, the kernel backend, no cuda-bindings)."""
-        return self._dma.batch_stats if self._dma is not None else None
+        return self._backends.batch_stats
 
     @property
     def dma_executor(self) -> str | None:
         """How DMA copies are issued (`batched`, `runs`, `memmove`), None without DMA."""
-        return self._dma.executor if self._dma is not None else None
+        return self._backends.dma_executor
 
     # -- submitting ---------------------------------------------------------------------
-    def _backend_for(self, mapping: Mapping) -> tuple[CopyBackend, CopyPlan | None]:
-        if self._dma is None:
-            assert self._kernel is not None
-            return self._kernel, None
-        if self._kernel is None:
-            return self._dma, None
-        plan = self._dma.plan(mapping)  # auto on CUDA: by the size of the copies
-        if plan.mean_copy_bytes >= AUTO_MIN_DMA_COPY_BYTES:
-            return self._dma, plan
-        return self._kernel, None
-
     def _launch(self, mapping: Mapping, lane: Lane) -> Launched:
         """Start the copy of `mapping` on the lane's stream (ordered after `ready`
         by the caller)."""
-        backend, plan = self._backend_for(mapping)
+        backend, plan = self._backends.pick(mapping)
         keep: list[object] = []
 
         def work(stream: Any) -> None:
@@ -422,25 +338,7 @@ class TransferWorker:
         """Finish, in order, every transfer whose copy is complete, and wake the first
         waiter of each direction if its transfer is done."""
         for lane in self._lanes.values():
-            while lane.in_flight:
-                handle = lane.in_flight[0]
-                assert handle._completion is not None
-                if not handle._completion.query():
-                    break
-                lane.in_flight.popleft()
-                handle.result = TransferResult(
-                    handle.transfer_id,
-                    handle.direction,
-                    handle.num_blocks,
-                    handle.num_bytes,
-                    handle._completion.seconds(),
-                    handle.backend,
-                )
-                handle._completion, handle._keepalive = None, ()
-                if not handle._claimed:
-                    self._keep_unclaimed(handle.result)
-            if lane.waiters and lane.waiters[0].done() and lane.waiters[0]._wakeup:
-                lane.waiters[0]._wakeup.set()
+            lane.reap(self._keep_unclaimed)
 
     def get_finished(self) -> list[TransferResult]:
         """Results of completed transfers that no `wait` claimed, in submission order

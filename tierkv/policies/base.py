@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from typing import ClassVar
 
-from tierkv.keys import OffloadKey
+from tierkv.contract.keys import OffloadKey
 
 CanEvict = Callable[[OffloadKey], bool]
 

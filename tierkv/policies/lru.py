@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from itertools import islice
 
-from tierkv.keys import OffloadKey
+from tierkv.contract.keys import OffloadKey
 from tierkv.policies.base import CanEvict, EvictionPolicy, evict_any
 
 

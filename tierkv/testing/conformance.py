@@ -50,12 +50,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tierkv.framing import FIXED_HEADER_BYTES, Framer
-from tierkv.jobs import JobMetadata, JobResult, ReqContext
-from tierkv.keys import OffloadKey, make_offload_key
-from tierkv.mac import KEY_ID_BYTES, MacKey
-from tierkv.slab import PrimaryView
-from tierkv.tier import SecondaryTierManager
+from tierkv.contract.framing import FIXED_HEADER_BYTES, Framer
+from tierkv.contract.jobs import JobMetadata, JobResult, ReqContext
+from tierkv.contract.keys import OffloadKey, make_offload_key
+from tierkv.contract.mac import KEY_ID_BYTES, MacKey
+from tierkv.contract.slab import PrimaryView
+from tierkv.contract.tier import SecondaryTierManager
 
 CTX = ReqContext(request_id="conformance")
 

@@ -8,14 +8,14 @@ from collections.abc import Awaitable, Callable, Sequence
 import anyio
 from pydantic import Field
 
-from tierkv.errors import TierUnavailable
-from tierkv.jobs import JobMetadata, JobResult, ReqContext
-from tierkv.keys import OffloadKey
+from tierkv.contract.errors import TierUnavailable
+from tierkv.contract.jobs import JobMetadata, JobResult, ReqContext
+from tierkv.contract.keys import OffloadKey
+from tierkv.contract.runner import Batch, run_job
+from tierkv.contract.slab import PrimaryView
+from tierkv.contract.tier import TierConfig
+from tierkv.contract.units import Duration
 from tierkv.memory_tier import MemoryTier, MemoryTierConfig
-from tierkv.runner import Batch, run_job
-from tierkv.slab import PrimaryView
-from tierkv.tier import TierConfig
-from tierkv.units import Duration
 
 
 class FaultyTierConfig(MemoryTierConfig):

@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.cache.prefetch import PrefetchPolicy
-from tierkv.keys import OffloadKey
+from tierkv.contract.keys import OffloadKey
+from tierkv.contract.units import approx_size, format_size
 from tierkv.trace.costmodel import PRIMARY, CostModel, arrival_scale_for, ttft_summary
 from tierkv.trace.format import TraceRequest, read_trace, request_keys
 from tierkv.trace.reference import infinite_cache_hits, lru_hits
 from tierkv.trace.replay import ReplayOptions, ReplayReport, primary_and_tier_blocks, replay
 from tierkv.trace.server import ServerOptions, replay_queued
-from tierkv.units import approx_size, format_size
 
 
 @dataclass(frozen=True)

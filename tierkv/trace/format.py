@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
+from tierkv.contract.keys import OffloadKey, hash_token_blocks, make_offload_key
 
 TRACE_BLOCK_TOKENS = 512
 """Tokens per `hash_ids` entry in the Mooncake traces."""

@@ -27,9 +27,9 @@ import torch
 
 from tierkv.cache import TieredCache
 from tierkv.config import parse_config
-from tierkv.framing import FIXED_HEADER_BYTES
-from tierkv.jobs import ReqContext
-from tierkv.keys import OffloadKey
+from tierkv.contract.framing import FIXED_HEADER_BYTES
+from tierkv.contract.jobs import ReqContext
+from tierkv.contract.keys import OffloadKey
 from tierkv.trace.costmodel import PRIMARY, PrefetchedBytes, RequestCost
 from tierkv.trace.format import TRACE_BLOCK_TOKENS, TraceRequest
 

@@ -39,8 +39,8 @@ import anyio
 
 from tierkv.cache import TieredCache
 from tierkv.cache.prefetch import Prefetch, PrefetchPolicy
-from tierkv.jobs import ReqContext
-from tierkv.keys import OffloadKey
+from tierkv.contract.jobs import ReqContext
+from tierkv.contract.keys import OffloadKey
 from tierkv.trace.costmodel import CostModel, PrefetchedBytes, ServerClock, ttft_summary
 from tierkv.trace.format import TraceRequest
 from tierkv.trace.replay import ReplayChain, ReplayOptions, ReplayReport

@@ -51,7 +51,7 @@ from tierkv_nvme import NvmeTier, NvmeTierConfig
 from tierkv_nvme.layout import block_path, namespace_dir, temp_path
 
 from tierkv import JobMetadata, PrimaryView, make_offload_key
-from tierkv.framing import encode_header, header_bytes, parse_header, verify_payload
+from tierkv.contract.framing import encode_header, header_bytes, parse_header, verify_payload
 from tierkv.primary import PrimaryTier
 
 NAMESPACE = "bench-nvme"

@@ -13,7 +13,7 @@ import pytest
 from tierkv_sqlite import SqliteTier, SqliteTierConfig
 
 from tierkv import JobMetadata, OffloadKey, PrimaryView, ReqContext, TierUnavailable
-from tierkv.framing import header_bytes
+from tierkv.contract.framing import header_bytes
 from tierkv.primary import PrimaryTier
 from tierkv.testing import TierConformanceSuite, fill_slots, random_keys
 from tierkv.tier import SecondaryTierManager

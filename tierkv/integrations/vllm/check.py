@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierkv.errors import ConfigError
+from tierkv.contract.errors import ConfigError
 from tierkv.integrations.vllm.settings import VllmGeometry, resolve_entry
 
 EXTRA = "kv_connector_extra_config"
@@ -260,7 +260,7 @@ def _groups_text(windows: tuple[int | None, ...]) -> str:
 
 def render(report: CheckReport, geometry: Geometry) -> str:
     """The report for a person."""
-    from tierkv.units import format_size
+    from tierkv.contract.units import format_size
 
     cpu = format_size(report.cpu_bytes_to_use) if report.cpu_bytes_to_use else "vLLM's default"
     g = geometry

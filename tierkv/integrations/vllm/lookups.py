@@ -23,7 +23,7 @@ import queue
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from tierkv.keys import OffloadKey
+from tierkv.contract.keys import OffloadKey
 
 
 @dataclass(eq=False, slots=True)

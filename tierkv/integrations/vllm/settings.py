@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from tierkv.config import CacheConfig, load_config, parse_config
-from tierkv.errors import ConfigError
-from tierkv.tier import TierConfig
-from tierkv.units import parse_duration
+from tierkv.contract.errors import ConfigError
+from tierkv.contract.tier import TierConfig
+from tierkv.contract.units import parse_duration
 
 ENTRY_KEYS = (
     "tier",

@@ -41,16 +41,16 @@ from vllm.v1.kv_offload.tiering.base import SecondaryTierManager as VllmSecondar
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from tierkv.contract.jobs import JobMetadata, JobResult, ReqContext
+from tierkv.contract.keys import OffloadKey
+from tierkv.contract.slab import PrimaryView
+from tierkv.contract.tier import SecondaryTierManager
 from tierkv.driver import GuardedTier, JobKind
 from tierkv.driver.engine_jobs import EngineJobs
 from tierkv.driver.loop_thread import LoopThread
 from tierkv.integrations.vllm import metrics
 from tierkv.integrations.vllm.lookups import LookupBook
 from tierkv.integrations.vllm.settings import geometry_of, index_of, resolve_entry
-from tierkv.jobs import JobMetadata, JobResult, ReqContext
-from tierkv.keys import OffloadKey
-from tierkv.slab import PrimaryView
-from tierkv.tier import SecondaryTierManager
 
 logger = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from tierkv_nvme import NvmeTier, NvmeTierConfig, disk_footprint
 
-from tierkv.framing import header_bytes
-from tierkv.jobs import JobMetadata, JobResult
-from tierkv.keys import OffloadKey
+from tierkv.contract.framing import header_bytes
+from tierkv.contract.jobs import JobMetadata, JobResult
+from tierkv.contract.keys import OffloadKey
 from tierkv.primary import PrimaryTier
 from tierkv.testing import random_keys
 

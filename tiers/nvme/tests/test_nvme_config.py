@@ -10,7 +10,7 @@ import pytest
 from tierkv_nvme import NvmeTier, NvmeTierConfig
 
 from tierkv.config import parse_config
-from tierkv.errors import ConfigError
+from tierkv.contract.errors import ConfigError
 from tierkv.registry import get_tier_class, installed_tiers
 from tierkv.roundtrip import run_roundtrip
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from tierkv_nvme import NvmeTier, NvmeTierConfig, disk_footprint
 
-from tierkv.framing import header_bytes
-from tierkv.keys import OffloadKey
+from tierkv.contract.framing import header_bytes
+from tierkv.contract.keys import OffloadKey
 from tierkv.primary import PrimaryView
 from tierkv.testing import TierConformanceSuite
 from tierkv.tier import SecondaryTierManager

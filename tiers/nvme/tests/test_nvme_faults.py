@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tierkv.framing import FIXED_HEADER_BYTES
-from tierkv.jobs import ReqContext
+from tierkv.contract.framing import FIXED_HEADER_BYTES
+from tierkv.contract.jobs import ReqContext
 
 pytestmark = pytest.mark.anyio
 CTX = ReqContext(request_id="nvme-faults")

@@ -12,8 +12,8 @@ import pytest
 from tierkv_nvme import NvmeTier
 from tierkv_nvme.layout import block_relpath, legacy_relpath
 
-from tierkv.jobs import ReqContext
-from tierkv.keys import OffloadKey
+from tierkv.contract.jobs import ReqContext
+from tierkv.contract.keys import OffloadKey
 
 pytestmark = pytest.mark.anyio
 CTX = ReqContext(request_id="nvme-layout")

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from tierkv.framing import encode_block
-from tierkv.jobs import ReqContext
+from tierkv.contract.framing import encode_block
+from tierkv.contract.jobs import ReqContext
 
 pytestmark = pytest.mark.anyio
 CTX = ReqContext(request_id="nvme-restart")

@@ -10,8 +10,8 @@ import pytest
 from tierkv_nvme.layout import block_relpath
 from tierkv_nvme.tier import READ_ERRORS_BEFORE_DELETE
 
-from tierkv.framing import FIXED_HEADER_BYTES
-from tierkv.jobs import ReqContext
+from tierkv.contract.framing import FIXED_HEADER_BYTES
+from tierkv.contract.jobs import ReqContext
 
 pytestmark = pytest.mark.anyio
 CTX = ReqContext(request_id="nvme-safety")

@@ -15,9 +15,9 @@ import pytest
 from tierkv_nvme import NvmeTier, NvmeTierConfig, blockfile
 from tierkv_nvme.layout import NAMESPACE_NOTE
 
-from tierkv.errors import TierUnavailable
-from tierkv.framing import encode_block
-from tierkv.jobs import JobMetadata, ReqContext
+from tierkv.contract.errors import TierUnavailable
+from tierkv.contract.framing import encode_block
+from tierkv.contract.jobs import JobMetadata, ReqContext
 from tierkv.primary import PrimaryTier
 
 pytestmark = pytest.mark.anyio

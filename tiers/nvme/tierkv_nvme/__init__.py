@@ -6,7 +6,7 @@ chain can say
     tiers:
       - {type: nvme, path: /mnt/nvme/tierkv, capacity: 500GiB}
 
-It uses only tierkv's public plugin API (`tierkv.tier`, `tierkv.framing`).
+It uses only tierkv's public plugin API (`tierkv.tier`, `tierkv.contract.framing`).
 """
 
 from __future__ import annotations

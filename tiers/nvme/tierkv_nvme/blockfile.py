@@ -40,7 +40,7 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from tierkv.framing import FIXED_HEADER_BYTES, MAX_KEY_BYTES, Framer, Header
+from tierkv.contract.framing import FIXED_HEADER_BYTES, MAX_KEY_BYTES, Framer, Header
 from tierkv.tier import CorruptBlock, OffloadKey, detached
 from tierkv_nvme.layout import TEMP_SUFFIX, temp_name
 

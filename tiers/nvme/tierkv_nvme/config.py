@@ -15,8 +15,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from tierkv.contract.units import Size
 from tierkv.tier import TierConfig
-from tierkv.units import Size
 
 FsyncMode = Literal["always", "never"]
 

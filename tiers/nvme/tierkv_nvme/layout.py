@@ -26,7 +26,7 @@ import itertools
 import os
 from pathlib import Path
 
-from tierkv.framing import namespace_hash
+from tierkv.contract.framing import namespace_hash
 from tierkv.tier import OffloadKey
 
 BLOCK_SUFFIX = ".blk"

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tierkv.framing import Framer
+from tierkv.contract.framing import Framer
 from tierkv.tier import CorruptBlock, OffloadKey
 from tierkv_nvme.blockfile import read_header
 from tierkv_nvme.layout import (

@@ -1,6 +1,6 @@
 """`nvme`: KV blocks as checksummed files on a local disk.
 
-One file per block (`layout.py`), each a `tierkv.framing` frame published by
+One file per block (`layout.py`), each a `tierkv.contract.framing` frame published by
 write-to-temporary + rename (`blockfile.py`), indexed in memory and rebuilt from the
 directory on `open` (`recovery.py`).
 
@@ -45,6 +45,7 @@ from typing import Any
 
 import anyio
 
+from tierkv.contract.units import format_size
 from tierkv.tier import (
     Batch,
     CorruptBlock,
@@ -62,7 +63,6 @@ from tierkv.tier import (
     in_thread,
     run_job,
 )
-from tierkv.units import format_size
 from tierkv_nvme import blockfile
 from tierkv_nvme.blockfile import RelPath
 from tierkv_nvme.config import NvmeTierConfig

@@ -21,9 +21,9 @@ from tierkv_redis.names import BlockNames
 from tierkv_redis.testing import RedisClusterServers, RedisServer
 
 from tierkv import TieredCache, parse_config
-from tierkv.errors import TierUnavailable
-from tierkv.jobs import JobMetadata, ReqContext
-from tierkv.keys import OffloadKey
+from tierkv.contract.errors import TierUnavailable
+from tierkv.contract.jobs import JobMetadata, ReqContext
+from tierkv.contract.keys import OffloadKey
 from tierkv.primary import PrimaryTier, PrimaryView
 from tierkv.testing import fill_slots, random_keys
 

@@ -24,10 +24,10 @@ from redis.asyncio import Redis
 from tierkv_redis import RedisTier, RedisTierConfig
 from tierkv_redis.testing import RedisServer
 
-from tierkv.errors import ConfigError, TierUnavailable
-from tierkv.framing import encode_block
-from tierkv.jobs import JobMetadata, ReqContext
-from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
+from tierkv.contract.errors import ConfigError, TierUnavailable
+from tierkv.contract.framing import encode_block
+from tierkv.contract.jobs import JobMetadata, ReqContext
+from tierkv.contract.keys import OffloadKey, hash_token_blocks, make_offload_key
 from tierkv.primary import PrimaryTier, PrimaryView
 from tierkv.registry import get_tier_class, installed_tiers
 from tierkv.testing import TierConformanceSuite, fill_slots, random_keys

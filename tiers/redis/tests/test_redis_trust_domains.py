@@ -14,7 +14,7 @@ from tierkv_redis import RedisTier
 from tierkv_redis.testing import RedisServer
 
 from tierkv import TieredCache, parse_config
-from tierkv.keys import OffloadKey, hash_token_blocks, make_offload_key
+from tierkv.contract.keys import OffloadKey, hash_token_blocks, make_offload_key
 from tierkv.testing.conformance import forge_under
 
 pytestmark = pytest.mark.anyio

@@ -16,8 +16,8 @@ from urllib.parse import urlsplit
 
 from pydantic import ByteSize, Field, PositiveInt, SecretStr, field_validator, model_validator
 
+from tierkv.contract.units import Duration, Size
 from tierkv.tier import TierConfig, redact_url
-from tierkv.units import Duration, Size
 
 MIN_PART_SIZE = 1024
 """Smallest `part_size` accepted; tests use tiny parts to exercise splitting."""

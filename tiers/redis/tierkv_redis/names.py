@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 
-from tierkv.framing import header_bytes
+from tierkv.contract.framing import header_bytes
 from tierkv.tier import OffloadKey
 
 

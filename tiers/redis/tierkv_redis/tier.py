@@ -1,6 +1,6 @@
 """`redis`: framed KV blocks in a Redis server or cluster, shared by many inference servers.
 
-One block is one Redis value: the `tierkv.framing` header (format version, namespace,
+One block is one Redis value: the `tierkv.contract.framing` header (format version, namespace,
 key, length, checksum) followed by the block bytes, written with a single SET. A frame
 larger than `part_size` is split into parts under one logical key (`names.py`); the
 first part is written last, and a lookup sees a block only when every part exists, so

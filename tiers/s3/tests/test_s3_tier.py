@@ -24,10 +24,10 @@ from s3fs import S3FileSystem  # type: ignore[import-untyped]
 from tierkv_s3 import S3Tier, S3TierConfig
 from tierkv_s3.testing import Fault, FaultProxy, MotoServer
 
-from tierkv.errors import ConfigError, TierUnavailable
-from tierkv.framing import encode_block
-from tierkv.jobs import JobMetadata, ReqContext
-from tierkv.keys import OffloadKey
+from tierkv.contract.errors import ConfigError, TierUnavailable
+from tierkv.contract.framing import encode_block
+from tierkv.contract.jobs import JobMetadata, ReqContext
+from tierkv.contract.keys import OffloadKey
 from tierkv.primary import PrimaryTier, PrimaryView
 from tierkv.registry import get_tier_class, installed_tiers
 from tierkv.testing import TierConformanceSuite, fill_slots, random_keys

@@ -28,8 +28,8 @@ from pydantic import (
     model_validator,
 )
 
+from tierkv.contract.units import Duration, Size
 from tierkv.tier import TierConfig, redact_url
-from tierkv.units import Duration, Size
 
 MIN_PART_SIZE = 5 << 20
 """S3 refuses multipart parts below 5 MiB (but the last)."""

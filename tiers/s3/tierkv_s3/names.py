@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 
-from tierkv.keys import OffloadKey
+from tierkv.contract.keys import OffloadKey
 
 
 def namespace_tag(namespace: str) -> str:

@@ -1,9 +1,10 @@
 """`s3`: framed KV blocks as objects in S3 or any S3-compatible store, through s3fs.
 
 One object per block, `<prefix>/<namespace tag>/<key hex>`, holding the
-`tierkv.framing` header and the block bytes, written with one PUT (a multipart upload
-for frames of at least 2 x `part_size`); S3 makes an object visible only once it is
-whole; a multipart upload that fails or is cancelled is aborted (`_put_multipart`).
+`tierkv.contract.framing` header and the block bytes, written with one PUT (a
+multipart upload for frames of at least 2 x `part_size`); S3 makes an object visible
+only once it is whole; a multipart upload that fails or is cancelled is aborted
+(`_put_multipart`).
 Bytes read back are untrusted: an object failing any frame check (checksum, and the
 MAC when `mac_key_env` is set) fails its key, is deleted and `report_removed`; so is a
 block a load finds gone (deleted behind the tier's back, a bucket lifecycle rule).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierkv.redact import redact_url
+from tierkv.contract.redact import redact_url
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
-"""Authenticated frames (tierkv.mac, tierkv.framing.Framer): the key comes from the
-environment with clear errors, the flags are checked strictly, and a frame made
-without the key is refused even when its checksum is right."""
+"""Authenticated frames (tierkv.contract.mac, tierkv.contract.framing.Framer): the key
+comes from the environment with clear errors, the flags are checked strictly, and a
+frame made without the key is refused even when its checksum is right."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import struct
 
 import pytest
 
-from tierkv.errors import ConfigError, CorruptBlock, ForeignBlock
-from tierkv.framing import (
+from tierkv.contract.errors import ConfigError, CorruptBlock, ForeignBlock
+from tierkv.contract.framing import (
     FIXED_HEADER_BYTES,
     FLAG_MAC,
     FORMAT_VERSION,
@@ -21,10 +21,10 @@ from tierkv.framing import (
     header_length,
     namespace_hash,
 )
-from tierkv.keys import make_offload_key
-from tierkv.mac import KEY_ID_BYTES, MAC_BYTES, MacKey, load_mac_key
+from tierkv.contract.keys import make_offload_key
+from tierkv.contract.mac import KEY_ID_BYTES, MAC_BYTES, MacKey, load_mac_key
+from tierkv.contract.slab import PrimaryView
 from tierkv.memory_tier import MemoryTier, MemoryTierConfig
-from tierkv.slab import PrimaryView
 
 ENV = "TIERKV_TEST_MAC_KEY"
 KEY = make_offload_key(b"h" * 16, 0)

@@ -1,6 +1,6 @@
-"""Network I/O left behind by a job's deadline (tierkv.runner.SlotGuard, IOThreads and
-in_thread_abandoned_on_cancel): the job ends on time, and the thread it left behind
-never touches a slot afterwards."""
+"""Network I/O left behind by a job's deadline (tierkv.contract.runner.SlotGuard,
+IOThreads and in_thread_abandoned_on_cancel): the job ends on time, and the thread it
+left behind never touches a slot afterwards."""
 
 from __future__ import annotations
 
@@ -9,9 +9,15 @@ import threading
 import anyio
 import pytest
 
-from tierkv.jobs import JobMetadata
-from tierkv.keys import make_offload_key
-from tierkv.runner import Batch, IOThreads, SlotGuard, in_thread_abandoned_on_cancel, run_job
+from tierkv.contract.jobs import JobMetadata
+from tierkv.contract.keys import make_offload_key
+from tierkv.contract.runner import (
+    Batch,
+    IOThreads,
+    SlotGuard,
+    in_thread_abandoned_on_cancel,
+    run_job,
+)
 
 pytestmark = pytest.mark.anyio
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierkv.units import approx_size, format_size, parse_duration, size_unit, unit_hint
+from tierkv.contract.units import approx_size, format_size, parse_duration, size_unit, unit_hint
 
 
 @pytest.mark.parametrize(

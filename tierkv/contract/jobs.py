@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from tierkv.keys import OffloadKey
+from tierkv.contract.keys import OffloadKey
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from tierkv.errors import CorruptBlock, detached
+from tierkv.contract.errors import CorruptBlock, detached
 
 
 class _Slot:

@@ -40,8 +40,8 @@ from typing import Any, TypeVar
 import anyio
 import anyio.to_thread
 
-from tierkv.jobs import JobMetadata, JobResult
-from tierkv.keys import OffloadKey
+from tierkv.contract.jobs import JobMetadata, JobResult
+from tierkv.contract.keys import OffloadKey
 
 __all__ = [
     "Batch",

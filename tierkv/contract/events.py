@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tierkv.keys import OffloadKey
+from tierkv.contract.keys import OffloadKey
 
 
 @dataclass(frozen=True)

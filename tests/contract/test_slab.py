@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tierkv.slab import PrimaryView
+from tierkv.contract.slab import PrimaryView
 
 
 def test_rows_are_writable_zero_copy_views_of_the_buffer() -> None:
@@ -51,7 +51,7 @@ def test_bad_slabs_are_refused_with_a_reason(
 
 def test_the_plugin_contract_imports_no_torch_and_no_cache() -> None:
     code = (
-        "import sys, tierkv.tier, tierkv.framing;"
+        "import sys, tierkv.tier, tierkv.contract.framing;"
         "heavy = ('torch', 'tierkv.primary', 'tierkv.cache');"
         "print(','.join(m for m in heavy if m in sys.modules))"
     )

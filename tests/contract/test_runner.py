@@ -1,4 +1,4 @@
-"""The per-key job runner every tier uses (tierkv.runner): partial results, the
+"""The per-key job runner every tier uses (tierkv.contract.runner): partial results, the
 deadline and late keys, job-wide aborts, the concurrency bound, and cancellation that
 waits for the worker threads."""
 
@@ -10,9 +10,9 @@ from collections.abc import Mapping
 import anyio
 import pytest
 
-from tierkv.jobs import JobMetadata
-from tierkv.keys import OffloadKey, make_offload_key
-from tierkv.runner import Batch, JobAborted, in_batches, in_thread, run_job
+from tierkv.contract.jobs import JobMetadata
+from tierkv.contract.keys import OffloadKey, make_offload_key
+from tierkv.contract.runner import Batch, JobAborted, in_batches, in_thread, run_job
 
 pytestmark = pytest.mark.anyio
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierkv.jobs import JobMetadata, JobResult, ReqContext
+from tierkv.contract.jobs import JobMetadata, JobResult, ReqContext
 
 K1, K2, K3 = b"k1\0\0\0\0", b"k2\0\0\0\0", b"k3\0\0\0\0"
 

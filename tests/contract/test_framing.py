@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tierkv.errors import CorruptBlock
-from tierkv.framing import (
+from tierkv.contract.errors import CorruptBlock
+from tierkv.contract.framing import (
     FIXED_HEADER_BYTES,
     Framer,
     decode_into,
@@ -20,7 +20,7 @@ from tierkv.framing import (
     header_bytes,
     parse_header,
 )
-from tierkv.keys import make_offload_key
+from tierkv.contract.keys import make_offload_key
 
 KEY = b"k" * 16 + b"\x00\x00\x00\x01"
 PAYLOAD = bytes(range(256)) * 4
@@ -88,7 +88,7 @@ def test_overlong_key_is_rejected() -> None:
 
 
 def test_header_length_from_the_fixed_part() -> None:
-    from tierkv.framing import header_length
+    from tierkv.contract.framing import header_length
 
     frame = encode_block(KEY, PAYLOAD, "ns")
     assert header_length(frame[:FIXED_HEADER_BYTES]) == header_bytes(KEY)

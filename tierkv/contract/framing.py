@@ -10,7 +10,7 @@ length, checksum or MAC does not match, with a `CorruptBlock` that says which. N
 is ever unpickled.
 
 Flags: bit 0 (`FLAG_MAC`) says the frame carries a MAC, a keyed BLAKE3 of everything
-before the MAC (header, key, key id) and of the payload (`tierkv.mac`); bit 1
+before the MAC (header, key, key id) and of the payload (`tierkv.contract.mac`); bit 1
 (`FLAG_KEY_ID`, only with a MAC) says the MAC is preceded by the id of the key that
 made it. Every other bit must be 0. A tier with `mac_key_env` set writes both.
 
@@ -49,9 +49,9 @@ from dataclasses import dataclass
 
 import xxhash
 
-from tierkv.errors import CorruptBlock, ForeignBlock
-from tierkv.keys import OffloadKey
-from tierkv.mac import KEY_ID_BYTES, MAC_BYTES, MacKey
+from tierkv.contract.errors import CorruptBlock, ForeignBlock
+from tierkv.contract.keys import OffloadKey
+from tierkv.contract.mac import KEY_ID_BYTES, MAC_BYTES, MacKey
 
 MAGIC = b"TKVB"
 FORMAT_VERSION = 1

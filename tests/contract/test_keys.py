@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tierkv.keys import (
+from tierkv.contract.keys import (
     get_offload_block_hash,
     get_offload_group_idx,
     hash_token_blocks,
@@ -131,7 +131,7 @@ def test_non_integer_tokens_are_rejected() -> None:
 @pytest.mark.parametrize("algorithm", ["sha256", "xxh3_128"])
 def test_hashes_are_stable_across_processes(algorithm: str) -> None:
     code = (
-        "from tierkv.keys import hash_token_blocks;"
+        "from tierkv.contract.keys import hash_token_blocks;"
         f"print(','.join(h.hex() for h in hash_token_blocks(list(range(100, 164)), 16,"
         f" namespace='ns', algorithm={algorithm!r})))"
     )

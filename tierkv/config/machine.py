@@ -15,11 +15,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tierkv.tier import TierConfig
-from tierkv.units import approx_size, format_size
+from tierkv.contract.tier import TierConfig
+from tierkv.contract.units import approx_size, format_size
 
 if TYPE_CHECKING:
-    from tierkv.config import CacheConfig
+    # the model's own module, not the `tierkv.config` package: the package imports
+    # `loading`, which imports this module (an import circle, even if for types only)
+    from tierkv.config.model import CacheConfig
 
 
 def physical_memory() -> int | None:
