@@ -22,7 +22,8 @@ from tierkv.demo import (
     run_demo,
 )
 from tierkv.demo.report import demo_summary
-from tierkv.demo.run import TurnRecord, _by_column
+from tierkv.demo.run import TurnRecord
+from tierkv.demo.run_report import _by_column
 
 pytestmark = pytest.mark.anyio
 

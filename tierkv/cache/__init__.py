@@ -1,11 +1,15 @@
 """The cache core: `TieredCache` and its parts.
 
 - `results`: what lookup, store, load and stats return
-- `index`: the one authoritative per-key state
-- `guard`: guarded tier calls (deadline, circuit breaker, statistics)
-- `core`: shared state, event log, background task group
-- `lookup`, `cascade` (store and write-through), `promotion` (load), `writeback`
+- `index`: the one authoritative per-key state (and promotion `Flight`s)
+- `core`: shared state, event log, background task group; `counters`: cache-wide counters
+- `lookup`; `store_run` (one store streaming through the primary); `cascade`
+  (write-through and selective cascades, admission); `promotion` (load) and `flights`
+  (stage-1 reads shared with prefetch); `prefetch`; `writeback`; `validate`
 - `cache`: the `TieredCache` facade
+
+Every call to a tier goes through its `tierkv.driver.GuardedTier` (breaker, in-flight
+budget, answer checks, deadline backstop), the driver the engine adapters use too.
 """
 
 from tierkv.cache.cache import TieredCache

@@ -187,36 +187,12 @@ async def run_job(
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     plan = per_key(job) if batches is None else list(batches)
-    failed: dict[OffloadKey, str] = {}
-    done: set[OffloadKey] = set()
-    aborted: list[str] = []
+    run = _JobRun(job, work, label)
     queue = iter(plan)
 
     async def worker() -> None:
         for batch in queue:  # shared: each batch goes to exactly one worker
-            keys = [key for key, _slot in batch]
-            if aborted:
-                failed.update((key, f"not tried: {aborted[0]}") for key in keys)
-                continue
-            try:
-                errors = await work(batch)
-            except JobAborted as exc:
-                reason = str(exc) or f"{label} aborted"
-                if not aborted:
-                    aborted.append(reason)
-                    logger.warning("%s job %d aborted: %s", label, job.job_id, reason)
-                failed.update((key, reason) for key in keys)
-                continue
-            except Exception as exc:  # a bug must fail its keys, not the whole server
-                logger.exception("%s job %d: unexpected error", label, job.job_id)
-                failed.update((key, f"unexpected {type(exc).__name__}: {exc}") for key in keys)
-                continue
-            for key in keys:
-                why = errors.get(key) if errors else None
-                if why is None:
-                    done.add(key)
-                else:
-                    failed[key] = why
+            await run.batch(batch)
 
     workers = min(concurrency, len(plan))
     with anyio.move_on_after(timeout):
@@ -226,10 +202,50 @@ async def run_job(
             async with anyio.create_task_group() as tg:
                 for _ in range(workers):
                     tg.start_soon(worker)
-    late = [key for key in job.keys if key not in done and key not in failed]
+    failed = run.failed
+    late = [key for key in job.keys if key not in run.done and key not in failed]
     if late:
         reason = f"{label} did not finish within job_timeout={timeout}s"
         failed.update((key, reason) for key in late)
         if on_late is not None:
             on_late(late)
     return JobResult.partial(job, failed)
+
+
+class _JobRun:
+    """What the batches of one `run_job` did: keys done, keys failed with a reason,
+    and the reason the job was aborted (once a batch raised `JobAborted`, later
+    batches are not tried)."""
+
+    def __init__(self, job: JobMetadata, work: Work, label: str) -> None:
+        self.job = job
+        self.work = work
+        self.label = label
+        self.failed: dict[OffloadKey, str] = {}
+        self.done: set[OffloadKey] = set()
+        self.aborted: str | None = None
+
+    async def batch(self, batch: Batch) -> None:
+        keys = [key for key, _slot in batch]
+        if self.aborted is not None:
+            self.failed.update((key, f"not tried: {self.aborted}") for key in keys)
+            return
+        try:
+            errors = await self.work(batch)
+        except JobAborted as exc:
+            reason = str(exc) or f"{self.label} aborted"
+            if self.aborted is None:
+                self.aborted = reason
+                logger.warning("%s job %d aborted: %s", self.label, self.job.job_id, reason)
+            self.failed.update((key, reason) for key in keys)
+            return
+        except Exception as exc:  # a bug must fail its keys, not the whole server
+            logger.exception("%s job %d: unexpected error", self.label, self.job.job_id)
+            self.failed.update((key, f"unexpected {type(exc).__name__}: {exc}") for key in keys)
+            return
+        for key in keys:
+            why = errors.get(key) if errors else None
+            if why is None:
+                self.done.add(key)
+            else:
+                self.failed[key] = why

@@ -121,7 +121,9 @@ class TierConfig(BaseModel):
     job_timeout: Duration = Field(
         default=30.0,
         gt=0,
-        description="a job not answered by then is cancelled and all its keys count as failed",
+        description="the job's deadline, kept by the tier's runner: keys not done by then "
+        "fail as late and the rest are kept; a tier silent past a grace after it (half of "
+        "it, 0.25-5s) loses the whole job",
     )
     required: bool = Field(
         default=True,
