@@ -119,3 +119,58 @@ async def test_what_finds_no_room_is_rejected_and_counted() -> None:
         assert result.error is not None and "no room" in result.error
         stats = cache.stats().primary
         assert stats["store_rejected"] == 2 and stats["drops"] == 2
+
+
+async def test_already_present_keys_come_back_in_key_order() -> None:
+    """A key settled after the run started (another write landed) takes its place in
+    key order among the keys that were resident from the start."""
+    async with opened() as cache:
+        ks = keys(3)
+        assert (await cache.store([ks[1]], torch.ones(1, BLOCK, dtype=torch.uint8))).ok
+        writing = cache.primary.prepare_store([ks[0]])
+        assert writing is not None
+        run = new_run(cache, ks)
+
+        async def other_write_lands() -> None:
+            await anyio.sleep(0.01)
+            cache.primary.complete_store([ks[0]])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(other_write_lands)
+            result = await run.run(source(3))
+        assert result.already_present == (ks[0], ks[1]) and result.stored == (ks[2],)
+
+
+async def test_keys_rejected_as_late_keep_their_reason_after_a_later_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Settling rejects a key still written by another at the deadline; the run goes
+    on to place a key whose other write failed, waits once for room and places it.
+    The late key stays rejected with its reason, and is counted."""
+    async with opened() as cache:
+        ks = keys(2)
+        writing = cache.primary.prepare_store([ks[0]])
+        assert writing is not None
+        run = new_run(cache, ks[:1])
+        run.position = {k: i for i, k in enumerate(ks)}
+
+        async def settle(keys: list[OffloadKey]) -> Any:
+            return [], [ks[1]], [ks[0]]  # ks[0] late, ks[1] lost: to place
+
+        reserve, tries = run._reserve, []
+
+        def no_room_once(want: list[OffloadKey]) -> Any:
+            tries.append(want)
+            return ([], []) if len(tries) == 1 else reserve(want)
+
+        async def room_came(want: Any) -> None:
+            return None
+
+        monkeypatch.setattr(run, "_settle", settle)
+        monkeypatch.setattr(run, "_reserve", no_room_once)
+        monkeypatch.setattr(run, "_await_room", room_came)
+        result = await run.run(source(2))
+        cache.primary.complete_store([ks[0]], success=False)
+        assert result.stored == (ks[1],) and result.rejected == (ks[0],)
+        assert result.error is not None and "still writing" in result.error
+        assert cache.stats().primary["store_rejected"] == 1

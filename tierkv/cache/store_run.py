@@ -111,9 +111,11 @@ class StoreRun:
         # only once that write succeeded; if it fails, this store writes them
         self.pending: list[OffloadKey] = list(in_flight)
         self.already = resident
+        self._resident = len(resident)  # `already[:_resident]` are in key order
         self.stored: list[OffloadKey] = []
         self.rejected: list[OffloadKey] = []
         self.error: str | None = None
+        self.late_error: str | None = None  # why `settle_pending` rejected keys
         self.watch = StoreWatch(core.index)
         self.placed: list[OffloadKey] = []  # stored, not yet told to the watch (needed lazily)
         self.deadline = float("inf")  # set when the run starts
@@ -130,9 +132,13 @@ class StoreRun:
                 self.skip_stored_meanwhile()
             elif not await self.place_window(src):
                 break
+        if self.error is None:  # a later wait for room may have cleared it
+            self.error = self.late_error
         if self.error is not None:
             self.reject_rest()
         self.core.counters.store_skipped += len(self.skipped)  # counted once the store ran
+        if len(self.already) != self._resident:  # some were settled later: key order
+            self.already.sort(key=self.position.__getitem__)
         return StoreResult(
             stored=tuple(self.stored),
             already_present=tuple(self.already),
@@ -150,7 +156,7 @@ class StoreRun:
         self.already.extend(ready)
         self.new, self.pos, self.pending = lost, 0, []
         if late:
-            self.error = (
+            self.late_error = self.error = (
                 "another store or promotion of these blocks was still writing "
                 f"them at store_timeout ({self.core.config.store_timeout:g}s)"
             )
