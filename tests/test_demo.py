@@ -21,8 +21,8 @@ from tierkv.demo import (
     build_engine,
     run_demo,
 )
+from tierkv.demo.records import TurnRecord
 from tierkv.demo.report import demo_summary
-from tierkv.demo.run import TurnRecord
 from tierkv.demo.run_report import _by_column
 
 pytestmark = pytest.mark.anyio

@@ -67,10 +67,7 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "bytes_out": ("loaded_bytes", "Bytes read out of the medium"),
     "failed_keys": ("failed_keys", "Keys a job reported failed (load misses included)"),
     "errors": ("errors", "Jobs or lookups that raised or timed out"),
-    "deadline_breaches": (
-        "deadline_breaches",
-        "Jobs the tier did not answer by job_timeout plus the grace (all keys failed)",
-    ),
+    "deadline_breaches": ("deadline_breaches", "Jobs with no answer by job_timeout + grace"),
     "drops": ("dropped_blocks", "Blocks not cascaded (back-pressure) or not stored (no room)"),
     "skipped_unhealthy": ("skipped_unhealthy", "Requests not sent while the circuit was open"),
     "declined": (

@@ -1,6 +1,6 @@
 """The plugin contract's public names, under the name plugin authors import.
 
-    from tierkv.contract.tier import SecondaryTierManager, TierConfig, run_job, ...
+    from tierkv.tier import SecondaryTierManager, TierConfig, run_job, ...
 
 The contract itself lives in `tierkv.contract` (this module re-exports
 `tierkv.contract.tier`, which gathers what a tier needs from the contract's modules).
@@ -15,60 +15,6 @@ Register a tier with an entry point:
 
 from __future__ import annotations
 
-from tierkv.contract.tier import (
-    Batch,
-    CorruptBlock,
-    Duration,
-    ForeignBlock,
-    Framer,
-    InFlightJobs,
-    IOThreads,
-    JobAborted,
-    JobMetadata,
-    JobResult,
-    OffloadKey,
-    PrimaryView,
-    RemovalListener,
-    ReqContext,
-    SecondaryTierManager,
-    Size,
-    SlotGuard,
-    TierConfig,
-    TierUnavailable,
-    WritePolicy,
-    detached,
-    in_batches,
-    in_thread,
-    per_key,
-    redact_url,
-    run_job,
-)
-
-__all__ = [
-    "redact_url",
-    "Batch",
-    "CorruptBlock",
-    "detached",
-    "Duration",
-    "ForeignBlock",
-    "Framer",
-    "InFlightJobs",
-    "IOThreads",
-    "JobAborted",
-    "JobMetadata",
-    "JobResult",
-    "OffloadKey",
-    "PrimaryView",
-    "RemovalListener",
-    "ReqContext",
-    "SecondaryTierManager",
-    "SlotGuard",
-    "Size",
-    "TierConfig",
-    "TierUnavailable",
-    "WritePolicy",
-    "in_batches",
-    "in_thread",
-    "per_key",
-    "run_job",
-]
+# every public name of the contract's main module, and its `__all__` (one list to keep)
+from tierkv.contract.tier import *  # noqa: F403
+from tierkv.contract.tier import __all__ as __all__

@@ -39,7 +39,7 @@ from tierkv.config import CacheConfig, load_config
 from tierkv.contract.units import format_size
 
 if TYPE_CHECKING:
-    from tierkv.demo.run import TurnRecord
+    from tierkv.demo.records import TurnRecord
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -258,7 +258,7 @@ def _options(args: argparse.Namespace, device: str, profile: Any) -> Any:
     from dataclasses import replace
 
     from tierkv.demo.hybrid_model import HybridConfig
-    from tierkv.demo.run import DemoOptions
+    from tierkv.demo.records import DemoOptions
     from tierkv.demo.workload import WorkloadConfig
 
     pm, pw = profile.model, profile.workload

@@ -15,7 +15,8 @@ from tierkv.demo.engine import DemoEngine, Generation, build_engine
 from tierkv.demo.hybrid_engine import HybridEngine
 from tierkv.demo.hybrid_model import HybridConfig, HybridDecoder
 from tierkv.demo.model import ModelConfig, PagedKVCache, TinyDecoder
-from tierkv.demo.run import DemoOptions, TurnRecord, run_demo
+from tierkv.demo.records import DemoOptions, TurnRecord
+from tierkv.demo.run import run_demo
 from tierkv.demo.workload import ChatWorkload, Turn, WorkloadConfig
 
 __all__ = [

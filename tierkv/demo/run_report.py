@@ -25,7 +25,11 @@ GPU_MEDIUM = "gpu"
 """How the report names blocks the engine's own GPU prefix cache served."""
 
 if TYPE_CHECKING:
-    from tierkv.demo.run import DemoOptions, Engine, TurnRecord
+    from tierkv.demo.engine import DemoEngine
+    from tierkv.demo.hybrid_engine import HybridEngine
+    from tierkv.demo.records import DemoOptions, TurnRecord
+
+    Engine = DemoEngine | HybridEngine
 
 
 def _ttft(values: list[float]) -> dict[str, float]:

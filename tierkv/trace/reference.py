@@ -6,7 +6,7 @@ prefix cache), and then every block of its prompt is in the cache."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 Keys = Sequence[Sequence[bytes]]
 
@@ -16,10 +16,7 @@ def infinite_cache_hits(requests: Keys) -> int:
     seen: set[bytes] = set()
     served = 0
     for keys in requests:
-        for key in keys:
-            if key not in seen:
-                break
-            served += 1
+        served += _leading_hits(keys, seen)
         seen.update(keys)
     return served
 
@@ -33,13 +30,21 @@ def lru_hits(requests: Keys, capacity: int) -> int:
     cache: OrderedDict[bytes, None] = OrderedDict()
     served = 0
     for keys in requests:
-        for key in keys:
-            if key not in cache:
-                break
-            served += 1
+        served += _leading_hits(keys, cache)
         for key in keys:
             cache[key] = None
             cache.move_to_end(key)
         while len(cache) > capacity:
             cache.popitem(last=False)
+    return served
+
+
+def _leading_hits(keys: Sequence[bytes], present: Container[bytes]) -> int:
+    """How many of a request's blocks, from the first, `present` holds: a prefix cache
+    serves no block after the first it lacks."""
+    served = 0
+    for key in keys:
+        if key not in present:
+            break
+        served += 1
     return served

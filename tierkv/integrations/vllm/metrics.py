@@ -49,46 +49,42 @@ it first."""
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     """The metrics above, for vLLM's `build_metric_definitions`."""
     tier = (TIER_LABEL,)
-    return {
-        LOOKUP_KEYS: OffloadingCounterMetadata(
-            documentation="Keys a tierkv tier was asked about (batched per request and step).",
-            labelnames=tier,
+    counters: dict[str, tuple[str, tuple[str, ...]]] = {
+        LOOKUP_KEYS: ("Keys a tierkv tier was asked about (batched per request and step).", tier),
+        LOOKUP_HITS: ("Keys a tierkv tier answered as held.", tier),
+        LOOKUP_ERRORS: (
+            "Keys whose lookup failed (tier down, timeout) and were answered as misses.",
+            tier,
         ),
-        LOOKUP_HITS: OffloadingCounterMetadata(
-            documentation="Keys a tierkv tier answered as held.", labelnames=tier
+        FAILED_JOBS: (
+            "Jobs of a tierkv tier reported failed, by operation (load, store) and reason ("
+            + ", ".join(FAILURE_REASONS)
+            + ").",
+            (TIER_LABEL, "op", "reason"),
         ),
-        LOOKUP_ERRORS: OffloadingCounterMetadata(
-            documentation="Keys whose lookup failed (tier down, timeout) and were answered "
-            "as misses.",
-            labelnames=tier,
+        FAILED_BLOCKS: (
+            "Blocks of failed or partly failed jobs that did not move.",
+            (TIER_LABEL, "op"),
         ),
-        FAILED_JOBS: OffloadingCounterMetadata(
-            documentation="Jobs of a tierkv tier reported failed, by operation (load, "
-            "store) and reason (" + ", ".join(FAILURE_REASONS) + ").",
-            labelnames=(TIER_LABEL, "op", "reason"),
+        REMOVED_BLOCKS: (
+            "Blocks a tierkv tier dropped on its own (capacity eviction, expiry, a failed "
+            "integrity check).",
+            tier,
         ),
-        FAILED_BLOCKS: OffloadingCounterMetadata(
-            documentation="Blocks of failed or partly failed jobs that did not move.",
-            labelnames=(TIER_LABEL, "op"),
-        ),
-        REMOVED_BLOCKS: OffloadingCounterMetadata(
-            documentation="Blocks a tierkv tier dropped on its own (capacity eviction, "
-            "expiry, a failed integrity check).",
-            labelnames=tier,
-        ),
-        TOUCHED_BLOCKS: OffloadingCounterMetadata(
-            documentation="Reuses forwarded to a tierkv tier's eviction order (touch).",
-            labelnames=tier,
-        ),
-        UP: OffloadingGaugeMetadata(
-            documentation="1 while a tierkv tier is open and serving, else 0.", labelnames=tier
-        ),
-        STORE_BYTES_IN_FLIGHT: OffloadingGaugeMetadata(
-            documentation="Bytes of store jobs submitted to a tierkv tier and not yet "
-            "reported (bounded by max_inflight_bytes).",
-            labelnames=tier,
-        ),
+        TOUCHED_BLOCKS: ("Reuses forwarded to a tierkv tier's eviction order (touch).", tier),
     }
+    gauges = {
+        UP: "1 while a tierkv tier is open and serving, else 0.",
+        STORE_BYTES_IN_FLIGHT: "Bytes of store jobs submitted to a tierkv tier and not yet "
+        "reported (bounded by max_inflight_bytes).",
+    }
+    definitions: dict[str, OffloadingMetricMetadata] = {
+        name: OffloadingCounterMetadata(documentation=doc, labelnames=labels)
+        for name, (doc, labels) in counters.items()
+    }
+    for name, doc in gauges.items():
+        definitions[name] = OffloadingGaugeMetadata(documentation=doc, labelnames=tier)
+    return definitions
 
 
 class TierMetrics:
