@@ -105,3 +105,25 @@ async def _report_removed(adapter: Any, keys: list[bytes]) -> None:
     """What a tier does after its own eviction: delete, then report (loop thread)."""
     await adapter.tierkv_tier.remove(keys)
     adapter.tierkv_tier.report_removed(keys)
+
+
+def test_a_failing_tier_opens_its_breaker_and_jobs_are_refused_at_once(
+    vllm: Any, faulty_tier_type: str
+) -> None:
+    """The adapter drives its tier through the shared driver: failures open the
+    breaker, and while it is open the scheduler's submits are refused on its own
+    thread (no tier call, no exception), until a probe after recovery_after succeeds."""
+    entry = {"type": "faulty", "capacity": "1MiB", "failure_threshold": 2, "recovery_after": "1h"}
+    engine = vllm.engine([vllm.entry(entry)])
+    adapter = engine.tiers[0]
+    adapter.tierkv_tier.down = True
+    for salt in ("a", "b"):
+        engine.store(engine.new_request(), vllm.keys(1, salt))
+        engine.settle()
+    assert adapter.driver.breaker.state.value == "open"
+    list(adapter.get_finished_jobs())
+    tried = len(adapter.tierkv_tier.calls)
+    engine.store(engine.new_request(), vllm.keys(1, "c"))  # refused on this thread
+    assert [r.success for r in adapter.get_finished_jobs()] == [False]
+    assert len(adapter.tierkv_tier.calls) == tried
+    assert adapter.driver.stats.skipped_unhealthy == 1

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -81,8 +82,9 @@ class GuardedTier:
         self.config: TierConfig = tier.config
         self.index = index
         self.name = name or tier.name
+        # a monotonic clock any thread may read: `admit` runs on engines' threads
         self.breaker = CircuitBreaker(
-            self.name, self.config.failure_threshold, self.config.recovery_after
+            self.name, self.config.failure_threshold, self.config.recovery_after, time.monotonic
         )
         self.stats = TierStats()
         self.block_bytes = tier.primary.block_bytes
