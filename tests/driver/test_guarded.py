@@ -208,3 +208,41 @@ async def test_an_optional_tier_is_reopened_until_it_works_and_stops_at_close() 
     with anyio.fail_after(1):
         await never.keep_opening()
     assert not never.opened
+
+
+async def test_a_timeout_the_tier_raises_is_its_error_not_a_breach() -> None:
+    guarded, tier = await opened()
+
+    async def times_out(job: JobMetadata) -> JobResult:
+        raise TimeoutError("socket read timed out")
+
+    tier.store = times_out  # type: ignore[method-assign]
+    outcome = await guarded.run("store", job(2))
+    assert outcome.failure == "error" and guarded.stats.deadline_breaches == 0
+    assert "TimeoutError: socket read timed out" in (outcome.result.error or "")
+
+
+async def test_a_refused_or_withdrawn_job_gives_the_half_open_probe_back() -> None:
+    guarded, tier = await opened(
+        failure_threshold=1, recovery_after="20ms", max_inflight_bytes=BLOCK
+    )
+    assert guarded.admit("store", 1, BLOCK) is None  # in flight while the tier fails
+    tier.down = True
+    await guarded.run("load", job(1))
+    assert guarded.breaker.state.value == "open"
+    await anyio.sleep(0.05)
+    assert guarded.admit("store", 1, BLOCK) == "max_inflight"  # took the probe, gave it back
+    assert guarded.admit("load", 1, 0) is None  # so this one may probe
+    guarded.withdraw("load", 0)  # ... it did not run after all: the probe is free again
+    assert guarded.usable()
+
+
+async def test_an_empty_job_proves_nothing_to_the_breaker() -> None:
+    guarded, _ = await opened(failure_threshold=1, recovery_after="10ms")
+    guarded.tier.down = True  # type: ignore[attr-defined]
+    await guarded.run("load", job(1))
+    await anyio.sleep(0.03)
+    guarded.tier.down = False  # type: ignore[attr-defined]
+    assert guarded.usable()  # the probe
+    await guarded.run("store", JobMetadata(9, (), ()))
+    assert guarded.breaker.state.value == "half_open"

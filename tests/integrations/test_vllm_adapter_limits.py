@@ -127,3 +127,51 @@ def test_a_failing_tier_opens_its_breaker_and_jobs_are_refused_at_once(
     assert [r.success for r in adapter.get_finished_jobs()] == [False]
     assert len(adapter.tierkv_tier.calls) == tried
     assert adapter.driver.stats.skipped_unhealthy == 1
+
+
+def test_a_malformed_job_does_not_take_the_breakers_probe(
+    vllm: Any, faulty_tier_type: str
+) -> None:
+    """A job refused as malformed while the breaker is half-open leaves the probe to
+    the next job, which closes the breaker once the tier works again."""
+    import numpy as np
+    from vllm.v1.kv_offload.base import ReqContext as VllmReqContext
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    entry = {"type": "faulty", "capacity": "1MiB", "failure_threshold": 1, "recovery_after": "50ms"}
+    engine = vllm.engine([vllm.entry(entry)])
+    adapter = engine.tiers[0]
+    adapter.tierkv_tier.down = True
+    engine.store(engine.new_request(), vllm.keys(1, "a"))
+    engine.settle()
+    assert adapter.driver.breaker.state.value == "open"
+    assert adapter.lookup(vllm.keys(1, "a")[0], engine.new_request()).name == "MISS"
+    adapter.tierkv_tier.down = False
+    time.sleep(0.1)
+    assert adapter.driver.breaker.state.value == "half_open"
+    bad = TransferJob(
+        job_id=10_000,
+        keys=vllm.keys(2, "m"),
+        chunk_ids=np.array([1]),  # two keys, one chunk
+        is_promotion=False,
+        req_context=VllmReqContext(req_id="r"),
+    )
+    adapter.submit_store(bad)
+    assert [r.success for r in adapter.get_finished_jobs()] == [False]
+    good = vllm.keys(1, "g")
+    engine.store(engine.new_request(), good)  # the probe
+    engine.settle()
+    assert adapter.driver.breaker.state.value == "closed"
+    assert adapter.tierkv_tier.stored_keys() >= set(good)
+    assert adapter.driver.stats.inflight_bytes == 0
+
+
+def test_a_submit_after_the_loop_thread_died_is_refused_not_raised(
+    vllm: Any, faulty_tier_type: str
+) -> None:
+    engine = vllm.engine([vllm.entry({"type": "faulty", "capacity": "1MiB"})])
+    adapter = engine.tiers[0]
+    adapter.loop.stop()
+    engine.store(engine.new_request(), vllm.keys(1))  # no exception on vLLM's thread
+    assert [r.success for r in adapter.get_finished_jobs()] == [False]
+    assert not adapter.has_pending_work() and adapter.driver.stats.inflight_bytes == 0

@@ -108,7 +108,11 @@ class Cascader:
                     "tier %s is behind: dropped a cascade of %d blocks", handle.name, len(keys)
                 )
             return
-        slots = core.primary.prepare_load(keys)  # protected until the tier answers
+        try:
+            slots = core.primary.prepare_load(keys)  # protected until the tier answers
+        except BaseException:
+            handle.withdraw("store", nbytes)
+            raise
         core.index.add_cascading(keys, 1)
         if watch is not None:
             watch.sent(keys)

@@ -35,9 +35,14 @@ def checked_result(job: JobMetadata, result: object, tier_name: str) -> JobResul
     ok = list(dict.fromkeys(k for k in result.ok_keys if k in keys))  # once each
     if len(ok) == len(job.keys) == len(result.ok_keys) and not result.failed_keys:
         return result
-    ok_set = set(ok)
+    ok_set, reported = set(ok), set(result.failed_keys)
     failed = [k for k in job.keys if k not in ok_set]
-    error = result.error or (f"tier {tier_name} did not report every key" if failed else None)
+    error = result.error
+    if error is None and failed:
+        unreported = any(k not in reported for k in failed)
+        error = f"tier {tier_name} " + (
+            "did not report every key" if unreported else "failed keys without a reason"
+        )
     return JobResult(job.job_id, tuple(k for k in job.keys if k in ok_set), tuple(failed), error)
 
 

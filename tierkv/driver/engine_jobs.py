@@ -85,7 +85,7 @@ class EngineJobs(Generic[R]):
         reports each at once. A job that outlives even that (a thread stuck in the
         kernel) raises RuntimeError: returning while it may still write into the
         engine's memory would corrupt it silently."""
-        late = self._wait(timeout)
+        late = self.wait(timeout)
         if not late:
             return
         logger.warning(
@@ -95,7 +95,7 @@ class EngineJobs(Generic[R]):
             timeout,
         )
         self._cancel(late)
-        stuck = self._wait(grace)
+        stuck = self.wait(grace)
         if not stuck:
             return
         if not self._loop.is_alive():
@@ -110,13 +110,8 @@ class EngineJobs(Generic[R]):
         )
 
     def wait(self, timeout: float) -> list[int]:
-        """Wait up to `timeout` until no job is open (or the loop thread died); the
-        jobs still open."""
-        return self._wait(timeout)
-
-    def _wait(self, timeout: float) -> list[int]:
-        """Until no job is pending, `timeout` passed or the loop died; the jobs
-        still open."""
+        """Wait until no job is pending, `timeout` passed or the loop thread died;
+        the jobs still open."""
         deadline = time.monotonic() + timeout
         with self.lock:
             while (self._open or self._reporting) and self._loop.is_alive():

@@ -155,6 +155,13 @@ class GuardedTier:
             with self._lock:
                 self.stats.inflight_bytes -= nbytes
 
+    def withdraw(self, kind: JobKind, nbytes: int) -> None:
+        """An admitted job will not run after all (it could not be built or handed
+        over): its bytes are released and a half-open probe `admit` took is given
+        back, so the next job can probe."""
+        self.release(kind, nbytes)
+        self._record(None)
+
     def _record(self, ok: bool | None) -> None:
         """Tell the breaker: success, failure, or None (the call was abandoned)."""
         with self._lock:
@@ -185,7 +192,9 @@ class GuardedTier:
             removed = self._removed_during.pop(job.job_id, None)
         result = outcome.result
         elapsed = anyio.current_time() - started
-        if self._failed_whole(kind, job, outcome, elapsed):
+        if not job.keys:
+            self._record(None)  # asked nothing: proves nothing either way
+        elif self._failed_whole(kind, job, outcome, elapsed):
             stats.errors += 1
             self._record(False)
         else:
@@ -200,17 +209,19 @@ class GuardedTier:
     async def _call(self, kind: JobKind, job: JobMetadata) -> JobOutcome:
         op = self.tier.store if kind == "store" else self.tier.load
         limit = backstop_after(self.config.job_timeout)
+        answer: object = None
         try:
-            with anyio.fail_after(limit):
+            # the backstop's own scope: a TimeoutError the tier raises is its error
+            with anyio.move_on_after(limit) as backstop:
                 answer = await op(job)
-        except TimeoutError:
-            return JobOutcome(self._breach(kind, job, limit), "timeout")
         except anyio.get_cancelled_exc_class():
             self._record(None)
             raise
         except Exception as exc:
             error = f"tier {self.name}: {kind} failed: {type(exc).__name__}: {exc}"
             return JobOutcome(JobResult.failure(job, error), "error")
+        if backstop.cancelled_caught:
+            return JobOutcome(self._breach(kind, job, limit), "timeout")
         result = checked_result(job, answer, self.name)
         return JobOutcome(result, "keys_failed" if result.failed_keys else None)
 
@@ -270,25 +281,25 @@ class GuardedTier:
         """The tier's answer, one flag per key; None when it is unusable, slow (past
         `timeout`) or broken."""
         stats = self.stats
-        if not self.usable():
-            stats.skipped_unhealthy += 1
+        if self.admit("load", 1, 0) is not None:  # down or breaker open: counted skipped
             return None
         started = anyio.current_time()
         stats.lookups += 1
         stats.lookup_keys += len(keys)
+        flags: list[bool] | None = None
         try:
-            with anyio.fail_after(timeout):
+            with anyio.move_on_after(timeout):  # its own scope, as for jobs
                 flags = checked_flags(await self.tier.lookup(keys, ctx), keys)
-        except TimeoutError:
-            stats.lookup_timeouts += 1
-            stats.errors += 1
-            self._record(False)
-            return None
         except anyio.get_cancelled_exc_class():
             self._record(None)
             raise
         except Exception as exc:
             logger.warning("tier %s lookup failed: %s: %s", self.name, type(exc).__name__, exc)
+            stats.errors += 1
+            self._record(False)
+            return None
+        if flags is None:  # past `timeout`
+            stats.lookup_timeouts += 1
             stats.errors += 1
             self._record(False)
             return None
@@ -298,8 +309,9 @@ class GuardedTier:
 
     async def touch(self, keys: Sequence[OffloadKey], timeout: float | None) -> bool:
         """Forward reuse to the tier's eviction order; a hint, so a failure is only
-        logged. True when the tier took it."""
-        if not self.opened:
+        logged. True when the tier took it. Not sent to a tier whose breaker is not
+        closed (a hung tier would gather a touch per scheduler step)."""
+        if not self.healthy():
             return False
         try:
             with anyio.fail_after(timeout):

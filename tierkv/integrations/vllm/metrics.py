@@ -40,10 +40,12 @@ UP = PREFIX + "up"
 STORE_BYTES_IN_FLIGHT = PREFIX + "store_bytes_in_flight"
 
 FAILURE_REASONS = ("not_serving", "max_inflight", "timeout", "error", "keys_failed", "shutdown")
-"""Why a job failed (the `reason` label of FAILED_JOBS): the tier was down or not open;
-its store would pass `max_inflight_bytes`; no result within `job_timeout`; the tier
-raised; the tier's result failed some or all keys; shutdown or `drain_jobs` cancelled
-it first."""
+"""Why a job failed (the `reason` label of FAILED_JOBS): the tier was not open or its
+circuit breaker was open (refused at once); its store would pass `max_inflight_bytes`;
+the tier gave no answer within `job_timeout` plus the grace (a contract breach: a tier
+that reports its late keys itself, as `run_job` does, shows `keys_failed`); the tier
+raised, or the job was malformed; the tier's result failed some or all keys (late ones
+included); shutdown or `drain_jobs` cancelled it first."""
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:

@@ -60,6 +60,13 @@ MAX_TOUCHED = 1 << 16
 recency is a hint)."""
 
 
+_VLLM_TAGS = MappingProxyType({"engine": "vllm"})
+_REFUSALS = {
+    "not_serving": "tierkv tier {} is not serving (not open, its breaker open, or shut down)",
+    "max_inflight": "dropped: max_inflight_bytes already in flight to tierkv tier {}",
+}
+"""Messages of the jobs `_submit` refuses, by `Refusal`."""
+
 _OpenJob = tuple[JobKind, int, tuple[OffloadKey, ...], bool]
 """What the adapter keeps of a job until it is reported: its kind, its bytes, its keys
 and whether the driver admitted it (its bytes then count in flight until it ends)."""
@@ -148,7 +155,8 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
     # -- what tests and logs look at ---------------------------------------------------
     @property
     def driver(self) -> GuardedTier:
-        """The guarded tier this adapter drives (its methods run on the loop thread)."""
+        """The guarded tier this adapter drives: `admit` runs on vLLM's scheduler
+        thread, everything else on the loop thread."""
         assert self._driver is not None, "the tier was shut down"
         return self._driver
 
@@ -160,6 +168,11 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
     @property
     def loop(self) -> LoopThread:
         return self._loop
+
+    def _breaker_open(self) -> bool:
+        """The tier failed and waits out `recovery_after`: a miss without asking."""
+        driver = self._driver
+        return driver is not None and driver.breaker.state.value == "open"
 
     @property
     def _up(self) -> bool:
@@ -174,7 +187,7 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: VllmReqContext) -> LookupResult:
-        if self._closed or not self._up:
+        if self._closed or not self._up or self._breaker_open():
             return _MISS
         answer = self._lookups.answer(key, req_context.req_id)
         return _RETRY if answer is None else (_HIT if answer else _MISS)
@@ -285,35 +298,33 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
 
     # -- jobs ----------------------------------------------------------------------------
     def _submit(self, job: TransferJob, *, is_load: bool) -> None:
-        """On the scheduler thread: refuse at once what the driver will not take (the
-        tier is down, its stores in flight would pass `max_inflight_bytes`), or hand
-        the job to the loop thread."""
+        """On the scheduler thread: refuse at once what cannot run (a malformed job,
+        the tier down or its breaker open, stores in flight past `max_inflight_bytes`,
+        the loop thread gone), or hand the job to the loop thread."""
         kind: JobKind = "load" if is_load else "store"
         keys = tuple(job.keys)
         nbytes = len(keys) * self._row_bytes
-        driver = self._driver
-        refused = "not_serving" if self._closed or driver is None else None
-        if refused is None:
-            assert driver is not None
-            refused = driver.admit(kind, len(keys), nbytes)
-        self._jobs.add(job.job_id, (kind, nbytes, keys, refused is None))
-        if refused is not None:
-            why = {
-                "not_serving": f"tierkv tier {self._name} is not serving",
-                "max_inflight": "dropped: max_inflight_bytes already in flight",
-            }[refused]
-            self._finish(job.job_id, None, why, reason=refused)
-            return
-        try:
-            ctx = ReqContext(
-                request_id=job.req_context.req_id,
-                tags=MappingProxyType({"engine": "vllm"}),
-            )
+        try:  # built first: a job that cannot run never takes the breaker's probe
+            ctx = ReqContext(request_id=job.req_context.req_id, tags=_VLLM_TAGS)
             tk_job = JobMetadata(job.job_id, keys, tuple(job.chunk_ids.tolist()), ctx)
         except (ValueError, TypeError) as exc:
+            self._jobs.add(job.job_id, (kind, nbytes, keys, False))
             self._finish(job.job_id, None, f"malformed job: {exc}", reason="error")
             return
-        self._loop.spawn(lambda: self._run(tk_job, kind))
+        driver = self._driver
+        serving = not self._closed and driver is not None and self._loop.is_alive()
+        refused = driver.admit(kind, len(keys), nbytes) if serving and driver else "not_serving"
+        self._jobs.add(job.job_id, (kind, nbytes, keys, refused is None))
+        if refused is not None:
+            self._finish(job.job_id, None, _REFUSALS[refused].format(self._name), reason=refused)
+            return
+        try:
+            self._loop.spawn(lambda: self._run(tk_job, kind))
+        except RuntimeError as exc:  # the loop closed meanwhile: the job never ran
+            self._jobs.add(job.job_id, (kind, nbytes, keys, False))  # released here:
+            assert driver is not None
+            driver.withdraw(kind, nbytes)
+            self._finish(job.job_id, None, f"the tier's event loop is gone: {exc}", reason="error")
 
     async def _run(self, job: JobMetadata, kind: JobKind) -> None:
         """One tier job on the loop thread; reports its outcome whatever happens."""
