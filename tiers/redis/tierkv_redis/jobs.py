@@ -47,6 +47,8 @@ class NodeBatch(list[Pair]):
     a replica for a load with `read_from_replicas`); `master` deletes what a load found
     damaged. Both None: no node serves the blocks' slot."""
 
+    __slots__ = ("master", "node")  # no dict per batch: as light for the GC as a list
+
     def __init__(self, node: Node | None = None, master: Node | None = None) -> None:
         super().__init__()
         self.node = node
