@@ -231,7 +231,7 @@ async def test_forged_or_damaged_values_fail_their_keys_and_are_deleted(
         keys = random_keys(6, rng)
         data = fill_slots(view, range(6), rng)
         assert (await tier.store(job(keys, range(6)))).ok
-        client = tier._client
+        client = tier._client_for(tier._names.main(keys[0]))
         assert client is not None
         name = tier._names.main
         value_of_1, value_of_4 = await client.get(name(keys[1])), await client.get(name(keys[4]))
@@ -291,7 +291,7 @@ async def test_a_missing_part_is_a_miss_never_a_corrupt_read(redis_server: Redis
         keys = random_keys(2, rng)
         data = fill_slots(view, range(2), rng)
         assert (await tier.store(job(keys, range(2)))).ok
-        client = tier._client
+        client = tier._client_for(tier._names.main(keys[0]))
         assert client is not None
         names = tier._names.all(keys[0])
         assert len(names) == 5 and await client.exists(*names) == 5
@@ -323,7 +323,7 @@ async def test_a_lookup_meeting_a_block_that_lost_a_part_deletes_the_rest(
         keys = random_keys(3, rng)
         fill_slots(view, range(3), rng)
         assert (await tier.store(job(keys, range(3)))).ok
-        client = tier._client
+        client = tier._client_for(tier._names.main(keys[0]))
         assert client is not None
         lost_part, lost_main = tier._names.all(keys[0]), tier._names.all(keys[1])
         await client.delete(lost_part[3])  # evicted part: the rest is an orphan
@@ -405,7 +405,7 @@ async def test_ttl_expires_blocks_and_a_load_renews_it(redis_server: RedisServer
         [key] = random_keys(1, rng)
         fill_slots(view, [0], rng)
         assert (await tier.store(job([key], [0]))).ok
-        client = tier._client
+        client = tier._client_for(tier._names.main(key))
         assert client is not None
         names = tier._names.all(key)
         ttls = [await client.pttl(n) for n in names]
@@ -505,6 +505,34 @@ async def test_a_frozen_server_fails_a_job_within_the_socket_timeout(
         server.thaw()
         assert (await tier.store(job(keys, range(32)))).ok
         assert (await tier.load(job(keys, range(32)))).ok
+    finally:
+        server.thaw()
+        await tier.close()
+
+
+async def test_a_lookup_does_not_wait_again_on_a_server_it_saw_fail(
+    start_redis: Callable[..., RedisServer],
+) -> None:
+    """A single server is one node without a breaker: the first failure ends the
+    lookup (its batches still queued for a connection are not sent), and the next
+    operation asks the server again."""
+    server = start_redis()
+    rng = random.Random(24)
+    view = make_primary().view
+    settings = {"socket_timeout": "400ms", "lookup_batch": 1, "max_connections": 2}
+    tier = redis_tier(server.url, view, **settings)
+    await tier.open()
+    try:
+        keys = random_keys(8, rng)  # 8 pipelines, 2 connections: 4 rounds if each waited
+        fill_slots(view, range(8), rng)
+        assert (await tier.store(job(keys, range(8)))).ok
+        server.freeze()
+        started = time.monotonic()
+        with pytest.raises(TierUnavailable, match=r"lookup failed: redis at .* unreachable"):
+            await tier.lookup(keys, CTX)
+        assert time.monotonic() - started < 1.0, "one socket timeout, not one per pipeline"
+        server.thaw()
+        assert await tier.lookup(keys, CTX) == [True] * 8
     finally:
         server.thaw()
         await tier.close()

@@ -1,15 +1,14 @@
 """Which Redis Cluster node serves which block, with one client pair and one breaker
-per node.
+per node: the `NodeMap` (and `NodeHealth`) of a cluster.
 
 On a cluster the tier routes every command itself rather than through redis-py's
 `RedisCluster`: that client sends a pipeline spanning several nodes as one unit, so one
 dead master failed every lookup and every job of the tier, the live masters' keys
 included. Here a request's keys are grouped by the node serving their slot (all parts
 of a block share one hash tag, so one slot, so one node), and each group goes to that
-node's own plain client (`redis.asyncio.Redis` for lookups and deletions, a blocking
-`redis.Redis` for the stores and loads of worker threads). A node that fails costs its
-own group only, and its breaker (`nodes.NodeBreaker`) answers for its keys until a
-probe finds it back.
+node's own plain clients (`clients.py`), as a single server's do. A node that fails
+costs its own group only, and its breaker (`nodes.NodeBreaker`) answers for its keys
+until a probe finds it back; only when every node is down does an operation end.
 
 The slot map comes from CLUSTER SLOTS, asked of a node whose breaker is closed: when
 the tier opens; soon after a node failed or answered MOVED (slots moved); and every
@@ -36,17 +35,16 @@ import anyio
 from redis.asyncio import Redis
 from redis.client import Redis as SyncRedis
 from redis.crc import key_slot
-from redis.exceptions import AuthenticationError, ClusterDownError, ResponseError
+from redis.exceptions import ClusterDownError
 
-from tierkv.tier import in_thread
+from tierkv.tier import OffloadKey, in_thread
+from tierkv_redis.failures import is_node_down, node_error
 from tierkv_redis.nodes import NodeBreaker, NodeState
+from tierkv_redis.routing import Node, Route, Shard, T
 
 logger = logging.getLogger(__name__)
 
 SLOTS = 16384
-
-MOVED_NOTE = "redis cluster slot moved"
-"""Starts the reason of a key that met MOVED or ASK: the slot map is out of date."""
 
 # a node that failed or answered MOVED has the map asked again this soon at the
 # earliest; a storm of failures costs one CLUSTER SLOTS per this long
@@ -56,36 +54,20 @@ STALE_GAP = 0.1
 DOWN_REFRESH = 1.0
 
 
-@dataclass(eq=False)
-class Node:
-    """One node of the cluster, as the tier talks to it."""
-
-    name: str  # host:port
-    client: Redis  # asyncio: lookups, deletions, CLUSTER SLOTS, probes
-    sync: SyncRedis  # blocking: the stores and loads of worker threads
-    breaker: NodeBreaker
-
-
 NodeClients = Callable[[str, int], tuple[Redis, SyncRedis]]
 """Makes the client pair of the node at (host, port); connects nothing yet."""
 
 
-def is_node_down(exc: BaseException) -> bool:
-    """The node does not serve (refused, reset, timed out, wrong password, CLUSTERDOWN)
-    rather than refusing one command."""
-    return not isinstance(exc, ResponseError) or isinstance(exc, ClusterDownError)
+@dataclass(eq=False)
+class ClusterNode(Node):
+    """A node of the cluster, with its breaker."""
 
-
-def node_error(node: Node, exc: BaseException) -> str:
-    if isinstance(exc, AuthenticationError):
-        return f"redis cluster node {node.name} refused the credentials: {exc}"
-    if isinstance(exc, ClusterDownError):
-        return f"redis cluster node {node.name} says the cluster is down (CLUSTERDOWN): {exc}"
-    return f"redis cluster node {node.name} unreachable: {type(exc).__name__}: {exc}"
+    breaker: NodeBreaker
 
 
 class ClusterNodes:
-    """The nodes of one cluster and the slot map; routes names to nodes."""
+    """The nodes of one cluster and the slot map; routes blocks to nodes. Its own
+    `NodeHealth`: the nodes' breakers, which outlive operations."""
 
     def __init__(
         self,
@@ -93,30 +75,35 @@ class ClusterNodes:
         port: int,
         clients: NodeClients,
         *,
+        slot_name: Callable[[OffloadKey], str],
+        title: str,
         probe_after: float,
         read_from_replicas: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._seed = (host, port)
         self._clients = clients
+        self._slot_name = slot_name  # the stored name whose slot a block lives in
+        self.title = title
         self.probe_after = probe_after
         self.read_from_replicas = read_from_replicas
         self._clock = clock
-        self._nodes: dict[str, Node] = {}  # every node ever met; clients kept until close
-        self._owners: list[tuple[Node, ...]] = [()] * SLOTS  # per slot: master, replicas
-        self._members: tuple[Node, ...] = ()  # the nodes of the current map
+        self._nodes: dict[str, ClusterNode] = {}  # every node ever met; kept until close
+        self._owners: list[tuple[ClusterNode, ...]] = [()] * SLOTS  # master, replicas
+        self._members: tuple[ClusterNode, ...] = ()  # the nodes of the current map
         self._summary: dict[str, int] = {}  # slots per master in the current map
         self._stale = False
         self._refreshed_at = -float("inf")
         self._refreshing = anyio.Lock()
         self._turn = itertools.count()
 
-    def _node(self, host: str, port: int) -> Node:
+    def _node(self, host: str, port: int) -> ClusterNode:
         name = f"{host}:{port}"
         node = self._nodes.get(name)
         if node is None:
             client, sync = self._clients(host, port)
-            node = Node(name, client, sync, NodeBreaker(name, self.probe_after, self._clock))
+            breaker = NodeBreaker(name, self.probe_after, self._clock)
+            node = ClusterNode(name, client, sync, breaker)
             self._nodes[name] = node
         return node
 
@@ -128,8 +115,8 @@ class ClusterNodes:
         self._install(await _cluster_slots(seed), host)
 
     def _install(self, reply: Sequence[Any], asked_host: str) -> None:
-        owners: list[tuple[Node, ...]] = [()] * SLOTS
-        members: dict[str, Node] = {}
+        owners: list[tuple[ClusterNode, ...]] = [()] * SLOTS
+        members: dict[str, ClusterNode] = {}
         summary: dict[str, int] = {}
         for entry in reply:
             lo, hi = int(entry[0]), int(entry[1])
@@ -150,9 +137,9 @@ class ClusterNodes:
             logger.info("redis cluster slot map (slots per master): %s", summary)
         self._summary = summary
 
-    def summary(self) -> dict[str, int]:
-        """Slots per master in the current map."""
-        return dict(self._summary)
+    def where(self) -> str:
+        """The masters of the current map."""
+        return f"cluster nodes {', '.join(self._summary)}"
 
     def mark_stale(self) -> None:
         """A node failed or answered MOVED: ask for the map again soon."""
@@ -175,18 +162,34 @@ class ClusterNodes:
                     reply = await _cluster_slots(node)
                 except Exception as exc:
                     if is_node_down(exc):
-                        node.breaker.failed(node_error(node, exc))
+                        node.breaker.failed(node_error(node.name, exc))
                     continue
                 self._install(reply, node.name.rpartition(":")[0])
                 return
 
     # -- routing --------------------------------------------------------------------
-    def shard(self, name: str) -> tuple[Node, ...]:
+    def route(
+        self, items: Iterable[T], key_of: Callable[[T], OffloadKey], *, read: bool
+    ) -> list[Route[T]]:
+        """`items` grouped by the master of their key's slot, or with `read` the node
+        `reader` picks for each (a replica, maybe); the items whose slot no node
+        serves in a route of no node."""
+        routes: dict[str, tuple[Node | None, Node | None, list[T]]] = {}
+        for item in items:
+            shard = self.shard(self._slot_name(key_of(item)))
+            if not shard:
+                routes.setdefault("", (None, None, []))[2].append(item)
+                continue
+            node = self.reader(shard) if read else shard[0]
+            routes.setdefault(node.name, (node, shard[0], []))[2].append(item)
+        return list(routes.values())
+
+    def shard(self, name: str) -> Shard:
         """The nodes serving the slot of stored name `name`, its master first; empty
         when no node serves it."""
         return self._owners[key_slot(name.encode())]
 
-    def reader(self, shard: tuple[Node, ...]) -> Node:
+    def reader(self, shard: Shard) -> Node:
         """Which node of `shard` to read from: its master, or with `read_from_replicas`
         the next of its nodes whose breaker is closed."""
         if not self.read_from_replicas or len(shard) == 1:
@@ -194,18 +197,46 @@ class ClusterNodes:
         start = next(self._turn)
         for i in range(len(shard)):
             node = shard[(start + i) % len(shard)]
-            if node.breaker.closed:
+            if _breaker(node).closed:
                 return node
         return shard[0]
 
-    # -- node health ----------------------------------------------------------------
-    def failed(self, node: Node, exc: BaseException | str) -> str:
+    # -- node health: the breakers --------------------------------------------------
+    def health(self) -> ClusterNodes:
+        return self  # the breakers outlive operations
+
+    def allow(self, node: Node) -> bool:
+        return _breaker(node).allow()
+
+    def explain(self, node: Node) -> str:
+        return _breaker(node).explain()
+
+    def succeeded(self, node: Node) -> None:
+        _breaker(node).succeeded()
+
+    def failed(self, node: Node, exc: BaseException) -> str:
         """`node` failed a request: open its breaker, ask for the map again soon;
         the reason, naming the node."""
-        reason = exc if isinstance(exc, str) else node_error(node, exc)
-        node.breaker.failed(reason)
+        return self._opened(node, node_error(node.name, exc))
+
+    def late(self, node: Node) -> None:
+        """Cut off by a deadline the other nodes met: its breaker opens, so the next
+        operation answers without waiting on it."""
+        self._opened(node, f"redis cluster node {node.name} did not answer in time")
+
+    def _opened(self, node: Node, reason: str) -> str:
+        _breaker(node).failed(reason)
         self.mark_stale()
         return reason
+
+    def abandon(self, node: Node) -> None:
+        _breaker(node).abandon()
+
+    def is_down(self, exc: BaseException) -> bool:
+        return is_node_down(exc)
+
+    def serving(self, node: Node) -> bool:
+        return _breaker(node).closed
 
     def states(self) -> dict[str, NodeState]:
         """Breaker state of each node of the current map."""
@@ -218,7 +249,7 @@ class ClusterNodes:
         if any(node.breaker.closed for node in self._members):
             return False
 
-        async def probe(node: Node) -> None:
+        async def probe(node: ClusterNode) -> None:
             try:
                 info = await node.client.execute_command("CLUSTER INFO")  # type: ignore[no-untyped-call]
                 if not _state_ok(info):
@@ -227,7 +258,7 @@ class ClusterNodes:
                 node.breaker.abandon()
                 raise
             except Exception as exc:
-                node.breaker.failed(node_error(node, exc))
+                node.breaker.failed(node_error(node.name, exc))
             else:
                 node.breaker.succeeded()
 
@@ -258,6 +289,11 @@ def _state_ok(info: Any) -> bool:
         return info.get("cluster_state") in ("ok", b"ok")
     text = info.decode() if isinstance(info, bytes) else str(info)
     return "cluster_state:ok" in text
+
+
+def _breaker(node: Node) -> NodeBreaker:
+    assert isinstance(node, ClusterNode)  # every node of this map is one
+    return node.breaker
 
 
 async def _cluster_slots(node: Node) -> Any:

@@ -7,7 +7,8 @@ header and the block are assembled straight into the finished RESP command, one 
 writes). It uses only public redis-py calls: the blocking pool's
 `get_connection`/`release` and the connection's `send_packed_command`/`read_response`.
 
-Single-node clients only; a cluster client takes the ordinary pipeline path.
+Every node's blocking client sends stores this way: a single server's, and each cluster
+node's (the tier routes a cluster's commands itself, `cluster.py`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,185 @@
+"""What a worker thread does for one batch of a store or a load, on one node.
+
+A store frames each block (reading its slot while the job lives) and sends packed SETs
+down one pooled connection (`wire.py`): one copy of the block, into the command. A
+split block's parts are sent later parts first and the main name last, so a lookup
+sees the block only once all of it is there.
+
+A load sends GETs (GETEX with a `ttl`: a hit renews it) down one pooled connection and
+reads the values into the thread's scratch buffer (`gets.py`), then checks each frame
+there and copies its payload into the slot while the job lives. A block gone (expired,
+evicted), half gone, or failing its checks fails its key; what must be deleted is
+handed back to the event loop, which deletes it.
+
+Errors that say the node does not serve (connection errors, CLUSTERDOWN) raise, for
+the job to fail the node; per-command errors (out of memory, MOVED) fail their key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+from redis.client import Redis as SyncRedis
+
+from tierkv.tier import (
+    Batch,
+    CorruptBlock,
+    ForeignBlock,
+    Framer,
+    OffloadKey,
+    PrimaryView,
+    SlotGuard,
+)
+from tierkv_redis.failures import command_error, is_command_error
+from tierkv_redis.gets import Reply, pack_get, read_values
+from tierkv_redis.names import BlockNames
+from tierkv_redis.wire import pack_set, send_sets
+
+Loaded = tuple[dict[OffloadKey, str], list[OffloadKey], list[OffloadKey]]
+"""A load's batch: (failed keys with the reason, keys whose stored values must be
+deleted, keys Redis no longer has)."""
+
+
+class Transfers:
+    """The thread side of stores and loads for one tier: its names, framer, slots and
+    `ttl`; `report_foreign` hears of blocks of another trust domain (left in place)."""
+
+    def __init__(
+        self,
+        names: BlockNames,
+        framer: Framer,
+        primary: PrimaryView,
+        ttl_ms: int | None,
+        report_foreign: Callable[[Iterable[OffloadKey]], None],
+    ) -> None:
+        self.names = names
+        self.framer = framer
+        self.primary = primary
+        self.ttl_ms = ttl_ms
+        self.report_foreign = report_foreign
+
+    # -- stores ---------------------------------------------------------------------
+    def store(self, sync: SyncRedis, batch: Batch, guard: SlotGuard) -> dict[OffloadKey, str]:
+        """Worker thread: frame each block of `batch` (reading its slot while the job
+        lives) and SET it; the keys Redis refused, with the reason."""
+        px = self.ttl_ms
+        ended = {key: "redis store: the job ended before this block was read" for key, _ in batch}
+        packed: list[bytes] = []
+        owners: list[OffloadKey] = []  # which key each packed command belongs to
+        for key, slot in batch:
+            with guard.hold() as alive:
+                if not alive:
+                    return ended
+                payload = self.primary.block(slot)
+                header = self.framer.encode_header(key, payload)
+                block_commands = self.pack_block(key, header, payload, px)
+                # the slot's view must not outlive the guard: the send below may
+                # outlast the job (an abandoned thread) and the slab's owner
+                # cannot unmap it while any view of it lives
+                del payload
+            packed.extend(block_commands)
+            owners.extend([key] * len(block_commands))
+        outcomes = send_sets(sync.connection_pool, packed)
+        refused: dict[OffloadKey, str] = {}
+        for key, exc in zip(owners, outcomes):
+            if exc is not None and key not in refused:
+                if not is_command_error(exc):  # CLUSTERDOWN: the node, not this key
+                    raise exc
+                refused[key] = command_error(exc)
+        return refused
+
+    def pack_block(
+        self, key: OffloadKey, header: bytes, payload: memoryview, px: int | None
+    ) -> list[bytes]:
+        """The packed SETs of one block: one command, or one per part with the later
+        parts first and the main name (header and first bytes) last, so a lookup sees
+        the block only once all of it is there. Each command is one exact `bytes`: the
+        payload is copied once, into it."""
+        names = self.names.all(key)
+        if len(names) == 1:
+            return [pack_set(names[0].encode(), header, payload, px)]
+        skip = len(header)  # frame offsets -> payload offsets
+        bounds = self.names.part_bounds(key)
+        commands = [
+            pack_set(names[i].encode(), b"", payload[start - skip : end - skip], px)
+            for i, (start, end) in enumerate(bounds)
+            if i
+        ]
+        first_end = bounds[0][1]
+        commands.append(pack_set(names[0].encode(), header, payload[: first_end - skip], px))
+        return commands
+
+    # -- loads ----------------------------------------------------------------------
+    def load(self, sync: SyncRedis, batch: Batch, guard: SlotGuard) -> Loaded:
+        """Worker thread: GET each block of `batch`, check its frame and copy its payload
+        into its slot while the job lives."""
+        px = self.ttl_ms  # GETEX renews the ttl of a block read
+        names = [name for key, _ in batch for name in self.names.all(key)]
+        values = read_values(sync.connection_pool, [pack_get(n.encode(), px) for n in names])
+        errors: dict[OffloadKey, str] = {}
+        doomed: list[OffloadKey] = []  # keys whose stored values must go
+        gone: list[OffloadKey] = []  # keys Redis no longer has (expired, evicted)
+        at = 0
+        for key, slot in batch:
+            count = self.names.parts_of(key)
+            parts = values[at : at + count]
+            at += count
+            why = self._missing(key, parts, doomed, gone)
+            if why is None:
+                why = self._copy(key, slot, parts, doomed, guard)
+            if why is not None:
+                errors[key] = why
+        return errors, doomed, gone
+
+    def _missing(
+        self,
+        key: OffloadKey,
+        parts: Sequence[Reply],
+        doomed: list[OffloadKey],
+        gone: list[OffloadKey],
+    ) -> str | None:
+        """Why the values of `key` cannot be read (refused, gone, half gone), noting
+        what must be deleted; None when every part is there."""
+        bad = next((p for p in parts if isinstance(p, BaseException)), None)
+        if bad is not None:
+            if not is_command_error(bad):
+                raise bad
+            return command_error(bad)
+        count = len(parts)
+        if parts[0] is None:
+            gone.append(key)
+            if count > 1 and any(p is not None for p in parts):
+                doomed.append(key)
+            return "not in redis"
+        if any(p is None for p in parts):
+            missing = sum(p is None for p in parts)
+            doomed.append(key)
+            return f"{missing} of {count} parts missing (evicted or expired); deleted"
+        return None
+
+    def _copy(
+        self,
+        key: OffloadKey,
+        slot: int,
+        parts: Sequence[Reply],
+        doomed: list[OffloadKey],
+        guard: SlotGuard,
+    ) -> str | None:
+        """Check the frame of `key` and copy its payload into `slot` while the job
+        lives; why not, noting a corrupt block for deletion."""
+        frames = [p for p in parts if isinstance(p, bytes | memoryview)]  # all of them
+        with guard.hold() as alive:
+            if not alive:
+                return "redis load: the job ended before this block was written"
+            try:
+                if len(frames) == 1:
+                    self.framer.decode_into(key, frames[0], self.primary.block(slot))
+                else:  # straight from the parts into the slot, no joined copy
+                    self.framer.decode_parts_into(key, frames, self.primary.block(slot))
+            except ForeignBlock as exc:  # another trust domain's block: left in place
+                self.report_foreign([key])
+                return f"not this server's block: {exc}"
+            except CorruptBlock as exc:
+                doomed.append(key)
+                return f"corrupt block deleted: {exc}"
+        return None
