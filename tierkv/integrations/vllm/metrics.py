@@ -103,6 +103,13 @@ class TierMetrics:
             with self._lock:
                 self._counts[key] = self._counts.get(key, 0) + n
 
+    def job_failed(self, op: str, blocks: int, reason: str) -> None:
+        """A job of `op` failed `blocks` of its keys (nothing when none), for `reason`
+        (`FAILURE_REASONS`)."""
+        if blocks:
+            self.count(FAILED_JOBS, 1, op, reason)
+            self.count(FAILED_BLOCKS, blocks, op)
+
     def take(self, *, up: bool, store_bytes_in_flight: int) -> Any:
         """An `OffloadingConnectorStats` with the counts since the last call and the
         gauges now."""

@@ -368,7 +368,18 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
             ok = set(result.ok_keys) & set(keys) if result is not None else set()
             failed = [k for k in keys if k not in ok]
             label = reason if error else "keys_failed"
-            self._count_failure(kind, job_id, keys, failed, label, error or _error_of(result))
+            self._metrics.job_failed(kind, len(failed), label)
+            if error or failed:
+                why = error or _error_of(result)
+                logger.debug(
+                    "tierkv tier %s: %s job %d: %d of %d keys failed: %s",
+                    self._name,
+                    kind,
+                    job_id,
+                    len(failed),
+                    len(keys),
+                    why,
+                )
             # facts first, so the lookup that follows the result already knows them
             if kind == "load" and failed:
                 self._lookups.load_failed(failed)
@@ -387,31 +398,6 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
                 if self._events is not None and kind == "store" and ok:  # the job's order
                     self._events.append(self._event([k for k in keys if k in ok], removed=False))
                 self._finished.append(report)
-
-    def _count_failure(
-        self,
-        op: JobKind,
-        job_id: int,
-        keys: tuple[OffloadKey, ...],
-        failed: list[OffloadKey],
-        label: str,
-        error: str | None,
-    ) -> None:
-        """Metrics (`label`: `metrics.FAILURE_REASONS`) and a debug line for a job that
-        failed some keys."""
-        if failed:
-            self._metrics.count(metrics.FAILED_JOBS, 1, op, label)
-            self._metrics.count(metrics.FAILED_BLOCKS, len(failed), op)
-        if error or failed:
-            logger.debug(
-                "tierkv tier %s: %s job %d: %d of %d keys failed: %s",
-                self._name,
-                op,
-                job_id,
-                len(failed),
-                len(keys),
-                error,
-            )
 
     # -- lookups and tier life on the loop thread --------------------------------------
     async def _ask(self, batch: dict[str, list[tuple[OffloadKey, object]]]) -> None:

@@ -8,7 +8,7 @@ from redis.exceptions import AuthenticationError, ConnectionError, ResponseError
 from tierkv_redis.routing import Node
 from tierkv_redis.server import OneServer, ServerHealth
 
-from tierkv.keys import OffloadKey
+from tierkv.contract.keys import OffloadKey
 from tierkv.testing import random_keys
 
 pytestmark = pytest.mark.anyio

@@ -57,21 +57,12 @@ async def _readonly_async(connection: Any) -> None:
 
 def make_client(config: RedisTierConfig, url: str) -> Redis:
     """The asyncio client of lookups and removals for the node at `url`."""
-    kwargs: dict[str, Any] = {
-        "max_connections": config.max_connections,
-        "socket_timeout": config.socket_timeout,
-        "socket_connect_timeout": config.socket_timeout,
-        "socket_read_size": SOCKET_READ_SIZE,
-        # one immediate retry on a fresh connection absorbs a pooled connection
-        # that a Redis restart closed; timeouts are not retried (they would
-        # double the time a dead server takes to fail a job)
-        "retry": Retry(NoBackoff(), 1, supported_errors=(ConnectionError,)),
-    }
-    if config.password is not None:
-        kwargs["password"] = config.password.get_secret_value()
-    if config.read_from_replicas:
-        kwargs["redis_connect_func"] = _readonly_async
-    return Redis.from_url(url, **kwargs)
+    # one immediate retry on a fresh connection absorbs a pooled connection that a
+    # Redis restart closed; timeouts are not retried (they would double the time a
+    # dead server takes to fail a job)
+    retry = Retry(NoBackoff(), 1, supported_errors=(ConnectionError,))
+    kwargs = _client_kwargs(config, config.socket_timeout, retry, _readonly_async)
+    return Redis.from_url(url, socket_read_size=SOCKET_READ_SIZE, **kwargs)
 
 
 def make_sync_client(config: RedisTierConfig, url: str) -> SyncRedis:
@@ -79,18 +70,10 @@ def make_sync_client(config: RedisTierConfig, url: str) -> SyncRedis:
     timeout is at most `job_timeout`: a thread a job left behind on a frozen server is
     freed about when the job was."""
     timeout = min(config.socket_timeout, config.job_timeout)
-    kwargs: dict[str, Any] = {
-        "max_connections": config.max_connections,
-        "socket_timeout": timeout,
-        "socket_connect_timeout": timeout,
-        # as the asyncio client: one immediate retry of a connection a restart
-        # closed, none of a timeout
-        "retry": SyncRetry(NoBackoff(), 1, supported_errors=(ConnectionError,)),
-    }
-    if config.password is not None:
-        kwargs["password"] = config.password.get_secret_value()
-    if config.read_from_replicas:
-        kwargs["redis_connect_func"] = _readonly
+    # as the asyncio client: one immediate retry of a connection a restart closed,
+    # none of a timeout
+    retry = SyncRetry(NoBackoff(), 1, supported_errors=(ConnectionError,))
+    kwargs = _client_kwargs(config, timeout, retry, _readonly)
     pool = BlockingConnectionPool.from_url(
         url,
         # a thread waits this long for a connection that threads a job left
@@ -100,3 +83,21 @@ def make_sync_client(config: RedisTierConfig, url: str) -> SyncRedis:
         **kwargs,
     )
     return SyncRedis(connection_pool=pool)
+
+
+def _client_kwargs(
+    config: RedisTierConfig, timeout: float, retry: Any, on_connect: Any
+) -> dict[str, Any]:
+    """What both clients of a node are built with: pool size, timeouts, the retry,
+    the password, and `on_connect` (READONLY) when reading from replicas."""
+    kwargs: dict[str, Any] = {
+        "max_connections": config.max_connections,
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "retry": retry,
+    }
+    if config.password is not None:
+        kwargs["password"] = config.password.get_secret_value()
+    if config.read_from_replicas:
+        kwargs["redis_connect_func"] = on_connect
+    return kwargs

@@ -196,12 +196,18 @@ class RedisTier(SecondaryTierManager):
         return jobs.batches_of(pairs, self._names, self._pipeline)
 
     async def store(self, job: JobMetadata) -> JobResult:
+        return await self._run_job(job, "store", self._store_batch, from_replicas=False)
+
+    async def _run_job(
+        self, job: JobMetadata, verb: str, batch_op: Any, *, from_replicas: bool
+    ) -> JobResult:
+        """Plan `job` into per-node batches and run `batch_op` on each (`jobs`)."""
         async with self._inflight.job():
             session = self._require_session()
             await session.nodes.refresh_if_due()
-            batches = jobs.plan(session, job, self._pipeline, from_replicas=False)
-            op = partial(self._store_batch, session)
-            return await jobs.run_on_nodes(session, job, op, "store", batches)
+            batches = jobs.plan(session, job, self._pipeline, from_replicas=from_replicas)
+            op = partial(batch_op, session)
+            return await jobs.run_on_nodes(session, job, op, verb, batches)
 
     async def _store_batch(
         self, session: Session, target: Node, master: Node, batch: Batch, guard: SlotGuard
@@ -209,14 +215,9 @@ class RedisTier(SecondaryTierManager):
         return await session.threads.run(self._transfers.store, target.sync, batch, guard)
 
     async def load(self, job: JobMetadata) -> JobResult:
-        async with self._inflight.job():
-            session = self._require_session()
-            await session.nodes.refresh_if_due()
-            # a load that renews the ttl (GETEX) writes: the master only
-            from_replicas = self._ttl_ms is None
-            batches = jobs.plan(session, job, self._pipeline, from_replicas=from_replicas)
-            op = partial(self._load_batch, session)
-            return await jobs.run_on_nodes(session, job, op, "load", batches)
+        # a load that renews the ttl (GETEX) writes: the master only
+        from_replicas = self._ttl_ms is None
+        return await self._run_job(job, "load", self._load_batch, from_replicas=from_replicas)
 
     async def _load_batch(
         self, session: Session, target: Node, master: Node, batch: Batch, guard: SlotGuard
