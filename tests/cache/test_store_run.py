@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tierkv.cache import TieredCache
+from tierkv.cache.results import StoreResult
 from tierkv.cache.store_run import StoreRun, store_window
 from tierkv.cache.validate import checked_source
 from tierkv.config import parse_config
@@ -50,6 +51,22 @@ def source(n: int) -> Any:
     return checked_source(torch.ones(n, BLOCK, dtype=torch.uint8), n, BLOCK)
 
 
+async def run_while_the_other_write_ends(
+    cache: TieredCache, run: StoreRun, key: OffloadKey, *, success: bool
+) -> StoreResult:
+    """Run `run` (a store of `len(run.position)` blocks) while another write of `key`,
+    in flight when it started, ends soon after with `success`."""
+
+    async def other_write_ends() -> None:
+        await anyio.sleep(0.01)
+        cache.primary.complete_store([key], success=success)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other_write_ends)
+        result = await run.run(source(len(run.position)))
+    return result
+
+
 def test_a_window_is_a_quarter_of_the_primary_and_never_empty() -> None:
     assert store_window(16) == 4 and store_window(3) == 1 and store_window(1) == 1
 
@@ -71,14 +88,7 @@ async def test_pending_keys_count_once_the_other_write_lands() -> None:
         writing = cache.primary.prepare_store([ks[0]])
         assert writing is not None
         run = new_run(cache, ks)
-
-        async def other_write_lands() -> None:
-            await anyio.sleep(0.01)
-            cache.primary.complete_store([ks[0]])
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(other_write_lands)
-            result = await run.run(source(3))
+        result = await run_while_the_other_write_ends(cache, run, ks[0], success=True)
         assert result.stored == tuple(ks[1:]) and result.already_present == (ks[0],)
         assert result.ok and run.pending == []
 
@@ -89,14 +99,7 @@ async def test_a_failed_write_of_a_pending_key_is_this_stores_to_place() -> None
         writing = cache.primary.prepare_store([ks[0]])
         assert writing is not None
         run = new_run(cache, ks)
-
-        async def other_write_fails() -> None:
-            await anyio.sleep(0.01)
-            cache.primary.complete_store([ks[0]], success=False)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(other_write_fails)
-            result = await run.run(source(2))
+        result = await run_while_the_other_write_ends(cache, run, ks[0], success=False)
         assert set(result.stored) == set(ks) and result.already_present == ()
         assert cache.primary.is_ready(ks[0])
 
@@ -130,14 +133,7 @@ async def test_already_present_keys_come_back_in_key_order() -> None:
         writing = cache.primary.prepare_store([ks[0]])
         assert writing is not None
         run = new_run(cache, ks)
-
-        async def other_write_lands() -> None:
-            await anyio.sleep(0.01)
-            cache.primary.complete_store([ks[0]])
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(other_write_lands)
-            result = await run.run(source(3))
+        result = await run_while_the_other_write_ends(cache, run, ks[0], success=True)
         assert result.already_present == (ks[0], ks[1]) and result.stored == (ks[2],)
 
 
