@@ -91,3 +91,13 @@ def test_a_bad_trace_exits_2_naming_the_line(
     path.write_text('{"timestamp": 0, "input_length": 1, "hash_ids": [1]}\nnot json\n')
     assert main(["bench", "trace", str(path), "--tiers", "memory"]) == 2
     assert "bad.jsonl:2: not JSON" in capsys.readouterr().err
+
+
+def test_a_trace_that_asks_for_no_block_exits_2_saying_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "empty.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 1, "hash_ids": []}\n')
+    assert main(["bench", "trace", str(path), "--tiers", "memory"]) == 2
+    err = capsys.readouterr().err
+    assert "empty.jsonl: no request asks for a block" in err and "ZeroDivision" not in err

@@ -14,7 +14,7 @@ from tierkv.cache.prefetch import PrefetchPolicy
 from tierkv.contract.keys import OffloadKey
 from tierkv.contract.units import approx_size, format_size
 from tierkv.trace.costmodel import PRIMARY, CostModel, arrival_scale_for, ttft_summary
-from tierkv.trace.format import TraceRequest, read_trace, request_keys
+from tierkv.trace.format import TraceError, TraceRequest, read_trace, request_keys
 from tierkv.trace.reference import infinite_cache_hits, lru_hits
 from tierkv.trace.replay import ReplayOptions, ReplayReport, primary_and_tier_blocks, replay
 from tierkv.trace.server import ServerOptions, replay_queued
@@ -100,6 +100,8 @@ async def run_trace_bench(
     requests = read_trace(o.path, o.limit)
     keyed = [(r, request_keys(r)) for r in requests]
     only_keys = [k for _, k in keyed]
+    if not any(only_keys):  # every hit rate would divide by zero blocks
+        raise TraceError(f"{o.path}: no request asks for a block (every hash_ids is empty)")
     out = _trace_facts(o, len(requests), only_keys)
     asked, distinct = out["blocks_asked"], out["distinct_blocks"]
     for capacity in o.tier_capacities:
