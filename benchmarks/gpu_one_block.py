@@ -21,7 +21,7 @@ import anyio
 import torch
 
 from tierkv.cli.common import size
-from tierkv.gpu import TransferSpec, TransferWorker
+from tierkv.gpu import COPY_BACKENDS, TransferSpec, TransferWorker
 from tierkv.layout import GroupSpec, KVLayout
 from tierkv.primary import PrimaryTier
 
@@ -65,6 +65,40 @@ def median_us(run: Callable[[], object], samples: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def cuda_parts(samples: int) -> None:
+    """Medians of the CUDA calls a submit is made of, each alone: where host time goes
+    besides tierkv's own Python."""
+    stream, other = torch.cuda.Stream(), torch.cuda.Stream()
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    def event_pair() -> None:
+        for _ in range(2):
+            torch.cuda.Event(enable_timing=True, blocking=True).record(stream)
+
+    def stream_context() -> None:
+        with torch.cuda.stream(stream):
+            pass
+
+    def device_context() -> None:
+        with torch.cuda.device(device):
+            pass
+
+    recorded = stream.record_event()
+    parts = {
+        "two timing events, created and recorded": event_pair,
+        "stream.wait_stream(other)": lambda: stream.wait_stream(other),
+        "with torch.cuda.stream(s)": stream_context,
+        "with torch.cuda.device(d)": device_context,
+        "torch.cuda.current_device()": torch.cuda.current_device,
+        "event.query()": recorded.query,
+        "pinned torch.empty(64, int64)": lambda: torch.empty(
+            64, dtype=torch.int64, pin_memory=True
+        ),
+    }
+    for name, run in parts.items():
+        print(f"  part: {name}: {median_us(run, samples):.1f} us")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--page", type=size, default=64 << 10)
@@ -84,13 +118,14 @@ def main() -> int:
     spec = TransferSpec("load", [torch.tensor([5])], [torch.tensor([9])], [0])
     row = primary.view.tensor[0].view(layers, page)
     print(f"one-block load, {layers} layers x {page // 1024} KiB pages, median of {samples}")
-    for backend in ("dma", "kernel"):
+    cuda_parts(samples)
+    for backend in [b for b in COPY_BACKENDS if b != "auto"]:
         worker = TransferWorker(
             [kv],
             primary.view,
             layout,
             gpu_block_size=16,
-            copy_backend=backend,
+            copy_backend=backend,  # type: ignore[arg-type]
             ready=torch.cuda.current_stream(),
         )
 

@@ -12,6 +12,8 @@ OUT=${OUT:-$PWD/gpu-proof-out}
 mkdir -p "$OUT"
 start=$SECONDS
 STEPS=${STEPS:-cuda_tests pinning one_block dma_calls bench_gpu demo_cuda core_tests_with_cuda}
+# .old/: an earlier tree's tierkv package (git archive REV tierkv | tar -x -C .old), for
+# the before/after steps (one_block_before, dma64_before_after, submit_host)
 step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.txt
   local name=$1 limit=$2; shift 2
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
@@ -25,12 +27,27 @@ export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . tiers/nvme || exit 1
 nvidia-smi --query-gpu=name,pcie.link.gen.current,pcie.link.width.current,driver_version --format=csv
 python3 -c 'import torch, cuda.bindings as b; print("torch", torch.__version__, "cuda", torch.version.cuda, "cuda-bindings", b.__version__)'
+python3 -c 'import triton; print("triton", triton.__version__)' || echo "no triton: the bounded backend is skipped"
 TAIL=40 step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider -m cuda -rf tests
 step pinning 100 python3 benchmarks/gpu_pinning.py
 step one_block 60 python3 benchmarks/gpu_one_block.py
+[ -d .old/tierkv ] && step one_block_before 45 env PYTHONPATH="$PWD/.old:$PYTHONPATH" python3 benchmarks/gpu_one_block.py
 step dma_calls 90 python3 benchmarks/gpu_dma_calls.py
-(cd /tmp && TAIL=20 step bench_gpu 150 tierkv bench --gpu)
+(cd /tmp && TAIL=30 step bench_gpu ${BENCH_LIMIT:-150} tierkv bench --gpu ${BENCH_ARGS:-})
 (cd /tmp && TAIL=30 step demo_cuda 180 tierkv demo --device cuda)
+(cd /tmp && TAIL=12 step demo_window 90 tierkv demo --device cuda --hybrid window)
+(cd /tmp && TAIL=12 step demo_state 90 tierkv demo --device cuda --hybrid state)
+if [ -d .old/tierkv ]; then
+  cat >/tmp/dma64.py <<'PY'
+from tierkv.gpu.bench import benchmark
+r = benchmark(256 << 20, page_bytes=64 << 10, device="cuda", copy_backend="dma")
+print(f"dma 64KiB: store {r['store_ratio']:.3f}, load {r['load_ratio']:.3f} of a contiguous copy")
+PY
+  old="env PYTHONPATH=$PWD/.old:$PYTHONPATH"
+  step dma64_before_after 60 bash -c "for i in 1 2; do $old python3 /tmp/dma64.py | sed 's/^/before: /'; python3 /tmp/dma64.py | sed 's/^/after:  /'; done"
+  step submit_host 40 bash -c "for i in 1 2; do $old python3 benchmarks/gpu_submit_host.py | sed 's/^/before: /'; python3 benchmarks/gpu_submit_host.py | sed 's/^/after:  /'; done"
+fi
+step one_block_again 45 python3 benchmarks/gpu_one_block.py
 left=$((${GPU_PROOF_BUDGET:-540} - (SECONDS - start)))
 if [ "$left" -gt 30 ]; then
   TAIL=8 step core_tests_with_cuda "$left" python3 -m pytest -q -p no:cacheprovider -n 8 --continue-on-collection-errors tests

@@ -71,7 +71,7 @@ def _engine_writes(
 
 
 @pytest.mark.parametrize("threaded", [False, True], ids=["on the loop", "submitter thread"])
-@pytest.mark.parametrize("copy_backend", ["kernel", "dma", "auto"])
+@pytest.mark.parametrize("copy_backend", ["kernel", "dma", "bounded", "auto"])
 @pytest.mark.parametrize("how", ["event per call", "engine stream per worker"])
 async def test_a_store_from_the_loop_thread_stores_the_engine_threads_new_kv(
     copy_backend: str, how: str, threaded: bool
@@ -100,7 +100,7 @@ async def test_a_cuda_transfer_without_ready_is_refused() -> None:
 
 
 @pytest.mark.parametrize("threaded", [False, True], ids=["submit", "start on the thread"])
-@pytest.mark.parametrize("copy_backend", ["kernel", "dma"])
+@pytest.mark.parametrize("copy_backend", ["kernel", "dma", "bounded"])
 async def test_an_engine_stream_waiting_on_done_event_reads_the_loaded_kv(
     copy_backend: str, threaded: bool
 ) -> None:

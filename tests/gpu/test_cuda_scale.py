@@ -46,7 +46,9 @@ def _setup(copy_backend: Any, dma_executor: Any) -> tuple[TransferWorker, list[t
     return worker, kv, primary
 
 
-@pytest.mark.parametrize(("copy_backend", "dma_executor"), [("dma", "batched"), ("kernel", "auto")])
+@pytest.mark.parametrize(
+    ("copy_backend", "dma_executor"), [("dma", "batched"), ("kernel", "auto"), ("bounded", "auto")]
+)
 def test_a_transfer_of_100k_pages_arrives_byte_identical_both_ways(
     copy_backend: Any, dma_executor: Any
 ) -> None:

@@ -196,7 +196,7 @@ async def test_a_cancelled_store_cannot_free_slots_a_queued_copy_still_writes() 
     class QueuedWorker(TransferWorker):
         def _launch(self, mapping: Any, lane: Any) -> Launched:
             if mapping.direction == "store":
-                kernel = self._backends.kernel
+                kernel = self._backends.small
                 assert kernel is not None
                 run = lambda: kernel.enqueue(mapping, None, None)  # noqa: E731
                 return Launched(_QueuedCopy(run, idle), (), "kernel")

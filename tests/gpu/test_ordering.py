@@ -138,7 +138,9 @@ class FakeStreams:
         else:
             stream.wait_event(ready)
 
-    def launch(self, stream: FakeStream, work: Callable[[Any], None]) -> Completion:
+    def launch(
+        self, stream: FakeStream, work: Callable[[Any], None], *, current: bool = True
+    ) -> Completion:
         self.launches += 1
         stream.run_later(lambda: work(stream))
         return FakeCompletion(stream.record_event())

@@ -13,12 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tierkv.contract.errors import ConfigError
-from tierkv.gpu import TransferSpec, TransferWorker
+from tierkv.gpu import DIRECTIONS, TransferSpec, TransferWorker
 from tierkv.gpu.backends import group_tables
 from tierkv.gpu.executors import RunCopies, flat_bytes, memmove
 from tierkv.gpu.geometry import Geometry
 from tierkv.gpu.mapping import map_specs
-from tierkv.gpu.plan import CopyPlan, GroupTable, SlabTable, build_plan, coalesce
+from tierkv.gpu.plan import CopyPlan, GroupTable, Planner, SlabTable, build_plan, coalesce
 from tierkv.layout import GroupSpec, KVLayout
 
 
@@ -75,6 +75,41 @@ def test_a_cross_layer_cache_is_one_copy_per_block() -> None:
     memmove(plan)
     for block, slot in ((7, 3), (2, 0), (5, 1)):
         assert torch.equal(slab[slot], cross[block].contiguous().view(torch.uint8).flatten())
+
+
+def test_a_one_block_plan_of_a_cross_layer_cache_is_still_merged() -> None:
+    """The planner skips merging a one-block plan only where no two layers can be
+    contiguous; a cross-layer cache's block stays one copy."""
+    cross = torch.arange(10 * 3 * 32, dtype=torch.int32).view(10, 3, 32)
+    geometry = Geometry(((128, 128, 128),), 1, 384, (10,), 4)
+    planner = Planner(group_tables([[cross[:, i] for i in range(3)]], geometry), SlabTable(0, 384))
+    plan = planner.plan(map_specs([TransferSpec("load", [[6]], [[2]], [0])], geometry))
+    assert (plan.count, plan.sizes.tolist()) == (1, [384])
+
+
+def test_a_planner_reused_across_transfers_gives_what_a_fresh_one_gives() -> None:
+    """The planner caches per-geometry facts (page sizes of 1..N blocks, merge
+    possibility); plans of many transfers through one planner equal those of a fresh
+    planner per transfer, in both directions, for 1 to 70 blocks (past the cache)."""
+    rng = np.random.default_rng(3)
+    pages = (64, 32, 64)
+    geometry = Geometry((pages,), 1, sum(pages), (100,), 100)
+    table = GroupTable.of(
+        gpu_base=[1 << 30, 2 << 30, 3 << 30], gpu_stride=pages, layer_offset=[0, 64, 96], page=pages
+    )
+    slab = SlabTable(1 << 20, sum(pages))
+    kept = Planner([table], slab)
+    for n in (1, 2, 1, 5, 70, 70, 1):
+        for direction in DIRECTIONS:
+            spec = TransferSpec(
+                direction, [rng.permutation(100)[:n]], [rng.permutation(100)[:n]], [0]
+            )
+            mapping = map_specs([spec], geometry)
+            got, want = kept.plan(mapping), build_plan(mapping, [table], slab)
+            assert [a.tolist() for a in (got.dsts, got.srcs, got.sizes)] == [
+                a.tolist() for a in (want.dsts, want.srcs, want.sizes)
+            ]
+            assert got.count == 3 * n and got.num_bytes == n * sum(pages)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -211,7 +246,9 @@ def test_backend_and_executor_choices_are_checked() -> None:
     kv = [[torch.zeros(4, 64, dtype=torch.uint8)]]
     slab = torch.zeros(2, 64, dtype=torch.uint8)
     layout = KVLayout(block_bytes=64, groups=(GroupSpec(block_size=4),))
-    with pytest.raises(ConfigError, match="copy_backend: 'copy' is not one of auto, dma, kernel"):
+    with pytest.raises(
+        ConfigError, match="copy_backend: 'copy' is not one of auto, dma, bounded, kernel"
+    ):
         TransferWorker(kv, slab, layout, gpu_block_size=4, copy_backend="copy")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="needs cuda-bindings"):
         TransferWorker(

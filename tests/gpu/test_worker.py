@@ -7,12 +7,14 @@ documented row layout) says they must hold afterwards: mapped sub-blocks copied,
 everything else, padding included, unchanged. The tests run on the CPU device and,
 unchanged, on CUDA where a device exists (`-m cuda`), for each copy backend: `kernel`
 (gather/scatter), `dma` (the DMA plan's triples, applied on CPU by `memmove`, on CUDA by
-the batched memcpy), `dma-runs` (the same triples as one `copy_` per run) and `auto`.
+the batched memcpy), `dma-runs` (the same triples as one `copy_` per run), `bounded`
+(the Triton page-copy kernel: on CPU under Triton's interpreter) and `auto`.
 """
 
 from __future__ import annotations
 
 import operator
+import os
 import random
 import threading
 from collections.abc import Sequence
@@ -35,6 +37,7 @@ from tierkv.gpu import (
     TransferWorker,
     required_block_bytes,
 )
+from tierkv.gpu.bounded import triton_missing
 from tierkv.gpu.lanes import Launched
 from tierkv.layout import GroupSpec, KVLayout
 from tierkv.primary import HostSlab, PrimaryTier
@@ -54,6 +57,7 @@ COPIES = {  # id -> (copy_backend, dma_executor)
     "kernel": ("kernel", "auto"),
     "dma": ("dma", "auto"),
     "dma-runs": ("dma", "runs"),
+    "bounded": ("bounded", "auto"),  # on CPU: the Triton kernel under its interpreter
     "auto": ("auto", "auto"),
 }
 Copy = tuple[Any, Any]
@@ -71,7 +75,18 @@ def device(request: pytest.FixtureRequest) -> torch.device:
 
 @pytest.fixture(params=list(COPIES))
 def copy(request: pytest.FixtureRequest) -> Copy:
+    if request.param == "bounded":
+        need_triton()
     return COPIES[request.param]
+
+
+def need_triton() -> None:
+    """The bounded backend's tests need Triton (requirements-sglang.txt installs it;
+    CI must have it: there a missing Triton fails rather than skips)."""
+    if triton_missing() is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the bounded copy kernel cannot be tested: {triton_missing()}")
+        pytest.skip(str(triton_missing()))
 
 
 def ready_for(device: torch.device) -> Any:
@@ -108,6 +123,7 @@ class Rig:
         seed: int = 0,
         kv: list[list[torch.Tensor]] | None = None,
         copy: Copy = COPIES["kernel"],
+        **worker_options: Any,
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
         blocks = (
@@ -139,6 +155,7 @@ class Rig:
             copy_backend=copy[0],
             dma_executor=copy[1],
             ready=ready_for(device),
+            **worker_options,
         )
 
     @property
@@ -288,7 +305,7 @@ async def test_ids_may_be_tensors_or_numpy_arrays(device: torch.device, copy: Co
     await run(rig, back)
 
 
-@pytest.mark.parametrize("copy_id", ["kernel", "dma", "dma-runs"])
+@pytest.mark.parametrize("copy_id", ["kernel", "dma", "dma-runs", "bounded"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_specs_land_exactly_where_the_mapping_says(
@@ -311,6 +328,8 @@ def test_random_specs_land_exactly_where_the_mapping_says(
         st.lists(st.integers(1, 10), min_size=len(pages), max_size=len(pages)), label="blocks"
     )
     num_slots = data.draw(st.integers(1, 8), label="num_slots")
+    if copy_id == "bounded":
+        need_triton()
     rig = Rig(
         torch.device("cpu"),
         pages,

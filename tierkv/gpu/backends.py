@@ -1,17 +1,21 @@
-"""Copy backends: the two ways the worker moves a `Mapping`'s bytes, behind one
+"""Copy backends: the three ways the worker moves a `Mapping`'s bytes, behind one
 interface (`enqueue(mapping, stream, plan)`), chosen by `copy_backend`:
 
 - `kernel`: one index gather plus one scatter per layer (`index_select` /
   `index_copy_`) against the slab's device alias. Fast for tiny pages, but the kernels
   occupy streaming multiprocessors: on an H200 a concurrent matmul stream ran 46-55 %
   slower beside kernel stores (33-81 % on an H100).
+- `bounded`: one Triton kernel per group on a fixed grid of a few thread blocks
+  (`tierkv.gpu.bounded`): small pages at the link's speed, the model keeps the other
+  SMs. Needs Triton and CUDA.
 - `dma`: the copy engines, one batched memcpy over the transfer's `CopyPlan` (one
   triple per page, contiguous runs merged). The model keeps the SMs (0-11 % slowdown
   on an H100, at most 9 % on an H200), but each descriptor costs the driver ~0.5 us
   to submit, so pages much smaller than ~28 KiB are submission-bound.
 - `auto` (the default): `dma` when the plan's mean copy is at least
-  `AUTO_MIN_DMA_COPY_BYTES`, else `kernel`; on the CPU device always `kernel` (there
-  are no copy engines; the CPU DMA executor exists to prove the plan).
+  `AUTO_MIN_DMA_COPY_BYTES`, else `bounded` (or `kernel` where Triton is missing); a
+  geometry whose every page is that large gets DMA alone. On the CPU device always
+  `kernel` (there are no copy engines; the CPU DMA executor exists to prove the plan).
 
 `AUTO_MIN_DMA_COPY_BYTES` (32 KiB) was derived from the break-even of a ~0.5 us
 descriptor against a 55 GB/s PCIe Gen5 link (~27.5 KiB) and confirmed on an H200 with
@@ -33,10 +37,10 @@ from tierkv.gpu.cuda_batch import BatchMemcpy, BatchStats
 from tierkv.gpu.executors import RunCopies, flat_bytes, memmove
 from tierkv.gpu.geometry import Geometry
 from tierkv.gpu.mapping import Mapping
-from tierkv.gpu.plan import CopyPlan, GroupTable, SlabTable, build_plan
+from tierkv.gpu.plan import CopyPlan, GroupTable, Planner, SlabTable
 
-CopyBackendName = Literal["auto", "dma", "kernel"]
-COPY_BACKENDS: tuple[CopyBackendName, ...] = ("auto", "dma", "kernel")
+CopyBackendName = Literal["auto", "dma", "bounded", "kernel"]
+COPY_BACKENDS: tuple[CopyBackendName, ...] = ("auto", "dma", "bounded", "kernel")
 DmaExecutorName = Literal["auto", "batched", "runs", "memmove"]
 DMA_EXECUTORS: tuple[DmaExecutorName, ...] = ("auto", "batched", "runs", "memmove")
 
@@ -58,6 +62,9 @@ _WORDS = (
 
 class CopyBackend(Protocol):
     name: str
+    uses_current_stream: bool
+    """Whether `enqueue` works on the current stream (torch kernels, `copy_`,
+    allocations), so the stream must be made current around it."""
 
     def enqueue(self, mapping: Mapping, stream: Any, plan: CopyPlan | None) -> tuple[object, ...]:
         """Issue the copy of `mapping` (on `stream` where the device has streams);
@@ -91,6 +98,7 @@ class KernelCopy:
     `index_copy_` into the destination rows; one index upload per transfer."""
 
     name = "kernel"
+    uses_current_stream = True
 
     def __init__(
         self, groups: Sequence[Sequence[torch.Tensor]], slab: torch.Tensor, geometry: Geometry
@@ -194,8 +202,9 @@ class DmaCopy:
         batch: BatchMemcpy | None,
     ) -> None:
         """`slab` is the host (pinned on CUDA) slab: DMA takes host addresses."""
-        self._tables = group_tables(groups, geometry)
-        self._slab = SlabTable(slab.data_ptr(), geometry.sub_block_stride)
+        self._planner = Planner(
+            group_tables(groups, geometry), SlabTable(slab.data_ptr(), geometry.sub_block_stride)
+        )
         cuda = groups[0][0].device.type == "cuda"
         if executor == "auto":
             executor = ("batched" if batch is not None else "runs") if cuda else "memmove"
@@ -204,6 +213,7 @@ class DmaCopy:
         if executor == "memmove" and cuda:
             raise ValueError("dma_executor='memmove' copies host memory only (CPU device)")
         self.executor: DmaExecutorName = executor
+        self.uses_current_stream = executor != "batched"  # it is handed the stream
         self._batch = batch
         self._regions = [flat_bytes(t) for layers in groups for t in layers] + [flat_bytes(slab)]
         self._runs = RunCopies(self._regions) if executor == "runs" else None
@@ -213,7 +223,7 @@ class DmaCopy:
         return self._batch.stats if self.executor == "batched" and self._batch else None
 
     def plan(self, mapping: Mapping) -> CopyPlan:
-        return build_plan(mapping, self._tables, self._slab)
+        return self._planner.plan(mapping)
 
     def _by_runs(self, plan: CopyPlan) -> None:
         if self._runs is None:

@@ -25,6 +25,7 @@ import torch
 
 from tierkv.contract.units import format_size
 from tierkv.gpu.backends import AUTO_MIN_DMA_COPY_BYTES, CopyBackendName
+from tierkv.gpu.bounded import DEFAULT_PROGRAMS, triton_missing
 from tierkv.gpu.cuda_batch import MAX_COPIES_PER_CALL
 from tierkv.gpu.geometry import Geometry
 from tierkv.gpu.mapping import map_specs
@@ -34,7 +35,11 @@ from tierkv.gpu.worker import TransferWorker
 from tierkv.layout import GroupSpec, KVLayout
 
 PAGE_SIZES = (4 << 10, 16 << 10, 64 << 10)
-BACKENDS: tuple[CopyBackendName, ...] = ("kernel", "dma")
+BACKENDS: tuple[CopyBackendName, ...] = ("kernel", "bounded", "dma")
+SWEEP_PAGE = 16 << 10
+SWEEP_PROGRAMS = (4, 8, 16, 32)
+"""`bounded_programs` values compared at `SWEEP_PAGE` pages: the copy's speed against
+the matmul slowdown, what `DEFAULT_PROGRAMS` is chosen from."""
 
 
 @contextlib.contextmanager
@@ -61,6 +66,7 @@ class _Setup:
         copy_backend: CopyBackendName,
         seed: int,
         max_copies_per_call: int = MAX_COPIES_PER_CALL,
+        bounded_programs: int = DEFAULT_PROGRAMS,
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
         block = num_layers * page_bytes
@@ -91,6 +97,7 @@ class _Setup:
             copy_backend=copy_backend,
             ready=self.ready,
             max_copies_per_call=max_copies_per_call,
+            bounded_programs=bounded_programs,
         )
         self.gpu_ids = torch.randperm(2 * self.count, generator=gen)[: self.count]
         self.slots = torch.randperm(slots_total, generator=gen)[
@@ -128,6 +135,7 @@ def benchmark(
     copy_backend: CopyBackendName = "auto",
     seed: int = 0,
     max_copies_per_call: int = MAX_COPIES_PER_CALL,
+    bounded_programs: int = DEFAULT_PROGRAMS,
 ) -> dict[str, Any]:
     """Throughput of a store and a load of `total_bytes` (random GPU blocks to random
     slots) against a raw `copy_` of the same bytes between the same two memories,
@@ -143,6 +151,7 @@ def benchmark(
         copy_backend=copy_backend,
         seed=seed,
         max_copies_per_call=max_copies_per_call,
+        bounded_programs=bounded_programs,
     )
     pinned = dev.type == "cuda"
     src = torch.empty(setup.moved, dtype=torch.uint8, device=dev)
@@ -259,35 +268,62 @@ def gpu_report(total_bytes: int, repeats: int, *, num_layers: int = 32) -> dict[
     if not report["cuda"]:
         report["reason"] = "no CUDA device here: nothing was copied to or from a GPU"
         return report
-    device = torch.device("cuda")
-    report["device"] = torch.cuda.get_device_name(device)
-    rows = []
-    for page in PAGE_SIZES:
-        for backend in BACKENDS:
-            row = benchmark(
-                total_bytes,
-                page_bytes=page,
-                num_layers=num_layers,
-                repeats=repeats,
-                device="cuda",
-                copy_backend=backend,
+    report["device"] = torch.cuda.get_device_name(torch.device("cuda"))
+    backends = [b for b in BACKENDS if b != "bounded" or triton_missing() is None]
+    report["rows"] = [
+        _measured(total_bytes, repeats, page, backend, num_layers=num_layers)
+        for page in PAGE_SIZES
+        for backend in backends
+    ]
+    report["sweep"] = (
+        [
+            _measured(
+                total_bytes, repeats, SWEEP_PAGE, "bounded", num_layers=num_layers, programs=p
             )
-            setup = _Setup(
-                total_bytes,
-                page_bytes=page,
-                num_layers=num_layers,
-                block_size_factor=1,
-                device=device,
-                copy_backend=backend,
-                seed=1,
-            )
-            row["matmul_slowdown_store"] = matmul_slowdown(setup, "store")
-            row["matmul_slowdown_load"] = matmul_slowdown(setup, "load")
-            row["one_block_load_us"] = one_block_load_us(setup)
-            setup.worker.close()
-            rows.append(row)
-    report["rows"] = rows
+            for p in SWEEP_PROGRAMS
+        ]
+        if "bounded" in backends
+        else []
+    )
     return report
+
+
+def _measured(
+    total_bytes: int,
+    repeats: int,
+    page: int,
+    backend: CopyBackendName,
+    *,
+    num_layers: int,
+    programs: int = DEFAULT_PROGRAMS,
+) -> dict[str, Any]:
+    """One row of the report: throughput against the raw copy, the matmul slowdown
+    beside stores and loads, and a one-block load's wall time."""
+    row = benchmark(
+        total_bytes,
+        page_bytes=page,
+        num_layers=num_layers,
+        repeats=repeats,
+        device="cuda",
+        copy_backend=backend,
+        bounded_programs=programs,
+    )
+    setup = _Setup(
+        total_bytes,
+        page_bytes=page,
+        num_layers=num_layers,
+        block_size_factor=1,
+        device=torch.device("cuda"),
+        copy_backend=backend,
+        seed=1,
+        bounded_programs=programs,
+    )
+    row["programs"] = programs if backend == "bounded" else None
+    row["matmul_slowdown_store"] = matmul_slowdown(setup, "store")
+    row["matmul_slowdown_load"] = matmul_slowdown(setup, "load")
+    row["one_block_load_us"] = one_block_load_us(setup)
+    setup.worker.close()
+    return row
 
 
 def format_gpu_report(report: dict[str, Any]) -> str:
@@ -305,9 +341,11 @@ def format_gpu_report(report: dict[str, Any]) -> str:
         f"{'load GB/s':>9} {'(ratio)':>7} | {'matmul +% st/ld':>15} | {'1-block load':>12}"
     )
     lines += [header, "-" * len(header)]
-    for row in report["rows"]:
+    sweep = report.get("sweep", [])
+    for row in [*report["rows"], *sweep]:
+        name = row["copy_backend"] if row in report["rows"] else f"b/{row['programs']}"
         lines.append(
-            f"{format_size(row['page_bytes']):>8} {row['copy_backend']:>7} | "
+            f"{format_size(row['page_bytes']):>8} {name:>7} | "
             f"{row['store_GBps']:>10.1f} {row['store_ratio']:>7.2f} | "
             f"{row['load_GBps']:>9.1f} {row['load_ratio']:>7.2f} | "
             f"{100 * row['matmul_slowdown_store']:>7.0f}/"
@@ -316,7 +354,8 @@ def format_gpu_report(report: dict[str, Any]) -> str:
         )
     lines.append(
         "ratio: tierkv / one contiguous pinned copy of the same bytes, same run; "
-        f"auto uses DMA from {format_size(report['auto_min_dma_copy_bytes'])} per copy"
+        f"auto uses DMA from {format_size(report['auto_min_dma_copy_bytes'])} per copy, "
+        "below it the bounded kernel; b/N: the bounded kernel on N thread blocks"
     )
     return "\n".join(lines)
 

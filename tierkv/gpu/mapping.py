@@ -42,17 +42,24 @@ class Mapping:
     num_bytes: int
 
 
+_INT_TENSOR_DTYPES = frozenset(
+    getattr(torch, name)
+    for name in ("int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64")
+    if hasattr(torch, name)
+)
+
+
 def as_ids(what: str, values: BlockIds, limit: int) -> Ids:
     """`values` as a 1-D int64 array of ids in `0..limit-1`, or TransferSpecError."""
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
             raise TransferSpecError(f"{what}: pass ids on the host, not on {values.device}")
-        if values.dtype == torch.bool or values.is_floating_point() or values.is_complex():
+        if values.dtype not in _INT_TENSOR_DTYPES:
             raise TransferSpecError(
                 f"{what}: expected a 1-D sequence of ints, got dtype {values.dtype} "
                 f"shape {tuple(values.shape)}"
             )
-        array: npt.NDArray[Any] = values.detach().numpy()
+        array: npt.NDArray[Any] = values.numpy()  # integer tensors carry no grad
     elif not isinstance(values, np.ndarray) and len(values) == 0:
         return np.empty(0, dtype=np.int64)
     else:
@@ -71,8 +78,10 @@ def as_ids(what: str, values: BlockIds, limit: int) -> Ids:
         raise TransferSpecError(
             f"{what}: expected a 1-D sequence of ints, got dtype {array.dtype} shape {array.shape}"
         )
-    if array.size:
-        low, high = int(array.min()), int(array.max())
+    size = array.size
+    if size:
+        # one block (what decode steps move) needs no reductions
+        low, high = (int(array[0]),) * 2 if size == 1 else (int(array.min()), int(array.max()))
         if low < 0 or high >= limit:
             bad = low if low < 0 else high
             raise TransferSpecError(f"{what}: {bad} is out of range 0..{limit - 1}")
@@ -113,21 +122,20 @@ def map_specs(specs: Sequence[TransferSpec], geometry: Geometry) -> Mapping:
                     f"(block_indices[{g}]={index} % block_size_factor {factor}) span {spans} "
                     f"offloaded blocks, but {slots.size} slots were given"
                 )
-            position = np.arange(head, head + n, dtype=np.int64)
             gpu_parts[g].append(gpu)
-            row_parts[g].append(slots[position // factor] * factor + position % factor)
+            row_parts[g].append(_rows(slots, head, n, factor))
             slot_parts.append(slots)
     gpu_ids = tuple(_cat(parts) for parts in gpu_parts)
     rows = tuple(_cat(parts) for parts in row_parts)
     if direction == "load":
         for g, ids in enumerate(gpu_ids):
-            if np.unique(ids).size != ids.size:
+            if ids.size > 1 and np.unique(ids).size != ids.size:
                 raise TransferSpecError(
                     f"gpu_blocks[{g}]: a GPU block appears twice; a load would write it twice"
                 )
     else:
         every = _cat(slot_parts)
-        if np.unique(every).size != every.size:
+        if every.size > 1 and np.unique(every).size != every.size:
             raise TransferSpecError(
                 "slots: a slot appears twice (within or across groups); a store would "
                 "write it twice"
@@ -135,6 +143,14 @@ def map_specs(specs: Sequence[TransferSpec], geometry: Geometry) -> Mapping:
     num_blocks = sum(ids.size for ids in gpu_ids)
     num_bytes = sum(ids.size * geometry.group_block_bytes(g) for g, ids in enumerate(gpu_ids))
     return Mapping(direction, gpu_ids, rows, int(num_blocks), int(num_bytes))
+
+
+def _rows(slots: Ids, head: int, n: int, factor: int) -> Ids:
+    """The sub-rows of `n` GPU blocks starting at sub-block `head` of `slots[0]`."""
+    if factor == 1:  # one GPU block per offloaded block (head is 0): the slots are the rows
+        return slots
+    position = np.arange(head, head + n, dtype=np.int64)
+    return slots[position // factor] * factor + position % factor
 
 
 def _cat(parts: list[Ids]) -> Ids:

@@ -27,6 +27,7 @@ from tierkv.gpu.backends import (
     DmaExecutorName,
     KernelCopy,
 )
+from tierkv.gpu.bounded import DEFAULT_PROGRAMS, BoundedKernelCopy, triton_missing
 from tierkv.gpu.cuda_batch import BatchStats, load_batch_memcpy
 from tierkv.gpu.geometry import Geometry
 from tierkv.gpu.mapping import Mapping
@@ -44,11 +45,18 @@ class WorkerOptions:
     device_view: DeviceView
     max_copies_per_call: int
     thread_min_pages: int
+    bounded_programs: int = DEFAULT_PROGRAMS
 
     def __post_init__(self) -> None:
         check_options(
             self.copy_backend, self.dma_executor, self.max_copies_per_call, self.thread_min_pages
         )
+        if not _positive_int(self.bounded_programs):
+            raise ConfigError(
+                f"bounded_programs: {self.bounded_programs!r} must be a positive int "
+                "(thread blocks of the bounded copy kernel)",
+                source="TransferWorker",
+            )
 
 
 def check_options(
@@ -58,7 +66,7 @@ def check_options(
     thread_min_pages: int,
 ) -> None:
     """Raise `ConfigError` for the first bad option (in `WorkerOptions`' order)."""
-    if isinstance(max_copies_per_call, bool) or max_copies_per_call < 1:
+    if not _positive_int(max_copies_per_call):
         raise ConfigError(
             f"max_copies_per_call: {max_copies_per_call!r} must be a positive int",
             source="TransferWorker",
@@ -84,12 +92,65 @@ def check_options(
         )
 
 
+def choose_backends(
+    copy_backend: CopyBackendName, cuda: bool, pages: Sequence[int], triton: bool
+) -> tuple[str | None, bool]:
+    """(the backend for small copies or None, whether DMA is built) for a worker whose
+    pages are `pages`: `auto` on CPU is the kernel copy; on CUDA it is DMA, plus the
+    bounded kernel (the full kernel without `triton`) when a page is under
+    `AUTO_MIN_DMA_COPY_BYTES`, since only then can a transfer's mean copy be small."""
+    if copy_backend != "auto":
+        return (None, True) if copy_backend == "dma" else (copy_backend, False)
+    if not cuda:
+        return "kernel", False
+    if min(pages) >= AUTO_MIN_DMA_COPY_BYTES:
+        return None, True
+    return ("bounded" if triton else "kernel"), True
+
+
+def _all_pages(geometry: Geometry) -> list[int]:
+    return [page for pages in geometry.page_bytes for page in pages]
+
+
+def _alias(slab: torch.Tensor, device: torch.device, options: WorkerOptions) -> torch.Tensor:
+    """What kernels address: the slab on the CPU device, its device alias on CUDA."""
+    if device.type != "cuda":
+        return slab
+    return device_alias(slab, device, options.device_view)
+
+
+def _bounded(
+    groups: Sequence[Sequence[torch.Tensor]],
+    slab: torch.Tensor,
+    geometry: Geometry,
+    device: torch.device,
+    options: WorkerOptions,
+) -> BoundedKernelCopy:
+    missing = triton_missing()
+    if missing is not None:
+        raise ConfigError(
+            f"copy_backend: 'bounded' cannot run here: {missing}; use 'auto', 'dma' or 'kernel'",
+            source="TransferWorker",
+        )
+    bounded = BoundedKernelCopy(
+        groups, _alias(slab, device, options), geometry, programs=options.bounded_programs
+    )
+    if device.type == "cuda":
+        bounded.warm_up()
+    return bounded
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 @dataclass(frozen=True)
 class Backends:
-    """The copy backends of one worker: `kernel`, `dma`, or both (`auto` on CUDA,
-    where `pick` chooses per transfer). At least one is set."""
+    """The copy backends of one worker: DMA for large copies and one backend for
+    small ones (`bounded` or `kernel`), either alone or both (`auto` on CUDA, where
+    `pick` chooses per transfer). At least one is set."""
 
-    kernel: KernelCopy | None
+    small: BoundedKernelCopy | KernelCopy | None
     dma: DmaCopy | None
 
     @classmethod
@@ -101,19 +162,21 @@ class Backends:
         device: torch.device,
         options: WorkerOptions,
     ) -> Backends:
-        """The backends `options.copy_backend` asks for on `device`: the kernel copy
-        for `kernel` and `auto`, DMA for `dma` and for `auto` on CUDA (on the CPU
-        device `auto` is the kernel copy alone). An executor DMA cannot use is a
-        `ConfigError`."""
+        """The backends `options.copy_backend` asks for on `device`. `auto` on the CPU
+        device is the kernel copy alone; on CUDA it is DMA, plus `bounded` (or `kernel`
+        without Triton) when some page is smaller than `AUTO_MIN_DMA_COPY_BYTES`. A
+        backend that cannot run here is a `ConfigError` naming what is missing."""
         cuda = device.type == "cuda"
-        copy_backend = options.copy_backend
-        kernel: KernelCopy | None = None
+        small_name, with_dma = choose_backends(
+            options.copy_backend, cuda, _all_pages(geometry), triton_missing() is None
+        )
+        small: BoundedKernelCopy | KernelCopy | None = None
+        if small_name == "bounded":
+            small = _bounded(groups, slab, geometry, device, options)
+        elif small_name == "kernel":
+            small = KernelCopy(groups, _alias(slab, device, options), geometry)
         dma: DmaCopy | None = None
-        if copy_backend in ("auto", "kernel"):
-            # CUDA only: kernels reach the pinned slab through its device alias
-            alias = device_alias(slab, device, options.device_view) if cuda else slab
-            kernel = KernelCopy(groups, alias, geometry)
-        if copy_backend == "dma" or (copy_backend == "auto" and cuda):
+        if with_dma:
             try:
                 dma = DmaCopy(
                     groups,
@@ -124,20 +187,20 @@ class Backends:
                 )
             except ValueError as exc:
                 raise ConfigError(f"dma_executor: {exc}", source="TransferWorker") from None
-        return cls(kernel, dma)
+        return cls(small, dma)
 
     def pick(self, mapping: Mapping) -> tuple[CopyBackend, CopyPlan | None]:
         """The backend that moves `mapping`, and the DMA plan when one was made to
         decide (the chosen DMA backend reuses it)."""
         if self.dma is None:
-            assert self.kernel is not None
-            return self.kernel, None
-        if self.kernel is None:
+            assert self.small is not None
+            return self.small, None
+        if self.small is None:
             return self.dma, None
         plan = self.dma.plan(mapping)  # auto on CUDA: by the size of the copies
         if plan.mean_copy_bytes >= AUTO_MIN_DMA_COPY_BYTES:
             return self.dma, plan
-        return self.kernel, None
+        return self.small, None
 
     @property
     def batch_stats(self) -> BatchStats | None:

@@ -11,6 +11,7 @@ event (`Completion.event`) the engine's stream can wait on.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -50,8 +51,11 @@ class Streams(Protocol):
         """Make work enqueued later on `stream` wait for `ready` (a stream or event)."""
         ...
 
-    def launch(self, stream: Any, work: Work) -> Completion:
-        """Enqueue `work` on `stream` between a start and an end event."""
+    def launch(self, stream: Any, work: Work, *, current: bool = True) -> Completion:
+        """Enqueue `work` on `stream` between a start and an end event. `current`:
+        make `stream` the current stream while `work` runs (work that launches torch
+        kernels or allocates needs it; work that passes the stream handle itself, like
+        the batched memcpy, does not, and skips its cost)."""
         ...
 
 
@@ -89,7 +93,7 @@ class ImmediateStreams:
     def order_after(self, stream: Any, ready: Any) -> None:
         return None  # CPU tensors have no queued writers
 
-    def launch(self, stream: Any, work: Work) -> Completion:
+    def launch(self, stream: Any, work: Work, *, current: bool = True) -> Completion:
         start = time.perf_counter()
         work(None)
         return Finished(time.perf_counter() - start)
@@ -124,6 +128,7 @@ class CudaStreams:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
 
     def new_stream(self) -> torch.cuda.Stream:
         return torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
@@ -134,10 +139,16 @@ class CudaStreams:
         else:
             stream.wait_event(ready)
 
-    def launch(self, stream: Any, work: Work) -> Completion:
-        # Every tensor allocated by `work` is allocated on `stream`, so the caching
-        # allocator reuses its memory only for later work on that same stream.
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+    def launch(self, stream: Any, work: Work, *, current: bool = True) -> Completion:
+        # Every tensor allocated by `work` is allocated on `stream` (when `current`), so
+        # the caching allocator reuses its memory only for later work on that stream.
+        # Both context managers cost microseconds of a one-block transfer's host time:
+        # entered only where needed.
+        with contextlib.ExitStack() as contexts:
+            if torch.cuda.current_device() != self._index:
+                contexts.enter_context(torch.cuda.device(self.device))
+            if current:
+                contexts.enter_context(torch.cuda.stream(stream))
             start = torch.cuda.Event(enable_timing=True, blocking=True)  # type: ignore[no-untyped-call]
             end = torch.cuda.Event(enable_timing=True, blocking=True)  # type: ignore[no-untyped-call]
             start.record(stream)

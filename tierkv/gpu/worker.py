@@ -50,6 +50,7 @@ import torch
 from tierkv.contract.units import format_size
 from tierkv.gpu.alias import DeviceView, require_pinned, uva_view
 from tierkv.gpu.backends import CopyBackendName, DmaExecutorName
+from tierkv.gpu.bounded import DEFAULT_PROGRAMS
 from tierkv.gpu.cuda_batch import MAX_COPIES_PER_CALL, BatchStats
 from tierkv.gpu.geometry import check_layout
 from tierkv.gpu.lanes import Lane, Launched, TransferHandle, new_lanes
@@ -90,7 +91,9 @@ class TransferWorker:
     `block_size_factor` is `layout.groups[g].block_size // gpu_block_size[g]` and must
     be the same for every group. Layout problems raise `ConfigError`, all at once.
 
-    `copy_backend`: `auto` (default), `dma` or `kernel` (`tierkv.gpu.backends`).
+    `copy_backend`: `auto` (default), `dma`, `bounded` or `kernel`
+    (`tierkv.gpu.backends`); `bounded_programs`: the thread blocks of the `bounded`
+    kernel (`tierkv.gpu.bounded.DEFAULT_PROGRAMS`).
     `ready` (CUDA): the engine stream or event every transfer waits on unless the call
     gives its own; on CUDA one of the two is required. `dma_executor`: how DMA copies
     are issued (`auto`: the batched memcpy when cuda-bindings has it, else `copy_` per
@@ -116,6 +119,7 @@ class TransferWorker:
         streams: Streams | None = None,
         max_copies_per_call: int = MAX_COPIES_PER_CALL,
         thread_min_pages: int = THREAD_MIN_PAGES,
+        bounded_programs: int = DEFAULT_PROGRAMS,
     ) -> None:
         options = WorkerOptions(
             copy_backend=copy_backend,
@@ -123,6 +127,7 @@ class TransferWorker:
             device_view=device_view,
             max_copies_per_call=max_copies_per_call,
             thread_min_pages=thread_min_pages,
+            bounded_programs=bounded_programs,
         )
         self.thread_min_pages = thread_min_pages
         slab = primary.tensor if isinstance(primary, HostSlab) else primary
@@ -228,7 +233,7 @@ class TransferWorker:
         def work(stream: Any) -> None:
             keep.extend(backend.enqueue(mapping, stream, plan))
 
-        completion = self._streams.launch(lane.stream, work)
+        completion = self._streams.launch(lane.stream, work, current=backend.uses_current_stream)
         return Launched(completion, tuple(keep), backend.name)
 
     def submit(

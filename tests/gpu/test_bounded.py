@@ -1,0 +1,109 @@
+"""The bounded copy backend: which backends a worker builds, the options' checks, and
+the Triton kernel's addressing proven on CPU under Triton's interpreter (the grid
+smaller and larger than the pages to move, pages longer than one step of the kernel,
+odd page sizes that force narrow words). The worker-level byte tests of every backend,
+this one included, are in test_worker.py; on a GPU they run compiled (`-m cuda`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu.test_worker import Rig, need_triton, run
+from tierkv.contract.errors import ConfigError
+from tierkv.gpu import TransferSpec, TransferWorker
+from tierkv.gpu.backends import AUTO_MIN_DMA_COPY_BYTES
+from tierkv.gpu.options import choose_backends
+from tierkv.gpu.triton_pages import CHUNK
+from tierkv.layout import GroupSpec, KVLayout
+
+pytestmark = pytest.mark.anyio
+
+SMALL, LARGE = 16 << 10, 64 << 10
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.mark.parametrize(
+    ("copy_backend", "cuda", "pages", "triton", "want"),
+    [
+        ("auto", False, [SMALL], True, ("kernel", False)),  # CPU: no copy engines
+        ("auto", True, [LARGE, LARGE], True, (None, True)),  # every page suits DMA
+        ("auto", True, [LARGE, SMALL], True, ("bounded", True)),
+        ("auto", True, [SMALL], False, ("kernel", True)),  # no Triton: the full kernel
+        ("dma", True, [SMALL], True, (None, True)),
+        ("bounded", True, [LARGE], True, ("bounded", False)),
+        ("kernel", False, [LARGE], True, ("kernel", False)),
+    ],
+)
+def test_auto_builds_the_bounded_kernel_only_where_a_page_is_small(
+    copy_backend: str, cuda: bool, pages: list[int], triton: bool, want: tuple[str | None, bool]
+) -> None:
+    assert min(pages) < AUTO_MIN_DMA_COPY_BYTES or want[0] != "bounded" or copy_backend != "auto"
+    assert choose_backends(copy_backend, cuda, pages, triton) == want  # type: ignore[arg-type]
+
+
+def _worker(**options: object) -> TransferWorker:
+    kv = [[torch.zeros(4, 64, dtype=torch.uint8)]]
+    layout = KVLayout(block_bytes=64, groups=(GroupSpec(block_size=4),))
+    return TransferWorker(
+        kv, torch.zeros(2, 64, dtype=torch.uint8), layout, gpu_block_size=4, **options
+    )  # type: ignore[arg-type]
+
+
+def test_bounded_without_triton_says_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        "tierkv.gpu.options.triton_missing", lambda: "Triton is not installed (pip install triton)"
+    )
+    with pytest.raises(ConfigError, match="'bounded' cannot run here: Triton is not installed"):
+        _worker(copy_backend="bounded")
+    assert _worker(copy_backend="auto").copy_backend == "auto"  # auto still works
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0])
+def test_bounded_programs_must_be_a_positive_int(bad: object) -> None:
+    with pytest.raises(ConfigError, match=r"bounded_programs: .* must be a positive int"):
+        _worker(bounded_programs=bad)
+
+
+@pytest.mark.parametrize("programs", [1, 3, 64])
+@pytest.mark.parametrize("direction", ["store", "load"])
+async def test_the_kernel_moves_every_page_whatever_the_grid(programs: int, direction: str) -> None:
+    """Pages longer than one kernel step (`CHUNK` 8-byte words) and of odd length (a
+    1-byte word), 5 non-contiguous blocks over 2 groups: with 1 program (every page in
+    one loop), 3 (uneven shares) and 64 (more programs than pages)."""
+    need_triton()
+    long_page = CHUNK * 8 * 2 + 24  # two full steps and a tail
+    rig = Rig(
+        torch.device("cpu"),
+        [[long_page, 40], [3, 3, 3]],
+        factor=1,
+        num_gpu_blocks=[9, 7],
+        num_slots=6,
+        copy=("bounded", "auto"),
+        bounded_programs=programs,
+    )
+    spec = TransferSpec(direction, [[8, 1, 5], [6, 0]], [[4, 0, 2], [5, 3]], [0, 0])  # type: ignore[arg-type]
+    result = await run(rig, spec)
+    assert result.backend == "bounded"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+async def test_auto_moves_small_pages_with_the_bounded_kernel_on_cuda() -> None:
+    need_triton()
+    rig = Rig(
+        torch.device("cuda"),
+        [[SMALL] * 4],
+        factor=1,
+        num_gpu_blocks=8,
+        num_slots=6,
+        copy=("auto", "auto"),
+    )
+    for direction in ("store", "load"):
+        spec = TransferSpec(direction, [[5, 1, 7]], [[0, 4, 2]], [0])  # type: ignore[arg-type]
+        assert (await run(rig, spec)).backend == "bounded"
+    rig.worker.close()

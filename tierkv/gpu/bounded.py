@@ -1,0 +1,139 @@
+"""The `bounded` copy backend: the Triton page-copy kernel of
+`tierkv.gpu.triton_pages` on a fixed grid of `programs` thread blocks, so that small
+pages move at the link's speed without taking the model's SMs (see that module).
+
+Per group the worker uploads, once, each layer's GPU base and stride, the slab alias's
+per-layer address and the page length in words. A transfer then writes its block ids
+and slab rows into one small host buffer (pinned on CUDA, read by the kernel over the
+bus) and launches the kernel once per group that moves blocks. The buffer stays alive
+until the transfer's completion is reaped (it travels in the launch's keep-alive).
+
+Needs Triton. On CUDA the kernel is compiled (at construction, so no transfer waits
+for the compiler); on the CPU device it runs under Triton's interpreter, slowly: that
+is how the CPU tests prove its address arithmetic byte for byte.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from tierkv.gpu.geometry import Geometry
+from tierkv.gpu.mapping import Mapping
+from tierkv.gpu.plan import CopyPlan
+
+DEFAULT_PROGRAMS = 16
+"""Thread blocks the kernel runs on: a PCIe Gen5 link needs few SMs (an H100 has 132).
+Chosen by `tierkv bench --gpu --bounded-sweep` (see docs); `TransferWorker(...,
+bounded_programs=)` overrides it."""
+
+_WORDS = (8, 4, 2, 1)
+Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""Per layer of a group, on the device: GPU base, GPU stride, slab address, words."""
+
+
+def triton_missing() -> str | None:
+    """Why the bounded backend cannot run here (None when it can)."""
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (torch's CUDA wheels bring it: pip install triton)"
+    return None
+
+
+def _word(values: Sequence[int]) -> int:
+    for size in _WORDS:
+        if all(v % size == 0 for v in values):
+            return size
+    return 1
+
+
+def _address(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().data_ptr()) + int(t.storage_offset()) * t.element_size()
+
+
+class BoundedKernelCopy:
+    """Pages moved by the bounded Triton kernel; see the module doc."""
+
+    name = "bounded"
+    uses_current_stream = True  # Triton launches on torch's current stream
+
+    def __init__(
+        self,
+        groups: Sequence[Sequence[torch.Tensor]],
+        slab: torch.Tensor,
+        geometry: Geometry,
+        *,
+        programs: int = DEFAULT_PROGRAMS,
+    ) -> None:
+        """`slab` is the slab's device alias on CUDA (the slab itself on CPU under the
+        interpreter); `programs` the kernel's grid."""
+        from tierkv.gpu import triton_pages  # Triton, only when this backend is used
+
+        self._launch = triton_pages.launch
+        self.programs = programs
+        self._device = slab.device
+        self._cuda = slab.device.type == "cuda"
+        self._sub_block_stride = geometry.sub_block_stride
+        base = _address(slab)
+        self._tables: list[tuple[Tables, int, int]] = []
+        for g, layers in enumerate(groups):
+            gpu_base = [_address(t) for t in layers]
+            gpu_stride = [int(t.stride(0)) * t.element_size() for t in layers]
+            slab_layer = [base + offset for offset in geometry.layer_offsets(g)]
+            pages = list(geometry.page_bytes[g])
+            word = _word([*gpu_base, *gpu_stride, *slab_layer, *pages, self._sub_block_stride])
+            columns = (gpu_base, gpu_stride, slab_layer, [p // word for p in pages])
+            a, b, c, d = (torch.tensor(c, dtype=torch.int64).to(self._device) for c in columns)
+            self._tables.append(((a, b, c, d), len(layers), word))
+
+    def _staged(self, ids: np.ndarray, rows: np.ndarray) -> torch.Tensor:
+        """Block ids then rows, in host memory the kernel can read (pinned on CUDA)."""
+        n = ids.size
+        staged = torch.empty(2 * n, dtype=torch.int64, pin_memory=self._cuda)
+        view = staged.numpy()
+        view[:n] = ids
+        view[n:] = rows
+        return staged
+
+    def enqueue(self, mapping: Mapping, stream: Any, plan: CopyPlan | None) -> tuple[object, ...]:
+        keep: list[object] = []
+        store = mapping.direction == "store"
+        for (tables, num_layers, word), ids, rows in zip(self._tables, mapping.gpu, mapping.rows):
+            if not ids.size:
+                continue
+            staged = self._staged(ids, rows)
+            keep.append(staged)
+            self._launch(
+                self.programs,
+                staged.data_ptr(),
+                int(ids.size),
+                tables,
+                num_layers,
+                self._sub_block_stride,
+                store=store,
+                word=word,
+                interpret=not self._cuda,
+            )
+        return tuple(keep)
+
+    def warm_up(self) -> None:
+        """Compile the kernel for both directions and every word size in use (CUDA),
+        by launching it over no blocks: Triton compiles at the first launch, seconds
+        that must not fall on the first transfer of a serving engine."""
+        staged = self._staged(np.empty(0, np.int64), np.empty(0, np.int64))
+        for tables, num_layers, word in self._tables:
+            for store in (True, False):
+                self._launch(
+                    self.programs,
+                    staged.data_ptr(),
+                    0,
+                    tables,
+                    num_layers,
+                    self._sub_block_stride,
+                    store=store,
+                    word=word,
+                    interpret=not self._cuda,
+                )
