@@ -123,7 +123,9 @@ class BoundedKernelCopy:
         """Compile the kernel for both directions and every word size in use (CUDA),
         by launching it over no blocks: Triton compiles at the first launch, seconds
         that must not fall on the first transfer of a serving engine."""
-        staged = self._staged(np.empty(0, np.int64), np.empty(0, np.int64))
+        # a real buffer: its address is 64-bit like every transfer's (an int's width is
+        # part of what Triton compiles for)
+        staged = self._staged(np.zeros(1, np.int64), np.zeros(1, np.int64))
         for tables, num_layers, word in self._tables:
             for store in (True, False):
                 self._launch(

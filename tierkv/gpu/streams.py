@@ -103,9 +103,16 @@ class CudaCompletion:
     """A copy between two CUDA events; `wait` sleeps in the driver (blocking-sync
     events) rather than spinning a core."""
 
-    def __init__(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
-        self._start = start
+    def __init__(
+        self,
+        start: torch.cuda.Event,
+        end: torch.cuda.Event,
+        reuse_start: Callable[[torch.cuda.Event], None] | None = None,
+    ) -> None:
+        self._start: torch.cuda.Event | None = start
         self._end = end
+        self._reuse_start = reuse_start
+        self._seconds: float | None = None
 
     @property
     def event(self) -> torch.cuda.Event:
@@ -118,7 +125,21 @@ class CudaCompletion:
         self._end.synchronize()
 
     def seconds(self) -> float:
-        return float(self._start.elapsed_time(self._end)) / 1000.0
+        """The copy's duration; once read (the copy is done), the start event, which
+        nothing else holds, goes back to the pool."""
+        if self._seconds is None:
+            assert self._start is not None
+            self._seconds = float(self._start.elapsed_time(self._end)) / 1000.0
+            start, self._start = self._start, None
+            if self._reuse_start is not None:
+                self._reuse_start(start)
+        return self._seconds
+
+
+START_EVENTS_KEPT = 64
+"""Start events kept for reuse: creating and recording a timing event pair cost ~15 us
+of host time on an H100 (`benchmarks/gpu_one_block.py`), a one-block load's largest
+share. End events are handed to the engine (`done_event`) and are never reused."""
 
 
 class CudaStreams:
@@ -129,6 +150,7 @@ class CudaStreams:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._index = device.index if device.index is not None else torch.cuda.current_device()
+        self._starts: list[torch.cuda.Event] = []
 
     def new_stream(self) -> torch.cuda.Stream:
         return torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
@@ -149,9 +171,23 @@ class CudaStreams:
                 contexts.enter_context(torch.cuda.device(self.device))
             if current:
                 contexts.enter_context(torch.cuda.stream(stream))
-            start = torch.cuda.Event(enable_timing=True, blocking=True)  # type: ignore[no-untyped-call]
-            end = torch.cuda.Event(enable_timing=True, blocking=True)  # type: ignore[no-untyped-call]
+            start = self._pooled_start()
+            end = _timing_event()
             start.record(stream)
             work(stream)
             end.record(stream)
-        return CudaCompletion(start, end)
+        return CudaCompletion(start, end, self._reuse_start)
+
+    def _pooled_start(self) -> torch.cuda.Event:
+        try:
+            return self._starts.pop()  # both lanes may launch at once: pop, not test-then-pop
+        except IndexError:
+            return _timing_event()
+
+    def _reuse_start(self, event: torch.cuda.Event) -> None:
+        if len(self._starts) < START_EVENTS_KEPT:
+            self._starts.append(event)  # list append/pop: atomic under the GIL
+
+
+def _timing_event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True, blocking=True)  # type: ignore[no-untyped-call]

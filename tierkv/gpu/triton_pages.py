@@ -54,7 +54,8 @@ def _copy_pages(
     WORD: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    ids = ids_addr.to(tl.pointer_type(tl.int64))
+    # an address that fits 32 bits (0: no blocks) arrives as i32; pointers need i64
+    ids = ids_addr.to(tl.int64).to(tl.pointer_type(tl.int64))
     tasks = n_blocks * num_layers
     task = tl.program_id(0)
     # while loops, not range(): their bounds are runtime values, which Triton's CPU
