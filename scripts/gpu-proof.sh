@@ -48,6 +48,8 @@ PY
   step submit_host 40 bash -c "for i in 1 2; do $old python3 benchmarks/gpu_submit_host.py | sed 's/^/before: /'; python3 benchmarks/gpu_submit_host.py | sed 's/^/after:  /'; done"
 fi
 step one_block_again 45 python3 benchmarks/gpu_one_block.py
+TAIL=20 step bounded_sweep 150 python3 benchmarks/gpu_bounded_sweep.py
+TAIL=60 step one_block_profile 60 python3 benchmarks/gpu_one_block.py --profile
 left=$((${GPU_PROOF_BUDGET:-540} - (SECONDS - start)))
 if [ "$left" -gt 30 ]; then
   TAIL=8 step core_tests_with_cuda "$left" python3 -m pytest -q -p no:cacheprovider -n 8 --continue-on-collection-errors tests
