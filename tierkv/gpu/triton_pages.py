@@ -37,7 +37,7 @@ CHUNK = 1024
 """Words per step of one program: 8 KiB with 8-byte words, 4 warps of 32 threads each
 moving 64 bytes."""
 
-NUM_WARPS = 4
+NUM_WARPS = 8
 
 
 def _copy_pages(
