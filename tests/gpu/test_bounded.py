@@ -107,3 +107,33 @@ async def test_auto_moves_small_pages_with_the_bounded_kernel_on_cuda() -> None:
         spec = TransferSpec(direction, [[5, 1, 7]], [[0, 4, 2]], [0])  # type: ignore[arg-type]
         assert (await run(rig, spec)).backend == "bounded"
     rig.worker.close()
+
+
+@pytest.mark.parametrize(
+    ("programs", "want"), [(None, {"store": 8, "load": 32}), (5, {"store": 5, "load": 5})]
+)
+async def test_each_direction_launches_on_its_own_grid(
+    programs: int | None, want: dict[str, int]
+) -> None:
+    """Stores write over the bus and need few thread blocks, loads read and need more
+    (`DEFAULT_PROGRAMS`); `bounded_programs=N` sets both."""
+    need_triton()
+    rig = Rig(
+        torch.device("cpu"),
+        [[64, 64]],
+        factor=1,
+        copy=("bounded", "auto"),
+        bounded_programs=programs,
+    )
+    backend = rig.worker._backends.small
+    launched: list[int] = []
+    original = backend._launch  # type: ignore[union-attr]
+
+    def recording(grid: int, *args: object, **kwargs: object) -> None:
+        launched.append(grid)
+        original(grid, *args, **kwargs)
+
+    backend._launch = recording  # type: ignore[union-attr]
+    for direction in ("store", "load"):
+        await run(rig, TransferSpec(direction, [[2, 9]], [[1, 4]], [0]))  # type: ignore[arg-type]
+    assert launched == [want["store"], want["load"]]

@@ -25,7 +25,7 @@ import torch
 
 from tierkv.contract.units import format_size
 from tierkv.gpu.backends import AUTO_MIN_DMA_COPY_BYTES, CopyBackendName
-from tierkv.gpu.bounded import DEFAULT_PROGRAMS, triton_missing
+from tierkv.gpu.bounded import triton_missing
 from tierkv.gpu.cuda_batch import MAX_COPIES_PER_CALL
 from tierkv.gpu.geometry import Geometry
 from tierkv.gpu.mapping import map_specs
@@ -39,7 +39,7 @@ BACKENDS: tuple[CopyBackendName, ...] = ("kernel", "bounded", "dma")
 SWEEP_PAGE = 16 << 10
 SWEEP_PROGRAMS = (4, 8, 16, 32)
 """`bounded_programs` values compared at `SWEEP_PAGE` pages: the copy's speed against
-the matmul slowdown, what `DEFAULT_PROGRAMS` is chosen from."""
+the matmul slowdown, what `tierkv.gpu.bounded.DEFAULT_PROGRAMS` is chosen from."""
 
 
 @contextlib.contextmanager
@@ -66,7 +66,7 @@ class _Setup:
         copy_backend: CopyBackendName,
         seed: int,
         max_copies_per_call: int = MAX_COPIES_PER_CALL,
-        bounded_programs: int = DEFAULT_PROGRAMS,
+        bounded_programs: int | None = None,
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
         block = num_layers * page_bytes
@@ -135,7 +135,7 @@ def benchmark(
     copy_backend: CopyBackendName = "auto",
     seed: int = 0,
     max_copies_per_call: int = MAX_COPIES_PER_CALL,
-    bounded_programs: int = DEFAULT_PROGRAMS,
+    bounded_programs: int | None = None,
 ) -> dict[str, Any]:
     """Throughput of a store and a load of `total_bytes` (random GPU blocks to random
     slots) against a raw `copy_` of the same bytes between the same two memories,
@@ -295,7 +295,7 @@ def _measured(
     backend: CopyBackendName,
     *,
     num_layers: int,
-    programs: int = DEFAULT_PROGRAMS,
+    programs: int | None = None,
 ) -> dict[str, Any]:
     """One row of the report: throughput against the raw copy, the matmul slowdown
     beside stores and loads, and a one-block load's wall time."""

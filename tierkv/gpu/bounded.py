@@ -25,11 +25,16 @@ import torch
 from tierkv.gpu.geometry import Geometry
 from tierkv.gpu.mapping import Mapping
 from tierkv.gpu.plan import CopyPlan
+from tierkv.gpu.spec import Direction
 
-DEFAULT_PROGRAMS = 16
-"""Thread blocks the kernel runs on: a PCIe Gen5 link needs few SMs (an H100 has 132).
-Chosen by `tierkv bench --gpu --bounded-sweep` (see docs); `TransferWorker(...,
-bounded_programs=)` overrides it."""
+DEFAULT_PROGRAMS: dict[Direction, int] = {"store": 8, "load": 32}
+"""Thread blocks the kernel runs on, per direction (an H100 has 132 SMs). Stores write
+over the bus (posted writes: few blocks keep the link busy); loads read over it and
+need more reads in flight. Measured on an H100 at 16 KiB pages
+(`benchmarks/gpu_bounded_sweep.py`, `tierkv bench --gpu`; noisy, three runs): stores on
+8 blocks moved 0.79-0.86 of a contiguous copy with matmuls beside them 5-12 % slower
+(16 blocks: 0.80-0.84 at 10-23 %); loads on 32 blocks 0.84-0.87 at 0-7 % (8 blocks:
+0.60-0.64). `TransferWorker(..., bounded_programs=N)` uses N both ways."""
 
 _WORDS = (8, 4, 2, 1)
 Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -66,14 +71,17 @@ class BoundedKernelCopy:
         slab: torch.Tensor,
         geometry: Geometry,
         *,
-        programs: int = DEFAULT_PROGRAMS,
+        programs: int | None = None,
     ) -> None:
         """`slab` is the slab's device alias on CUDA (the slab itself on CPU under the
-        interpreter); `programs` the kernel's grid."""
+        interpreter); `programs` the kernel's grid in both directions (default:
+        `DEFAULT_PROGRAMS` per direction)."""
         from tierkv.gpu import triton_pages  # Triton, only when this backend is used
 
         self._launch = triton_pages.launch
-        self.programs = programs
+        self.programs: dict[Direction, int] = (
+            dict(DEFAULT_PROGRAMS) if programs is None else {"store": programs, "load": programs}
+        )
         self._device = slab.device
         self._cuda = slab.device.type == "cuda"
         self._sub_block_stride = geometry.sub_block_stride
@@ -107,7 +115,7 @@ class BoundedKernelCopy:
             staged = self._staged(ids, rows)
             keep.append(staged)
             self._launch(
-                self.programs,
+                self.programs[mapping.direction],
                 staged.data_ptr(),
                 int(ids.size),
                 tables,
@@ -129,7 +137,7 @@ class BoundedKernelCopy:
         for tables, num_layers, word in self._tables:
             for store in (True, False):
                 self._launch(
-                    self.programs,
+                    self.programs["store" if store else "load"],
                     staged.data_ptr(),
                     0,
                     tables,

@@ -27,7 +27,7 @@ from tierkv.gpu.backends import (
     DmaExecutorName,
     KernelCopy,
 )
-from tierkv.gpu.bounded import DEFAULT_PROGRAMS, BoundedKernelCopy, triton_missing
+from tierkv.gpu.bounded import BoundedKernelCopy, triton_missing
 from tierkv.gpu.cuda_batch import BatchStats, load_batch_memcpy
 from tierkv.gpu.geometry import Geometry
 from tierkv.gpu.mapping import Mapping
@@ -45,13 +45,13 @@ class WorkerOptions:
     device_view: DeviceView
     max_copies_per_call: int
     thread_min_pages: int
-    bounded_programs: int = DEFAULT_PROGRAMS
+    bounded_programs: int | None = None
 
     def __post_init__(self) -> None:
         check_options(
             self.copy_backend, self.dma_executor, self.max_copies_per_call, self.thread_min_pages
         )
-        if not _positive_int(self.bounded_programs):
+        if self.bounded_programs is not None and not _positive_int(self.bounded_programs):
             raise ConfigError(
                 f"bounded_programs: {self.bounded_programs!r} must be a positive int "
                 "(thread blocks of the bounded copy kernel)",

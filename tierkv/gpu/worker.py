@@ -50,7 +50,6 @@ import torch
 from tierkv.contract.units import format_size
 from tierkv.gpu.alias import DeviceView, require_pinned, uva_view
 from tierkv.gpu.backends import CopyBackendName, DmaExecutorName
-from tierkv.gpu.bounded import DEFAULT_PROGRAMS
 from tierkv.gpu.cuda_batch import MAX_COPIES_PER_CALL, BatchStats
 from tierkv.gpu.geometry import check_layout
 from tierkv.gpu.lanes import Lane, Launched, TransferHandle, new_lanes
@@ -93,7 +92,8 @@ class TransferWorker:
 
     `copy_backend`: `auto` (default), `dma`, `bounded` or `kernel`
     (`tierkv.gpu.backends`); `bounded_programs`: the thread blocks of the `bounded`
-    kernel (`tierkv.gpu.bounded.DEFAULT_PROGRAMS`).
+    kernel in both directions (default: per direction,
+    `tierkv.gpu.bounded.DEFAULT_PROGRAMS`).
     `ready` (CUDA): the engine stream or event every transfer waits on unless the call
     gives its own; on CUDA one of the two is required. `dma_executor`: how DMA copies
     are issued (`auto`: the batched memcpy when cuda-bindings has it, else `copy_` per
@@ -119,7 +119,7 @@ class TransferWorker:
         streams: Streams | None = None,
         max_copies_per_call: int = MAX_COPIES_PER_CALL,
         thread_min_pages: int = THREAD_MIN_PAGES,
-        bounded_programs: int = DEFAULT_PROGRAMS,
+        bounded_programs: int | None = None,
     ) -> None:
         options = WorkerOptions(
             copy_backend=copy_backend,
