@@ -8,7 +8,15 @@ from typing import Any
 
 import anyio
 
-from tierkv.cli.common import UsageError, chain, non_negative, positive, print_json, size
+from tierkv.cli.common import (
+    UsageError,
+    block_size,
+    chain,
+    non_negative,
+    positive,
+    print_json,
+    size,
+)
 from tierkv.cli.progress import Progress
 
 
@@ -25,7 +33,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         "--config", metavar="FILE", help="YAML tier chain (default: primary + nvme in a temp dir)"
     )
     bench.add_argument(
-        "--block-size", type=size, metavar="SIZE", default=1 << 20, help="default 1MiB"
+        "--block-size", type=block_size, metavar="SIZE", default=1 << 20, help="default 1MiB"
     )
     bench.add_argument(
         "--total", type=size, metavar="SIZE", default=256 << 20, help="per medium (256MiB)"

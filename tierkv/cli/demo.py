@@ -35,10 +35,10 @@ from tierkv.cli.common import (
     size,
 )
 from tierkv.cli.progress import Progress
-from tierkv.config import CacheConfig, load_config
 from tierkv.contract.units import format_size
 
 if TYPE_CHECKING:
+    from tierkv.config import CacheConfig
     from tierkv.demo.records import TurnRecord
 
 
@@ -210,6 +210,8 @@ def demo_chain(
         config = load_checked(path)
         yield config, {"temporary": False, "paths": tier_paths(config)}
         return
+    from tierkv.config import load_config
+
     config = load_config(path)
     with tempfile.TemporaryDirectory(prefix="tierkv-demo-") as tmp:
         config = in_scratch(config, Path(tmp))

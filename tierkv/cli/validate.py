@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from tierkv.cli.common import load_checked, one_line
-from tierkv.config import CacheConfig
+
+if TYPE_CHECKING:
+    from tierkv.config import CacheConfig
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
