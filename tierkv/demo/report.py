@@ -54,6 +54,7 @@ def _render_rich(blocks: list[Block], out: TextIO) -> None:
 
     # not a terminal (a pipe, a file): wide enough that tables never wrap
     width = None if out.isatty() else 200
+
     class _Console(Console):
         def on_broken_pipe(self) -> None:
             # rich's own answer is SystemExit(1); the command's is exit 141 (a Unix
