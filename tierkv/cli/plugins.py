@@ -43,8 +43,8 @@ def _default_text(info: FieldInfo) -> str:
         return "none"
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, ByteSize):
-        return format_size(int(value))
+    if isinstance(value, ByteSize) or (_unit(info) == "bytes" and isinstance(value, int)):
+        return format_size(int(value))  # a plugin may write `default=1 << 20` for a Size
     if isinstance(value, (int, float)):
         text = f"{value:g}"
         return f"{text}s" if duration else text
@@ -62,7 +62,8 @@ def _default_value(info: FieldInfo) -> Any:
     if isinstance(value, Enum):
         return value.value
     if value is None or isinstance(value, (bool, int, float, str)):
-        return int(value) if isinstance(value, ByteSize) else value
+        sized = isinstance(value, int) and not isinstance(value, bool) and _unit(info) == "bytes"
+        return int(value) if sized else value
     return str(value)
 
 
