@@ -148,3 +148,19 @@ def test_head_1_exits_141(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> N
     closed pipe is exit 1)."""
     monkeypatch.setattr(sys, "stdout", _ClosesAfterFirstLine())
     assert main(argv) == 141
+
+
+def test_help_imports_no_torch() -> None:
+    """`tierkv --help` builds every command's parser without importing torch (or the
+    config, which imports it): each command imports what it needs when it runs."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from tierkv.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    assert main(['--help']) == 0\n"
+        "heavy = sorted(m for m in ('torch', 'numpy', 'tierkv.config') if m in sys.modules)\n"
+        "print(heavy)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -20,3 +20,12 @@ def test_bench_writes_progress_lines_when_not_a_terminal(
     assert lines[0].startswith("[tierkv bench ") and lines[0].endswith("] starting")
     assert any("cpu: repetition 1/1" in line for line in lines), lines
     assert json.loads(captured.out)["media"][0]["medium"] == "cpu"
+
+
+def test_bench_help_does_not_show_trace_as_required(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    usage = out.split("\n\n")[0]
+    assert usage.startswith("usage: tierkv bench [options]")
+    assert "trace ..." not in out and "positional arguments" not in out
+    assert "optional subcommand" in out

@@ -53,16 +53,16 @@ def test_plugins_lists_packages_versions_and_config_fields(
 def test_plugins_reports_a_broken_plugin_and_exits_1(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tierkv.cli import plugins
+    from tierkv import registry
 
-    real = plugins.get_tier_class
+    real = registry.get_tier_class
 
     def flaky(name: str) -> Any:
         if name == "memory":
             raise PluginImportError("tier type 'memory' failed to import: ImportError: boom")
         return real(name)
 
-    monkeypatch.setattr(plugins, "get_tier_class", flaky)
+    monkeypatch.setattr(registry, "get_tier_class", flaky)  # the command imports it on run
     assert main(["plugins"]) == 1
     assert "memory: BROKEN: tier type 'memory' failed to import" in capsys.readouterr().out
 

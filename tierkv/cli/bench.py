@@ -24,6 +24,8 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     bench = sub.add_parser(
         "bench",
         parents=parents,
+        # argparse would show the optional `trace` subcommand as a required positional
+        usage="%(prog)s [options]\n       %(prog)s trace FILE [options]  (tierkv bench trace --help)",
         help="each tier's speed as a ratio to its raw medium",
         description="Store then load blocks through each medium of a chain and through "
         "the medium's plain client in the same run; report MB/s, the ratio and latency; "
@@ -63,7 +65,15 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     bench.set_defaults(func=run)
     from tierkv.cli import trace
 
-    trace.add_parser(bench.add_subparsers(dest="bench_command", metavar="trace"), parents)
+    trace.add_parser(
+        bench.add_subparsers(
+            dest="bench_command",
+            metavar="trace",
+            title="optional subcommand",
+            description="without one, bench measures the chain",
+        ),
+        parents,
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -35,7 +35,6 @@ from tierkv.cli.common import (
     size,
 )
 from tierkv.cli.progress import Progress
-from tierkv.contract.units import format_size
 
 if TYPE_CHECKING:
     from tierkv.config import CacheConfig
@@ -328,6 +327,8 @@ def run(args: argparse.Namespace) -> int:
     device, profile = _profile(args)
     options = _options(args, device, profile)
     total = options.workload.users * options.workload.turns
+    from tierkv.contract.units import format_size
+
     default_primary = format_size(args.primary or profile.primary_capacity)
     with (
         sigterm_as_interrupt(),
