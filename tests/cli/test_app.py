@@ -140,6 +140,8 @@ class _ClosesAfterFirstLine:
     [
         ["plugins"],
         ["demo", "--users", "1", "--turns", "1", "--system-tokens", "32"],
+        ["--help"],
+        ["bench", "--help"],
     ],
 )
 def test_head_1_exits_141(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> None:

@@ -74,6 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error (2), already printed
         return exc.code if isinstance(exc.code, int) else 2
+    except BrokenPipeError:  # `tierkv --help | head -1`
+        return _closed_pipe()
     verbose = getattr(args, "verbose", False)
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.WARNING,
