@@ -115,12 +115,14 @@ def run(args: argparse.Namespace) -> int:
 def _where(report: dict[str, Any]) -> str:
     """What the round trip wrote where, and what is left of it."""
     wrote = f"  wrote {report['blocks']} blocks under namespace {report['namespace']!r}"
+    filed = report["paths"]
+    others = [name for name in report["tier_blocks"] if name not in filed]
     if report["kept"]:
-        paths = "; ".join(f"{n} in {', '.join(p)}" for n, p in report["paths"].items())
+        paths = "; ".join(f"{n} in {', '.join(p)}" for n, p in filed.items())
         return f"{wrote}, kept (--keep){': ' + paths if paths else ''}"
+    said = []
     if report["temporary_directory"]:
-        return (
-            f"{wrote}; the tiers' files in {report['temporary_directory']} (temporary, "
-            "removed), the other tiers' blocks removed"
-        )
-    return f"{wrote}; removed from every tier afterwards"
+        said.append(f"the tiers' files in {report['temporary_directory']} (temporary, removed)")
+    if others:
+        said.append(f"removed from {', '.join(others)} afterwards")
+    return f"{wrote}; {'; '.join(said) or 'nothing kept'}"
