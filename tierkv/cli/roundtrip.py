@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from tierkv.config import CacheConfig
 
 ROUNDTRIP_CHAIN = """
-namespace: tierkv-roundtrip
+namespace: tierkv
 layout: {block_bytes: 256KiB, groups: [{kind: full, block_size: 16}]}
 primary: {capacity: 4MiB, eviction: arc, pin_memory: auto}
 tiers:
