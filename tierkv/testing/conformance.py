@@ -34,8 +34,7 @@ example, so many per test): give each tier `make_tier` returns storage of its ow
 fresh directory under `tmp_path`, which pytest deletes; a `tempfile.mkdtemp()` per
 tier is never deleted). The suite itself creates no files. No torch: the primary is a
 `PrimaryView` over a `bytearray`. The manual's "Write a tier plugin" (docs/plugins.md) is a
-complete
-tier and test class that pass this suite as written.
+complete tier and test class that pass this suite as written.
 """
 
 from __future__ import annotations
