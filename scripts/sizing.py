@@ -1,4 +1,4 @@
-"""The measurements behind the README's sizing guide that `tierkv demo` and `tierkv
+"""The measurements behind the sizing guide (docs/sizing.md) that `tierkv demo` and `tierkv
 bench` do not make: what `promotion_reserve` and `max_inflight_bytes` decide.
 
     .venv/bin/python scripts/sizing.py reserve --primary-blocks 32

@@ -9,4 +9,6 @@ export PATH="$PWD/.venv/bin:$PATH"
 echo "== ruff"; ruff check .
 echo "== mypy"; mypy tierkv tiers/nvme/tierkv_nvme tiers/redis/tierkv_redis tiers/s3/tierkv_s3 plugins/tierkv-sqlite/tierkv_sqlite
 echo "== lint-imports"; lint-imports --no-cache --no-logo
+echo "== docs"; docs_site=$(mktemp -d)   # the manual: offline, a broken link fails
+NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet --site-dir "$docs_site"; rm -rf "$docs_site"
 echo "== pytest"; pytest "$@"

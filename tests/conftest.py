@@ -52,23 +52,24 @@ def moto_server() -> Iterator[Any]:
         yield server
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def readme_section(heading: str) -> str:
-    """The README from `heading` on (the tests that run its snippets read it)."""
-    text = README.read_text()
+def doc_section(page: str, heading: str) -> str:
+    """`page` (README.md, docs/configure.md, ...) from `heading` on: the tests that run
+    the snippets of the README and the manual read them from there."""
+    text = (ROOT / page).read_text()
     return text[text.index(heading) :]
 
 
 @pytest.fixture
-def readme_block() -> Callable[..., str]:
-    """`readme_block(heading, language="python")`: the first fenced block of
-    `language` under `heading` in the README."""
+def doc_block() -> Callable[..., str]:
+    """`doc_block(page, heading, language="python")`: the first fenced block of
+    `language` under `heading` in `page` (a path from the repository root)."""
 
-    def block(heading: str, language: str = "python") -> str:
-        match = re.search(rf"```{language}\n(.*?)```", readme_section(heading), re.S)
-        assert match, f"no {language} block under {heading!r}"
+    def block(page: str, heading: str, language: str = "python") -> str:
+        match = re.search(rf"```{language}\n(.*?)```", doc_section(page, heading), re.S)
+        assert match, f"no {language} block under {heading!r} in {page}"
         return match.group(1)
 
     return block

@@ -60,6 +60,26 @@ def test_bad_size_names_path_and_value() -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("capacity", "message"),
+    [
+        ("-1GiB", "tiers[0].capacity: '-1GiB' is negative; a size must be positive (e.g. 8GiB)"),
+        ("-5", "tiers[0].capacity: -5 is negative; a size must be positive (e.g. 8GiB)"),
+        ("0", "tiers[0].capacity: 0 holds nothing; it must be positive (e.g. 1GiB)"),
+    ],
+)
+def test_a_capacity_that_holds_nothing_must_be_positive(capacity: str, message: str) -> None:
+    """Not "is not a size" for a minus sign, nor pydantic's "Input should be greater
+    than 0" for zero."""
+    assert problems(GOOD.replace("capacity: 512MiB", f"capacity: {capacity}")) == [message]
+
+
+def test_a_misspelt_tier_type_gets_did_you_mean() -> None:
+    with pytest.raises(UnknownTierType) as err:
+        parse_config(GOOD.replace("type: memory", "type: memoryy"))
+    assert "did you mean 'memory'?" in err.value.problems[0]
+
+
 def test_malformed_yaml_gives_line_and_column() -> None:
     [problem] = problems("namespace: x\nlayout: {block_bytes: 1\n  groups: [\n")
     assert problem.startswith("malformed YAML: line ")
@@ -439,7 +459,7 @@ def test_a_decimal_size_elsewhere_is_a_logged_warning(caplog: pytest.LogCaptureF
 
 def test_a_size_that_is_wrong_twice_is_reported_once() -> None:
     assert problems(GOOD.replace("block_bytes: 2MiB", "block_bytes: 0MB")) == [
-        "layout.block_bytes: '0MB': Input should be greater than 0"
+        "layout.block_bytes: '0MB' holds nothing; it must be positive (e.g. 1GiB)"
     ]
 
 

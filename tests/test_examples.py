@@ -86,7 +86,7 @@ def test_shared_chain_connects_to_its_tiers(
 ) -> None:
     monkeypatch.setenv("TIERKV_NVME_PATH", str(tmp_path / "kv"))
     monkeypatch.setenv("REDIS_URL", redis_url)
-    assert main(["validate", "--connect", str(CHAINS / "shared.yaml")]) == 0
+    assert main(["validate", "--connect", "--create", str(CHAINS / "shared.yaml")]) == 0
     out = capsys.readouterr().out
     assert "  nvme: ok (open " in out and "  redis: ok (open " in out
 

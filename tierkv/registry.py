@@ -8,6 +8,7 @@ that says what is installed and what to `pip install`. Embedders and tests may a
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata as md
 import sys
 from dataclasses import dataclass
@@ -133,7 +134,15 @@ def _check_class(obj: object, type_name: str, origin: str) -> None:
 
 
 def _unknown(type_name: str) -> UnknownTierType:
-    installed = ", ".join(installed_tiers()) or "none"
+    names = list(installed_tiers())
+    installed = ", ".join(names) or "none"
+    others = [n for n in dict.fromkeys([*names, *KNOWN_TIER_PACKAGES]) if n != type_name]
+    close = difflib.get_close_matches(type_name, others, n=1)
+    if close:
+        return UnknownTierType(
+            f"unknown tier type {type_name!r}; did you mean {close[0]!r}? "
+            f"installed tier types: {installed}"
+        )
     hint = install_hint(type_name)
     fix = (
         f"`{hint}` provides it"

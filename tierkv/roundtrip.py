@@ -39,12 +39,17 @@ async def _cascade(
         primary.complete_load(keys)
 
 
-async def run_roundtrip(config: CacheConfig, num_blocks: int, seed: int) -> dict[str, Any]:
-    """Run the round trip; return a report with `ok` and printable `lines`."""
+async def run_roundtrip(
+    config: CacheConfig, num_blocks: int, seed: int, *, remove_after: bool = False
+) -> dict[str, Any]:
+    """Run the round trip; return a report with `ok` and printable `lines`. Tiers are
+    named as the chain names them (a YAML `name:`, else the type); with
+    `remove_after`, every tier is asked to remove the blocks before it closes."""
     rng = random.Random(seed)
     group = config.layout.groups[0]
     primary = PrimaryTier.from_config(config.primary, config.layout, config.namespace)
     tiers = [create_tier(t, primary.view) for t in config.tiers]
+    names = config.tier_names()
     ctx = ReqContext(request_id="roundtrip")
 
     tokens = [rng.randrange(32000) for _ in range(num_blocks * group.block_size)]
@@ -61,14 +66,19 @@ async def run_roundtrip(config: CacheConfig, num_blocks: int, seed: int) -> dict
 
         in_primary = primary.lookup(keys)
         resident = sum(1 for k in keys if primary.is_ready(k))
-        per_tier = {t.name: sum(await t.lookup(keys, ctx)) for t in tiers}
+        per_tier = {n: sum(await t.lookup(keys, ctx)) for n, t in zip(names, tiers)}
 
         t0 = time.perf_counter()
-        promoted, missing, mismatched = await _load_all(primary, tiers, keys, expected, ctx)
+        counts, missing, mismatched = await _load_all(primary, tiers, keys, expected, ctx)
+        promoted = dict(zip(names, counts))
         load_s = time.perf_counter() - t0
     finally:
         for tier in tiers:
-            await tier.close()
+            try:
+                if remove_after:
+                    await tier.remove(keys)
+            finally:
+                await tier.close()
 
     report: dict[str, Any] = {
         "ok": not mismatched and not missing,
@@ -120,11 +130,11 @@ async def _load_all(
     keys: list[OffloadKey],
     expected: dict[OffloadKey, bytes],
     ctx: ReqContext,
-) -> tuple[dict[str, int], list[OffloadKey], list[OffloadKey]]:
+) -> tuple[list[int], list[OffloadKey], list[OffloadKey]]:
     """Read every key back from the primary, promoting the ones it no longer holds;
-    return the blocks promoted per tier, the keys no tier had, and the keys whose
-    bytes differ from `expected`."""
-    promoted: dict[str, int] = {t.name: 0 for t in tiers}
+    return the blocks promoted per tier (in chain order), the keys no tier had, and
+    the keys whose bytes differ from `expected`."""
+    promoted = [0] * len(tiers)
     mismatched: list[OffloadKey] = []
     missing: list[OffloadKey] = []
     for key in keys:
@@ -144,18 +154,18 @@ async def _load_all(
 
 async def _promote(
     primary: PrimaryTier, tiers: Sequence[SecondaryTierManager], key: OffloadKey, ctx: ReqContext
-) -> str | None:
+) -> int | None:
     """Load `key` into a primary slot from the first tier that has it; return that
-    tier's name, or None when no tier could (the slot is then given back)."""
+    tier's position, or None when no tier could (the slot is then given back)."""
     prepared = primary.prepare_store([key])
     if prepared is None:
         raise RuntimeError("primary could not make room for a promotion")
     slot = prepared.slots[0]
     source = None
-    for tier in tiers:
+    for i, tier in enumerate(tiers):
         result = await tier.load(JobMetadata(next(_job_ids), (key,), (slot,), ctx))
         if result.ok:
-            source = tier.name
+            source = i
             break
     primary.complete_store([key], success=source is not None)
     return source

@@ -1,6 +1,6 @@
-"""`bench_summary`: the report for the terminal names every medium and phase, and flags
-each figure that misses its target (from a report built by hand: one figure above its
-target and one below)."""
+"""`bench_summary`: the report for the terminal names every medium and phase and gives
+ratios to the raw medium, never the project's own targets (from a report built by
+hand: one figure above its target and several below)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tierkv.bench import MISSED, bench_summary
+from tierkv.bench import bench_summary
 from tierkv.cli import main
 from tierkv.demo.report import TextTable, render
 
@@ -24,7 +24,7 @@ def test_text_summary_names_every_medium(
     assert "streaming: one 4MiB request through a 512KiB primary" in out
     assert "raw = one file per block" in out and "one-file = os.pwrite/os.pread" in out
     assert "x the slower stage" in out and "us/block on 1,024-block loads" in out
-    assert "targets: " in out
+    assert "target" not in out and "MISSED" not in out
 
 
 def synthetic_report(
@@ -93,42 +93,30 @@ def streaming_ratios(report: dict[str, Any]) -> dict[str, str]:
     [table] = [
         b for b in bench_summary(report) if isinstance(b, TextTable) and "streaming" in str(b.title)
     ]
-    column = table.headers.index("ratio (target >= 0.8)")
+    column = table.headers.index("ratio")
     return {row[0]: row[column] for row in table.rows}
 
 
-def test_the_figure_below_its_target_is_flagged_and_the_one_above_is_not() -> None:
-    report = synthetic_report(store_ratio=1.1, load_ratio=0.5)
-    assert streaming_ratios(report) == {"store": "1.10", "load": f"0.50 {MISSED}"}
-    lines = text(report).splitlines()
-    # promotion at 2.0x its slower stage misses its bound too (the load is slow)
-    [promotion] = [line for line in lines if "the slower stage" in line]
-    assert promotion.endswith(f"2.00x the slower stage (target <= 1.25: {MISSED})")
-    [bookkeeping] = [line for line in lines if line.startswith("  bookkeeping:")]
-    assert MISSED not in bookkeeping
-    assert lines[-2] == (
-        f"targets: 5 of 7 met; {MISSED}: streaming load, tierkv/raw 0.50x (target >= 0.8); "
-        "promotion / its slower stage 2.00x (target <= 1.25)"
-    )
-
-
-def test_a_report_that_meets_every_target_reads_as_before() -> None:
-    report = synthetic_report()
+def test_figures_that_miss_the_projects_targets_are_shown_as_measured() -> None:
+    """A user's bench reports measurements: the streaming load at 0.5x, the promotion
+    at 2x its slower stage and a host store at 2.5 us/key (each past one of the
+    project's bounds) are printed as figures, with no target, flag or count."""
+    report = synthetic_report(store_ratio=1.1, load_ratio=0.5, host_store_us=2.5)
+    assert streaming_ratios(report) == {"store": "1.10", "load": "0.50"}
     out = text(report)
-    assert MISSED not in out
-    assert streaming_ratios(report) == {"store": "1.10", "load": "0.90"}
-    assert "1.11x the slower stage (target <= 1.25)\n" in out
-    assert "1.50 us/block on 1,024-block loads (target <= 5); lookup 0.50 us/key" in out
-    assert "us/key beyond the copy (target <= 2)\n" in out
-    assert out.splitlines()[-2] == "targets: all 7 met"
+    assert "target" not in out and "MISSED" not in out
+    lines = out.splitlines()
+    [promotion] = [line for line in lines if "the slower stage" in line]
+    assert promotion.endswith("2.00x the slower stage")
+    [bookkeeping] = [line for line in lines if line.startswith("  bookkeeping:")]
+    assert bookkeeping == (
+        "  bookkeeping: 1.50 us/block on 1,024-block loads; lookup 0.50 us/key at "
+        "1,000,000 resident keys; host tensor store 2.50 / load 1.00 us/key beyond the copy"
+    )
+    assert lines[-1] == "ran in 1.0 s"
 
 
-def test_one_of_two_figures_sharing_a_target_is_named() -> None:
-    out = text(synthetic_report(host_store_us=2.5))
-    assert f"store 2.50 / load 1.00 us/key beyond the copy (target <= 2: store {MISSED})" in out
-    assert "host tensor store beyond the copy 2.50 us/key (target <= 2)" in out
-
-
-def test_a_report_without_streaming_or_orchestrator_has_no_targets_line() -> None:
+def test_a_report_without_streaming_or_orchestrator() -> None:
     report = {**synthetic_report(), "streaming": None, "orchestrator": None}
-    assert "targets" not in text(report)
+    out = text(report)
+    assert "streaming" not in out and "bookkeeping" not in out

@@ -110,3 +110,59 @@ def test_closed_pipe_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(sys, "stdout", Closed())
     assert main(["plugins", "--json"]) == 141
+
+
+class _ClosesAfterFirstLine:
+    """A stdout whose reader leaves after the first line (`| head -1`)."""
+
+    def __init__(self) -> None:
+        self.lines = 0
+
+    def write(self, text: str) -> int:
+        if self.lines:
+            raise BrokenPipeError(32, "Broken pipe")
+        self.lines += text.count("\n")
+        return len(text)
+
+    def flush(self) -> None:
+        if self.lines > 1:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return os.open(os.devnull, os.O_WRONLY)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plugins"],
+        ["demo", "--users", "1", "--turns", "1", "--system-tokens", "32"],
+        ["--help"],
+        ["bench", "--help"],
+    ],
+)
+def test_head_1_exits_141(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> None:
+    """`tierkv plugins | head -1`, `tierkv demo | head -1`: exit 141 as a Unix tool
+    killed by SIGPIPE, also when the text goes through rich (whose own answer to a
+    closed pipe is exit 1)."""
+    monkeypatch.setattr(sys, "stdout", _ClosesAfterFirstLine())
+    assert main(argv) == 141
+
+
+def test_help_imports_no_torch() -> None:
+    """`tierkv --help` builds every command's parser without importing torch (or the
+    config, which imports it): each command imports what it needs when it runs."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from tierkv.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    assert main(['--help']) == 0\n"
+        "heavy = sorted(m for m in ('torch', 'numpy', 'tierkv.config') if m in sys.modules)\n"
+        "print(heavy)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -53,15 +53,48 @@ def test_plugins_lists_packages_versions_and_config_fields(
 def test_plugins_reports_a_broken_plugin_and_exits_1(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tierkv.cli import plugins
+    from tierkv import registry
 
-    real = plugins.get_tier_class
+    real = registry.get_tier_class
 
     def flaky(name: str) -> Any:
         if name == "memory":
             raise PluginImportError("tier type 'memory' failed to import: ImportError: boom")
         return real(name)
 
-    monkeypatch.setattr(plugins, "get_tier_class", flaky)
+    monkeypatch.setattr(registry, "get_tier_class", flaky)  # the command imports it on run
     assert main(["plugins"]) == 1
     assert "memory: BROKEN: tier type 'memory' failed to import" in capsys.readouterr().out
+
+
+def test_a_size_default_written_as_an_int_is_shown_as_a_size(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The README's plugin writes `capacity: Size = Field(default=1 << 20)`: the
+    default is listed as 1MiB (1048576 in JSON), never as 1.04858e+06."""
+    from pydantic import Field
+
+    from tierkv.memory_tier import MemoryTier
+    from tierkv.registry import register_tier, unregister_tier
+    from tierkv.tier import Size, TierConfig
+
+    class SmallConfig(TierConfig):
+        capacity: Size = Field(default=1 << 20, gt=0, description="bytes kept")
+
+    class SmallTier(MemoryTier):
+        Config = SmallConfig  # type: ignore[assignment]
+
+        @staticmethod
+        def get_tier_type() -> str:
+            return "small"
+
+    register_tier(SmallTier)
+    try:
+        assert main(["plugins"]) == 0
+        text = capsys.readouterr().out
+        assert main(["plugins", "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+    finally:
+        unregister_tier("small")
+    assert "e+06" not in text and "1MiB" in text
+    assert report["types"]["small"]["fields"]["capacity"]["default"] == 1 << 20

@@ -45,3 +45,70 @@ def test_roundtrip_fails_when_a_tier_cannot_hold_the_data(
     )
     assert main(["roundtrip", "--config", str(cfg), "--blocks", "12"]) == 1
     assert "FAILED" in capsys.readouterr().out
+
+
+def _nvme_chain(tmp_path: Path) -> Path:
+    """A chain whose nvme tier, named `disk`, lives under `tmp_path/nvme`."""
+    cfg = tmp_path / "nvme.yaml"
+    cfg.write_text(
+        "namespace: t\nlayout: {block_bytes: 4KiB, groups: [{block_size: 16}]}\n"
+        "primary: {capacity: 16KiB, pin_memory: false}\n"
+        f"tiers: [{{type: nvme, name: disk, capacity: 1MiB, fsync: never, "
+        f"path: {tmp_path / 'nvme'}}}]\n"
+    )
+    return cfg
+
+
+def test_roundtrip_writes_into_a_temporary_directory_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --keep the config's own nvme directory is never touched (the files go to
+    a temporary directory, removed), and the report names the tier as the YAML does."""
+    assert main(["roundtrip", "--config", str(_nvme_chain(tmp_path)), "--blocks", "10"]) == 0
+    out = capsys.readouterr().out
+    assert not (tmp_path / "nvme").exists()
+    assert "tier disk: holds 10 of 10 blocks" in out
+    assert "temporary, removed" in out and "roundtrip-" in out
+
+
+def test_roundtrip_twice_with_kept_blocks_reports_no_corruption(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An earlier run's blocks (kept, other bytes under other counts) are not read as
+    this run's: each run hashes its keys under a namespace of its own."""
+    cfg = str(_nvme_chain(tmp_path))
+    assert main(["roundtrip", "--config", cfg, "--blocks", "8", "--keep"]) == 0
+    assert main(["roundtrip", "--config", cfg, "--blocks", "12", "--keep", "--json"]) == 0
+    capsys.readouterr()
+    assert (tmp_path / "nvme").is_dir()
+    assert main(["roundtrip", "--config", cfg, "--blocks", "12", "--keep", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["mismatched"] == 0 and report["kept"]
+
+
+def test_roundtrip_removes_its_blocks_from_a_tier_without_files(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A memory tier (as Redis or S3 would) is asked to remove every block at the end."""
+    import anyio
+
+    from tierkv.config import parse_config
+    from tierkv.memory_tier import MemoryTier
+    from tierkv.roundtrip import run_roundtrip
+
+    removed: list[int] = []
+    real_remove = MemoryTier.remove
+
+    async def remove(self: MemoryTier, keys: object) -> None:
+        removed.append(len(list(keys)))  # type: ignore[call-overload]
+        await real_remove(self, keys)  # type: ignore[arg-type]
+
+    config = parse_config(
+        "namespace: t\nlayout: {block_bytes: 4KiB, groups: [{block_size: 16}]}\n"
+        "primary: {capacity: 16KiB, pin_memory: false}\n"
+        "tiers: [{type: memory, capacity: 1MiB}]\n",
+        source="test",
+    )
+    monkeypatch.setattr(MemoryTier, "remove", remove)
+    report = anyio.run(lambda: run_roundtrip(config, 6, 0, remove_after=True))
+    assert report["ok"] and removed == [6]

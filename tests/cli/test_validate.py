@@ -30,11 +30,46 @@ def test_validate_connect_opens_each_tier_and_times_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], chain_file: Callable[..., str]
 ) -> None:
     config = chain_file(f"[{{type: memory}}, {{type: nvme, path: {tmp_path}/kv, capacity: 1MiB}}]")
-    assert main(["validate", "--connect", config]) == 0
+    assert main(["validate", "--connect", "--create", config]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].endswith("tiers: memory, nvme)")
+    assert lines[0].endswith("tiers: memory, nvme); checking each tier:")
     assert lines[1].startswith("  memory: ok (open ") and "ms, lookup " in lines[1]
-    assert lines[2].startswith("  nvme: ok (open ")
+    assert lines[2].startswith("  nvme: ok (open ") and f"created {tmp_path}/kv" in lines[2]
+    assert lines[3].endswith(": ok (every tier usable)")
+
+
+def test_validate_connect_creates_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], chain_file: Callable[..., str]
+) -> None:
+    """A tier that keeps files is not opened (opening creates its directory); its path
+    is checked instead, and the output says so."""
+    where = tmp_path / "deep" / "dir" / "kv"
+    config = chain_file(f"[{{type: nvme, path: {where}, capacity: 1MiB}}]")
+    assert main(["validate", "--connect", config]) == 0
+    out = capsys.readouterr().out
+    assert not (tmp_path / "deep").exists()
+    assert "nvme: ok, not opened (it keeps files; --create opens it)" in out
+    assert f"{where} does not exist (the tier creates it under {tmp_path})" in out
+
+
+def test_validate_connect_fails_a_path_that_cannot_be_created(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], chain_file: Callable[..., str]
+) -> None:
+    (tmp_path / "file").write_text("")
+    config = chain_file(f"[{{type: nvme, path: {tmp_path}/file/kv, capacity: 1MiB}}]")
+    assert main(["validate", "--connect", config]) == 1
+    captured = capsys.readouterr()
+    assert f"nvme: FAILED: {tmp_path}/file/kv does not exist and {tmp_path}/file is not a " in (
+        captured.out
+    )
+    assert ": ok" not in captured.out
+
+
+def test_validate_create_needs_connect(
+    capsys: pytest.CaptureFixture[str], chain_file: Callable[..., str]
+) -> None:
+    assert main(["validate", "--create", chain_file("[{type: memory}]")]) == 2
+    assert "--create needs --connect" in capsys.readouterr().err
 
 
 def test_validate_connect_reports_a_tier_it_cannot_reach(
@@ -49,6 +84,8 @@ def test_validate_connect_reports_a_tier_it_cannot_reach(
     assert main(["validate", "--connect", config]) == 1
     captured = capsys.readouterr()
     assert "  memory: ok (open " in captured.out
+    assert "every tier usable" not in captured.out  # the file's `ok` only when all passed
+    assert ": ok (namespace" not in captured.out
     assert (
         "  broken: FAILED: open failed: ConnectionRefusedError: connection refused by "
         "127.0.0.1:1" in captured.out

@@ -83,3 +83,18 @@ def test_unit_hint_names_the_binary_spelling_and_says_the_value_once() -> None:
             "'4Gb' is a size in bits (a lowercase b is a bit); sizes are in bytes: "
             "did you mean '4GiB'?",
         )
+
+
+def test_parse_size_is_the_one_parser_of_yaml_and_cli() -> None:
+    from tierkv.contract.units import parse_size
+
+    assert parse_size("2MiB") == (2 << 20, None)
+    assert parse_size(4096, binary_only=True) == (4096, None)
+    num_bytes, warning = parse_size("2MB")
+    assert num_bytes == 2_000_000 and warning is not None and "'2MiB'" in warning
+    with pytest.raises(ValueError, match="block sizes are binary: did you mean '2MiB'"):
+        parse_size("2MB", binary_only=True)
+    with pytest.raises(ValueError, match="is negative; a size must be positive"):
+        parse_size("-1GiB")
+    with pytest.raises(ValueError, match="is not a size"):
+        parse_size("lots")

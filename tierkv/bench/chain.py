@@ -6,10 +6,11 @@ the primary so loads come from below (`empty_primary`)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from hashlib import blake2b
 from typing import Any
 
+import anyio
 from pydantic import ByteSize
 
 from tierkv.bench.options import BenchOptions
@@ -84,6 +85,38 @@ def bench_keys(n: int, tag: str) -> list[OffloadKey]:
         make_offload_key(blake2b(seed + i.to_bytes(8, "big"), digest_size=32).digest(), 0)
         for i in range(n)
     ]
+
+
+async def check_reachable(
+    chain: CacheConfig, media: Sequence[str], progress: Callable[[str], None]
+) -> None:
+    """Open and close every tier of `chain` named in `media` that keeps no files (a
+    server, a bucket), before anything is measured: one that cannot open (an
+    unreachable Redis) fails the run now, with `TierUnavailable` naming it, not after
+    the media before it were measured. A tier that keeps files is left to its own
+    phase: opening it here would create a directory the bench does not use."""
+    from tierkv.contract.errors import TierUnavailable
+    from tierkv.contract.slab import PrimaryView
+    from tierkv.demo.scratch import path_fields
+    from tierkv.registry import create_tier
+
+    block = int(chain.layout.block_bytes)
+    view = PrimaryView(bytearray(block), block, chain.namespace)
+    for name, tier_config in zip(chain.tier_names(), chain.tiers):
+        if name not in media or path_fields(tier_config):
+            continue
+        progress(f"{name}: checking it opens")
+        tier = create_tier(tier_config, view)
+        try:
+            with anyio.fail_after(tier_config.job_timeout):
+                await tier.open()
+                await tier.close()
+        except TierUnavailable as exc:
+            raise TierUnavailable(f"tier {name} cannot open, nothing measured: {exc}") from exc
+        except (OSError, TimeoutError) as exc:
+            raise TierUnavailable(
+                f"tier {name} cannot open, nothing measured: {type(exc).__name__}: {exc}"
+            ) from exc
 
 
 def empty_primary(cache: TieredCache) -> int:

@@ -71,9 +71,13 @@ def _closed_pipe() -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help (0) or a usage error (2), already printed
-        return exc.code if isinstance(exc.code, int) else 2
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exc:  # --help (0) or a usage error (2), already printed
+            sys.stdout.flush()  # `tierkv --help | head -1`: a closed pipe shows here
+            return exc.code if isinstance(exc.code, int) else 2
+    except BrokenPipeError:
+        return _closed_pipe()
     verbose = getattr(args, "verbose", False)
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.WARNING,

@@ -11,13 +11,12 @@ import tempfile
 from collections.abc import Callable, Iterator
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import ByteSize, TypeAdapter, ValidationError
+from tierkv.contract.errors import ConfigError
 
-from tierkv.config import CacheConfig, load_config, parse_config
-from tierkv.contract.errors import ConfigError, PluginImportError, UnknownTierType
-from tierkv.registry import get_tier_class
+if TYPE_CHECKING:  # the config imports torch: `tierkv --help` must not wait for it
+    from tierkv.config import CacheConfig
 
 DEFAULT_SECONDARY: dict[str, Any] = {"type": "nvme", "capacity": "4GiB", "fsync": "never"}
 """The tier of the default chain, under a temporary directory (`path` is added).
@@ -31,14 +30,28 @@ class UsageError(Exception):
 
 
 # -- argument types -----------------------------------------------------------------------
-def size(text: str) -> int:
-    """`1MiB`, `256MiB`, `4096`: bytes."""
+def _sized(text: str, *, binary_only: bool) -> int:
+    from tierkv.contract.units import parse_size
+
     try:
-        return int(TypeAdapter(ByteSize).validate_python(text))
-    except ValidationError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size (use e.g. 1MiB, 256MiB, 4096)"
-        ) from None
+        num_bytes, warning = parse_size(text, binary_only=binary_only)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if warning:
+        print(f"tierkv: warning: {warning}", file=sys.stderr)
+    return num_bytes
+
+
+def size(text: str) -> int:
+    """`1MiB`, `256MiB`, `4096`: bytes, read as a YAML size is (`parse_size`): a size in
+    bits is refused, a decimal one (`2MB`) warned about with its binary spelling."""
+    return _sized(text, binary_only=False)
+
+
+def block_size(text: str) -> int:
+    """A block size: as `size`, and a decimal unit is refused as in the YAML's
+    `block_bytes` (`2MB`: did you mean '2MiB'?)."""
+    return _sized(text, binary_only=True)
 
 
 def at_least(minimum: int) -> Callable[[str], int]:
@@ -72,6 +85,10 @@ def default_chain(directory: Path, *, primary: str = "8MiB") -> CacheConfig:
     """The primary plus an nvme tier under `directory` (the memory tier when
     tierkv-cache-nvme is not installed). Layout and namespace are placeholders: the demo
     and the bench set their own."""
+    from tierkv.config import parse_config
+    from tierkv.contract.errors import PluginImportError, UnknownTierType
+    from tierkv.registry import get_tier_class
+
     secondary = dict(DEFAULT_SECONDARY, path=str(directory / "nvme"))
     try:
         get_tier_class(DEFAULT_SECONDARY["type"])
@@ -106,6 +123,8 @@ def load_checked(path: str) -> CacheConfig:
     """The chain in `path`, validated and checked against this machine's memory and
     disks: structural problems and what could never fit are reported together, in one
     ConfigError (exit 2)."""
+    from tierkv.config import load_config
+
     return load_config(path, check_machine=True)
 
 

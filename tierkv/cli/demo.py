@@ -35,10 +35,9 @@ from tierkv.cli.common import (
     size,
 )
 from tierkv.cli.progress import Progress
-from tierkv.config import CacheConfig, load_config
-from tierkv.contract.units import format_size
 
 if TYPE_CHECKING:
+    from tierkv.config import CacheConfig
     from tierkv.demo.records import TurnRecord
 
 
@@ -210,6 +209,8 @@ def demo_chain(
         config = load_checked(path)
         yield config, {"temporary": False, "paths": tier_paths(config)}
         return
+    from tierkv.config import load_config
+
     config = load_config(path)
     with tempfile.TemporaryDirectory(prefix="tierkv-demo-") as tmp:
         config = in_scratch(config, Path(tmp))
@@ -326,6 +327,8 @@ def run(args: argparse.Namespace) -> int:
     device, profile = _profile(args)
     options = _options(args, device, profile)
     total = options.workload.users * options.workload.turns
+    from tierkv.contract.units import format_size
+
     default_primary = format_size(args.primary or profile.primary_capacity)
     with (
         sigterm_as_interrupt(),

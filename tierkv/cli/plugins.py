@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import argparse
 from enum import Enum
-from typing import Any
-
-from pydantic import ByteSize
-from pydantic.fields import FieldInfo
+from typing import TYPE_CHECKING, Any
 
 from tierkv.cli.common import print_json
-from tierkv.contract.errors import ConfigError
-from tierkv.contract.tier import TierConfig
-from tierkv.contract.units import format_size, parse_duration
-from tierkv.registry import KNOWN_TIER_PACKAGES, get_tier_class, install_hint, installed_tiers
+
+if TYPE_CHECKING:  # imported when the command runs: `tierkv --help` stays quick
+    from pydantic.fields import FieldInfo
+
+    from tierkv.contract.tier import TierConfig
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -35,6 +33,10 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 def _default_text(info: FieldInfo) -> str:
     """A field's default as it would be written in YAML."""
+    from pydantic import ByteSize
+
+    from tierkv.contract.units import format_size, parse_duration
+
     if info.is_required():
         return "(required)"
     value = info.get_default(call_default_factory=True)
@@ -43,8 +45,8 @@ def _default_text(info: FieldInfo) -> str:
         return "none"
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, ByteSize):
-        return format_size(int(value))
+    if isinstance(value, ByteSize) or (_unit(info) == "bytes" and isinstance(value, int)):
+        return format_size(int(value))  # a plugin may write `default=1 << 20` for a Size
     if isinstance(value, (int, float)):
         text = f"{value:g}"
         return f"{text}s" if duration else text
@@ -61,12 +63,18 @@ def _default_value(info: FieldInfo) -> Any:
     value = info.get_default(call_default_factory=True)
     if isinstance(value, Enum):
         return value.value
+    if isinstance(value, int) and not isinstance(value, bool) and _unit(info) == "bytes":
+        return int(value)  # a ByteSize, or a plugin's `default=1 << 20`
     if value is None or isinstance(value, (bool, int, float, str)):
-        return int(value) if isinstance(value, ByteSize) else value
+        return value
     return str(value)
 
 
 def _unit(info: FieldInfo) -> str | None:
+    from pydantic import ByteSize
+
+    from tierkv.contract.units import parse_duration
+
     if any(getattr(m, "func", None) is parse_duration for m in info.metadata):
         return "seconds"
     annotation = info.annotation
@@ -104,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
 def _plugins_report() -> tuple[dict[str, Any], list[str]]:
     """The fields every tier takes, and per installed type its package, class and own
     fields (or the error its import raised); and the names of the broken types."""
+    from tierkv.contract.errors import ConfigError
+    from tierkv.contract.tier import TierConfig
+    from tierkv.registry import get_tier_class, installed_tiers
+
     common = set(TierConfig.model_fields)
     report: dict[str, Any] = {
         "common_fields": _fields(TierConfig, {"type"}),
@@ -129,6 +141,7 @@ def _text_blocks(report: dict[str, Any]) -> list[Any]:
     """The report for a person: the installed types, the known ones not installed
     (with what to install), each type's own fields, then the common fields."""
     from tierkv.demo.report import TextTable
+    from tierkv.registry import KNOWN_TIER_PACKAGES, install_hint
 
     rows = []
     for name, entry in report["types"].items():

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 
-from tierkv.cli.common import UsageError, positive, print_json, size
+from tierkv.cli.common import UsageError, block_size, positive, print_json, size
 from tierkv.cli.progress import Progress
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", type=Path, help="the trace (JSONL)")
     p.add_argument("--requests", type=positive, metavar="N", help="replay only the first N")
     p.add_argument(
-        "--block-bytes", type=size, metavar="SIZE", default=64 << 10,
+        "--block-bytes", type=block_size, metavar="SIZE", default=64 << 10,
         help="tierkv block per trace block (64KiB; the cost model scales to the model's size)",
     )  # fmt: skip
     p.add_argument(

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from tierkv.cli.common import positive, size
+from tierkv.cli.common import block_size, positive
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -33,7 +33,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     vc.add_argument("--blocks-per-chunk", type=positive, default=1, metavar="N", help="(1)")
     vc.add_argument(
         "--row-bytes",
-        type=size,
+        type=block_size,
         default=2 << 20,
         metavar="SIZE",
         help="bytes of one offloaded chunk on one worker x TP (2MiB)",

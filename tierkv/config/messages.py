@@ -10,9 +10,10 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Union
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ByteSize, ValidationError
 
 from tierkv.contract.redact import is_secret_field, redact_text, redact_url
+from tierkv.contract.units import is_negative_size
 
 
 def yaml_path(loc: tuple[Any, ...]) -> str:
@@ -120,7 +121,11 @@ def _describe(err: Mapping[str, Any], model: type[BaseModel], prefix: tuple[Any,
             "at most 63, starting with a letter or digit)"
         )
     if kind in ("byte_size", "byte_size_unit"):
+        if is_negative_size(value):
+            return f"{path}: {shown(loc, value)} is negative; a size must be positive (e.g. 8GiB)"
         return f"{path}: {shown(loc, value)} is not a size (use e.g. 8GiB, 512MiB, 4096)"
+    if kind == "greater_than" and _is_size_at(model, loc) and err.get("ctx", {}).get("gt") == 0:
+        return f"{path}: {shown(loc, value)} holds nothing; it must be positive (e.g. 1GiB)"
     message = str(err["msg"])
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
@@ -134,6 +139,15 @@ def _describe(err: Mapping[str, Any], model: type[BaseModel], prefix: tuple[Any,
     if message.startswith(repr(value)):  # the validator named the value: say it once
         return f"{path}: {shown(loc, value)}{message[len(repr(value)) :]}"
     return f"{path}: {shown(loc, value)}: {message}"
+
+
+def _is_size_at(model: type[BaseModel], loc: tuple[Any, ...]) -> bool:
+    """Whether the field at `loc` holds a size (a `ByteSize`)."""
+    owner = model_at(model, loc[:-1]) if loc else None
+    field = owner.model_fields.get(str(loc[-1])) if owner is not None else None
+    if field is None:
+        return False
+    return field.annotation is ByteSize or ByteSize in typing.get_args(field.annotation)
 
 
 def _userinfo(value: str) -> str | None:

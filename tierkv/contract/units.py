@@ -109,6 +109,44 @@ def unit_hint(value: object, num_bytes: int, *, binary_only: bool) -> tuple[bool
     )
 
 
+def is_negative_size(value: object) -> bool:
+    """Whether `value` is a size with a minus sign (`-1GiB`, `-5`): a size that names
+    no room, which deserves "must be positive" rather than "is not a size"."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)):
+        return value < 0
+    if not isinstance(value, str) or not value.strip().startswith("-"):
+        return False
+    try:
+        _BYTES.validate_python(value.strip()[1:])
+    except ValueError:
+        return False
+    return True
+
+
+def parse_size(value: object, *, binary_only: bool = False) -> tuple[int, str | None]:
+    """Bytes from a size written in YAML or on the command line, and a warning to show
+    (None when there is nothing to say). The one parser of both: pydantic's `ByteSize`
+    for the number, `unit_hint` for the unit. Raises ValueError, its message starting
+    with the value, for what is no size, a negative size, a size in bits, and a decimal
+    size where `binary_only` (a block size): `'2MB' is 2,000,000 bytes (decimal); block
+    sizes are binary: did you mean '2MiB'?`."""
+    if is_negative_size(value):
+        raise ValueError(f"{value!r} is negative; a size must be positive (e.g. 8GiB)")
+    try:
+        num_bytes = int(_BYTES.validate_python(value))
+    except ValueError:
+        raise ValueError(f"{value!r} is not a size (use e.g. 8GiB, 512MiB, 4096)") from None
+    hint = unit_hint(value, num_bytes, binary_only=binary_only)
+    if hint is None:
+        return num_bytes, None
+    is_error, message = hint
+    if is_error:
+        raise ValueError(message)
+    return num_bytes, message
+
+
 def format_size(num_bytes: int) -> str:
     """`2097152` -> `2MiB`: the shortest exact binary unit, for messages."""
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

@@ -54,7 +54,14 @@ def _render_rich(blocks: list[Block], out: TextIO) -> None:
 
     # not a terminal (a pipe, a file): wide enough that tables never wrap
     width = None if out.isatty() else 200
-    console = Console(file=out, highlight=False, soft_wrap=True, width=width)
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # rich's own answer is SystemExit(1); the command's is exit 141 (a Unix
+            # tool killed by SIGPIPE), which `tierkv.cli.app.main` gives a BrokenPipeError
+            raise BrokenPipeError(32, "Broken pipe")
+
+    console = _Console(file=out, highlight=False, soft_wrap=True, width=width)
     for block in blocks:
         if isinstance(block, str):
             console.print(block, markup=False)

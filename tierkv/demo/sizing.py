@@ -12,7 +12,7 @@ the shared system prompt warm, but a returning user's conversation has been evic
 the others, which is where tierkv's tiers come in.
 
 The CUDA profile ran on an H200 on 2026-11-26: 970M parameters, 20 layers, 16 of 16
-turns identical, tierkv 1.48x TTFT over the GPU prefix cache alone (README). Its
+turns identical, tierkv 1.48x TTFT over the GPU prefix cache alone (docs/demo.md). Its
 arithmetic is tested on the CPU.
 """
 

@@ -33,8 +33,8 @@ Every test opens a fresh tier and closes it (the property-based test opens one p
 example, so many per test): give each tier `make_tier` returns storage of its own (a
 fresh directory under `tmp_path`, which pytest deletes; a `tempfile.mkdtemp()` per
 tier is never deleted). The suite itself creates no files. No torch: the primary is a
-`PrimaryView` over a `bytearray`. The README's "Write a tier plugin" is a complete
-tier and test class that pass this suite as written.
+`PrimaryView` over a `bytearray`. The manual's "Write a tier plugin" (docs/plugins.md) is a
+complete tier and test class that pass this suite as written.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierkv.contract.errors import ConfigError
+from tierkv.contract.errors import ConfigError, TierKVError
 from tierkv.integrations.vllm.settings import VllmGeometry, resolve_entry
 
 EXTRA = "kv_connector_extra_config"
@@ -98,6 +98,15 @@ def read_config_text(value: str) -> str:
     return path.read_text(encoding="utf-8")
 
 
+VLLM_TESTED = "0.33.0"
+"""The vLLM release requirements-vllm.txt pins, named in the install hint."""
+
+
+class VLLMMissing(TierKVError):
+    """vLLM cannot be imported: not a config problem (exit 1), and the message says
+    how to get it."""
+
+
 def _vllm() -> Any:
     try:
         from vllm.config import KVTransferConfig
@@ -105,12 +114,11 @@ def _vllm() -> Any:
         from vllm.v1.kv_offload.factory import OffloadingSpecFactory
         from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
     except ImportError as exc:
-        raise ConfigError(
-            [
-                f"vLLM is not importable here ({exc}); run the check in the environment "
-                "vLLM serves from (README: Use with vLLM)"
-            ],
-            source="tierkv vllm check",
+        raise VLLMMissing(
+            f"vLLM is not installed here ({exc}): the check reads the config with vLLM's "
+            "own parser. Run it in the environment vLLM serves from, or install the vLLM "
+            "tierkv is tested with: `bash scripts/setup-vllm.sh` in a checkout (the pinned "
+            "requirements-vllm.txt, into .venv), or `pip install vllm==" + VLLM_TESTED + "`"
         ) from None
     return KVTransferConfig, arg_utils, OffloadingSpecFactory, SecondaryTierFactory
 

@@ -1,4 +1,4 @@
-"""The README's "Write a tier plugin" section, copied as an author would copy it: the
+"""The manual's "Write a tier plugin" page (docs/plugins.md), copied as an author would copy it: the
 tier into `tierkv_floppy/__init__.py`, the test class into `tests/`, and pytest run on
 them in a fresh process. The whole conformance suite passes, nothing is skipped, and
 nothing is left outside pytest's `tmp_path`."""
@@ -17,20 +17,16 @@ import pytest
 
 from tierkv.testing import TierConformanceSuite
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-HEADING = "## Write a tier plugin"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "plugins.md"
 
 
 def section_blocks(language: str) -> list[str]:
-    """The fenced `language` blocks of the section, in order."""
-    text = README.read_text()
-    start = text.index(f"\n{HEADING}\n")
-    end = text.find("\n## ", start + 1)
-    return re.findall(rf"```{language}\n(.*?)```", text[start : end if end >= 0 else None], re.S)
+    """The fenced `language` blocks of the page, in order."""
+    return re.findall(rf"```{language}\n(.*?)```", PAGE.read_text(), re.S)
 
 
 def copy_plugin(root: Path) -> Path:
-    """The plugin as an author lays it out from the README: pyproject.toml, the package,
+    """The plugin as an author lays it out from the page: pyproject.toml, the package,
     its tests."""
     tier, suite = section_blocks("python")[:2]
     (root / "tierkv_floppy").mkdir(parents=True)
@@ -75,7 +71,7 @@ def test_the_entry_point_names_the_class_the_skeleton_defines() -> None:
 
 def _exec_skeleton() -> dict[str, object]:
     scope: dict[str, object] = {"__name__": "tierkv_floppy"}
-    code = compile(section_blocks("python")[0], "README.md", "exec", dont_inherit=True)
+    code = compile(section_blocks("python")[0], "plugins.md", "exec", dont_inherit=True)
     exec(code, scope)
     return scope
 

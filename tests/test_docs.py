@@ -1,4 +1,6 @@
-"""The README's embedding snippet runs as written."""
+"""The snippets of the README and the manual (docs/) run as written, and what they
+promise is there: the embedding snippet, the Configure YAML, the diagram, the sizing
+guide, the plugin skeleton, the worked deployment's chain."""
 
 from __future__ import annotations
 
@@ -9,14 +11,20 @@ from pathlib import Path
 import anyio
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+EMBED = ("docs/embedding.md", "# Embed it in a server")
 
 
+@pytest.mark.parametrize(
+    "where", [EMBED, ("README.md", "### 4. Embed it in a server")], ids=["docs", "readme"]
+)
 def test_embedding_snippet_runs(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
-    readme_block: Callable[..., str],
+    doc_block: Callable[..., str],
+    where: tuple[str, str],
 ) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tiers.yaml").write_text(
@@ -24,7 +32,7 @@ def test_embedding_snippet_runs(
         "primary: {capacity: 1MiB, pin_memory: auto}\ntiers: [{type: memory}]\n"
     )
     scope: dict[str, object] = {}
-    exec(compile(readme_block("## Embed it in a server"), "README.md", "exec"), scope)
+    exec(compile(doc_block(*where), where[0], "exec"), scope)
     serve = scope["serve"]
     anyio.run(serve, list(range(64)))  # type: ignore[arg-type]
     out = capsys.readouterr().out
@@ -36,15 +44,15 @@ def test_configure_yaml_and_embed_snippet_run_together(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
-    readme_block: Callable[..., str],
+    doc_block: Callable[..., str],
 ) -> None:
     """Copy the Configure YAML to tiers.yaml and run the Embed snippet on it, as a reader
     would: two KV-cache groups, so the snippet must build one key list per group."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TIERKV_PRIMARY", "64MiB")  # the YAML's default is 8GiB
-    (tmp_path / "tiers.yaml").write_text(readme_block("## Configure", "yaml"))
+    (tmp_path / "tiers.yaml").write_text(doc_block("docs/configure.md", "# Configure", "yaml"))
     scope: dict[str, object] = {}
-    exec(compile(readme_block("## Embed it in a server"), "README.md", "exec"), scope)
+    exec(compile(doc_block(*EMBED), EMBED[0], "exec"), scope)
     anyio.run(scope["serve"], list(range(64)))  # type: ignore[arg-type]
     out = capsys.readouterr().out
     assert out.startswith("0 {}")
@@ -53,20 +61,23 @@ def test_configure_yaml_and_embed_snippet_run_together(
 
 
 def test_configure_yaml_validates_from_the_shell(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], readme_block: Callable[..., str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], doc_block: Callable[..., str]
 ) -> None:
     from tierkv.cli import main
 
     path = tmp_path / "tiers.yaml"
     path.write_text(
-        readme_block("## Configure", "yaml").replace("${TIERKV_PRIMARY:-8GiB}", "64MiB")
+        doc_block("docs/configure.md", "# Configure", "yaml").replace(
+            "${TIERKV_PRIMARY:-8GiB}", "64MiB"
+        )
     )
     assert main(["validate", str(path)]) == 0
     assert "tiers: hot" in capsys.readouterr().out
 
 
-def test_the_readme_installs_from_the_checkout_only() -> None:
-    text = README.read_text()
+@pytest.mark.parametrize("page", ["README.md", "docs/install.md"])
+def test_the_docs_install_from_the_checkout_only(page: str) -> None:
+    text = (ROOT / page).read_text()
     # names on the index that belong to other projects are never installed
     assert not re.search(r"pip install '?tierkv(-core)?(\[|'|\s|$)", text)
     assert "pip install -e '.[metrics,demo,plot]'" in text
@@ -74,34 +85,49 @@ def test_the_readme_installs_from_the_checkout_only() -> None:
         assert dist in text
 
 
-def test_the_readme_has_the_diagram_and_the_sizing_guide(readme_block: Callable[..., str]) -> None:
-    text = README.read_text()
-    diagram = readme_block("## How a block moves", "mermaid")
+def test_the_manual_has_the_diagram_and_the_sizing_guide(doc_block: Callable[..., str]) -> None:
+    diagram = doc_block("docs/concepts.md", "## How a block moves", "mermaid")
     for word in ("store", "cascade", "lookup", "promote"):
         assert word in diagram
-    guide = text[text.index("## Sizing and tuning") :]
+    guide = (ROOT / "docs/sizing.md").read_text()
     for knob in ("block_bytes", "primary.capacity", "promotion_reserve", "max_inflight_bytes"):
         assert knob in guide
 
 
-def test_the_plugin_skeleton_imports_what_it_uses(readme_block: Callable[..., str]) -> None:
+def test_the_plugin_skeleton_imports_what_it_uses(doc_block: Callable[..., str]) -> None:
     scope: dict[str, object] = {}
-    exec(compile(readme_block("## Write a tier plugin"), "README.md", "exec"), scope)
+    page = "docs/plugins.md"
+    exec(compile(doc_block(page, "# Write a tier plugin"), page, "exec"), scope)
     tier = scope["FloppyTier"]
     assert tier.get_tier_type() == "floppy"  # type: ignore[attr-defined]
 
 
 def test_the_worked_deployment_chain_is_a_valid_config(
-    readme_block: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+    doc_block: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # the sizing guide's example host: the YAML parses and its arithmetic holds
     from tierkv.config import parse_config
 
     monkeypatch.setenv("TIERKV_MAC_KEY", "k" * 64)
-    text = readme_block("### A worked deployment", "yaml")
+    text = doc_block("docs/sizing.md", "## A worked deployment", "yaml")
     config = parse_config(text, env={"REDIS_PASSWORD": "pw"})
     assert config.layout.block_bytes == 2 * 2**20  # 16 tokens x 128KiB
     assert config.primary.capacity // config.layout.block_bytes == 65_536
     nvme, redis = config.tiers
     assert nvme.max_inflight_bytes <= config.primary.capacity // 4
     assert redis.max_inflight_bytes <= config.primary.capacity // 4
+
+
+def test_the_readme_chain_is_a_valid_config(doc_block: Callable[..., str]) -> None:
+    from tierkv.config import parse_config
+
+    config = parse_config(
+        doc_block("README.md", "### 3. Your own chain", "yaml"), env={"REDIS_PASSWORD": "pw"}
+    )
+    assert config.tier_names() == ["nvme", "redis"]
+    assert config.layout.block_bytes == 2 * 2**20
+
+
+def test_the_readme_is_a_guide_that_fits_a_scroll() -> None:
+    """At most ~400 lines: the rest is the manual's (docs/)."""
+    assert README.read_text().count("\n") <= 400

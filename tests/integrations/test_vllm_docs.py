@@ -1,4 +1,5 @@
-"""The README's `--kv-transfer-config` is valid JSON whose tierkv entries validate."""
+"""The manual's `--kv-transfer-config` (docs/vllm.md) is valid JSON whose tierkv
+entries validate."""
 
 from __future__ import annotations
 
@@ -8,12 +9,11 @@ from pathlib import Path
 
 from tierkv.integrations.vllm import VllmGeometry, resolve_entry
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
 
 
-def test_the_readme_kv_transfer_config_validates() -> None:
-    text = README.read_text()
-    section = text[text.index("## Use with vLLM") :]
+def test_the_manual_kv_transfer_config_validates() -> None:
+    section = PAGE.read_text()
     match = re.search(r"--kv-transfer-config '(\{.*?\})'", section, re.S)
     assert match, "no --kv-transfer-config under 'Use with vLLM'"
     config = json.loads(match.group(1))
