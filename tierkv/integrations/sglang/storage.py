@@ -1,0 +1,356 @@
+"""`TierkvHiCacheStorage`: a tierkv tier chain as SGLang HiCache's L3 storage backend.
+
+SGLang 0.5.23 builds it through `StorageBackendFactory` from the `dynamic` backend
+config (`--hicache-storage-backend dynamic` and the extra config `settings.py` reads),
+then hands it the host pool (`register_mem_pool_host`). The host pool is tierkv's
+primary (`pages.PoolPages`: each page region a slot, read and written in place); the
+tiers run on the process's one event-loop thread through the shared guarded-tier
+driver (`tierkv.driver.SyncChain` over `GuardedTier`: breaker, in-flight budget,
+answer checks, deadline backstop, reopen). This class only translates SGLang's calls:
+page hashes to keys, host indices to slots, key sets to per-page answers.
+
+SGLang calls it synchronously from its own threads (a prefetch thread asks
+`batch_exists`, an I/O thread `batch_get_v1` in slices of 128 pages, a backup thread
+`batch_set_v1`), and never interrupts a call that blocks. So no method raises and none
+waits past its deadline: a tier error, a timeout, a tier that is down is a miss
+(`0`, `False`), logged and counted by the driver.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolTransfer,
+    PoolTransferResult,
+)
+
+from tierkv.contract.keys import OffloadKey
+from tierkv.driver.sync_chain import SyncChain
+from tierkv.integrations.sglang.pages import PoolPages, page_keys, read_geometry
+from tierkv.integrations.sglang.settings import check_keys, rank_suffix, resolve
+
+__all__ = ["TierkvHiCacheStorage"]
+
+logger = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+REMEMBERED_PAGES = 1 << 16
+"""Pages `clear` can remove: those this process wrote last (the tiers' own eviction
+ages out the rest; tierkv tiers have no "remove everything" call)."""
+
+
+def _never_raises(default: Callable[[Any, tuple[Any, ...]], Any]) -> Callable[[F], F]:
+    """SGLang counts a call that raises as a miss but logs a traceback per call: answer
+    `default(self, args)` instead, logged once per kind of failure."""
+
+    def wrap(method: F) -> F:
+        @functools.wraps(method)
+        def guarded(self: TierkvHiCacheStorage, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as exc:
+                self._failed(method.__name__, exc)
+                return default(self, args)
+
+        return guarded  # type: ignore[return-value]
+
+    return wrap
+
+
+def _all_false(self: Any, args: tuple[Any, ...]) -> list[bool]:
+    return [False] * len(args[0]) if args else []
+
+
+@functools.lru_cache(maxsize=1)
+def _storage_metrics() -> Any:
+    """SGLang's `StorageMetrics` class, or None where its module does not import (it
+    reaches torchvision); looked up once."""
+    try:
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+    except Exception:
+        return None
+    return StorageMetrics
+
+
+@dataclass
+class _Metrics:
+    """SGLang's `StorageMetrics` fields, gathered between two `get_stats` calls."""
+
+    prefetch_pgs: list[int] = field(default_factory=list)
+    backup_pgs: list[int] = field(default_factory=list)
+    prefetch_bandwidth: list[float] = field(default_factory=list)
+    backup_bandwidth: list[float] = field(default_factory=list)
+
+
+class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
+    """tierkv's tiers below SGLang's host pool (see the module docstring)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
+        self.storage_config = storage_config
+        self.extra = dict(storage_config.extra_config or {})
+        check_keys(self.extra)  # no pool yet: the rest is checked when it comes
+        config = storage_config
+        self.is_writer = bool(config.is_storage_writer)
+        self.suffix = rank_suffix(
+            model=config.model_name,
+            tp_rank=config.tp_rank,
+            tp_size=config.tp_size,
+            pp_rank=config.pp_rank,
+            pp_size=config.pp_size,
+            cp_rank=config.attn_cp_rank,
+            cp_size=config.attn_cp_size,
+            is_mla=config.is_mla_model,
+        )
+        if config.dcp_size > 1:
+            self.suffix += f"_tp{config.tp_size}_dcp{config.dcp_rank}_{config.dcp_size}"
+        self.chain: SyncChain | None = None
+        self.pages: PoolPages | None = None
+        self._lock = threading.Lock()
+        self._metrics = _Metrics()
+        self._written: OrderedDict[str, None] = OrderedDict()
+        self._warned: set[str] = set()
+
+    # -- set-up ----------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """The host pool: read its geometry, validate the chain against it, open the
+        tiers. Raises (SGLang then refuses to attach the backend) on a bad config or
+        a required tier that does not open."""
+        super().register_mem_pool_host(mem_pool_host)
+        config = self.storage_config
+        geometry = read_geometry(
+            mem_pool_host,
+            model=config.model_name or "",
+            tp_rank=config.tp_rank,
+            tp_size=config.tp_size,
+            pp_rank=config.pp_rank,
+            pp_size=config.pp_size,
+            is_mla=config.is_mla_model,
+        )
+        settings = resolve(self.extra, geometry)
+        self.pages = PoolPages(mem_pool_host, geometry, settings.namespace)
+        if self.chain is not None:
+            self.chain.close()
+        self.chain = SyncChain(
+            settings.tiers,
+            settings.names,
+            self.pages.view,
+            lookup_timeout=settings.lookup_timeout,
+            tags={"engine": "sglang"},
+        )
+        logger.info(
+            "tierkv below SGLang's host pool: tiers %s, %d regions of %d bytes per page, "
+            "namespace %r, rank suffix %r",
+            ", ".join(settings.names),
+            geometry.parts_per_page,
+            geometry.part_bytes,
+            settings.namespace,
+            self.suffix,
+        )
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        kind = f"{what}:{type(exc).__name__}"
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning(
+                "tierkv %s failed (%s: %s); answered a miss", what, type(exc).__name__, exc
+            )
+        else:
+            logger.debug("tierkv %s failed: %s", what, exc)
+
+    # -- the zero-copy interface --------------------------------------------------------
+    @_never_raises(lambda self, args: 0)
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
+        """How many leading pages some tier holds whole (every region)."""
+        chain, pages = self._ready()
+        if chain is None or pages is None or not keys:
+            return 0
+        per_page = page_keys(keys, self.suffix, pages.geometry.parts_per_page)
+        flat = [k for page in per_page for k in page]
+        found = chain.present(flat)
+        parts = pages.geometry.parts_per_page
+        for i in range(len(keys)):
+            if not all(found[i * parts : (i + 1) * parts]):
+                return i
+        return len(keys)
+
+    @_never_raises(_all_false)
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: Any,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Read each page's regions into the host pool in place; True per page read
+        whole."""
+        return self._transfer("load", keys, host_indices)
+
+    @_never_raises(_all_false)
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: Any,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Write each page's regions from the host pool to every tier; True per page
+        some tier holds whole. MLA pages are the same on every TP rank: one rank
+        (SGLang's `is_storage_writer`) writes them, the others answer True."""
+        if not self.is_writer:
+            return [True] * len(keys)
+        return self._transfer("store", keys, host_indices)
+
+    def _transfer(self, kind: str, keys: Sequence[str], host_indices: Any) -> list[bool]:
+        chain, pages = self._ready()
+        if chain is None or pages is None or not keys:
+            return [False] * len(keys)
+        if len(host_indices) != len(keys) * pages.page_size:
+            raise ValueError(
+                f"{len(host_indices)} host indices for {len(keys)} pages of "
+                f"{pages.page_size} tokens"
+            )
+        slots = pages.slots(self.mem_pool_host, host_indices)
+        per_page = page_keys(keys, self.suffix, pages.geometry.parts_per_page)
+        flat: dict[OffloadKey, int] = {}
+        for i, key in enumerate(k for pk in per_page for k in pk):
+            flat.setdefault(key, slots[i])  # a page twice in one call: moved once
+        started = time.perf_counter()
+        move = chain.load if kind == "load" else chain.store
+        done = move(list(flat), list(flat.values()))
+        elapsed = time.perf_counter() - started
+        answers = [all(k in done for k in page) for page in per_page]
+        if kind == "load":  # a page asked twice: only its first copy was filled
+            seen: set[str] = set()
+            for i, page_hash in enumerate(keys):
+                answers[i] = answers[i] and page_hash not in seen
+                seen.add(page_hash)
+        self._count(kind, keys, answers, elapsed)
+        return answers
+
+    def _count(self, kind: str, keys: Sequence[str], answers: list[bool], elapsed: float) -> None:
+        moved = sum(answers)
+        assert self.pages is not None
+        geometry = self.pages.geometry
+        gb = moved * geometry.part_bytes * geometry.parts_per_page / 1e9
+        bandwidth = gb / elapsed if elapsed > 0 else 0.0
+        with self._lock:
+            if kind == "load":
+                self._metrics.prefetch_pgs.append(moved)
+                self._metrics.prefetch_bandwidth.append(bandwidth)
+                return
+            self._metrics.backup_pgs.append(moved)
+            self._metrics.backup_bandwidth.append(bandwidth)
+            for key, ok in zip(keys, answers):
+                if ok:
+                    self._written[key] = None
+                    self._written.move_to_end(key)
+            while len(self._written) > REMEMBERED_PAGES:
+                self._written.popitem(last=False)
+
+    def _ready(self) -> tuple[SyncChain | None, PoolPages | None]:
+        chain = self.chain
+        if chain is None or chain.closed:
+            return None, None
+        return chain, self.pages
+
+    # -- hybrid models (v2): not served yet ------------------------------------------
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        self._failed("batch_exists_v2", NotImplementedError("hybrid models (v2) are not served"))
+        return PoolTransferResult(0, {}, [])
+
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        return {str(t.name): [False] * len(t.keys or []) for t in transfers}
+
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        return {str(t.name): [False] * len(t.keys or []) for t in transfers}
+
+    # -- the legacy (copying) interface --------------------------------------------------
+    def exists(self, key: str) -> bool:
+        return bool(self.batch_exists([key]))
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        self._legacy("get")
+        return None
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[Any]:
+        self._legacy("batch_get")
+        return [None] * len(keys)
+
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
+        self._legacy("set")
+        return False
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        self._legacy("batch_set")
+        return False
+
+    def _legacy(self, what: str) -> None:
+        """SGLang's copying calls: only used without `interface_v1`, which the config
+        check refuses; answered as misses."""
+        self._failed(what, NotImplementedError('tierkv serves SGLang with "interface_v1": 1'))
+
+    # -- the rest -----------------------------------------------------------------------
+    @_never_raises(lambda self, args: None)
+    def clear(self) -> None:
+        """Remove the pages this process wrote (the last `REMEMBERED_PAGES`)."""
+        chain, pages = self._ready()
+        if chain is None or pages is None:
+            return
+        with self._lock:
+            written, self._written = list(self._written), OrderedDict()
+        per_page = page_keys(written, self.suffix, pages.geometry.parts_per_page)
+        chain.remove_all([k for page in per_page for k in page])
+
+    def get_stats(self) -> Any:
+        """SGLang's `StorageMetrics` since the last call (pages and GB/s per call)."""
+        with self._lock:
+            taken, self._metrics = self._metrics, _Metrics()
+        factory = _storage_metrics()
+        if factory is None:  # a CPU install without SGLang's metrics module: same fields
+            return taken
+        metrics = factory()
+        for name in ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth"):
+            getattr(metrics, name).extend(getattr(taken, name))
+        return metrics
+
+    def close(self) -> None:
+        """Close the tiers (bounded) and let go of the loop thread and the pool."""
+        chain, self.chain = self.chain, None
+        if chain is not None:
+            chain.close()
+        pages, self.pages = self.pages, None
+        if pages is not None:
+            try:
+                pages.view.release()
+            except BufferError:
+                logger.warning("tierkv: a view of SGLang's host pool is still in use")
