@@ -151,3 +151,17 @@ def unwritable(root: Path) -> Iterator[None]:
         yield
     finally:
         os.open = real_open
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[Any]:
+    """A real redis-server the test may stop, restart, freeze and thaw."""
+    try:
+        from tierkv_redis.testing import RedisServer
+
+        (tmp_path / "redis").mkdir()
+        server = RedisServer(tmp_path / "redis")
+    except Exception as exc:  # tierkv-cache-redis or redis-server missing
+        missing_server("tierkv-cache-redis and a redis-server", exc)
+    with server:
+        yield server
