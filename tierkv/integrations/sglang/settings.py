@@ -144,7 +144,13 @@ def resolve(
     if inline is not None:
         if not isinstance(inline, list) or not inline:
             raise _problem("extra_config.tiers", f": expected a non-empty list, got {inline!r}")
-        config = parse_config(_chain_of(inline, geometry, namespace), source=SOURCE, env=env)
+        try:
+            config = parse_config(_chain_of(inline, geometry, namespace), source=SOURCE, env=env)
+        except ConfigError as exc:  # say the paths as the user wrote them
+            problems = [
+                f"extra_config.{p}" if p.startswith("tiers") else p for p in exc.problems
+            ]
+            raise type(exc)(problems, source=exc.source) from None
         default = geometry.default_namespace()
     else:
         config = load_config(str(chain), env=env)  # errors name the file and YAML path
