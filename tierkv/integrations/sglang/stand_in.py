@@ -95,10 +95,12 @@ class HostPoolStandIn:
         p = self.page_size
         lead: tuple[slice, ...] = () if self.mla else (slice(None),)  # MHA: K and V
         if self.layout == "page_first_direct":
-            return self.kv_buffer[(*lead, slice(index // p, index // p + 1))]
-        if self.layout == "layer_first":
-            return self.kv_buffer[(*lead, slice(None), slice(index, index + p))]
-        return self.kv_buffer[(*lead, slice(index, index + p))]
+            key = (*lead, slice(index // p, index // p + 1))
+        elif self.layout == "layer_first":
+            key = (*lead, slice(None), slice(index, index + p))
+        else:
+            key = (*lead, slice(index, index + p))
+        return self.kv_buffer[key]
 
     def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
         page = self._page(int(index))
