@@ -37,7 +37,7 @@ def test_a_good_config(tmp_path: Path, capsys: pytest.CaptureFixture[str], rig: 
 def test_json_and_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str], rig: Any) -> None:
     path = tmp_path / "extra.json"
     path.write_text(extra(tmp_path))
-    assert main(["sglang", "check", str(path), "--json", "--layout", "layer_first"]) == 0
+    assert main(["sglang", "check", f"@{path}", "--json", "--layout", "layer_first"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["parts_per_page"] == 64 and report["tiers"][0]["type"] == "nvme"
     assert any("page_first" in w for w in report["warnings"])

@@ -83,20 +83,37 @@ class CheckReport:
 
 
 def read_extra(value: str) -> dict[str, Any]:
-    """The JSON itself, or the JSON in the file `value` names."""
+    """The JSON itself, or (as SGLang reads `@FILE`) the JSON, YAML or TOML in a file."""
     text = value
     if not value.lstrip().startswith("{"):
-        path = Path(value)
+        path = Path(value[1:] if value.startswith("@") else value)
         if not path.is_file():
             raise ConfigError(
                 [f"{value!r} is neither a JSON object nor a file (pass the JSON in quotes)"],
                 source=SOURCE,
             )
-        text = path.read_text(encoding="utf-8")
+        return _mapping(_read_file(path))
     try:
-        extra = json.loads(text)
+        return _mapping(json.loads(text))
     except json.JSONDecodeError as exc:
         raise ConfigError([f"not JSON: {exc}"], source=SOURCE) from None
+
+
+def _read_file(path: Path) -> Any:
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix == ".toml":
+            import tomllib  # type: ignore[import-not-found,unused-ignore]
+
+            return tomllib.loads(text)
+        import yaml  # JSON is YAML too
+
+        return yaml.safe_load(text)
+    except Exception as exc:
+        raise ConfigError([f"{path}: cannot be read: {exc}"], source=SOURCE) from None
+
+
+def _mapping(extra: Any) -> dict[str, Any]:
     if not isinstance(extra, dict):
         raise ConfigError([f"expected a JSON object, got {type(extra).__name__}"], source=SOURCE)
     return extra

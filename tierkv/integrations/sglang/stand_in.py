@@ -19,11 +19,12 @@ copying calls SGLang's controller makes for backends without `interface_v1` (its
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import torch
 
-__all__ = ["HostPoolStandIn"]
+__all__ = ["HostPoolStandIn", "MambaPoolStandIn"]
 
 LAYOUTS = ("page_first", "layer_first", "page_first_direct")
 
@@ -124,3 +125,59 @@ class HostPoolStandIn:
         return torch.cat(
             [torch.arange(p * self.page_size, (p + 1) * self.page_size) for p in pages]
         ).to(torch.int64)
+
+
+class MambaPoolStandIn:
+    """A stand-in for SGLang's `MambaPoolHost` (page_first): one slot per page
+    (`page_size` 1), a temporal (SSM) state and conv states per Mamba layer, in separate
+    buffers of different dtypes; `get_page_buffer_meta` as SGLang's: per page the
+    temporal region, then one region per conv buffer."""
+
+    def __init__(
+        self,
+        *,
+        slots: int,
+        layers: int = 2,
+        temporal_shape: tuple[int, ...] = (4, 16),
+        conv_shapes: tuple[tuple[int, ...], ...] = ((3, 32), (3, 8)),
+    ) -> None:
+        self.page_size = 1
+        self.size = slots
+        self.layout = "page_first"
+        self.num_mamba_layers = layers
+        self.temporal_dtype = torch.float32
+        self.conv_dtype = torch.bfloat16
+        self.temporal_buffer = torch.zeros((slots, layers, 1, *temporal_shape))
+        self.conv_buffer = [
+            torch.zeros((slots, layers, 1, *shape), dtype=torch.bfloat16)
+            for shape in conv_shapes
+        ]
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return [self.temporal_buffer, *self.conv_buffer]
+
+    def get_page_buffer_meta(self, indices: Any) -> tuple[list[int], list[int]]:
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        for index in indices.tolist():
+            for buffer in self._buffers():
+                row = buffer[0].numel() * buffer.element_size()  # one slot, every layer
+                ptrs.append(buffer.data_ptr() + index * row)
+                sizes.append(row)
+        return ptrs, sizes
+
+    def fill(self, slots: list[int], seed: str) -> None:
+        """Distinct bytes in `slots` (random bits: compare bytes, not values)."""
+        generator = torch.Generator().manual_seed(zlib.crc32(seed.encode()))
+        for buffer in self._buffers():
+            raw = buffer.view(torch.uint8).view(buffer.shape[0], -1)
+            for slot in slots:
+                raw[slot] = torch.randint(0, 256, raw[slot].shape, dtype=torch.uint8,
+                                          generator=generator)
+
+    def slot_bytes(self, slot: int) -> bytes:
+        rows = [b.view(torch.uint8).view(b.shape[0], -1)[slot] for b in self._buffers()]
+        return b"".join(bytes(row.numpy()) for row in rows)
+
+    def indices(self, slots: list[int]) -> torch.Tensor:
+        return torch.tensor(slots, dtype=torch.int64)

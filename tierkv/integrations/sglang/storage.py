@@ -24,21 +24,23 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolName,
     PoolTransfer,
     PoolTransferResult,
 )
 
 from tierkv.contract.keys import OffloadKey
 from tierkv.driver.sync_chain import SyncChain
+from tierkv.integrations.sglang.metrics import CallMetrics
 from tierkv.integrations.sglang.pages import PoolPages, page_keys, read_geometry
-from tierkv.integrations.sglang.settings import check_keys, rank_suffix, resolve
+from tierkv.integrations.sglang.settings import ChainSettings, check_keys, rank_suffix, resolve
+from tierkv.integrations.sglang.sidecars import SidecarPool, restorable_ends
 
 __all__ = ["TierkvHiCacheStorage"]
 
@@ -72,25 +74,8 @@ def _all_false(self: Any, args: tuple[Any, ...]) -> list[bool]:
     return [False] * len(args[0]) if args else []
 
 
-@functools.lru_cache(maxsize=1)
-def _storage_metrics() -> Any:
-    """SGLang's `StorageMetrics` class, or None where its module does not import (it
-    reaches torchvision); looked up once."""
-    try:
-        from sglang.srt.observability.metrics_collector import StorageMetrics
-    except Exception:
-        return None
-    return StorageMetrics
-
-
-@dataclass
-class _Metrics:
-    """SGLang's `StorageMetrics` fields, gathered between two `get_stats` calls."""
-
-    prefetch_pgs: list[int] = field(default_factory=list)
-    backup_pgs: list[int] = field(default_factory=list)
-    prefetch_bandwidth: list[float] = field(default_factory=list)
-    backup_bandwidth: list[float] = field(default_factory=list)
+def _v2_misses(transfers: Any) -> dict[str, list[bool]]:
+    return {str(t.name): [False] * len(t.keys or []) for t in transfers or []}
 
 
 class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
@@ -114,10 +99,22 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         )
         if config.dcp_size > 1:
             self.suffix += f"_tp{config.tp_size}_dcp{config.dcp_rank}_{config.dcp_size}"
+        # extra pools (Mamba state) are TP-sharded even where the KV is replicated
+        self.rank_suffix = rank_suffix(
+            model=config.model_name,
+            tp_rank=config.tp_rank,
+            tp_size=config.tp_size,
+            pp_rank=config.pp_rank,
+            pp_size=config.pp_size,
+            cp_rank=config.attn_cp_rank,
+            cp_size=config.attn_cp_size,
+        )
+        self._settings: ChainSettings | None = None
+        self.sidecars: dict[str, SidecarPool] = {}
         self.chain: SyncChain | None = None
         self.pages: PoolPages | None = None
         self._lock = threading.Lock()
-        self._metrics = _Metrics()
+        self._metrics = CallMetrics()
         self._written: OrderedDict[str, None] = OrderedDict()
         self._warned: set[str] = set()
 
@@ -148,6 +145,10 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             lookup_timeout=settings.lookup_timeout,
             tags={"engine": "sglang"},
         )
+        self._settings = settings
+        for name, pool in getattr(self, "registered_pools", {}).items():
+            if str(name) != str(PoolName.KV):
+                self._add_sidecar(pool, str(name))
         logger.info(
             "tierkv below SGLang's host pool: tiers %s, %d regions of %d bytes per page, "
             "namespace %r, rank suffix %r",
@@ -242,21 +243,17 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         moved = sum(answers)
         assert self.pages is not None
         geometry = self.pages.geometry
-        gb = moved * geometry.part_bytes * geometry.parts_per_page / 1e9
-        bandwidth = gb / elapsed if elapsed > 0 else 0.0
-        with self._lock:
-            if kind == "load":
-                self._metrics.prefetch_pgs.append(moved)
-                self._metrics.prefetch_bandwidth.append(bandwidth)
-                return
-            self._metrics.backup_pgs.append(moved)
-            self._metrics.backup_bandwidth.append(bandwidth)
-            for key, ok in zip(keys, answers):
-                if ok:
-                    self._written[key] = None
-                    self._written.move_to_end(key)
-            while len(self._written) > REMEMBERED_PAGES:
-                self._written.popitem(last=False)
+        self._metrics.record(
+            kind, moved, moved * geometry.part_bytes * geometry.parts_per_page, elapsed
+        )
+        if kind == "store":
+            with self._lock:
+                for key, ok in zip(keys, answers):
+                    if ok:
+                        self._written[key] = None
+                        self._written.move_to_end(key)
+                while len(self._written) > REMEMBERED_PAGES:
+                    self._written.popitem(last=False)
 
     def _ready(self) -> tuple[SyncChain | None, PoolPages | None]:
         chain = self.chain
@@ -264,25 +261,96 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             return None, None
         return chain, self.pages
 
-    # -- hybrid models (v2): not served yet ------------------------------------------
+    # -- hybrid models (v2): the extra pools ------------------------------------------
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """An extra pool of a hybrid model (Mamba state, sliding-window KV): its
+        regions get tiers of their own (`sidecars.SidecarPool`). The KV pool itself is
+        served by the v1 calls."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(host_pool_name)
+        if name == str(PoolName.KV) or self._settings is None:
+            return  # before the anchor pool: built in register_mem_pool_host
+        self._add_sidecar(host_pool, name)
+
+    def _add_sidecar(self, host_pool: Any, name: str) -> None:
+        settings = self._settings
+        assert settings is not None
+        old = self.sidecars.pop(name, None)
+        if old is not None:
+            old.close()
+        config = self.storage_config
+        self.sidecars[name] = SidecarPool(
+            host_pool,
+            name,
+            self.rank_suffix,
+            f"{settings.namespace}|tp{config.tp_rank}of{config.tp_size}",
+            lambda view: SyncChain(
+                settings.tiers,
+                settings.names,
+                view,
+                lookup_timeout=settings.lookup_timeout,
+                tags={"engine": "sglang", "pool": name},
+            ),
+        )
+
+    @_never_raises(lambda self, args: PoolTransferResult(0, {}, []))
     def batch_exists_v2(
         self,
         keys: list[str],
         pool_transfers: list[PoolTransfer] | None = None,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> PoolTransferResult:
-        self._failed("batch_exists_v2", NotImplementedError("hybrid models (v2) are not served"))
-        return PoolTransferResult(0, {}, [])
+        """The KV pages present from the start, narrowed by each extra pool's rule;
+        `restorable_prefix_pages` lists every end all pools can serve."""
+        kv_pages = self.batch_exists(keys, extra_info)
+        hits: dict[str, int] = {str(PoolName.KV): kv_pages} if kv_pages else {}
+        restorable = list(range(1, kv_pages + 1))
+        for transfer in pool_transfers or []:
+            if not restorable:
+                break
+            sidecar = self.sidecars.get(str(transfer.name))
+            if sidecar is None:
+                return PoolTransferResult(0, hits, [])  # a pool tierkv does not hold
+            present = sidecar.present(keys[:kv_pages])
+            policy = getattr(transfer.hit_policy, "value", str(transfer.hit_policy))
+            verdict = restorable_ends(kv_pages, present, policy, len(transfer.keys or []))
+            if verdict is None:
+                continue
+            ends, boundary = verdict
+            if boundary:
+                hits[str(transfer.name)] = boundary
+            allowed = set(ends)
+            restorable = [p for p in restorable if p in allowed]
+        return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
 
+    @_never_raises(lambda self, args: _v2_misses(args[0]))
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
-        return {str(t.name): [False] * len(t.keys or []) for t in transfers}
+        return self._transfer_v2("load", transfers)
 
+    @_never_raises(lambda self, args: _v2_misses(args[0]))
     def batch_set_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
-        return {str(t.name): [False] * len(t.keys or []) for t in transfers}
+        return self._transfer_v2("store", transfers)
+
+    def _transfer_v2(self, kind: str, transfers: list[PoolTransfer]) -> dict[str, list[bool]]:
+        """Each transfer's pages to or from its pool; a pool tierkv does not hold (or a
+        transfer that fails) answers misses for its pages alone."""
+        results: dict[str, list[bool]] = {}
+        for transfer in transfers:
+            keys = list(transfer.keys or [])
+            sidecar = self.sidecars.get(str(transfer.name))
+            if sidecar is None or self.chain is None or transfer.host_indices is None:
+                results[str(transfer.name)] = [False] * len(keys)
+                continue
+            try:
+                results[str(transfer.name)] = sidecar.move(kind, keys, transfer.host_indices)
+            except Exception as exc:
+                self._failed(f"batch_{'get' if kind == 'load' else 'set'}_v2", exc)
+                results[str(transfer.name)] = [False] * len(keys)
+        return results
 
     # -- the legacy (copying) interface --------------------------------------------------
     def exists(self, key: str) -> bool:
@@ -333,18 +401,13 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def get_stats(self) -> Any:
         """SGLang's `StorageMetrics` since the last call (pages and GB/s per call)."""
-        with self._lock:
-            taken, self._metrics = self._metrics, _Metrics()
-        factory = _storage_metrics()
-        if factory is None:  # a CPU install without SGLang's metrics module: same fields
-            return taken
-        metrics = factory()
-        for name in ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth"):
-            getattr(metrics, name).extend(getattr(taken, name))
-        return metrics
+        return self._metrics.take()
 
     def close(self) -> None:
-        """Close the tiers (bounded) and let go of the loop thread and the pool."""
+        """Close the tiers (bounded) and let go of the loop thread and the pools."""
+        sidecars, self.sidecars = self.sidecars, {}
+        for sidecar in sidecars.values():
+            sidecar.close()
         chain, self.chain = self.chain, None
         if chain is not None:
             chain.close()
