@@ -22,6 +22,7 @@ nvme tier checks a checksum on every read and writes a header per block, with
 durable setting). Prints pages/s per operation, the median over rounds, and the ratio.
 
     python scripts/bench_sglang.py [--pages-kib 64,1024] [--batches 8] [--rounds 5]
+        [--io-concurrency 8] [--fsync never]
 """
 
 from __future__ import annotations
@@ -144,14 +145,17 @@ def fill(pool: Any, pages: list[int], seed: int) -> None:
                              generator=generator))
 
 
-def bench(page_kib: int, batches: int, rounds: int, root: Path, fsync: str) -> dict[str, Any]:
+def bench(
+    page_kib: int, batches: int, rounds: int, root: Path, fsync: str, io_concurrency: int
+) -> dict[str, Any]:
     pages = 2 * batches * BATCH
     pools = {"tierkv": pool_of(page_kib, pages), "file": pool_of(page_kib, pages)}
     tierkv_dir, file_dir = root / f"tierkv-{page_kib}", root / f"file-{page_kib}"
     capacity = f"{4 * rounds * batches * BATCH * page_kib}KiB"
     runs = [
         Run("tierkv", build("dynamic", {**TIERKV, "tiers": [
-            {"type": "nvme", "path": str(tierkv_dir), "capacity": capacity, "fsync": fsync}
+            {"type": "nvme", "path": str(tierkv_dir), "capacity": capacity, "fsync": fsync,
+             "io_concurrency": io_concurrency}
         ]}, pools["tierkv"]), pools["tierkv"], zero_copy=True),
         Run("file", build("file", {"file_storage_path": str(file_dir)}, pools["file"]),
             pools["file"], zero_copy=False),
@@ -177,6 +181,8 @@ def main() -> int:
     parser.add_argument("--batches", type=int, default=8, help="128-page batches per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--fsync", default="never", choices=("never", "always"))
+    parser.add_argument("--io-concurrency", type=int, default=8,
+                        help="the nvme tier's io_concurrency (its default: 8)")
     parser.add_argument("--dir", default=None, help="where both write (default: a temp dir)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -184,15 +190,17 @@ def main() -> int:
     rows = []
     try:
         for kib in (int(k) for k in args.pages_kib.split(",")):
-            rows.append(bench(kib, args.batches, args.rounds, root, args.fsync))
+            rows.append(
+                bench(kib, args.batches, args.rounds, root, args.fsync, args.io_concurrency)
+            )
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"128-page batches, {args.rounds} interleaved rounds, median pages/s; "
-          f"tierkv nvme fsync={args.fsync}, checksums on")
+    print(f"128-page batches, {args.rounds} interleaved rounds, median pages/s; tierkv nvme "
+          f"fsync={args.fsync}, io_concurrency={args.io_concurrency}, checksums on")
     print("| page | tierkv set | file set | set ratio | tierkv get | file get | get ratio |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for row in rows:

@@ -26,6 +26,7 @@ builds several storage objects (one per pool, a re-attach) does not gather threa
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import threading
@@ -197,9 +198,11 @@ class SyncChain:
             with anyio.move_on_after(deadline):
                 await work
 
+        future = asyncio.run_coroutine_threadsafe(bounded(), self._loop.loop)
         try:
-            self._loop.run(bounded(), timeout=deadline + self.margin)
+            future.result(timeout=deadline + self.margin)
         except FutureTimeout:
+            future.cancel()  # cancel it again, in case it still runs
             self.late_answers += 1
             logger.error(
                 "tierkv: a tier call gave no answer %gs after its %gs deadline, even "

@@ -27,7 +27,7 @@ from tierkv.contract.units import parse_duration
 SOURCE = "--hicache-storage-backend-extra-config"
 OUR_KEYS = ("tiers", "chain", "namespace", "lookup_timeout")
 """The keys tierkv reads from the extra config."""
-SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "interface_v2")
+SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 """Keys SGLang's dynamic backend loader reads (passed on to the backend with ours)."""
 LOOKUP_TIMEOUT = 0.5
 """Seconds `batch_exists` waits for the tiers by default: SGLang asks from its prefetch

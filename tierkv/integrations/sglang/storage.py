@@ -78,6 +78,25 @@ def _v2_misses(transfers: Any) -> dict[str, list[bool]]:
     return {str(t.name): [False] * len(t.keys or []) for t in transfers or []}
 
 
+def _suffixes(config: HiCacheStorageConfig) -> tuple[str, str]:
+    """The rank suffix of this rank's KV pages (shared by every TP rank for MLA, as
+    SGLang's file backend has it) and of its extra pools' pages (Mamba state is
+    TP-sharded even where the KV is replicated)."""
+    where: dict[str, Any] = {
+        "model": config.model_name,
+        "tp_rank": config.tp_rank,
+        "tp_size": config.tp_size,
+        "pp_rank": config.pp_rank,
+        "pp_size": config.pp_size,
+        "cp_rank": config.attn_cp_rank,
+        "cp_size": config.attn_cp_size,
+    }
+    kv = rank_suffix(**where, is_mla=config.is_mla_model)
+    if config.dcp_size > 1:
+        kv += f"_tp{config.tp_size}_dcp{config.dcp_rank}_{config.dcp_size}"
+    return kv, rank_suffix(**where)
+
+
 class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     """tierkv's tiers below SGLang's host pool (see the module docstring)."""
 
@@ -87,28 +106,7 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         check_keys(self.extra)  # no pool yet: the rest is checked when it comes
         config = storage_config
         self.is_writer = bool(config.is_storage_writer)
-        self.suffix = rank_suffix(
-            model=config.model_name,
-            tp_rank=config.tp_rank,
-            tp_size=config.tp_size,
-            pp_rank=config.pp_rank,
-            pp_size=config.pp_size,
-            cp_rank=config.attn_cp_rank,
-            cp_size=config.attn_cp_size,
-            is_mla=config.is_mla_model,
-        )
-        if config.dcp_size > 1:
-            self.suffix += f"_tp{config.tp_size}_dcp{config.dcp_rank}_{config.dcp_size}"
-        # extra pools (Mamba state) are TP-sharded even where the KV is replicated
-        self.rank_suffix = rank_suffix(
-            model=config.model_name,
-            tp_rank=config.tp_rank,
-            tp_size=config.tp_size,
-            pp_rank=config.pp_rank,
-            pp_size=config.pp_size,
-            cp_rank=config.attn_cp_rank,
-            cp_size=config.attn_cp_size,
-        )
+        self.suffix, self.rank_suffix = _suffixes(config)
         self._settings: ChainSettings | None = None
         self.sidecars: dict[str, SidecarPool] = {}
         self.chain: SyncChain | None = None
