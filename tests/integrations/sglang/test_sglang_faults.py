@@ -16,7 +16,7 @@ FAST = {"job_timeout": f"{JOB_TIMEOUT}s", "recovery_after": "0.2s", "failure_thr
 def deadline(backend: Any) -> float:
     """The longest any call may take: the chain's deadline, its margin, and slack for
     a loaded test machine."""
-    chain = backend.chain
+    chain = backend.kv.components[0].chain
     return max(chain.job_deadline, chain.lookup_timeout) + chain.margin + 0.5
 
 

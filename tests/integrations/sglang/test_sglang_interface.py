@@ -56,7 +56,7 @@ def test_a_chain_file(rig: Any, tmp_path: Path) -> None:
     backend = backend_factory.StorageBackendFactory.create_backend("dynamic", config, pool)
     backend.register_mem_pool_host(pool)
     try:
-        assert backend.pages.view.namespace.startswith("tenant-a|sglang:m:")
+        assert backend.kv.namespace.startswith("tenant-a|sglang:m:")
         rig.fill(pool, [0], "chain")
         assert backend.batch_set_v1(rig.page_hashes(1), pool.indices([0])) == [True]
         assert backend.batch_get_v1(rig.page_hashes(1), pool.indices([1])) == [True]

@@ -3,7 +3,7 @@
 SGLang 0.5.23 builds it through `StorageBackendFactory` from the `dynamic` backend
 config (`--hicache-storage-backend dynamic` and the extra config `settings.py` reads),
 then hands it the host pool (`register_mem_pool_host`). The host pool is tierkv's
-primary (`pages.PoolPages`: each page region a slot, read and written in place); the
+primary (`regions.RegionPool`: each page region a slot, read and written in place); the
 tiers run on the process's one event-loop thread through the shared guarded-tier
 driver (`tierkv.driver.SyncChain` over `GuardedTier`: breaker, in-flight budget,
 answer checks, deadline backstop, reopen). This class only translates SGLang's calls:
@@ -35,12 +35,12 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from tierkv.contract.keys import OffloadKey
+from tierkv.contract.slab import PrimaryView
 from tierkv.driver.sync_chain import SyncChain
 from tierkv.integrations.sglang.metrics import CallMetrics
-from tierkv.integrations.sglang.pages import PoolPages, page_keys, read_geometry
+from tierkv.integrations.sglang.pages import read_geometry
+from tierkv.integrations.sglang.regions import RegionPool, restorable_ends
 from tierkv.integrations.sglang.settings import ChainSettings, check_keys, rank_suffix, resolve
-from tierkv.integrations.sglang.sidecars import SidecarPool, restorable_ends
 
 __all__ = ["TierkvHiCacheStorage"]
 
@@ -108,9 +108,9 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.is_writer = bool(config.is_storage_writer)
         self.suffix, self.rank_suffix = _suffixes(config)
         self._settings: ChainSettings | None = None
-        self.sidecars: dict[str, SidecarPool] = {}
-        self.chain: SyncChain | None = None
-        self.pages: PoolPages | None = None
+        self.sidecars: dict[str, RegionPool] = {}
+        self.kv: RegionPool | None = None
+        self.page_bytes = 0
         self._lock = threading.Lock()
         self._metrics = CallMetrics()
         self._written: OrderedDict[str, None] = OrderedDict()
@@ -133,17 +133,13 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             is_mla=config.is_mla_model,
         )
         settings = resolve(self.extra, geometry)
-        self.pages = PoolPages(mem_pool_host, geometry, settings.namespace)
-        if self.chain is not None:
-            self.chain.close()
-        self.chain = SyncChain(
-            settings.tiers,
-            settings.names,
-            self.pages.view,
-            lookup_timeout=settings.lookup_timeout,
-            tags={"engine": "sglang"},
-        )
         self._settings = settings
+        if self.kv is not None:
+            self.kv.close()
+        self.kv = RegionPool(
+            mem_pool_host, self.suffix, settings.namespace, self._chain_maker("kv")
+        )
+        self.page_bytes = sum(self.kv.region_bytes)
         for name, pool in getattr(self, "registered_pools", {}).items():
             if str(name) != str(PoolName.KV):
                 self._add_sidecar(pool, str(name))
@@ -173,17 +169,11 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
         """How many leading pages some tier holds whole (every region)."""
-        chain, pages = self._ready()
-        if chain is None or pages is None or not keys:
+        kv = self._ready()
+        if kv is None or not keys:
             return 0
-        per_page = page_keys(keys, self.suffix, pages.geometry.parts_per_page)
-        flat = [k for page in per_page for k in page]
-        found = chain.present(flat)
-        parts = pages.geometry.parts_per_page
-        for i in range(len(keys)):
-            if not all(found[i * parts : (i + 1) * parts]):
-                return i
-        return len(keys)
+        present = kv.present(keys)
+        return present.index(False) if False in present else len(keys)
 
     @_never_raises(_all_false)
     def batch_get_v1(
@@ -211,39 +201,17 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return self._transfer("store", keys, host_indices)
 
     def _transfer(self, kind: str, keys: Sequence[str], host_indices: Any) -> list[bool]:
-        chain, pages = self._ready()
-        if chain is None or pages is None or not keys:
+        kv = self._ready()
+        if kv is None or not keys:
             return [False] * len(keys)
-        if len(host_indices) != len(keys) * pages.page_size:
-            raise ValueError(
-                f"{len(host_indices)} host indices for {len(keys)} pages of "
-                f"{pages.page_size} tokens"
-            )
-        slots = pages.slots(self.mem_pool_host, host_indices)
-        per_page = page_keys(keys, self.suffix, pages.geometry.parts_per_page)
-        flat: dict[OffloadKey, int] = {}
-        for i, key in enumerate(k for pk in per_page for k in pk):
-            flat.setdefault(key, slots[i])  # a page twice in one call: moved once
         started = time.perf_counter()
-        move = chain.load if kind == "load" else chain.store
-        done = move(list(flat), list(flat.values()))
-        elapsed = time.perf_counter() - started
-        answers = [all(k in done for k in page) for page in per_page]
-        if kind == "load":  # a page asked twice: only its first copy was filled
-            seen: set[str] = set()
-            for i, page_hash in enumerate(keys):
-                answers[i] = answers[i] and page_hash not in seen
-                seen.add(page_hash)
-        self._count(kind, keys, answers, elapsed)
+        answers = kv.move(kind, keys, host_indices)
+        self._count(kind, keys, answers, time.perf_counter() - started)
         return answers
 
     def _count(self, kind: str, keys: Sequence[str], answers: list[bool], elapsed: float) -> None:
         moved = sum(answers)
-        assert self.pages is not None
-        geometry = self.pages.geometry
-        self._metrics.record(
-            kind, moved, moved * geometry.part_bytes * geometry.parts_per_page, elapsed
-        )
+        self._metrics.record(kind, moved, moved * self.page_bytes, elapsed)
         if kind == "store":
             with self._lock:
                 for key, ok in zip(keys, answers):
@@ -253,16 +221,30 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 while len(self._written) > REMEMBERED_PAGES:
                     self._written.popitem(last=False)
 
-    def _ready(self) -> tuple[SyncChain | None, PoolPages | None]:
-        chain = self.chain
-        if chain is None or chain.closed:
-            return None, None
-        return chain, self.pages
+    def _ready(self) -> RegionPool | None:
+        kv = self.kv
+        return None if kv is None or kv.closed else kv
+
+    def _chain_maker(self, pool: str) -> Callable[[PrimaryView], SyncChain]:
+        """Builds the tier chain of one component of a pool (`regions.RegionPool`)."""
+        settings = self._settings
+        assert settings is not None
+
+        def make(view: PrimaryView) -> SyncChain:
+            return SyncChain(
+                settings.tiers,
+                settings.names,
+                view,
+                lookup_timeout=settings.lookup_timeout,
+                tags={"engine": "sglang", "pool": pool},
+            )
+
+        return make
 
     # -- hybrid models (v2): the extra pools ------------------------------------------
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """An extra pool of a hybrid model (Mamba state, sliding-window KV): its
-        regions get tiers of their own (`sidecars.SidecarPool`). The KV pool itself is
+        regions get tiers of their own (`regions.RegionPool`). The KV pool itself is
         served by the v1 calls."""
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         name = str(host_pool_name)
@@ -277,18 +259,13 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if old is not None:
             old.close()
         config = self.storage_config
-        self.sidecars[name] = SidecarPool(
+        # an extra pool's pages are each rank's own, MLA or not
+        self.sidecars[name] = RegionPool(
             host_pool,
-            name,
-            self.rank_suffix,
-            f"{settings.namespace}|tp{config.tp_rank}of{config.tp_size}",
-            lambda view: SyncChain(
-                settings.tiers,
-                settings.names,
-                view,
-                lookup_timeout=settings.lookup_timeout,
-                tags={"engine": "sglang", "pool": name},
-            ),
+            f"{self.rank_suffix}|{name}",
+            f"{settings.namespace}|tp{config.tp_rank}of{config.tp_size}|{name}",
+            self._chain_maker(name),
+            name=name,
         )
 
     @_never_raises(lambda self, args: PoolTransferResult(0, {}, []))
@@ -340,7 +317,7 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         for transfer in transfers:
             keys = list(transfer.keys or [])
             sidecar = self.sidecars.get(str(transfer.name))
-            if sidecar is None or self.chain is None or transfer.host_indices is None:
+            if sidecar is None or self._ready() is None or transfer.host_indices is None:
                 results[str(transfer.name)] = [False] * len(keys)
                 continue
             try:
@@ -389,29 +366,21 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     @_never_raises(lambda self, args: None)
     def clear(self) -> None:
         """Remove the pages this process wrote (the last `REMEMBERED_PAGES`)."""
-        chain, pages = self._ready()
-        if chain is None or pages is None:
+        kv = self._ready()
+        if kv is None:
             return
         with self._lock:
             written, self._written = list(self._written), OrderedDict()
-        per_page = page_keys(written, self.suffix, pages.geometry.parts_per_page)
-        chain.remove_all([k for page in per_page for k in page])
+        kv.remove(written)
 
     def get_stats(self) -> Any:
         """SGLang's `StorageMetrics` since the last call (pages and GB/s per call)."""
         return self._metrics.take()
 
     def close(self) -> None:
-        """Close the tiers (bounded) and let go of the loop thread and the pools."""
-        sidecars, self.sidecars = self.sidecars, {}
-        for sidecar in sidecars.values():
-            sidecar.close()
-        chain, self.chain = self.chain, None
-        if chain is not None:
-            chain.close()
-        pages, self.pages = self.pages, None
-        if pages is not None:
-            try:
-                pages.view.release()
-            except BufferError:
-                logger.warning("tierkv: a view of SGLang's host pool is still in use")
+        """Close the tiers (bounded), let go of the pools' buffers and, with the last
+        backend of the process, of the loop thread."""
+        pools = [*self.sidecars.values(), *([self.kv] if self.kv is not None else [])]
+        self.sidecars, self.kv = {}, None
+        for pool in pools:
+            pool.close()
