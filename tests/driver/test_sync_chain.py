@@ -91,6 +91,10 @@ def test_a_hung_tier_answers_misses_by_the_deadline(faulty: None) -> None:
         assert chain.store(keys(3), [0, 1, 2]) == set()
         assert time.monotonic() - started < chain.job_deadline + chain.margin
         assert chain.load(keys(3), [0, 1, 2]) == set()
+        started = time.monotonic()
+        assert chain.load(keys(3), [0, 1, 2], budget=0.05) == set()  # the caller's time left
+        assert time.monotonic() - started < 0.5
+        assert chain.load(keys(3), [0, 1, 2], budget=0) == set()
         tier.hang = False
         assert chain.store(keys(3), [0, 1, 2]) == set(keys(3))
     finally:

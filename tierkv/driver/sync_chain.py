@@ -149,29 +149,46 @@ class SyncChain:
         return self._closed
 
     # -- calls from the engine's threads --------------------------------------------------
-    def present(self, keys: Sequence[OffloadKey]) -> list[bool]:
+    def present(
+        self, keys: Sequence[OffloadKey], budget: float | None = None
+    ) -> list[bool]:
         """One flag per key: some tier holds it. Misses for whatever is not known by
-        `lookup_timeout`."""
+        `lookup_timeout` (or `budget` seconds, when the caller has less time left)."""
         found = [False] * len(keys)
         if keys:
-            self._call(self._present(keys, found), self.lookup_timeout)
+            self._call(self._present(keys, found), self._limit(self.lookup_timeout, budget))
         return found
 
-    def load(self, keys: Sequence[OffloadKey], slots: Sequence[int]) -> set[OffloadKey]:
+    def load(
+        self, keys: Sequence[OffloadKey], slots: Sequence[int], budget: float | None = None
+    ) -> set[OffloadKey]:
         """Read `keys[i]` into primary slot `slots[i]`; the keys that arrived whole
-        (by the deadline). The slot of a key not returned holds undefined bytes."""
+        (by the deadline, or `budget`). The slot of a key not returned holds undefined
+        bytes."""
         done: set[OffloadKey] = set()
         if keys:
-            self._call(self._jobs("load", keys, slots, done), self.job_deadline)
+            work = self._jobs("load", keys, slots, done)
+            self._call(work, self._limit(self.job_deadline, budget))
         return set(done)
 
-    def store(self, keys: Sequence[OffloadKey], slots: Sequence[int]) -> set[OffloadKey]:
+    def store(
+        self, keys: Sequence[OffloadKey], slots: Sequence[int], budget: float | None = None
+    ) -> set[OffloadKey]:
         """Write `keys[i]` from slot `slots[i]` to every usable tier; the keys some tier
-        took (by the deadline)."""
+        took (by the deadline, or `budget`)."""
         done: set[OffloadKey] = set()
         if keys:
-            self._call(self._jobs("store", keys, slots, done), self.job_deadline)
+            work = self._jobs("store", keys, slots, done)
+            self._call(work, self._limit(self.job_deadline, budget))
         return set(done)
+
+    @staticmethod
+    def _limit(deadline: float, budget: float | None) -> float:
+        """The caller's time left, where it is less than the call's own deadline (a
+        caller making several calls for one engine call keeps to one deadline); a
+        call past its budget is cut at once (its tier jobs cancelled, by contract
+        harmless)."""
+        return deadline if budget is None else max(0.0, min(deadline, budget))
 
     def remove_all(self, keys: Sequence[OffloadKey]) -> None:
         """Ask every tier to drop `keys` (a hint: failures are logged)."""
@@ -190,7 +207,7 @@ class SyncChain:
         """Run `work` on the loop under `deadline` (it records its answers as they
         come, so what finished by then counts); give up waiting at `deadline +
         margin`. Never raises."""
-        if self._closed or not self._loop.is_alive():
+        if self._closed or not self._loop.is_alive() or deadline <= 0:
             work.close()
             return
 

@@ -137,3 +137,30 @@ def test_redis_stopped_then_restarted(rig: Any, redis_server: Any) -> None:
         assert until(lambda: reader.hits >= 16)
     assert reader.wrong == 0
     assert reader.slowest < deadline(backend)
+
+
+def test_a_pool_of_several_buffers_keeps_one_deadline(rig: Any, faulty_tier_type: str) -> None:
+    """A Mamba pool's page is three regions in three buffers, each with its own tiers:
+    when all of them hang, a v2 call still answers within one deadline, not three."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    from tierkv.integrations.sglang.stand_in import MambaPoolStandIn
+
+    tier = {"type": faulty_tier_type, "job_timeout": "0.5s", "failure_threshold": 10}
+    backend = rig.backend(rig.pool(pages=4), [tier])
+    mamba = MambaPoolStandIn(slots=8)
+    backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    components = backend.sidecars["mamba"].components
+    assert len(components) == 3
+    hashes = rig.page_hashes(2, "hung")
+    transfer = PoolTransfer(name=PoolName.MAMBA, host_indices=mamba.indices([0, 1]), keys=hashes)
+    assert backend.batch_set_v2([transfer]) == {"mamba": [True, True]}
+    for component in components:
+        component.chain.tiers[0].tier.hang = True
+    chain = components[0].chain
+    answer, took = timed(backend.batch_get_v2, [transfer])
+    assert answer == {"mamba": [False, False]}
+    assert took < chain.job_deadline + chain.margin
+    for component in components:
+        component.chain.tiers[0].tier.hang = False
+    assert until(lambda: backend.batch_get_v2([transfer]) == {"mamba": [True, True]})

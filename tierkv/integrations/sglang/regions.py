@@ -25,6 +25,7 @@ hit.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -156,9 +157,18 @@ class RegionPool:
         """Per page: every region is held by some tier."""
         per_page = self.keys(page_hashes)
         found: dict[OffloadKey, bool] = {}
+        end = time.monotonic() + self._deadline("lookup")
         for component, keys in zip(self.components, self._split(per_page)):
-            found.update(zip(keys, component.chain.present(keys)))
+            budget = end - time.monotonic()
+            found.update(zip(keys, component.chain.present(keys, budget)))
         return [all(found.get(k, False) for k in page) for page in per_page]
+
+    def _deadline(self, what: str) -> float:
+        """One engine call's deadline across the components (each a tier chain)."""
+        chains = [c.chain for c in self.components]
+        if what == "lookup":
+            return max((c.lookup_timeout for c in chains), default=0.0)
+        return max((c.job_deadline for c in chains), default=0.0)
 
     def _slots(self, host_indices: Any) -> list[int]:
         """The slot (in its component) of every region of the pages at `host_indices`,
@@ -200,9 +210,10 @@ class RegionPool:
             for j, key in enumerate(page):
                 work[self.component_of[j]].setdefault(key, slots[i * self.parts + j])
         done: set[OffloadKey] = set()
+        end = time.monotonic() + self._deadline("job")
         for component, pairs in zip(self.components, work):
             move = component.chain.load if kind == "load" else component.chain.store
-            done |= move(list(pairs), list(pairs.values()))
+            done |= move(list(pairs), list(pairs.values()), end - time.monotonic())
         answers = [all(k in done for k in page) for page in per_page]
         if kind == "load":
             seen: set[str] = set()
