@@ -74,3 +74,11 @@ def test_the_geometry_is_the_host_pools(rig: Any, layout: str, mla: bool) -> Non
                   layout=layout, mla=mla)
     read = read_geometry(pool, model="m", tp_rank=0, tp_size=1, is_mla=mla)
     assert read == model.geometry()
+
+
+def test_sglang_own_fields_may_stand_beside(tmp_path: Path, rig: Any) -> None:
+    """The prefetch settings SGLang takes out of the extra config itself, and the
+    fields it reads and leaves in (allocator, file_storage_path) are not typos."""
+    fields = {"prefetch_threshold": 128, "hicache_storage_pass_prefix_keys": True,
+              "allocator": "default", "file_storage_path": "/tmp/x"}
+    assert main(["sglang", "check", extra(tmp_path, **fields)]) == 0

@@ -27,8 +27,23 @@ from tierkv.contract.units import parse_duration
 SOURCE = "--hicache-storage-backend-extra-config"
 OUR_KEYS = ("tiers", "chain", "namespace", "lookup_timeout")
 """The keys tierkv reads from the extra config."""
-SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
-"""Keys SGLang's dynamic backend loader reads (passed on to the backend with ours)."""
+SGLANG_KEYS = (
+    "backend_name",
+    "module_path",
+    "class_name",
+    "interface_v1",
+    "allocator",
+    "file_storage_path",
+    "tp_lcm_size",
+    "prefetch_threshold",
+    "prefetch_timeout_base",
+    "prefetch_timeout_per_ki_token",
+    "hicache_storage_pass_prefix_keys",
+)
+"""Keys SGLang 0.5.23 itself reads from the extra config: its dynamic loader's, the
+host allocator's, `--file-storage-path` (which it adds for every backend); and the
+prefetch settings and `tp_lcm_size`, which it takes out before the backend sees the
+config (`tierkv sglang check` reads the JSON as written, so it meets them)."""
 LOOKUP_TIMEOUT = 0.5
 """Seconds `batch_exists` waits for the tiers by default: SGLang asks from its prefetch
 thread, off the request's critical path, and a remote tier asked for 128 pages of
