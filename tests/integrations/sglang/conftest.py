@@ -153,6 +153,21 @@ def unwritable(root: Path) -> Iterator[None]:
         os.open = real_open
 
 
+@pytest.fixture(scope="session")
+def real_pools() -> Any:
+    """`real_pools.py`: SGLang's own host pool classes, built on CPU (imported once)."""
+    sglang()
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "tierkv_test_real_pools", Path(__file__).with_name("real_pools.py")
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[Any]:
     """A real redis-server the test may stop, restart, freeze and thaw."""

@@ -2,10 +2,13 @@
 
 SGLang's own host pools (`sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost`,
 `.mla.MLATokenToKVPoolHost`) can be built over a CPU device pool, but importing them
-reaches SGLang's multimodal configs, which import torchvision at module level; the only
-torchvision wheel on the package index is a CUDA build that fails to load over the CPU
-torch tierkv tests with ("operator torchvision::nms does not exist"), and stubbing it
-out only moves the failure (transformers' AutoProcessor). So the tests use this class.
+reaches SGLang's model configs and quantization layers, some of which import
+torchvision at module level; the only torchvision wheel on the package index is a CUDA
+build that fails to load over the CPU torch ("operator torchvision::nms does not
+exist"). The tests build SGLang's own pools anyway, with those modules replaced by
+inert ones (`tests/integrations/sglang/real_pools.py`), and check this class against
+them region by region; this class keeps the rest of the tests and the benchmark fast
+and free of that workaround.
 
 It keeps exactly what SGLang 0.5.23's pools do with memory, written from their
 arithmetic: `kv_buffer` shaped as their `init_kv_buffer` shapes it, per layout;
