@@ -9,7 +9,8 @@ the import fails on a missing package, puts an inert stand-in in place of the SG
 module that asked for it (its names are empty classes) and tries again: 15 modules of
 SGLang 0.5.23, every one about a model family or a quantization format. The pools are
 then built exactly as SGLang builds them: a device pool (`MHATokenToKVPool`,
-`MLATokenToKVPool`) on device "cpu", and the host pool over its buffer info.
+`MLATokenToKVPool`) on device "cpu" and the host pool over its buffer info; a
+`MambaPoolHost` over state buffers on "cpu".
 
 Loaded by the conftest with `importlib` (the tests run in importlib mode).
 """
@@ -105,4 +106,24 @@ def mla_host_pool(*, pages: int, page_size: int, layout: str, layers: int = 2) -
         device._mla_buffer_info(), 1.0, 0, page_size, layout, pin_memory=False,
         device="cpu", device_capacity_tokens=pages * page_size, start_layer=0,
         end_layer=layers - 1, target_layer_num=layers,
+    )
+
+
+def mamba_host_pool(*, slots: int, layers: int = 2,
+                    temporal_shape: tuple[int, ...] = (4, 16),
+                    conv_shapes: tuple[tuple[int, ...], ...] = ((3, 32), (3, 8))) -> Any:
+    """SGLang's `MambaPoolHost` (page_first) over device state buffers on "cpu"."""
+    import torch
+
+    info_module = import_around_missing("sglang.srt.mem_cache.device_pool_info")
+    mamba = import_around_missing("sglang.srt.mem_cache.pool_host.mamba")
+    info = info_module.MambaStateBufferInfo(
+        temporal=torch.zeros((layers, slots, *temporal_shape)),
+        conv=tuple(
+            torch.zeros((layers, slots, *shape), dtype=torch.bfloat16) for shape in conv_shapes
+        ),
+    )
+    return mamba.MambaPoolHost(
+        info, 1.0, 0, device_capacity=slots, pin_memory=False, device="cpu",
+        layout="page_first",
     )

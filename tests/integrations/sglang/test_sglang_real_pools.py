@@ -69,3 +69,38 @@ def test_the_stand_in_lays_pages_out_as_sglang(real_pools: Any, mla: bool, layou
         base_real, base_ours = real.kv_buffer.data_ptr(), stand_in.kv_buffer.data_ptr()
         assert [p - base_ours for p in ours] == [p - base_real for p in theirs]
         assert our_sizes == their_sizes
+
+
+def test_mamba_state_over_sglang_mamba_pool(rig: Any, real_pools: Any) -> None:
+    """A hybrid model's state pool: SGLang's own `MambaPoolHost` (three buffers, three
+    region sizes) round trips through the v2 calls, and the stand-in lays its slots out
+    the same."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    from tierkv.integrations.sglang.stand_in import MambaPoolStandIn
+
+    mamba = real_pools.mamba_host_pool(slots=8)
+    backend = rig.backend(rig.pool(pages=4), [rig.nvme()])
+    backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    buffers = [mamba.temporal_buffer, *mamba.conv_buffer]
+    for buffer in buffers:
+        raw = buffer.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8))
+
+    def slot_bytes(slot: int) -> bytes:
+        return b"".join(bytes(b[slot].contiguous().view(torch.uint8).numpy()) for b in buffers)
+
+    hashes = rig.page_hashes(3, "state")
+    put = PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([0, 1, 2]), keys=hashes)
+    assert backend.batch_set_v2([put]) == {"mamba": [True] * 3}
+    get = PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([7, 6, 5]), keys=hashes)
+    assert backend.batch_get_v2([get]) == {"mamba": [True] * 3}
+    assert [slot_bytes(7 - i) for i in range(3)] == [slot_bytes(i) for i in range(3)]
+
+    stand_in = MambaPoolStandIn(slots=mamba.size)
+    theirs, their_sizes = mamba.get_page_buffer_meta(torch.tensor([0, 5]))
+    ours, our_sizes = stand_in.get_page_buffer_meta(torch.tensor([0, 5]))
+    assert our_sizes == their_sizes
+    bases_real = [b.data_ptr() for b in buffers] * 2
+    bases_ours = [b.data_ptr() for b in [stand_in.temporal_buffer, *stand_in.conv_buffer]] * 2
+    assert [p - b for p, b in zip(ours, bases_ours)] == [p - b for p, b in zip(theirs, bases_real)]
