@@ -140,6 +140,9 @@ def test_a_bad_call_is_a_miss_not_an_exception(rig: Any) -> None:
     hashes = rig.page_hashes(2)
     assert backend.batch_set_v1(hashes, pool.indices([0])) == [False, False]  # 1 page of 2
     assert backend.batch_get_v1(hashes, "not indices") == [False, False]
+    assert backend.batch_get_v1(keys=hashes, host_indices="not indices") == [False, False]
+    assert backend.batch_set_v2(transfers="not transfers") == {}
+    assert backend.batch_exists_v2(hashes, pool_transfers="junk").kv_hit_pages == 0
 
 
 def test_one_event_loop_thread_per_process(rig: Any) -> None:

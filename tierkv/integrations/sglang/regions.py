@@ -38,6 +38,7 @@ from tierkv.integrations.sglang.pages import host_bytes, page_keys
 logger = logging.getLogger(__name__)
 
 ChainFactory = Callable[[PrimaryView], SyncChain]
+"""Builds the tier chain of one component (the adapter's settings, over its view)."""
 
 
 def pool_tensors(pool: Any) -> list[Any]:
@@ -80,7 +81,7 @@ class RegionPool:
         pool: Any,
         suffix: str,
         namespace: str,
-        make_chain: Callable[[PrimaryView], SyncChain],
+        make_chain: ChainFactory,
         name: str = "kv",
     ) -> None:
         import torch

@@ -39,7 +39,7 @@ from tierkv.contract.slab import PrimaryView
 from tierkv.driver.sync_chain import SyncChain
 from tierkv.integrations.sglang.metrics import CallMetrics
 from tierkv.integrations.sglang.pages import read_geometry
-from tierkv.integrations.sglang.regions import RegionPool, restorable_ends
+from tierkv.integrations.sglang.regions import ChainFactory, RegionPool, restorable_ends
 from tierkv.integrations.sglang.settings import ChainSettings, check_keys, rank_suffix, resolve
 
 __all__ = ["TierkvHiCacheStorage"]
@@ -52,9 +52,10 @@ REMEMBERED_PAGES = 1 << 16
 ages out the rest; tierkv tiers have no "remove everything" call)."""
 
 
-def _never_raises(default: Callable[[Any, tuple[Any, ...]], Any]) -> Callable[[F], F]:
+def _never_raises(default: Callable[[Any], Any]) -> Callable[[F], F]:
     """SGLang counts a call that raises as a miss but logs a traceback per call: answer
-    `default(self, args)` instead, logged once per kind of failure."""
+    `default(first argument)` instead (the keys or transfers asked about), logged once
+    per kind of failure."""
 
     def wrap(method: F) -> F:
         @functools.wraps(method)
@@ -63,19 +64,26 @@ def _never_raises(default: Callable[[Any, tuple[Any, ...]], Any]) -> Callable[[F
                 return method(self, *args, **kwargs)
             except Exception as exc:
                 self._failed(method.__name__, exc)
-                return default(self, args)
+                first = args[0] if args else next(iter(kwargs.values()), None)
+                return default(first)
 
         return guarded  # type: ignore[return-value]
 
     return wrap
 
 
-def _all_false(self: Any, args: tuple[Any, ...]) -> list[bool]:
-    return [False] * len(args[0]) if args else []
+def _all_false(keys: Any) -> list[bool]:
+    try:
+        return [False] * len(keys)
+    except TypeError:
+        return []
 
 
 def _v2_misses(transfers: Any) -> dict[str, list[bool]]:
-    return {str(t.name): [False] * len(t.keys or []) for t in transfers or []}
+    try:
+        return {str(t.name): [False] * len(t.keys or []) for t in transfers or []}
+    except Exception:  # not transfers at all
+        return {}
 
 
 def _suffixes(config: HiCacheStorageConfig) -> tuple[str, str]:
@@ -164,7 +172,7 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             logger.debug("tierkv %s failed: %s", what, exc)
 
     # -- the zero-copy interface --------------------------------------------------------
-    @_never_raises(lambda self, args: 0)
+    @_never_raises(lambda keys: 0)
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
@@ -225,7 +233,7 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         kv = self.kv
         return None if kv is None or kv.closed else kv
 
-    def _chain_maker(self, pool: str) -> Callable[[PrimaryView], SyncChain]:
+    def _chain_maker(self, pool: str) -> ChainFactory:
         """Builds the tier chain of one component of a pool (`regions.RegionPool`)."""
         settings = self._settings
         assert settings is not None
@@ -268,7 +276,7 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             name=name,
         )
 
-    @_never_raises(lambda self, args: PoolTransferResult(0, {}, []))
+    @_never_raises(lambda keys: PoolTransferResult(0, {}, []))
     def batch_exists_v2(
         self,
         keys: list[str],
@@ -298,13 +306,13 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             restorable = [p for p in restorable if p in allowed]
         return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
 
-    @_never_raises(lambda self, args: _v2_misses(args[0]))
+    @_never_raises(_v2_misses)
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
         return self._transfer_v2("load", transfers)
 
-    @_never_raises(lambda self, args: _v2_misses(args[0]))
+    @_never_raises(_v2_misses)
     def batch_set_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
@@ -363,7 +371,7 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._failed(what, NotImplementedError('tierkv serves SGLang with "interface_v1": 1'))
 
     # -- the rest -----------------------------------------------------------------------
-    @_never_raises(lambda self, args: None)
+    @_never_raises(lambda keys: None)
     def clear(self) -> None:
         """Remove the pages this process wrote (the last `REMEMBERED_PAGES`)."""
         kv = self._ready()
