@@ -1,0 +1,113 @@
+"""`SyncChain`: a chain of guarded tiers called from plain threads, answering within
+its deadline whatever the tiers do, on one shared event-loop thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tierkv.contract.keys import make_offload_key
+from tierkv.contract.slab import PrimaryView
+from tierkv.driver.sync_chain import SyncChain
+from tierkv.memory_tier import MemoryTierConfig
+from tierkv.registry import register_tier, unregister_tier
+from tierkv.testing import FaultyTier
+from tierkv.testing.faulty import FaultyTierConfig
+
+BLOCK = 256
+
+
+@pytest.fixture
+def faulty() -> Iterator[None]:
+    register_tier(FaultyTier)
+    yield
+    unregister_tier("faulty")
+
+
+def keys(n: int, salt: str = "") -> list[bytes]:
+    return [make_offload_key(f"{salt}{i:04d}".encode(), 0) for i in range(n)]
+
+
+def view(slots: int = 16) -> PrimaryView:
+    return PrimaryView(bytearray(BLOCK * slots), BLOCK, "test")
+
+
+def loops() -> int:
+    return sum(t.name == "tierkv-engine-loop" for t in threading.enumerate())
+
+
+def test_store_present_load_round_trip() -> None:
+    slab = view()
+    chain = SyncChain([MemoryTierConfig(type="memory")], ["memory"], slab)
+    try:
+        for slot in range(4):
+            slab.block(slot)[:] = bytes([slot + 1]) * BLOCK
+        ks = keys(4)
+        assert chain.store(ks, [0, 1, 2, 3]) == set(ks)
+        assert chain.present([*ks, *keys(1, "x")]) == [True] * 4 + [False]
+        assert chain.load(ks, [8, 9, 10, 11]) == set(ks)
+        for i in range(4):
+            assert bytes(slab.block(8 + i)) == bytes([i + 1]) * BLOCK
+    finally:
+        chain.close()
+
+
+def test_load_asks_the_next_tier_for_what_the_first_lacks(faulty: None) -> None:
+    slab = view()
+    configs = [FaultyTierConfig(type="faulty", name="a"), MemoryTierConfig(type="memory")]
+    chain = SyncChain(configs, ["a", "b"], slab)
+    try:
+        ks = keys(2)
+        slab.block(0)[:] = b"\x07" * BLOCK
+        slab.block(1)[:] = b"\x09" * BLOCK
+        assert chain.store(ks, [0, 1]) == set(ks)
+        first = chain.tiers[0].tier
+        assert isinstance(first, FaultyTier)
+        first.lie_about = {ks[1]}  # a cannot read it back: b must
+        assert chain.load(ks, [4, 5]) == set(ks)
+        assert bytes(slab.block(4)) == b"\x07" * BLOCK
+        assert bytes(slab.block(5)) == b"\x09" * BLOCK
+        loads = [op for op, _ in first.calls if op == "load"]
+        assert len(loads) == 1  # b was asked only for the key a failed
+        first.lie_about = set()
+        chain.remove_all(ks)
+        assert chain.present(ks) == [False, False]
+    finally:
+        chain.close()
+
+
+def test_a_hung_tier_answers_misses_by_the_deadline(faulty: None) -> None:
+    slab = view()
+    config = FaultyTierConfig(type="faulty", job_timeout=0.3, failure_threshold=5)
+    chain = SyncChain([config], ["faulty"], slab, lookup_timeout=0.2, margin=0.5)
+    try:
+        tier = chain.tiers[0].tier
+        assert isinstance(tier, FaultyTier)
+        tier.hang = True
+        started = time.monotonic()
+        assert chain.store(keys(3), [0, 1, 2]) == set()
+        assert time.monotonic() - started < chain.job_deadline + chain.margin
+        assert chain.load(keys(3), [0, 1, 2]) == set()
+        started = time.monotonic()
+        assert chain.load(keys(3), [0, 1, 2], budget=0.05) == set()  # the caller's time left
+        assert time.monotonic() - started < 0.5
+        assert chain.load(keys(3), [0, 1, 2], budget=0) == set()
+        tier.hang = False
+        assert chain.store(keys(3), [0, 1, 2]) == set(keys(3))
+    finally:
+        chain.close()
+
+
+def test_one_loop_thread_for_every_chain_of_the_process() -> None:
+    before = loops()
+    first = SyncChain([MemoryTierConfig(type="memory")], ["memory"], view())
+    second = SyncChain([MemoryTierConfig(type="memory")], ["memory"], view())
+    assert loops() == max(before, 1)
+    first.close()
+    assert second.present(keys(1)) == [False]
+    second.close()
+    assert loops() == 0
+    assert second.present(keys(1)) == [False]  # closed: a miss, no exception

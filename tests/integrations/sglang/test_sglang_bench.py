@@ -1,0 +1,21 @@
+"""`scripts/bench_sglang.py` still runs: one small round of tierkv's nvme tier beside
+SGLang's own `file` backend (every page it reads is checked by the script itself)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "bench_sglang.py"
+
+
+def test_one_small_round(rig: Any, tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("bench_sglang", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    row = bench.bench(64, 1, 1, tmp_path, "never", 2)
+    assert row["pages_per_round"] == 128
+    assert row["tierkv_get"] > 0 and row["file_get"] > 0
+    assert row["tierkv_set"] > 0 and row["file_set"] > 0

@@ -1,0 +1,282 @@
+"""`SyncChain`: a chain of guarded tiers an engine calls synchronously, from any of its
+threads, and that answers within a deadline whatever the tiers do.
+
+SGLang's HiCache (and LMCache's L2 adapters) call their storage layer synchronously
+and never interrupt a call that blocks: a storage call that hangs hangs the engine's
+prefetch or write-back thread. This class is the one place where such a call crosses
+to the tiers' event loop (`LoopThread`) and comes back: each call runs as one
+coroutine bounded by its deadline; when the deadline passes the coroutine cancels the
+tier jobs still running (a tier job touches no slot after it was cancelled, by the
+contract) and answers with what finished. The engine's thread waits for that answer
+a little longer than the deadline (`margin`), then answers a miss regardless. Nothing
+raises into the engine: a tier that fails, refuses, is slow or down is a miss.
+
+The tiers themselves are driven by `GuardedTier` (breaker, in-flight budget, answer
+checks, deadline backstop, reopen); this class only fans a call out over the chain:
+
+- `present`: every usable tier is asked at once; a key is present if any tier has it.
+- `load`: tier by tier, in chain order, each asked only for the keys the tiers above
+  did not deliver.
+- `store`: every usable tier at once (write-through); a key is stored if any tier took
+  it.
+
+One event-loop thread serves every chain of a process (`shared_loop`): an engine that
+builds several storage objects (one per pool, a re-attach) does not gather threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from collections.abc import Coroutine, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import anyio
+
+from tierkv.contract.jobs import JobMetadata, ReqContext
+from tierkv.contract.keys import OffloadKey
+from tierkv.contract.slab import PrimaryView
+from tierkv.contract.tier import TierConfig
+from tierkv.driver.checks import backstop_after
+from tierkv.driver.guarded import GuardedTier, JobKind
+from tierkv.driver.loop_thread import LoopThread
+
+__all__ = ["SyncChain", "release_shared_loop", "shared_loop"]
+
+logger = logging.getLogger(__name__)
+
+_loop_lock = threading.Lock()
+_loop: LoopThread | None = None
+_loop_users = 0
+
+
+def shared_loop() -> LoopThread:
+    """The process's tier loop thread, started by its first user; pair with
+    `release_shared_loop`."""
+    global _loop, _loop_users
+    with _loop_lock:
+        if _loop is None or not _loop.is_alive():
+            _loop = LoopThread("tierkv-engine-loop")
+            _loop_users = 0
+        _loop_users += 1
+        return _loop
+
+
+def release_shared_loop(loop: LoopThread) -> None:
+    """One user of `loop` is done; the last one stops it."""
+    global _loop, _loop_users
+    with _loop_lock:
+        if loop is not _loop:
+            loop.stop()  # a loop replaced after it died: nobody else uses it
+            return
+        _loop_users -= 1
+        if _loop_users <= 0:
+            _loop, _loop_users = None, 0
+            loop.stop()
+
+
+class SyncChain:
+    """Tiers `configs` (chain order) over `view`, driven from an engine's threads."""
+
+    def __init__(
+        self,
+        configs: Sequence[TierConfig],
+        names: Sequence[str],
+        view: PrimaryView,
+        *,
+        lookup_timeout: float | None = None,
+        margin: float = 1.0,
+        tags: dict[str, Any] | None = None,
+    ) -> None:
+        self.view = view
+        self.tiers = [
+            GuardedTier.create(config, view, index=i, name=name)
+            for i, (config, name) in enumerate(zip(configs, names))
+        ]
+        slowest = max((float(c.job_timeout) for c in configs), default=1.0)
+        self.job_deadline = backstop_after(slowest)
+        """How long a load or store may take in all: the slowest tier's job_timeout
+        plus the driver's grace (its backstop)."""
+        self.lookup_timeout = slowest if lookup_timeout is None else lookup_timeout
+        self.margin = margin
+        self._ctx = ReqContext(tags=tags or {})
+        self._ids = itertools.count(1)
+        self._closed = False
+        self.late_answers = 0
+        """Calls whose coroutine did not answer by deadline + margin (a tier broke the
+        contract and ignored cancellation): answered as misses anyway."""
+        self._loop = shared_loop()
+        try:
+            self._open()
+        except BaseException:
+            release_shared_loop(self._loop)
+            raise
+
+    # -- life -----------------------------------------------------------------------------
+    def _open(self) -> None:
+        """Open every tier: a required one that fails raises `TierUnavailable`; an
+        optional one serves as a miss and reopens in the background."""
+        for tier in self.tiers:
+            try:
+                self._loop.run(tier.open(), timeout=max(60.0, self.job_deadline))
+            except BaseException:
+                self._loop.run(self._close_all(), timeout=60.0)
+                raise
+            if not tier.opened:
+                self._loop.spawn(tier.keep_opening)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Close every tier (bounded by `timeout`) and let go of the loop thread."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._loop.run(self._close_all(timeout), timeout=timeout + 5.0)
+        except Exception:
+            logger.exception("tierkv: the tier chain did not close cleanly")
+        finally:
+            release_shared_loop(self._loop)
+
+    async def _close_all(self, timeout: float = 30.0) -> None:
+        for tier in self.tiers:
+            await tier.close(timeout=timeout)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- calls from the engine's threads --------------------------------------------------
+    def present(
+        self, keys: Sequence[OffloadKey], budget: float | None = None
+    ) -> list[bool]:
+        """One flag per key: some tier holds it. Misses for whatever is not known by
+        `lookup_timeout` (or `budget` seconds, when the caller has less time left)."""
+        found = [False] * len(keys)
+        if keys:
+            self._call(self._present(keys, found), self._limit(self.lookup_timeout, budget))
+        return found
+
+    def load(
+        self, keys: Sequence[OffloadKey], slots: Sequence[int], budget: float | None = None
+    ) -> set[OffloadKey]:
+        """Read `keys[i]` into primary slot `slots[i]`; the keys that arrived whole
+        (by the deadline, or `budget`). The slot of a key not returned holds undefined
+        bytes."""
+        done: set[OffloadKey] = set()
+        if keys:
+            work = self._jobs("load", keys, slots, done)
+            self._call(work, self._limit(self.job_deadline, budget))
+        return set(done)
+
+    def store(
+        self, keys: Sequence[OffloadKey], slots: Sequence[int], budget: float | None = None
+    ) -> set[OffloadKey]:
+        """Write `keys[i]` from slot `slots[i]` to every usable tier; the keys some tier
+        took (by the deadline, or `budget`)."""
+        done: set[OffloadKey] = set()
+        if keys:
+            work = self._jobs("store", keys, slots, done)
+            self._call(work, self._limit(self.job_deadline, budget))
+        return set(done)
+
+    @staticmethod
+    def _limit(deadline: float, budget: float | None) -> float:
+        """The caller's time left, where it is less than the call's own deadline (a
+        caller making several calls for one engine call keeps to one deadline); a
+        call past its budget is cut at once (its tier jobs cancelled, by contract
+        harmless)."""
+        return deadline if budget is None else max(0.0, min(deadline, budget))
+
+    def remove_all(self, keys: Sequence[OffloadKey]) -> None:
+        """Ask every tier to drop `keys` (a hint: failures are logged)."""
+
+        async def remove() -> None:
+            for tier in self.tiers:
+                if tier.usable():
+                    try:
+                        await tier.tier.remove(keys)
+                    except Exception as exc:
+                        logger.warning("tierkv tier %s: remove failed: %s", tier.name, exc)
+
+        self._call(remove(), self.job_deadline)
+
+    def _call(self, work: Coroutine[Any, Any, None], deadline: float) -> None:
+        """Run `work` on the loop under `deadline` (it records its answers as they
+        come, so what finished by then counts); give up waiting at `deadline +
+        margin`. Never raises."""
+        if self._closed or not self._loop.is_alive() or deadline <= 0:
+            work.close()
+            return
+
+        async def bounded() -> None:
+            with anyio.move_on_after(deadline):
+                await work
+
+        future = asyncio.run_coroutine_threadsafe(bounded(), self._loop.loop)
+        try:
+            future.result(timeout=deadline + self.margin)
+        except FutureTimeout:
+            future.cancel()  # cancel it again, in case it still runs
+            self.late_answers += 1
+            logger.error(
+                "tierkv: a tier call gave no answer %gs after its %gs deadline, even "
+                "when cancelled; answering what finished (a tier ignores cancellation)",
+                self.margin,
+                deadline,
+            )
+        except Exception:
+            logger.exception("tierkv: a tier call failed; answering what finished")
+
+    # -- on the loop ---------------------------------------------------------------------
+    async def _present(self, keys: Sequence[OffloadKey], found: list[bool]) -> None:
+
+        async def ask(tier: GuardedTier) -> None:
+            flags = await tier.lookup(keys, self._ctx, self.lookup_timeout)
+            if flags is not None:
+                for i, flag in enumerate(flags):
+                    found[i] = found[i] or flag
+
+        async with anyio.create_task_group() as group:
+            for tier in self.tiers:
+                if tier.usable():
+                    group.start_soon(ask, tier)
+
+    async def _jobs(
+        self,
+        kind: JobKind,
+        keys: Sequence[OffloadKey],
+        slots: Sequence[int],
+        done: set[OffloadKey],
+    ) -> None:
+        if kind == "store":
+            async with anyio.create_task_group() as group:
+                for tier in self.tiers:
+                    group.start_soon(self._one_job, tier, kind, keys, slots, done)
+            return
+        for tier in self.tiers:
+            wanted = [(k, s) for k, s in zip(keys, slots) if k not in done]
+            if not wanted:
+                break
+            await self._one_job(tier, kind, [k for k, _ in wanted], [s for _, s in wanted], done)
+
+    async def _one_job(
+        self,
+        tier: GuardedTier,
+        kind: JobKind,
+        keys: Sequence[OffloadKey],
+        slots: Sequence[int],
+        done: set[OffloadKey],
+    ) -> None:
+        """One job on one tier, admitted by its driver; adds the keys it moved."""
+        nbytes = len(keys) * self.view.block_bytes
+        if tier.admit(kind, len(keys), nbytes) is not None:
+            return  # down, breaker open or too much in flight: counted by the driver
+        try:
+            job = JobMetadata(next(self._ids), tuple(keys), tuple(slots), self._ctx)
+            outcome = await tier.run(kind, job)
+        finally:
+            tier.release(kind, nbytes)
+        done.update(outcome.result.ok_keys)

@@ -1,0 +1,82 @@
+"""What tierkv reads from an SGLang host pool (its page geometry), the bytes of its
+buffers as tierkv's primary, and the keys of its pages.
+
+A page's region `j` (as `host_pool.get_page_buffer_meta` lists them) is the tierkv
+block `make_offload_key(H(rank suffix, page hash), j)`: SGLang's page hash (which
+carries its own seed and the request's `cache_salt`), the suffix SGLang's file
+backend gives this rank's pages, and the region's index; the namespace is mixed in by
+every tier from the view (`regions.RegionPool` builds the views).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+from tierkv.contract.keys import OffloadKey, make_offload_key
+from tierkv.integrations.sglang.settings import PoolGeometry
+
+_DOMAIN = b"tierkv/sglang-page/v1\0"
+
+
+def host_bytes(buffer: Any) -> memoryview:
+    """A writable memoryview of a CPU tensor's bytes, without a copy."""
+    if getattr(buffer, "device", None) is not None and buffer.device.type != "cpu":
+        raise ValueError(f"the host pool's buffer is on {buffer.device}, not in host memory")
+    if not buffer.is_contiguous():
+        raise ValueError("the host pool's buffer is not contiguous")
+    flat = buffer.detach().reshape(-1)
+    import torch  # the engine has it; the settings and check do not need it
+
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def read_geometry(
+    pool: Any,
+    *,
+    model: str,
+    tp_rank: int,
+    tp_size: int,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    is_mla: bool,
+) -> PoolGeometry:
+    """`pool`'s page geometry, read from its first page; ValueError when its regions
+    do not all have one size."""
+    import torch  # the engine has it; the settings and the check do not need it
+
+    page_size = int(pool.page_size)
+    ptrs, sizes = pool.get_page_buffer_meta(torch.arange(page_size, dtype=torch.int64))
+    if not ptrs or len(set(sizes)) != 1:
+        raise ValueError(
+            f"tierkv cannot serve SGLang host pool {type(pool).__name__} "
+            f"(layout {pool.layout}): its page regions have sizes {sorted(set(sizes))}; "
+            "tierkv serves pools whose regions all have one size"
+        )
+    return PoolGeometry(
+        model=model,
+        dtype=str(getattr(pool, "dtype", "?")).replace("torch.", ""),
+        layout=str(pool.layout),
+        page_size=page_size,
+        part_bytes=int(sizes[0]),
+        parts_per_page=len(ptrs),
+        is_mla=is_mla,
+        tp_size=tp_size,
+        pp_size=pp_size,
+        tp_rank=tp_rank,
+        pp_rank=pp_rank,
+    )
+
+
+def page_keys(page_hashes: Sequence[str], suffix: str, parts: int) -> list[list[OffloadKey]]:
+    """Per page, the keys of its `parts` regions (see the module docstring)."""
+    tail = suffix.encode()
+    keys = []
+    for page_hash in page_hashes:
+        digest = hashlib.blake2b(
+            _DOMAIN + len(tail).to_bytes(4, "little") + tail + str(page_hash).encode(),
+            digest_size=16,
+        ).digest()
+        keys.append([make_offload_key(digest, j) for j in range(parts)])
+    return keys

@@ -1,0 +1,248 @@
+"""An SGLang host pool below tierkv: the KV pool (v1 calls) and each extra pool of a
+hybrid model (v2 calls: Mamba state, sliding-window KV, ...).
+
+`host_pool.get_page_buffer_meta(indices)` gives, for each page of a call, the address
+and size of each of its regions: two per page for an MHA KV pool laid out page_first
+(the page's K and its V across all layers), 2 x layers for layer_first, one for MLA;
+a Mamba pool's temporal state and one conv state per conv buffer, each its own size.
+Regions of one size in one buffer lie on multiples of that size (SGLang allocates host
+pages whole), so each distinct (buffer, size) is a *component*: a `PrimaryView` of
+region-sized slots over that buffer, read and written in place (no copy), with its own
+instance of every tier in the chain (a `SyncChain`, all on the process's one loop
+thread). A component's namespace is the pool's (its own directory in an nvme tier);
+with several components each gets `|<name>:<index>` after it.
+
+A page's region `j` is the block `make_offload_key(H(suffix, page hash), j)`
+(`pages.page_keys`); a page is present, read or written when all its regions are.
+
+The rules for which pages a v2 hit needs follow SGLang (`PoolHitPolicy`): a pool of
+`ALL_PAGES` needs every page of the prefix, `TRAILING_PAGES` the last
+`len(transfer.keys)` pages before each possible end (so `restorable_prefix_pages`
+lists every end every pool can serve, holes included), `BLOCK_GROUPS` never limits the
+hit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tierkv.contract.keys import OffloadKey
+from tierkv.contract.slab import PrimaryView
+from tierkv.driver.sync_chain import SyncChain
+from tierkv.integrations.sglang.pages import host_bytes, page_keys
+
+logger = logging.getLogger(__name__)
+
+ChainFactory = Callable[[PrimaryView], SyncChain]
+"""Builds the tier chain of one component (the adapter's settings, over its view)."""
+
+
+def pool_tensors(pool: Any) -> list[Any]:
+    """Every tensor (or tensor in a list) that is an attribute of `pool`, largest
+    first: a region is found in the whole buffer (`kv_buffer`) before any view of part
+    of it (`k_buffer = kv_buffer[0]`), so one buffer is one slab."""
+    found: list[Any] = []
+    for value in vars(pool).values():
+        items = value if isinstance(value, (list, tuple)) else [value]
+        for item in items:
+            if hasattr(item, "data_ptr") and hasattr(item, "element_size"):
+                found.append(item)
+    return sorted(found, key=lambda t: -t.numel() * t.element_size())
+
+
+def _containing(tensors: list[Any], ptr: int) -> Any:
+    for tensor in tensors:
+        start = int(tensor.data_ptr())
+        if start <= ptr < start + tensor.numel() * tensor.element_size():
+            return tensor
+    raise ValueError(f"a page region at {ptr:#x} lies in none of the pool's buffers")
+
+
+@dataclass
+class Component:
+    """Regions of one size in one buffer: a slab of slots and its tiers."""
+
+    view: PrimaryView
+    base: int
+    size: int
+    regions: tuple[int, ...]  # region indices (within a page) that live here
+    chain: SyncChain
+
+
+class RegionPool:
+    """One host pool below tierkv (see the module docstring)."""
+
+    def __init__(
+        self,
+        pool: Any,
+        suffix: str,
+        namespace: str,
+        make_chain: ChainFactory,
+        name: str = "kv",
+    ) -> None:
+        import torch
+
+        self.pool = pool
+        self.name = name
+        self.suffix = suffix
+        self.page_size = int(getattr(pool, "page_size", 1) or 1)
+        ptrs, sizes = pool.get_page_buffer_meta(torch.arange(self.page_size, dtype=torch.int64))
+        if not ptrs:
+            raise ValueError(f"host pool {type(pool).__name__} names no region of a page")
+        self.parts = len(ptrs)
+        self.region_bytes = tuple(int(size) for size in sizes)
+        groups = self._components(pool, ptrs, sizes)
+        self.components: list[Component] = []
+        self.component_of: dict[int, int] = {}
+        try:
+            for c, (tensor, size, regions) in enumerate(groups):
+                data = host_bytes(tensor)
+                space = namespace if len(groups) == 1 else f"{namespace}|{name}:{c}"
+                view = PrimaryView(data[: data.nbytes - data.nbytes % size], size, space)
+                chain = make_chain(view)
+                self.components.append(
+                    Component(view, int(tensor.data_ptr()), size, tuple(regions), chain)
+                )
+                for j in regions:
+                    self.component_of[j] = c
+            self._slots(torch.arange(self.page_size, dtype=torch.int64))  # else refuse now
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _components(pool: Any, ptrs: Sequence[int], sizes: Sequence[int]) -> list[Any]:
+        """(buffer, size, region indices) per distinct (buffer, size) of a page."""
+        tensors = pool_tensors(pool)
+        groups: dict[tuple[int, int], tuple[Any, int, list[int]]] = {}
+        for j, (ptr, size) in enumerate(zip(ptrs, sizes)):
+            tensor = _containing(tensors, int(ptr))
+            groups.setdefault((id(tensor), int(size)), (tensor, int(size), []))[2].append(j)
+        return list(groups.values())
+
+    def close(self) -> None:
+        """Close every component's tiers and let go of the buffers."""
+        components, self.components = self.components, []
+        for component in components:
+            component.chain.close()
+        for component in components:
+            try:
+                component.view.release()
+            except BufferError:
+                logger.warning("tierkv: a view of SGLang's host pool %s is in use", self.name)
+
+    @property
+    def namespace(self) -> str:
+        return self.components[0].view.namespace if self.components else ""
+
+    @property
+    def closed(self) -> bool:
+        return not self.components or any(c.chain.closed for c in self.components)
+
+    def keys(self, page_hashes: Sequence[str]) -> list[list[OffloadKey]]:
+        return page_keys(page_hashes, self.suffix, self.parts)
+
+    def _split(self, per_page: list[list[OffloadKey]]) -> list[list[OffloadKey]]:
+        """The keys of `per_page` by component."""
+        split: list[list[OffloadKey]] = [[] for _ in self.components]
+        for page in per_page:
+            for j, key in enumerate(page):
+                split[self.component_of[j]].append(key)
+        return split
+
+    def present(self, page_hashes: Sequence[str]) -> list[bool]:
+        """Per page: every region is held by some tier."""
+        per_page = self.keys(page_hashes)
+        found: dict[OffloadKey, bool] = {}
+        end = time.monotonic() + self._deadline("lookup")
+        for component, keys in zip(self.components, self._split(per_page)):
+            budget = end - time.monotonic()
+            found.update(zip(keys, component.chain.present(keys, budget)))
+        return [all(found.get(k, False) for k in page) for page in per_page]
+
+    def _deadline(self, what: str) -> float:
+        """One engine call's deadline across the components (each a tier chain)."""
+        chains = [c.chain for c in self.components]
+        if what == "lookup":
+            return max((c.lookup_timeout for c in chains), default=0.0)
+        return max((c.job_deadline for c in chains), default=0.0)
+
+    def _slots(self, host_indices: Any) -> list[int]:
+        """The slot (in its component) of every region of the pages at `host_indices`,
+        page by page; ValueError for a region that is not a slot of its component."""
+        ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
+        pages = len(host_indices) // self.page_size
+        if len(ptrs) != pages * self.parts:
+            raise ValueError(
+                f"pool {self.name}: {len(ptrs)} regions for {pages} pages; "
+                f"expected {self.parts} per page"
+            )
+        slots = []
+        for i, (ptr, size) in enumerate(zip(ptrs, sizes)):
+            component = self.components[self.component_of[i % self.parts]]
+            slot, rest = divmod(int(ptr) - component.base, component.size)
+            if size != component.size or rest or not 0 <= slot < component.view.num_blocks:
+                raise ValueError(
+                    f"pool {self.name}: a page region ({size} bytes) is not a "
+                    f"{component.size}-byte slot of its buffer"
+                )
+            slots.append(slot)
+        return slots
+
+    def move(self, kind: str, page_hashes: Sequence[str], host_indices: Any) -> list[bool]:
+        """Load or store the pages at `host_indices` (`page_size` indices a page); per
+        page: every region moved. A page asked twice in one load: only its first copy
+        is filled, the other answers False."""
+        if len(host_indices) != len(page_hashes) * self.page_size:
+            raise ValueError(
+                f"pool {self.name}: {len(host_indices)} host indices for "
+                f"{len(page_hashes)} pages of {self.page_size}"
+            )
+        if not page_hashes:
+            return []
+        slots = self._slots(host_indices)
+        per_page = self.keys(page_hashes)
+        work: list[dict[OffloadKey, int]] = [{} for _ in self.components]
+        for i, page in enumerate(per_page):
+            for j, key in enumerate(page):
+                work[self.component_of[j]].setdefault(key, slots[i * self.parts + j])
+        done: set[OffloadKey] = set()
+        end = time.monotonic() + self._deadline("job")
+        for component, pairs in zip(self.components, work):
+            move = component.chain.load if kind == "load" else component.chain.store
+            done |= move(list(pairs), list(pairs.values()), end - time.monotonic())
+        answers = [all(k in done for k in page) for page in per_page]
+        if kind == "load":
+            seen: set[str] = set()
+            for i, page_hash in enumerate(page_hashes):
+                answers[i] = answers[i] and page_hash not in seen
+                seen.add(page_hash)
+        return answers
+
+    def remove(self, page_hashes: Sequence[str]) -> None:
+        """Ask every tier to drop these pages (a hint)."""
+        for component, keys in zip(self.components, self._split(self.keys(page_hashes))):
+            component.chain.remove_all(keys)
+
+
+def restorable_ends(
+    kv_pages: int, present: list[bool], policy: str, trailing: int
+) -> tuple[list[int], int] | None:
+    """The prefix lengths (1..kv_pages) one pool can serve, and its own boundary (the
+    longest); None when the policy never limits the hit (`block_groups`)."""
+    if policy == "all_pages":
+        boundary = next((i for i in range(kv_pages) if not present[i]), kv_pages)
+        return list(range(1, boundary + 1)), boundary
+    if policy == "trailing_pages":
+        window = max(1, trailing)
+        ends = [
+            end
+            for end in range(1, kv_pages + 1)
+            if all(present[max(0, end - window) : end])
+        ]
+        return ends, max(ends, default=0)
+    return None
