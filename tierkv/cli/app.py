@@ -1,7 +1,7 @@
 """The parser of the `tierkv` command and `main`: one module per command
 (`tierkv.cli.demo`, `.bench`, `.validate`, `.plugins`, `.roundtrip`, `.vllm`,
-`.sglang`), each
-with `add_parser` and the function it runs; errors become exit codes here."""
+`.sglang`), each with `add_parser` and the function it runs; errors become exit codes
+here."""
 
 from __future__ import annotations
 
