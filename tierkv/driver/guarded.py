@@ -323,6 +323,40 @@ class GuardedTier:
             return False
         return True
 
+    # -- claims (who holds which: `tierkv.driver.claims.ClaimLedger`) ---------------------
+    @property
+    def claim_lease(self) -> float:
+        """Seconds a claim on this tier lasts; 0 when it takes none (the tier does not
+        protect claims, or `claim_lease: 0`)."""
+        return float(self.config.claim_lease) if self.tier.protects_claims else 0.0
+
+    def protect(self, keys: Sequence[OffloadKey], lease: float) -> bool:
+        """Claim `keys`, which the tier just reported held. Whatever the breaker says
+        (the tier answered); a tier that raises is logged, its keys unclaimed: a claim
+        keeps a hit, it is never an error. True when the tier took them."""
+        if not keys or self.closed:
+            return False
+        try:
+            self.tier.protect(keys, lease)
+        except Exception as exc:
+            logger.warning("tier %s: protect failed: %s: %s", self.name, type(exc).__name__, exc)
+            return False
+        self.stats.protected += len(keys)
+        self.stats.claims_held += len(keys)
+        return True
+
+    def unprotect(self, keys: Sequence[OffloadKey], *, expired: bool = False) -> None:
+        """Claims on `keys` end: let go (whatever the breaker says: bookkeeping, no
+        I/O), or, `expired`, counted as lease-expired (the tier drops them itself)."""
+        self.stats.claims_held -= len(keys)
+        if expired:
+            self.stats.lease_expired += len(keys)
+            return
+        try:
+            self.tier.unprotect(keys)
+        except Exception as exc:  # its lease still bounds the claim
+            logger.warning("tier %s: unprotect failed: %s: %s", self.name, type(exc).__name__, exc)
+
     # -- removals ------------------------------------------------------------------------
     def _removed(self, keys: tuple[OffloadKey, ...]) -> None:
         """The tier's `report_removed`: stores running now must not count these keys;
