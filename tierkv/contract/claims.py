@@ -66,16 +66,23 @@ class ClaimTable:
                 heapq.heappush(expiry, (deadline, key))
 
     def unprotect(self, keys: Iterable[OffloadKey]) -> None:
-        """Let go of one claim on each of `keys` (the one that would run out first);
-        keys with no live claim are ignored."""
+        """Let go of one live claim on each of `keys` (the one that would run out
+        first; those already run out are counted expired first); keys with no live
+        claim are ignored."""
+        now = self._clock()
         with self._lock:
             deadlines = self._deadlines
             for key in keys:
                 held = deadlines.get(key)
+                if not held:
+                    continue
+                while held and held[0] <= now:
+                    del held[0]
+                    self.expired += 1
                 if held:
                     del held[0]
-                    if not held:
-                        del deadlines[key]
+                if not held:
+                    del deadlines[key]
 
     def is_protected(self, key: OffloadKey) -> bool:
         """Whether a claim on `key` is still live: eviction must pass over it."""
