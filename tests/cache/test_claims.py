@@ -13,6 +13,8 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tierkv.cache import TieredCache
 from tierkv.config import parse_config
@@ -238,3 +240,73 @@ async def test_close_ends_every_claim() -> None:
         assert cache.stats().tiers["memory"]["claims_held"] == 2
     assert len(cache.core.claims) == 0
     assert cache.stats().tiers["memory"]["claims_held"] == 0
+
+
+CHAINS = {i: (keys(2, f"s{i}"), data(2, 100 + i)) for i in range(5)}
+OPS = st.one_of(
+    st.tuples(st.just("store"), st.integers(0, 4)),
+    st.tuples(st.just("lookup"), st.integers(0, 1), st.integers(0, 4)),
+    st.tuples(st.just("load"), st.integers(0, 1)),
+    st.tuples(st.sampled_from(["flush", "yield"])),
+)
+# a request's turn as a server takes it: lookup, then (others' stores and loads running
+# meanwhile) its load; the turns of two requests interleave freely
+TURNS = st.lists(
+    st.tuples(st.integers(0, 1), st.integers(0, 4), st.lists(st.integers(0, 4), max_size=3)),
+    min_size=1,
+    max_size=8,
+).map(
+    lambda turns: [
+        op
+        for r, chain, stores in turns
+        for op in [("lookup", r, chain), *(("store", c) for c in stores), ("load", r)]
+    ]
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.one_of(st.lists(OPS, min_size=1, max_size=30), TURNS))
+def test_a_claimed_block_always_loads_its_bytes(ops: list[tuple[Any, ...]]) -> None:
+    """Whatever the interleaving of lookups, stores (their cascades running in the
+    background) and loads: a load of a block its request's lookup found in the tier
+    (claimed, lease unexpired) returns exactly its bytes. Two requests claim at most
+    4 blocks of a tier of 6, so a store always finds an unclaimed block to evict."""
+    anyio.run(_replay_ops, ops)
+
+
+async def _replay_ops(ops: list[tuple[Any, ...]]) -> None:
+    tier = memory(capacity_blocks=6, claim_lease=60)
+    async with TieredCache(config(tier, primary_blocks=2)) as cache:
+        hits: dict[int, tuple[Any, int]] = {}  # request -> its last lookup, its chain
+        for op in ops:
+            if op[0] == "store":
+                await cache.store(*CHAINS[op[1]])
+            elif op[0] == "lookup":
+                hits[op[1]] = (await cache.lookup([CHAINS[op[2]][0]], _ctx(op[1])), op[2])
+            elif op[0] == "load" and op[1] in hits:
+                hit, chain = hits.pop(op[1])
+                await _load_and_check(cache, hit, CHAINS[chain], _ctx(op[1]))
+            elif op[0] == "flush":
+                await cache.flush()
+            else:
+                await anyio.sleep(0)
+        assert cache.stats().tiers["memory"]["lease_expired"] == 0
+
+
+def _ctx(request: int) -> ReqContext:
+    return ReqContext(request_id=f"req{request}")
+
+
+async def _load_and_check(
+    cache: TieredCache, hit: Any, chain: tuple[list[OffloadKey], torch.Tensor], ctx: ReqContext
+) -> None:
+    keys_to_load = hit.keys_to_load
+    out = torch.zeros(len(keys_to_load), BLOCK, dtype=torch.uint8)
+    result = await cache.load(keys_to_load, out, ctx)
+    ok = set(result.ok_keys)
+    chain_keys, chain_data = chain
+    for j, key in enumerate(keys_to_load):
+        if hit.locations[key] == "memory":
+            assert key in ok, f"a claimed block failed to load: {result.errors[key]}"
+        if key in ok:
+            assert torch.equal(out[j], chain_data[chain_keys.index(key)])
