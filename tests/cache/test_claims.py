@@ -193,6 +193,38 @@ async def test_a_cancelled_load_lets_its_claims_go(faulty_tier_type: str) -> Non
         await cache.flush()
 
 
+async def test_a_load_that_times_out_lets_its_claims_go(faulty_tier_type: str) -> None:
+    """The tier hangs on the load past its job_timeout and the backstop: the load fails
+    its keys, and its claims end with it."""
+    tier = {"type": "faulty", "capacity": 6 * FRAME, "job_timeout": 0.05}
+    async with TieredCache(config(tier)) as cache:
+        a, _ = await stage(cache)
+        ctx = ReqContext(request_id="timed-out")
+        hit = await cache.lookup([a], ctx)
+        faulty: Any = cache.tier("faulty")
+        faulty.hang = True
+        result = await cache.load(hit.keys_to_load, torch.zeros(2, BLOCK, dtype=torch.uint8), ctx)
+        assert set(result.failed_keys) == set(a)
+        assert cache.stats().tiers["faulty"]["deadline_breaches"] == 1
+        assert claims_in(cache, "faulty") == 0
+        assert cache.stats().tiers["faulty"]["claims_held"] == 0
+        faulty.hang = False
+
+
+async def test_a_lookup_the_tier_answers_too_late_claims_nothing(faulty_tier_type: str) -> None:
+    tier = {"type": "faulty", "capacity": 6 * FRAME}
+    async with TieredCache(config(tier)) as cache:
+        a, _ = await stage(cache)
+        faulty: Any = cache.tier("faulty")
+        faulty.config = faulty.config.model_copy(update={"lookup_delay": 0.2})
+        cache.config = cache.config.model_copy(update={"lookup_timeout": 0.02})
+        cache.core.config = cache.config
+        hit = await cache.lookup([a], ReqContext(request_id="slow"))
+        assert hit.hit_tokens == 0
+        assert claims_in(cache, "faulty") == 0
+        assert cache.stats().tiers["faulty"]["protected"] == 0
+
+
 async def test_claims_end_while_the_breaker_is_open(faulty_tier_type: str) -> None:
     """A tier whose breaker opened between lookup and load serves nothing, and its
     claims still end with the load (a claim is bookkeeping, not a call that can fail)."""
