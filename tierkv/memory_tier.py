@@ -22,6 +22,7 @@ import anyio
 from pydantic import ByteSize, Field
 
 from tierkv.contract.tier import (
+    NO_ROOM,
     CorruptBlock,
     InFlightJobs,
     JobMetadata,
@@ -129,7 +130,7 @@ class MemoryTier(SecondaryTierManager):
                 evicted = self._put(key, frame)
                 if evicted is None:
                     failed[key] = (
-                        "no room: the memory tier is full of blocks claimed by lookups "
+                        f"{NO_ROOM}: the memory tier is full of blocks claimed by lookups "
                         "until their loads (or claim_lease) end; retry later or raise "
                         "`capacity`"
                     )

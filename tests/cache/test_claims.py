@@ -264,6 +264,31 @@ async def test_a_full_tier_of_claimed_blocks_refuses_the_store() -> None:
         assert torch.equal(out, a_data)
 
 
+async def test_stores_refused_for_claimed_room_do_not_open_the_breaker() -> None:
+    """A tier full of claimed blocks is full, not down: stores it refuses for room do
+    not count against its health, so the claimed blocks stay loadable (an open breaker
+    would make the tier a miss and lose the very hits the claims keep)."""
+    async with TieredCache(config(memory(capacity_blocks=2))) as cache:
+        a, a_data = keys(2, "a"), data(2, 1)
+        tier: SecondaryTierManager = cache.tier("memory")
+        view = cache.primary.view
+        for slot in (0, 1):
+            view.block(slot)[:] = a_data[slot].numpy().tobytes()
+        assert (await tier.store(JobMetadata(10**6, tuple(a), (0, 1)))).ok
+        ctx = ReqContext(request_id="holds-all")
+        hit = await cache.lookup([a], ctx)
+        threshold = cache.core.tiers[0].config.failure_threshold
+        for n in range(threshold + 1):
+            await cache.store(keys(2, f"refused{n}"), data(2, 40 + n))
+            await cache.flush()
+        stats = cache.stats().tiers["memory"]
+        assert stats["failed_keys"] == 2 * (threshold + 1)
+        assert stats["breaker"] == "closed" and stats["errors"] == 0
+        out = torch.zeros(2, BLOCK, dtype=torch.uint8)
+        assert (await cache.load(hit.keys_to_load, out, ctx)).ok
+        assert torch.equal(out, a_data)
+
+
 async def test_close_ends_every_claim() -> None:
     cache = TieredCache(config(memory()))
     async with cache:

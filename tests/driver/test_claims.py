@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 
 from tierkv.contract.claims import ClaimTable
+from tierkv.contract.jobs import JobMetadata, JobResult
 from tierkv.contract.keys import OffloadKey
+from tierkv.contract.tier import NO_ROOM
 from tierkv.driver import GuardedTier
 from tierkv.driver.claims import ClaimLedger
 from tierkv.memory_tier import MemoryTier, MemoryTierConfig
@@ -138,3 +140,25 @@ def test_a_tier_whose_protect_raises_is_logged_and_unclaimed(
     assert claims.take(handle, [A]) is None
     assert "no claims today" in caplog.text
     assert handle.stats.protected == 0 and handle.stats.claims_held == 0
+
+
+@pytest.mark.anyio
+async def test_a_store_refused_for_room_does_not_count_against_the_breaker() -> None:
+    """A tier full of blocks it may not evict is full, not down: a store that stored
+    nothing for `NO_ROOM` leaves the breaker closed; any other reason still counts."""
+    class Full(MemoryTier):
+        reason = f"{NO_ROOM}: every block is claimed"
+
+        async def store(self, job: JobMetadata) -> JobResult:
+            return JobResult.failure(job, self.reason)
+
+    view = PrimaryView(bytearray(4 * 1024), 1024, "ledger")
+    tier = Full(MemoryTierConfig(type="memory", failure_threshold=1), view)
+    handle = GuardedTier(tier)
+    await handle.open()
+    job = JobMetadata(1, (A,), (0,))
+    await handle.run_job("store", job)
+    assert handle.breaker.state.value == "closed" and handle.stats.errors == 0
+    tier.reason = "disk on fire"
+    await handle.run_job("store", job)
+    assert handle.breaker.state.value == "open" and handle.stats.errors == 1

@@ -67,6 +67,7 @@ __all__ = [
     "JobAborted",
     "JobMetadata",
     "JobResult",
+    "NO_ROOM",
     "OffloadKey",
     "PrimaryView",
     "RemovalListener",
@@ -88,6 +89,12 @@ Admission = Literal["all", "reuse"]
 
 RemovalListener = Callable[[tuple[OffloadKey, ...]], None]
 """Called with the keys a tier reports it no longer holds (see `report_removed`)."""
+
+NO_ROOM = "no room"
+"""How a tier's reason begins when it refuses to store a key only because it is full of
+blocks it may not evict (claimed by lookups, being read or written): the tier is full,
+not down, and a store job that stored nothing for that reason does not count against
+its circuit breaker (`tierkv.driver.GuardedTier`)."""
 
 
 class TierConfig(BaseModel):
@@ -216,7 +223,8 @@ class SecondaryTierManager(ABC):
       cache asked to `remove` need no report.
     - A tier that evicts by itself may keep claimed blocks (`protects_claims`): its
       eviction passes over the keys `self.claims.is_protected` names, and a store that
-      finds no other room fails its key ("no room") rather than evict a claimed block.
+      finds no other room fails its key (a reason starting `NO_ROOM`) rather than
+      evict a claimed block.
     """
 
     Config: ClassVar[type[TierConfig]] = TierConfig

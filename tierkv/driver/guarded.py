@@ -40,7 +40,7 @@ from tierkv.contract.errors import TierUnavailable
 from tierkv.contract.jobs import JobMetadata, JobResult, ReqContext
 from tierkv.contract.keys import OffloadKey
 from tierkv.contract.slab import PrimaryView
-from tierkv.contract.tier import SecondaryTierManager, TierConfig
+from tierkv.contract.tier import NO_ROOM, SecondaryTierManager, TierConfig
 from tierkv.driver.checks import backstop_after, checked_flags, checked_result, without_removed
 from tierkv.health import CircuitBreaker
 from tierkv.registry import create_tier
@@ -247,15 +247,18 @@ class GuardedTier:
         self, kind: JobKind, job: JobMetadata, outcome: JobOutcome, elapsed: float
     ) -> bool:
         """Whether the job counts against the tier's health: it raised or broke its
-        deadline; a store that stored nothing and said why; or a job that ran to its
-        deadline and moved nothing. A job that moved part of its keys is progress."""
+        deadline; a store that stored nothing and said why (unless only that the tier
+        is full of blocks it may not evict); or a job that ran to its deadline and
+        moved nothing. A job that moved part of its keys is progress."""
         result = outcome.result
         if outcome.failure in ("timeout", "error"):
             return True
         if not job.keys or result.ok_keys:
             return False
         if kind == "store" and result.error:
-            return True  # a tier that can store nothing is down, raised or not
+            # a tier that can store nothing is down, raised or not; one that refused
+            # for room (`NO_ROOM`, first of the job's sorted reasons) is full, not down
+            return not result.error.startswith(NO_ROOM)
         return elapsed >= self.config.job_timeout
 
     def _count(self, kind: JobKind, result: JobResult, elapsed: float) -> None:

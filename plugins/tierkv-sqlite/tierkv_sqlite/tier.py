@@ -41,6 +41,7 @@ import anyio
 from pydantic import Field
 
 from tierkv.tier import (
+    NO_ROOM,
     Batch,
     CorruptBlock,
     InFlightJobs,
@@ -317,7 +318,7 @@ class SqliteTier(SecondaryTierManager):
                 row = old.fetchone()
                 if not self._evict(db, evicted, len(frame) - (row[0] if row else 0), key):
                     failed[key] = (
-                        "no room: the sqlite tier is full of blocks claimed by lookups "
+                        f"{NO_ROOM}: the sqlite tier is full of blocks claimed by lookups "
                         "until their loads (or claim_lease) end"
                     )
                     continue

@@ -49,6 +49,7 @@ import anyio
 
 from tierkv.contract.units import format_size
 from tierkv.tier import (
+    NO_ROOM,
     Batch,
     CorruptBlock,
     InFlightJobs,
@@ -515,7 +516,7 @@ class NvmeTier(SecondaryTierManager):
                     evicted = self._make_room(footprint)
                     if evicted is None:
                         failed[key] = (
-                            f"no room: the nvme capacity of {format_size(capacity)} is "
+                            f"{NO_ROOM}: the nvme capacity of {format_size(capacity)} is "
                             "taken by blocks being read, written or claimed by lookups; "
                             "retry later or raise `capacity`"
                         )
