@@ -177,26 +177,18 @@ class Lookup:
         where, missing = self._in_primary(keys_per_group, gpu_tokens)
         located: dict[OffloadKey, int] = {}
         taken: list[Taken] | None = [] if ctx.request_id is not None else None
-        if missing:
-            tiers = self.core.tiers
-            try:
+        try:
+            if missing:
+                tiers = self.core.tiers
                 located = await self.locate(list(missing), ctx, taken)
-            except BaseException:
-                if taken:
-                    self.core.claims.drop(taken)
-                raise
-            for key, i in located.items():
-                where[key] = tiers[i].name
-        tokens, ranges = self._hit(keys_per_group, where, bool(missing))
-        if gpu_tokens:
-            group_keys = tuple(
-                tuple(k for k in keys[r.first : r.end] if where[k] != _GPU)
-                for keys, r in zip(keys_per_group, ranges)
-            )
-        else:
-            group_keys = tuple(
-                tuple(keys[r.first : r.end]) for keys, r in zip(keys_per_group, ranges)
-            )
+                for key, i in located.items():
+                    where[key] = tiers[i].name
+            tokens, ranges = self._hit(keys_per_group, where, bool(missing))
+            group_keys = self._needed(keys_per_group, ranges, where, gpu_tokens)
+        except BaseException:  # cancelled (or a bug): the claims taken end here
+            if taken:
+                self.core.claims.drop(taken)
+            raise
         locations = {k: where[k] for keys in group_keys for k in keys}
         if ctx.request_id is not None:  # this lookup's claims replace the request's last
             needed = {k: located[k] for k in locations if k in located}
@@ -210,6 +202,21 @@ class Lookup:
         return LookupResult(
             tokens, group_keys, tuple(ranges), MappingProxyType(locations), gpu_tokens
         )
+
+    @staticmethod
+    def _needed(
+        keys_per_group: Sequence[Sequence[OffloadKey]],
+        ranges: Sequence[GroupHit],
+        where: dict[OffloadKey, str],
+        gpu_tokens: int,
+    ) -> tuple[tuple[OffloadKey, ...], ...]:
+        """Each group's keys of its hit range to load (those the GPU holds left out)."""
+        if gpu_tokens:
+            return tuple(
+                tuple(k for k in keys[r.first : r.end] if where[k] != _GPU)
+                for keys, r in zip(keys_per_group, ranges)
+            )
+        return tuple(tuple(keys[r.first : r.end]) for keys, r in zip(keys_per_group, ranges))
 
     def _check(self, keys_per_group: Sequence[Sequence[OffloadKey]], gpu_tokens: int) -> None:
         """A request that does not fit the layout raises before anything is asked."""
