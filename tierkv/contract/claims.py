@@ -41,7 +41,10 @@ class ClaimTable:
         self._clock = clock
         self._lock = threading.Lock()
         self._deadlines: dict[OffloadKey, list[float]] = {}  # per key, ascending
-        self._expiry: list[tuple[float, OffloadKey]] = []  # heap: when to look again
+        # heap: when to look again at each `protect` call's keys (one entry per call,
+        # not per key: a lookup's hit of thousands of blocks pushes once)
+        self._expiry: list[tuple[float, int, tuple[OffloadKey, ...]]] = []
+        self._calls = 0
         self.expired = 0
 
     def __len__(self) -> int:
@@ -52,18 +55,20 @@ class ClaimTable:
         """One more claim on each of `keys`, for `lease` seconds from now."""
         now = self._clock()
         deadline = now + lease
+        keys = tuple(keys)
         with self._lock:
             self._sweep(now)
-            if lease <= 0:
+            if lease <= 0 or not keys:
                 return
-            deadlines, expiry = self._deadlines, self._expiry
+            deadlines = self._deadlines
             for key in keys:
                 held = deadlines.get(key)
                 if held is None:
                     deadlines[key] = [deadline]
                 else:
                     bisect.insort(held, deadline)
-                heapq.heappush(expiry, (deadline, key))
+            self._calls += 1
+            heapq.heappush(self._expiry, (deadline, self._calls, keys))
 
     def unprotect(self, keys: Iterable[OffloadKey]) -> None:
         """Let go of one live claim on each of `keys` (the one that would run out
@@ -110,14 +115,16 @@ class ClaimTable:
 
     def _sweep(self, now: float) -> None:
         """Under the lock: count and drop the claims that ran out by `now`. Each claim
-        pushed one heap entry; an entry whose claim was let go finds a later deadline
-        (or none) first in its key's list and drops nothing."""
+        is named by one heap entry (its `protect` call's); for a key whose claim was let
+        go the entry finds a later deadline (or none) first in its list and drops
+        nothing."""
         expiry, deadlines = self._expiry, self._deadlines
         while expiry and expiry[0][0] <= now:
-            _, key = heapq.heappop(expiry)
-            held = deadlines.get(key)
-            if held and held[0] <= now:
-                del held[0]
-                self.expired += 1
-                if not held:
-                    del deadlines[key]
+            _, _, keys = heapq.heappop(expiry)
+            for key in keys:
+                held = deadlines.get(key)
+                if held and held[0] <= now:
+                    del held[0]
+                    self.expired += 1
+                    if not held:
+                        del deadlines[key]
