@@ -12,6 +12,11 @@ host tensor and check every byte, `store` the blocks the hit lacked right away (
 server does once prefill ends; the store's cascade to nvme still runs when the next
 request arrives). Prints hit, loaded, shed and wrong blocks; exits non-zero on a
 wrong byte, an exception, or a leaked slot. Not a CI test (minutes).
+
+`--nvme-share 0.27` makes the nvme tier hold only that share of the distinct blocks
+(its own LRU evicts the rest), and the replay then also counts `claimed_failed`:
+blocks the lookup reported in nvme whose load failed (a cascade's eviction ran between
+lookup and load; claims, `claim_lease`, keep them). `--claim-lease 0` turns claims off.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import tempfile
 import time
@@ -31,6 +37,7 @@ import torch
 
 from tierkv.cache import TieredCache
 from tierkv.config import parse_config
+from tierkv.contract.framing import header_bytes
 from tierkv.contract.jobs import ReqContext
 from tierkv.contract.keys import OffloadKey, hash_token_blocks, make_offload_key
 
@@ -64,6 +71,13 @@ async def run(args: argparse.Namespace) -> int:
     block_bytes = args.block_kib << 10
     primary_blocks = max(1, math.ceil(args.primary_share * distinct))
     workdir = Path(tempfile.mkdtemp(prefix="tierkv-replay-"))
+    nvme_capacity = (distinct + 1) * block_bytes * 2
+    if args.nvme_share is not None:  # the tier's own capacity, in its disk footprint
+        fs_block = os.statvfs(workdir).f_frsize or 4096
+        frame = header_bytes(requests[0][0]) + block_bytes
+        nvme_blocks = max(1, math.ceil(args.nvme_share * distinct))
+        nvme_capacity = nvme_blocks * -(-frame // fs_block) * fs_block
+    lease = {} if args.claim_lease is None else {"claim_lease": args.claim_lease}
     config = parse_config(
         {
             "namespace": "replay",
@@ -74,8 +88,9 @@ async def run(args: argparse.Namespace) -> int:
                 {
                     "type": "nvme",
                     "path": str(workdir / "nvme"),
-                    "capacity": (distinct + 1) * block_bytes * 2,
+                    "capacity": nvme_capacity,
                     "fsync": "never",
+                    **lease,
                 }
             ],
         }
@@ -99,6 +114,8 @@ async def run(args: argparse.Namespace) -> int:
                     counts["blocks_shed"] += len(result.failed_keys)
                     for key in result.failed_keys:
                         reasons[result.errors[key][:70]] += 1
+                        if hit.locations[key] == "nvme":  # lookup reported it there
+                            counts["claimed_failed"] += 1
                     ok = set(result.ok_keys)
                     for j, key in enumerate(load):
                         if key in ok and not torch.equal(out[j], pattern(key, block_bytes)):
@@ -114,6 +131,7 @@ async def run(args: argparse.Namespace) -> int:
             if args.progress and (n + 1) % 500 == 0:
                 print(f"[{time.monotonic() - started:6.1f}s] {n + 1} requests {dict(counts)}")
         await cache.flush()
+        stats = cache.stats().tiers
         p = cache.primary
         leaked = p.num_blocks - p.num_free - p.num_evictable
     elapsed = time.monotonic() - started
@@ -135,6 +153,12 @@ async def run(args: argparse.Namespace) -> int:
     )
     for line in Counter(errors).most_common(3):
         print("  exception:", line)
+    nvme = stats["nvme"]
+    print(
+        f"nvme: claimed_failed {counts['claimed_failed']}, protected "
+        f"{nvme.get('protected', 'n/a')}, lease_expired {nvme.get('lease_expired', 'n/a')}, "
+        f"blocks_stored {nvme['blocks_stored']}, failed_keys {nvme['failed_keys']}"
+    )
     return 1 if counts["blocks_wrong"] or errors or leaked else 0
 
 
@@ -148,6 +172,15 @@ def main() -> None:
         "--promotion-wait",
         default=None,
         help="how long a load may wait for room (default: the config's)",
+    )
+    parser.add_argument(
+        "--nvme-share",
+        type=float,
+        default=None,
+        help="nvme capacity as a share of the distinct blocks (default: all of them)",
+    )
+    parser.add_argument(
+        "--claim-lease", type=float, default=None, help="the nvme tier's claim_lease"
     )
     parser.add_argument("--progress", action="store_true")
     args = parser.parse_args()

@@ -4,7 +4,9 @@ It stores exactly what a real tier stores (header + payload, `self.framer`, with
 when `mac_key_env` is set) and checks it on the way back, so tests and examples
 exercise the real format with no server. It is also the smallest complete example of
 the tier contract: blocks it evicts to stay under `capacity`, and blocks it deletes
-after a failed check, are reported with `report_removed`.
+after a failed check, are reported with `report_removed`; blocks a lookup claimed are
+passed over by that eviction (`protects_claims`), and a store that would need one of
+them fails its key instead.
 
 Framing here runs on the event loop, a few blocks between yields: the memory tier is
 for tests, examples and small blocks; a tier that moves MiB-sized blocks over a wire
@@ -20,6 +22,7 @@ import anyio
 from pydantic import ByteSize, Field
 
 from tierkv.contract.tier import (
+    NO_ROOM,
     CorruptBlock,
     InFlightJobs,
     JobMetadata,
@@ -48,6 +51,7 @@ class MemoryTier(SecondaryTierManager):
     Config = MemoryTierConfig
     config: MemoryTierConfig
     reports_evictions = True
+    protects_claims = True
 
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
         super().__init__(config, primary)
@@ -68,6 +72,7 @@ class MemoryTier(SecondaryTierManager):
 
     async def close(self) -> None:
         await self._inflight.drain()
+        self.claims.clear()
         self._frames.clear()
         self._bytes = 0
 
@@ -85,20 +90,31 @@ class MemoryTier(SecondaryTierManager):
             if key in frames:
                 frames.move_to_end(key)
 
-    def _put(self, key: OffloadKey, frame: bytes) -> list[OffloadKey]:
-        """Hold `frame` under `key`; return the keys evicted to make room."""
-        old = self._frames.pop(key, None)
+    def _put(self, key: OffloadKey, frame: bytes) -> list[OffloadKey] | None:
+        """Hold `frame` under `key`; return the keys evicted to make room (least
+        recently used first, claimed blocks passed over), or None, changing nothing,
+        when only evicting claimed blocks would make room."""
+        frames, claims = self._frames, self.claims
+        old = frames.get(key)
+        excess = self._bytes - (len(old) if old is not None else 0) + len(frame)
+        excess -= int(self.config.capacity)
+        victims: list[OffloadKey] = []
+        for victim, victim_frame in frames.items():  # oldest first
+            if excess <= 0:
+                break
+            if victim == key or claims.is_protected(victim):
+                continue
+            victims.append(victim)
+            excess -= len(victim_frame)
+        if excess > 0:
+            return None
+        for victim in victims:
+            self._bytes -= len(frames.pop(victim))
         if old is not None:
-            self._bytes -= len(old)
-        capacity = int(self.config.capacity)
-        evicted: list[OffloadKey] = []
-        while self._frames and self._bytes + len(frame) > capacity:
-            victim, victim_frame = self._frames.popitem(last=False)
-            self._bytes -= len(victim_frame)
-            evicted.append(victim)
-        self._frames[key] = frame
+            self._bytes -= len(frames.pop(key))
+        frames[key] = frame
         self._bytes += len(frame)
-        return evicted
+        return victims
 
     async def store(self, job: JobMetadata) -> JobResult:
         failed: dict[OffloadKey, str] = {}
@@ -111,7 +127,15 @@ class MemoryTier(SecondaryTierManager):
                         f"capacity of {int(self.config.capacity)} bytes"
                     )
                     continue
-                self.report_removed(self._put(key, frame))
+                evicted = self._put(key, frame)
+                if evicted is None:
+                    failed[key] = (
+                        f"{NO_ROOM}: the memory tier is full of blocks claimed by lookups "
+                        "until their loads (or claim_lease) end; retry later or raise "
+                        "`capacity`"
+                    )
+                    continue
+                self.report_removed(evicted)
                 if i % _YIELD_EVERY == _YIELD_EVERY - 1:
                     await anyio.sleep(0)
         return JobResult.partial(job, failed)

@@ -8,10 +8,11 @@
 Every series carries `tier` (the medium: `cpu` for the primary, then each tier's name)
 and `namespace`. Counters: lookups, keys looked up, hits, misses, lookup timeouts,
 store/load jobs, blocks and bytes stored into / loaded out of the medium, failed keys,
-errors, dropped cascades, requests skipped while the circuit was open. Gauges: jobs and
-bytes in flight, breaker state, primary occupancy. Summaries (count, sum, p50, p99):
-job latency and lookup latency per tier. Cache-wide series (`namespace` only): rejected
-and skipped store blocks, store waits, dropped write-back blocks, shed promotions,
+errors, dropped cascades, requests skipped while the circuit was open, blocks claimed
+by lookups and claims whose lease ran out. Gauges: jobs and bytes in flight, claims
+held, breaker state, primary occupancy. Summaries (count, sum, p50, p99): job latency
+and lookup latency per tier. Cache-wide series (`namespace` only): rejected and skipped
+store blocks, store waits, dropped write-back blocks, shed promotions,
 prefetched, used, cancelled and shed prefetch blocks, dropped events (counters),
 background jobs and indexed keys (gauges).
 
@@ -83,10 +84,19 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "Keys asked again because the tier above failed to load them",
     ),
     "fallback_hits": ("fallback_hits", "Keys a fallback lookup found in the medium"),
+    "protected": (
+        "protected_blocks",
+        "Blocks a lookup claimed in the tier, kept from its eviction until their load",
+    ),
+    "lease_expired": (
+        "lease_expired_blocks",
+        "Claimed blocks whose claim_lease ran out before their load let them go",
+    ),
 }
 GAUGES: dict[str, tuple[str, str]] = {
     "inflight_jobs": ("inflight_jobs", "Jobs running against the medium now"),
     "inflight_bytes": ("inflight_bytes", "Bytes of cascades in flight to the medium"),
+    "claims_held": ("claims_held", "Claims on the tier's blocks not yet let go"),
 }
 SUMMARIES: dict[str, tuple[str, str]] = {
     "job_latency": ("job_latency_seconds", "Latency of store and load jobs"),

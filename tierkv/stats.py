@@ -66,6 +66,9 @@ class TierStats:
     foreign_blocks: int = 0  # loads that found a block signed by another MAC key
     fallback_lookups: int = 0  # keys asked again because a tier above failed to load them
     fallback_hits: int = 0  # ... and found here
+    protected: int = 0  # blocks a lookup claimed here (kept from its eviction until loaded)
+    lease_expired: int = 0  # ... whose claim_lease ran out before their load let them go
+    claims_held: int = 0  # claims not yet let go
     inflight_jobs: int = 0
     inflight_bytes: int = 0
     breaker: str = "closed"

@@ -134,6 +134,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         finally:
             with anyio.CancelScope(shield=True):
                 await core.stop()
+                core.claims.let_go_all()
                 self.writeback.drop_unwritten()
                 for handle in core.tiers:
                     await handle.close()
@@ -169,6 +170,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
 
     def stats(self) -> CacheStats:
         core = self.core
+        core.claims.sweep()  # claims whose lease ran out count as lease_expired now
         primary = core.primary_stats.snapshot()
         primary.update(
             blocks=self.primary.num_blocks,
@@ -205,7 +207,11 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         `gpu_tokens` is how many leading tokens the GPU already holds (their blocks
         count as present and are neither asked about nor listed to load). The primary
         answers first; the tiers are asked concurrently, once each, only about keys
-        the primary lacks, under `lookup_timeout`. Nothing is reserved: `load` does.
+        the primary lacks, under `lookup_timeout`. With `ctx.request_id`, the hit's
+        blocks in tiers that protect claims are kept from those tiers' eviction until
+        the request's `load` ends, `end_request`, or `claim_lease` runs out (a
+        request's next lookup replaces its claims); primary slots are reserved by
+        `load`, not here.
         """
         self.core.check_open()
         return await self._lookup.lookup(keys_per_group, ctx or _DEFAULT_CTX, gpu_tokens)
@@ -289,3 +295,15 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         if request_id is None:
             return 0
         return self.promoter.prefetches.cancel(request_id)
+
+    def end_request(self, request: ReqContext | str) -> None:
+        """The request (its `ReqContext` or request id) is done or abandoned: its
+        prefetches are released (`cancel_prefetch`) and the claims its lookups took
+        end, so the blocks they kept from the tiers' eviction are evictable again. A
+        request whose load ran needs no call for its claims (the load ended them);
+        one that never loads would otherwise hold them until `claim_lease` runs out."""
+        request_id = request.request_id if isinstance(request, ReqContext) else request
+        if request_id is None:
+            return
+        self.promoter.prefetches.cancel(request_id)
+        self.core.claims.let_go(request_id)

@@ -23,6 +23,7 @@ from tierkv.config import CacheConfig
 from tierkv.contract.errors import TierUnavailable
 from tierkv.contract.events import OffloadingEvent
 from tierkv.driver import GuardedTier
+from tierkv.driver.claims import ClaimLedger
 from tierkv.primary import PrimaryTier
 from tierkv.stats import TierStats
 
@@ -98,6 +99,7 @@ class CacheCore:
         self.block_bytes = primary.view.block_bytes
         self.tiers = tiers
         self.index = KeyIndex(max(65536, 16 * primary.num_blocks))
+        self.claims = ClaimLedger(tiers)  # blocks lookups claimed in tiers, per request
         self.events = EventLog(primary)
         self.primary_stats = TierStats()
         # promotions hold at most this share of the primary; stores leave its unheld

@@ -8,6 +8,11 @@ across groups in one pass per group (`tierkv.hits`). The hit is the truth whatev
 the primary's size: the promotion reserve bounds staging in `load`, not the hit.
 
 Tokens the GPU already holds (`gpu_tokens`) count as present and are not asked about.
+
+A lookup with a `request_id` claims the blocks of its hit in the tier each is read from
+(`tierkv.driver.claims`): the claims are taken as each tier answers, with no await in
+between, and those the hit does not need are let go once it is known; the request's
+load (or its end, or the lease) lets the rest go.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from tierkv.cache.validate import check_keys
 from tierkv.contract.jobs import ReqContext
 from tierkv.contract.keys import OffloadKey
 from tierkv.driver import GuardedTier
+from tierkv.driver.claims import Taken
 from tierkv.hits import GroupHit, combine_group_hits
 from tierkv.primary import MEDIUM as PRIMARY_MEDIUM
 
@@ -41,9 +47,15 @@ class Lookup:
         # the hit: selective write-through counts hits, reuse admission sightings
         self.on_hits = on_hits
 
-    async def locate(self, missing: Sequence[OffloadKey], ctx: ReqContext) -> dict[OffloadKey, int]:
+    async def locate(
+        self,
+        missing: Sequence[OffloadKey],
+        ctx: ReqContext,
+        taken: list[Taken] | None = None,
+    ) -> dict[OffloadKey, int]:
         """Ask the tiers, concurrently and once each, where `missing` keys are; return
-        key -> tier index for the keys some tier holds.
+        key -> tier index for the keys some tier holds. With `taken`, every key a tier
+        reports held is claimed there as it answers (appended to `taken`).
 
         A tier is asked only about keys the index does not place in a tier above it. A
         key the index placed that its tier now denies (or fails to answer for) is asked
@@ -60,7 +72,7 @@ class Lookup:
             ask = [k for k in missing if (loc := known[k]) is None or loc >= i]
             if ask:
                 asks.append((handle, ask))
-        found = await self._ask(asks, ctx)
+        found = await self._ask(asks, ctx, taken)
         again = [
             k
             for k in missing
@@ -73,7 +85,7 @@ class Lookup:
                 ask = [k for k in again if i > (known[k] or 0) and index.held(k) >> i & 1]
                 if ask:
                     asks.append((handle, ask))
-            found.update(await self._ask(asks, ctx))
+            found.update(await self._ask(asks, ctx, taken))
         return found
 
     async def ask_below(
@@ -101,15 +113,24 @@ class Lookup:
         return found
 
     async def _ask(
-        self, asks: list[tuple[GuardedTier, list[OffloadKey]]], ctx: ReqContext
+        self,
+        asks: list[tuple[GuardedTier, list[OffloadKey]]],
+        ctx: ReqContext,
+        taken: list[Taken] | None = None,
     ) -> dict[OffloadKey, int]:
-        """One round: each tier asked (concurrently) about its keys in `asks`."""
+        """One round: each tier asked (concurrently) about its keys in `asks`; with
+        `taken`, what each reports held is claimed there before anything else runs."""
         index = self.core.index
         timeout = self.core.config.lookup_timeout
         answers: list[list[bool] | None] = [None] * len(asks)
+        claims = self.core.claims
 
         async def ask_one(n: int, handle: GuardedTier, keys: list[OffloadKey]) -> None:
-            answers[n] = await handle.lookup(keys, ctx, timeout)
+            answers[n] = flags = await handle.lookup(keys, ctx, timeout)
+            if taken is not None and flags is not None and handle.claim_lease:
+                claim = claims.take(handle, [k for k, f in zip(keys, flags) if f])
+                if claim is not None:
+                    taken.append(claim)
 
         if len(asks) == 1:
             await ask_one(0, *asks[0])
@@ -154,21 +175,24 @@ class Lookup:
             if self.core.primary.lookup(keys) == len(keys):  # the hot case: all resident
                 return self._all_resident(keys, groups[0].block_size, ctx)
         where, missing = self._in_primary(keys_per_group, gpu_tokens)
-        if missing:
-            tiers = self.core.tiers
-            for key, i in (await self.locate(list(missing), ctx)).items():
-                where[key] = tiers[i].name
-        tokens, ranges = self._hit(keys_per_group, where, bool(missing))
-        if gpu_tokens:
-            group_keys = tuple(
-                tuple(k for k in keys[r.first : r.end] if where[k] != _GPU)
-                for keys, r in zip(keys_per_group, ranges)
-            )
-        else:
-            group_keys = tuple(
-                tuple(keys[r.first : r.end]) for keys, r in zip(keys_per_group, ranges)
-            )
+        located: dict[OffloadKey, int] = {}
+        taken: list[Taken] | None = [] if ctx.request_id is not None else None
+        try:
+            if missing:
+                tiers = self.core.tiers
+                located = await self.locate(list(missing), ctx, taken)
+                for key, i in located.items():
+                    where[key] = tiers[i].name
+            tokens, ranges = self._hit(keys_per_group, where, bool(missing))
+            group_keys = self._needed(keys_per_group, ranges, where, gpu_tokens)
+        except BaseException:  # cancelled (or a bug): the claims taken end here
+            if taken:
+                self.core.claims.drop(taken)
+            raise
         locations = {k: where[k] for keys in group_keys for k in keys}
+        if ctx.request_id is not None:  # this lookup's claims replace the request's last
+            needed = {k: located[k] for k in locations if k in located}
+            self.core.claims.keep(ctx.request_id, taken or (), needed)
         if missing:
             self.core.primary.touch([k for k, m in locations.items() if m == PRIMARY_MEDIUM])
         else:
@@ -178,6 +202,21 @@ class Lookup:
         return LookupResult(
             tokens, group_keys, tuple(ranges), MappingProxyType(locations), gpu_tokens
         )
+
+    @staticmethod
+    def _needed(
+        keys_per_group: Sequence[Sequence[OffloadKey]],
+        ranges: Sequence[GroupHit],
+        where: dict[OffloadKey, str],
+        gpu_tokens: int,
+    ) -> tuple[tuple[OffloadKey, ...], ...]:
+        """Each group's keys of its hit range to load (those the GPU holds left out)."""
+        if gpu_tokens:
+            return tuple(
+                tuple(k for k in keys[r.first : r.end] if where[k] != _GPU)
+                for keys, r in zip(keys_per_group, ranges)
+            )
+        return tuple(tuple(keys[r.first : r.end]) for keys, r in zip(keys_per_group, ranges))
 
     def _check(self, keys_per_group: Sequence[Sequence[OffloadKey]], gpu_tokens: int) -> None:
         """A request that does not fit the layout raises before anything is asked."""
@@ -269,6 +308,7 @@ class Lookup:
         ps.lookup_keys += len(keys)
         ps.hits += len(keys)
         core.primary.touch(keys)
+        core.claims.let_go(ctx.request_id)  # nothing to claim: the last lookup's go
         if self.on_hits is not None:
             self.on_hits(keys, ctx, ())
         locations = dict.fromkeys(keys, PRIMARY_MEDIUM)

@@ -22,7 +22,8 @@ reservation.
 Prefetches (`tierkv.cache.prefetch`) run the same stage 1 for queued requests; a load
 joins their windows like any other, and ends the prefetch of its own request. The
 blocks a load has still to promote are owed to it (`Prefetcher.owe`): no prefetch
-takes that room first.
+takes that room first. When the load ends, however it ends, the claims its request's
+lookup took in the tiers on its keys end too (`tierkv.driver.claims`).
 """
 
 from __future__ import annotations
@@ -202,8 +203,11 @@ class Promoter:
 
     def _let_go(self, s: _LoadState) -> None:
         """Give back every reader this load still holds or was granted, leave the
-        windows it no longer waits for, and settle what the prefetches owed it."""
+        windows it no longer waits for, settle what the prefetches owed it, and end
+        the claims its request's lookup took on these keys (read or not: the load
+        is over)."""
         primary = self.core.primary
+        self.core.claims.let_go(s.ctx.request_id, s.first)
         if s.holding:
             primary.complete_load(list(s.holding))
             s.holding.clear()

@@ -7,7 +7,7 @@ nothing blocks the event loop.
 
 The contract is torch-free and imports nothing of the cache: it is this module and its
 siblings in `tierkv.contract` (`slab`, `keys`, `jobs`, `events`, `errors`, `framing`,
-`mac`, `runner`, `units`, `redact`; checked by import-linter, see pyproject.toml).
+`mac`, `runner`, `units`, `redact`, `claims`; checked by import-linter, see pyproject.toml).
 Plugin authors import these names from `tierkv.tier`, which re-exports `__all__`.
 
 Register a tier with an entry point:
@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Literal
 import anyio
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveInt, field_validator
 
+from tierkv.contract.claims import ClaimTable
 from tierkv.contract.errors import (
     ConfigError,
     CorruptBlock,
@@ -55,6 +56,7 @@ from tierkv.contract.units import Duration, Size
 __all__ = [
     "redact_url",
     "Batch",
+    "ClaimTable",
     "CorruptBlock",
     "detached",
     "Duration",
@@ -65,6 +67,7 @@ __all__ = [
     "JobAborted",
     "JobMetadata",
     "JobResult",
+    "NO_ROOM",
     "OffloadKey",
     "PrimaryView",
     "RemovalListener",
@@ -86,6 +89,12 @@ Admission = Literal["all", "reuse"]
 
 RemovalListener = Callable[[tuple[OffloadKey, ...]], None]
 """Called with the keys a tier reports it no longer holds (see `report_removed`)."""
+
+NO_ROOM = "no room"
+"""How a tier's reason begins when it refuses to store a key only because it is full of
+blocks it may not evict (claimed by lookups, being read or written): the tier is full,
+not down, and a store job that stored nothing for that reason does not count against
+its circuit breaker (`tierkv.driver.GuardedTier`)."""
 
 
 class TierConfig(BaseModel):
@@ -140,6 +149,13 @@ class TierConfig(BaseModel):
     )
     recovery_after: Duration = Field(
         default=5.0, description="how long an open breaker waits before one probe"
+    )
+    claim_lease: Duration = Field(
+        default=10.0,
+        ge=0,
+        description="how long a block a lookup reported in this tier is kept from the "
+        "tier's own eviction when the request's load does not let it go first (0: no "
+        "claims); only tiers that protect claims (memory, nvme, sqlite) keep them",
     )
     mac_key_env: str | None = Field(
         default=None,
@@ -205,6 +221,10 @@ class SecondaryTierManager(ABC):
       expiry, a deletion after a failed check) are reported with `report_removed`, so
       the cache forgets them and emits `removed` events for this tier. Blocks the
       cache asked to `remove` need no report.
+    - A tier that evicts by itself may keep claimed blocks (`protects_claims`): its
+      eviction passes over the keys `self.claims.is_protected` names, and a store that
+      finds no other room fails its key (a reason starting `NO_ROOM`) rather than
+      evict a claimed block.
     """
 
     Config: ClassVar[type[TierConfig]] = TierConfig
@@ -218,6 +238,12 @@ class SecondaryTierManager(ABC):
     bucket): a block signed by another MAC key is theirs, and is left in place. False
     for storage private to this tier (its memory, its directory), where such a block
     can only be this tier's own under an earlier key and is deleted like a corrupt one."""
+    protects_claims: ClassVar[bool] = False
+    """True when the tier keeps blocks a lookup reported from its own eviction until
+    the request's load has read them (`protect` / `unprotect`, `tierkv.contract.claims`):
+    its eviction skips `self.claims.is_protected` keys. False (the default) for a tier
+    that cannot (a Redis or a bucket evicts on the server's own terms) or never evicts:
+    `protect` and `unprotect` then do nothing, and the cache sends it no claims."""
 
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
         if not isinstance(config, self.Config):
@@ -232,6 +258,8 @@ class SecondaryTierManager(ABC):
         self._foreign_lock = threading.Lock()
         self.foreign_blocks = 0
         """Loads that found a block signed by another MAC key (`report_foreign`)."""
+        self.claims = ClaimTable()
+        """Blocks lookups claimed in this tier (used when `protects_claims`)."""
 
     @staticmethod
     @abstractmethod
@@ -273,6 +301,21 @@ class SecondaryTierManager(ABC):
         that evicts by recency counts it as a use (a block hot in the primary is not
         the coldest down here). Keys not held are ignored; cheap and best effort, no
         I/O of block bytes. Default: nothing."""
+
+    def protect(self, keys: Sequence[OffloadKey], lease: float) -> None:
+        """A lookup just reported `keys` held here and a load will read them: keep them
+        from this tier's own eviction until `unprotect`, or for `lease` seconds at most.
+        Called on the event-loop thread right after the lookup answered, once per claim
+        (a key claimed twice needs two `unprotect`s). Cheap, in memory, no I/O. Default:
+        `self.claims` keeps them when `protects_claims`, else nothing."""
+        if self.protects_claims:
+            self.claims.protect(keys, lease)
+
+    def unprotect(self, keys: Sequence[OffloadKey]) -> None:
+        """One claim on each of `keys` ends (its load read it, failed, or its request
+        ended); keys not claimed are ignored. Default: as for `protect`."""
+        if self.protects_claims:
+            self.claims.unprotect(keys)
 
     def set_removal_listener(self, listener: RemovalListener | None) -> None:
         """Where `report_removed` goes: the cache sets it when it adopts the tier."""

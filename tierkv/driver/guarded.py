@@ -40,7 +40,7 @@ from tierkv.contract.errors import TierUnavailable
 from tierkv.contract.jobs import JobMetadata, JobResult, ReqContext
 from tierkv.contract.keys import OffloadKey
 from tierkv.contract.slab import PrimaryView
-from tierkv.contract.tier import SecondaryTierManager, TierConfig
+from tierkv.contract.tier import NO_ROOM, SecondaryTierManager, TierConfig
 from tierkv.driver.checks import backstop_after, checked_flags, checked_result, without_removed
 from tierkv.health import CircuitBreaker
 from tierkv.registry import create_tier
@@ -247,15 +247,18 @@ class GuardedTier:
         self, kind: JobKind, job: JobMetadata, outcome: JobOutcome, elapsed: float
     ) -> bool:
         """Whether the job counts against the tier's health: it raised or broke its
-        deadline; a store that stored nothing and said why; or a job that ran to its
-        deadline and moved nothing. A job that moved part of its keys is progress."""
+        deadline; a store that stored nothing and said why (unless only that the tier
+        is full of blocks it may not evict); or a job that ran to its deadline and
+        moved nothing. A job that moved part of its keys is progress."""
         result = outcome.result
         if outcome.failure in ("timeout", "error"):
             return True
         if not job.keys or result.ok_keys:
             return False
         if kind == "store" and result.error:
-            return True  # a tier that can store nothing is down, raised or not
+            # a tier that can store nothing is down, raised or not; one that refused
+            # for room (`NO_ROOM`, first of the job's sorted reasons) is full, not down
+            return not result.error.startswith(NO_ROOM)
         return elapsed >= self.config.job_timeout
 
     def _count(self, kind: JobKind, result: JobResult, elapsed: float) -> None:
@@ -322,6 +325,40 @@ class GuardedTier:
             logger.debug("tier %s: touch failed: %s", self.name, exc)
             return False
         return True
+
+    # -- claims (who holds which: `tierkv.driver.claims.ClaimLedger`) ---------------------
+    @property
+    def claim_lease(self) -> float:
+        """Seconds a claim on this tier lasts; 0 when it takes none (the tier does not
+        protect claims, or `claim_lease: 0`)."""
+        return float(self.config.claim_lease) if self.tier.protects_claims else 0.0
+
+    def protect(self, keys: Sequence[OffloadKey], lease: float) -> bool:
+        """Claim `keys`, which the tier just reported held. Whatever the breaker says
+        (the tier answered); a tier that raises is logged, its keys unclaimed: a claim
+        keeps a hit, it is never an error. True when the tier took them."""
+        if not keys or self.closed:
+            return False
+        try:
+            self.tier.protect(keys, lease)
+        except Exception as exc:
+            logger.warning("tier %s: protect failed: %s: %s", self.name, type(exc).__name__, exc)
+            return False
+        self.stats.protected += len(keys)
+        self.stats.claims_held += len(keys)
+        return True
+
+    def unprotect(self, keys: Sequence[OffloadKey], *, expired: bool = False) -> None:
+        """Claims on `keys` end: let go (whatever the breaker says: bookkeeping, no
+        I/O), or, `expired`, counted as lease-expired (the tier drops them itself)."""
+        self.stats.claims_held -= len(keys)
+        if expired:
+            self.stats.lease_expired += len(keys)
+            return
+        try:
+            self.tier.unprotect(keys)
+        except Exception as exc:  # its lease still bounds the claim
+            logger.warning("tier %s: unprotect failed: %s: %s", self.name, type(exc).__name__, exc)
 
     # -- removals ------------------------------------------------------------------------
     def _removed(self, keys: tuple[OffloadKey, ...]) -> None:

@@ -56,6 +56,7 @@ from tierkv.contract.keys import OffloadKey, make_offload_key
 from tierkv.contract.mac import KEY_ID_BYTES, MacKey
 from tierkv.contract.slab import PrimaryView
 from tierkv.contract.tier import SecondaryTierManager
+from tierkv.testing.claims import ClaimConformance
 
 CTX = ReqContext(request_id="conformance")
 
@@ -94,8 +95,9 @@ def assert_partition(result: JobResult, job: JobMetadata) -> None:
     assert sorted(result.ok_keys + result.failed_keys) == sorted(job.keys)
 
 
-class TierConformanceSuite:
-    """Subclass as `Test...` and implement `make_tier` and `corrupt`."""
+class TierConformanceSuite(ClaimConformance):
+    """Subclass as `Test...` and implement `make_tier` and `corrupt`. The claim tests
+    (`protect` / `unprotect`) come from `tierkv.testing.claims`."""
 
     pytestmark = pytest.mark.anyio
 

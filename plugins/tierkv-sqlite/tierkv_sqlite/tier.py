@@ -20,6 +20,9 @@ How it keeps the contract:
 - Capacity counts frame bytes (`framer.header_bytes(key)` + block bytes per block);
   past it the least recently used rows go first (recency is an integer clock stored
   per row, so it survives a restart), and the evicted keys are `report_removed`.
+  Rows a lookup claimed (`protects_claims`: `self.claims`, safe from the worker
+  thread) are passed over until their load or lease ends; a block that would need
+  one of them evicted fails "no room" instead.
 - Rows are keyed by the namespace's 8-byte hash followed by the block key, so caches
   of different namespaces may share one database file: each sees, counts and evicts
   only its own rows (`capacity` is per namespace).
@@ -38,6 +41,7 @@ import anyio
 from pydantic import Field
 
 from tierkv.tier import (
+    NO_ROOM,
     Batch,
     CorruptBlock,
     InFlightJobs,
@@ -96,6 +100,7 @@ class SqliteTier(SecondaryTierManager):
     Config = SqliteTierConfig
     config: SqliteTierConfig
     reports_evictions = True
+    protects_claims = True
 
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
         super().__init__(config, primary)
@@ -192,25 +197,38 @@ class SqliteTier(SecondaryTierManager):
         (clock,) = db.execute("SELECT COALESCE(MAX(used), 0) FROM blocks").fetchone()
         self._bytes, self._clock = int(size), int(clock)
 
-    def _evict(self, db: sqlite3.Connection, evicted: list[OffloadKey] | None = None) -> None:
-        """Delete the least recently used rows until the rest fit `capacity`; append
-        their keys to `evicted`."""
-        capacity = int(self.config.capacity)
+    def _evict(
+        self,
+        db: sqlite3.Connection,
+        evicted: list[OffloadKey] | None = None,
+        need: int = 0,
+        keep: OffloadKey | None = None,
+    ) -> bool:
+        """Delete the least recently used rows, passing over claimed ones and `keep`,
+        until the rest and `need` more bytes fit `capacity`; append their keys to
+        `evicted`. Whether they fit."""
+        capacity = int(self.config.capacity) - need
+        after = -1  # rows are walked in `used` order, past the ones passed over
         while self._bytes > capacity:
             rows = db.execute(
-                "SELECT key, LENGTH(frame) FROM blocks WHERE key >= ? AND key < ? "
-                "ORDER BY used LIMIT 64",
-                (self._ns, self._ns_end),
+                "SELECT key, LENGTH(frame), used FROM blocks WHERE key >= ? AND key < ? "
+                "AND used > ? ORDER BY used LIMIT 64",
+                (self._ns, self._ns_end, after),
             ).fetchall()
             if not rows:
-                break
-            for key, size in rows:
+                return False
+            for row, size, used in rows:
+                after = used
                 if self._bytes <= capacity:
                     break
-                db.execute("DELETE FROM blocks WHERE key = ?", (key,))
+                key = bytes(row[len(self._ns) :])
+                if key == keep or self.claims.is_protected(key):
+                    continue
+                db.execute("DELETE FROM blocks WHERE key = ?", (row,))
                 self._bytes -= size
                 if evicted is not None:
-                    evicted.append(bytes(key[len(self._ns) :]))
+                    evicted.append(key)
+        return True
 
     # -- life cycle ---------------------------------------------------------------
     async def open(self) -> None:
@@ -239,6 +257,7 @@ class SqliteTier(SecondaryTierManager):
 
     async def close(self) -> None:
         await self._inflight.drain()
+        self.claims.clear()
         if self._db is not None:
             db, self._db = self._db, None
             await self._in_thread(db.close)
@@ -286,6 +305,7 @@ class SqliteTier(SecondaryTierManager):
         db = self._conn()
         failed: dict[OffloadKey, str] = {}
         capacity = int(self.config.capacity)
+        evicted: list[OffloadKey] = []
         with self._transaction(db):
             for key, slot in batch:
                 frame = self.framer.encode(key, self.primary.block(slot))
@@ -296,6 +316,12 @@ class SqliteTier(SecondaryTierManager):
                     "SELECT LENGTH(frame) FROM blocks WHERE key = ?", (self._row(key),)
                 )
                 row = old.fetchone()
+                if not self._evict(db, evicted, len(frame) - (row[0] if row else 0), key):
+                    failed[key] = (
+                        f"{NO_ROOM}: the sqlite tier is full of blocks claimed by lookups "
+                        "until their loads (or claim_lease) end"
+                    )
+                    continue
                 self._clock += 1
                 db.execute(
                     "INSERT INTO blocks (key, frame, used) VALUES (?, ?, ?) "
@@ -303,8 +329,6 @@ class SqliteTier(SecondaryTierManager):
                     (self._row(key), frame, self._clock),
                 )
                 self._bytes += len(frame) - (row[0] if row else 0)
-            evicted: list[OffloadKey] = []
-            self._evict(db, evicted)
         removed.extend(evicted)  # only once the transaction committed
         return failed
 

@@ -14,11 +14,13 @@ Concurrency and consistency, all on the event-loop thread (no locks needed):
   whole; at most `io_concurrency` chunks run at once, across all jobs. The calls are
   shielded from cancellation, so a cancelled job never leaves half a block or an
   index that disagrees with the disk.
-- A key being read is pinned: eviction passes over it. A key being written or deleted
-  has a pending event; a store of the same key waits for it instead of racing it, so
-  writes and deletes of one key never interleave.
+- A key being read is pinned, and a key a lookup claimed (`protects_claims`) is
+  protected until its load or its lease ends: eviction passes over both. A key being
+  written or deleted has a pending event; a store of the same key waits for it
+  instead of racing it, so writes and deletes of one key never interleave.
 - Capacity counts the disk bytes of indexed blocks plus those being written; room is
-  made before a write by evicting the least recently used unpinned blocks, whose files
+  made before a write by evicting the least recently used unpinned, unclaimed blocks
+  (none left: the block fails "no room"), whose files
   are deleted by the same thread call that then writes the new blocks. A job bigger
   than the capacity fails the blocks that do not fit rather than evicting its own.
 
@@ -47,6 +49,7 @@ import anyio
 
 from tierkv.contract.units import format_size
 from tierkv.tier import (
+    NO_ROOM,
     Batch,
     CorruptBlock,
     InFlightJobs,
@@ -128,6 +131,7 @@ class NvmeTier(SecondaryTierManager):
     Config = NvmeTierConfig
     config: NvmeTierConfig
     reports_evictions = True
+    protects_claims = True
 
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
         super().__init__(config, primary)
@@ -367,6 +371,7 @@ class NvmeTier(SecondaryTierManager):
         self._state = "closing"
         await self._inflight.drain()
         self._release_lock()
+        self.claims.clear()
         self._index.clear()
         self._used = 0
         self._state = "closed"
@@ -511,9 +516,9 @@ class NvmeTier(SecondaryTierManager):
                     evicted = self._make_room(footprint)
                     if evicted is None:
                         failed[key] = (
-                            f"no room: the nvme capacity of {format_size(capacity)} is "
-                            "taken by blocks being read or written; retry later or raise "
-                            "`capacity`"
+                            f"{NO_ROOM}: the nvme capacity of {format_size(capacity)} is "
+                            "taken by blocks being read, written or claimed by lookups; "
+                            "retry later or raise `capacity`"
                         )
                         continue
                     victims += evicted
@@ -560,11 +565,12 @@ class NvmeTier(SecondaryTierManager):
         return outcomes
 
     def _make_room(self, footprint: int) -> list[OffloadKey] | None:
-        """Evict least recently used, unpinned blocks until `footprint` more bytes fit.
+        """Evict least recently used blocks neither pinned nor claimed until `footprint`
+        more bytes fit.
 
         Returns the evicted keys (their files are still to be deleted, and they are
         marked deleting until then), or None, evicting nothing, when even evicting
-        every unpinned block would not make room."""
+        every other block would not make room."""
         excess = self._used + self._reserved + footprint - int(self.config.capacity)
         if excess <= 0:
             return []
@@ -573,7 +579,7 @@ class NvmeTier(SecondaryTierManager):
         for key, entry in self._index.items():  # oldest first
             if freed >= excess:
                 break
-            if self._pins.get(key):
+            if self._pins.get(key) or self.claims.is_protected(key):
                 continue
             victims.append(key)
             freed += entry.footprint
