@@ -66,6 +66,12 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         "the next queued requests and reports TTFT with and without it.",
     )
     _replay_arguments(p)
+    p.add_argument(
+        "--capacity-sweep", action="store_true",
+        help="replay once per primary size x tier capacity x admission policy and print "
+        "one table of served share, served / a same-size LRU and blocks written (no "
+        "backlog, no TTFT)",
+    )  # fmt: skip
     _backlog_arguments(p)
     _cost_model_arguments(p)
     p.add_argument("--plot", metavar="FILE.png", help="hit rate and bytes written vs capacity")
@@ -79,17 +85,24 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", type=Path, help="the trace (JSONL)")
     p.add_argument("--requests", type=positive, metavar="N", help="replay only the first N")
     p.add_argument(
-        "--block-bytes", type=block_size, metavar="SIZE", default=64 << 10,
-        help="tierkv block per trace block (64KiB; the cost model scales to the model's size)",
+        "--block-bytes", type=block_size, metavar="SIZE",
+        help="tierkv block per trace block (64KiB, the cost model scales to the model's "
+        "size; 4KiB with --capacity-sweep)",
     )  # fmt: skip
     p.add_argument(
-        "--primary", default="2%", metavar="N|P%", help="primary: blocks or %% of distinct (2%%)"
-    )
-    p.add_argument(
-        "--tier-capacity", default="10%,25%", metavar="LIST",
-        help="each tier's capacity, blocks or %% of distinct; one replay each (10%%,25%%)",
+        "--primary", metavar="N|P%",
+        help="primary: blocks or %% of distinct (2%%; with --capacity-sweep a list, 0.5%%,2%%)",
     )  # fmt: skip
-    p.add_argument("--tiers", default="nvme", metavar="LIST", help="nvme, memory, redis (nvme)")
+    p.add_argument(
+        "--tier-capacity", metavar="LIST",
+        help="each tier's capacity, blocks or %% of distinct; one replay each (10%%,25%%; "
+        "with --capacity-sweep 5%%,12%%,20%%,27%%,40%%,50%%)",
+    )  # fmt: skip
+    p.add_argument(
+        "--tiers", metavar="LIST",
+        help="nvme, memory, redis (nvme; memory with --capacity-sweep: the same LRU and "
+        "admission, about 10x faster on a small disk)",
+    )  # fmt: skip
     p.add_argument(
         "--admission", default="all,reuse", metavar="LIST", help="policies to compare (all,reuse)"
     )
@@ -147,6 +160,8 @@ def _cost_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.capacity_sweep:
+        return _run_sweep(args)
     from tierkv.trace import TraceError
     from tierkv.trace.bench import run_trace_bench, summary_lines
 
@@ -159,9 +174,6 @@ def run(args: argparse.Namespace) -> int:
                 "--plot needs matplotlib: pip install matplotlib (the `plot` extra)"
             ) from None
     options = _options(args, model, _prefetch_policies(args.prefetch))
-    bad = [a for a in options.admissions if a not in ("all", "reuse")]
-    if bad:
-        raise UsageError(f"--admission: {', '.join(bad)} (use all, reuse)")
     with Progress(not args.json, None, "reading the trace", command="bench") as progress:
         try:
             report = anyio.run(lambda: run_trace_bench(options, progress.update))
@@ -179,6 +191,66 @@ def run(args: argparse.Namespace) -> int:
         where = plot_trace(report, args.plot).resolve()
         print(f"plot: {where}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def _run_sweep(args: argparse.Namespace) -> int:
+    """`--capacity-sweep`: every size is checked before the trace is read, then one
+    replay per primary x tier capacity x policy, printed as one table."""
+    from tierkv.trace.sweep import (
+        SWEEP_CAPACITIES,
+        SWEEP_PRIMARIES,
+        SweepOptions,
+        check_size,
+        run_capacity_sweep,
+        sweep_lines,
+    )
+
+    if args.plot:
+        raise UsageError("--plot draws the plain replay's runs; drop it with --capacity-sweep")
+    sizes = {}
+    for flag, text, default in (
+        ("--primary", args.primary, SWEEP_PRIMARIES),
+        ("--tier-capacity", args.tier_capacity, SWEEP_CAPACITIES),
+    ):
+        try:
+            sizes[flag] = tuple(check_size(t) for t in _split(text)) if text else default
+        except ValueError as exc:
+            raise UsageError(f"{flag}: {exc}") from None
+    options = SweepOptions(
+        args.file,
+        limit=args.requests,
+        block_bytes=args.block_bytes or 4 << 10,
+        primaries=sizes["--primary"],
+        capacities=sizes["--tier-capacity"],
+        tiers=_split(args.tiers or "memory"),
+        admissions=_admissions(args.admission),
+        directory=args.dir,
+        redis_url=args.redis_url,
+    )
+    with Progress(not args.json, None, "reading the trace", command="bench") as progress:
+        try:
+            report = anyio.run(lambda: run_capacity_sweep(options, progress.update))
+        except ValueError as exc:  # the trace (TraceError), tiers
+            raise UsageError(str(exc)) from None
+    if args.json:
+        print_json(report)
+    else:
+        print("\n".join(sweep_lines(report)))
+    return 0
+
+
+def _split(text: str) -> tuple[str, ...]:
+    """A comma-separated option's items, blanks dropped."""
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+def _admissions(text: str) -> tuple[str, ...]:
+    """`--admission`: the policies to compare (the tier's `admission` values)."""
+    policies = _split(text)
+    bad = [a for a in policies if a not in ("all", "reuse")]
+    if bad or not policies:
+        raise UsageError(f"--admission: {', '.join(bad) or 'empty'} (use all, reuse)")
+    return policies
 
 
 def _cost_model(args: argparse.Namespace) -> CostModel:
@@ -218,11 +290,11 @@ def _options(
     return TraceBenchOptions(
         args.file,
         limit=args.requests,
-        block_bytes=args.block_bytes,
-        primary=args.primary,
-        tier_capacities=tuple(c.strip() for c in args.tier_capacity.split(",")),
-        tiers=tuple(t.strip() for t in args.tiers.split(",")),
-        admissions=tuple(a.strip() for a in args.admission.split(",")),
+        block_bytes=args.block_bytes or 64 << 10,
+        primary=args.primary or "2%",
+        tier_capacities=tuple(c.strip() for c in (args.tier_capacity or "10%,25%").split(",")),
+        tiers=tuple(t.strip() for t in (args.tiers or "nvme").split(",")),
+        admissions=_admissions(args.admission),
         redis_url=args.redis_url,
         directory=args.dir,
         load=args.load,

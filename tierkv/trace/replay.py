@@ -64,6 +64,7 @@ class ReplayReport:
     failed_loads: int = 0
     rejected_stores: int = 0
     bytes_written: dict[str, int] = field(default_factory=dict)
+    blocks_written: dict[str, int] = field(default_factory=dict)
     bytes_read: dict[str, int] = field(default_factory=dict)
     declined: dict[str, int] = field(default_factory=dict)
     evictions: Counter[str] = field(default_factory=Counter)
@@ -97,6 +98,7 @@ class ReplayReport:
             "failed_loads": self.failed_loads,
             "rejected_stores": self.rejected_stores,
             "bytes_written": self.bytes_written,
+            "blocks_written": self.blocks_written,
             "bytes_read": self.bytes_read,
             "declined_blocks": self.declined,
             "evictions": dict(self.evictions),
@@ -276,6 +278,7 @@ class ReplayChain:
         stats = cache.stats()
         for name, tier in stats.tiers.items():
             report.bytes_written[name] = int(tier["bytes_in"])
+            report.blocks_written[name] = int(tier["blocks_stored"])
             report.bytes_read[name] = int(tier["bytes_out"])
             report.declined[name] = int(tier["declined"])
         for counter in PREFETCH_COUNTERS:
