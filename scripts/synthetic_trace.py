@@ -3,12 +3,15 @@ caching policy does no harm on workloads unlike the Mooncake trace.
 
     .venv/bin/python scripts/synthetic_trace.py chat /tmp/chat.jsonl
     .venv/bin/python scripts/synthetic_trace.py oneshot /tmp/oneshot.jsonl
+    .venv/bin/python scripts/synthetic_trace.py conversations /tmp/conv.jsonl [--sessions N ...]
     .venv/bin/tierkv bench trace /tmp/chat.jsonl
 
 `chat`: conversations with a shared system prompt, every turn re-sends the whole
 conversation plus a new message (each turn's blocks are read exactly once more, by
 the next turn), users interleaved at random. `oneshot`: 70 % prompts never seen again,
 30 % one of a few shared documents plus a question. Poisson arrivals (`--rate` per s).
+`conversations`: sessions of several turns with documented, tested parameters
+(`tierkv.trace.conversations`; `conversations -h` lists them).
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
+
+from tierkv.trace import conversations
 
 
 def chat(rng: random.Random, users: int, turns: int) -> list[list[int]]:
@@ -50,6 +56,8 @@ def oneshot(rng: random.Random, requests: int) -> list[list[int]]:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["conversations"]:
+        sys.exit(conversations.main(sys.argv[2:]))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kind", choices=["chat", "oneshot"])
     parser.add_argument("output", type=Path)
