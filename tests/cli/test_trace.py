@@ -101,3 +101,53 @@ def test_a_trace_that_asks_for_no_block_exits_2_saying_so(
     assert main(["bench", "trace", str(path), "--tiers", "memory"]) == 2
     err = capsys.readouterr().err
     assert "empty.jsonl: no request asks for a block" in err and "ZeroDivision" not in err
+
+
+def test_capacity_sweep_prints_one_table_with_a_row_per_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["bench", "trace", str(trace(tmp_path)), "--capacity-sweep"]
+    assert main([*args, "--tier-capacity", "10%,50%", "--primary", "2,4%"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if " | " in line]
+    assert len(rows) == 1 + 2 * 2 and "all" in rows[0] and "/all" in rows[0]
+    assert "tiers memory, 4,096-byte blocks" in out  # the sweep's defaults
+
+
+def test_capacity_sweep_json_has_every_cell_with_its_ratios(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["bench", "trace", str(trace(tmp_path)), "--capacity-sweep", "--json"]
+    assert main([*args, "--requests", "30", "--admission", "reuse,all"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["requests"] == 30 and report["baseline"] == "all"
+    sizes = [(c["primary"], c["tier_capacity"]) for c in report["cells"][::2]]
+    assert sizes == [
+        (p, c) for p in ("0.5%", "2%") for c in ("5%", "12%", "20%", "27%", "40%", "50%")
+    ]
+    assert {c["admission"] for c in report["cells"]} == {"all", "reuse"}
+    for cell in report["cells"]:
+        lru = cell["lru_hit_rate"]  # None where the LRU serves nothing
+        assert cell["vs_lru"] == (pytest.approx(cell["hit_rate"] / lru) if lru else None)
+        assert {"vs_baseline", "blocks_written", "bytes_written"} <= set(cell)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--tier-capacity", "5%,120%"],
+            "--tier-capacity: '120%': a percentage must be in (0, 100]",
+        ),
+        (["--primary", "0%"], "--primary: '0%': a percentage must be in (0, 100]"),
+        (["--tier-capacity", "5%,lots"], "'lots' is not a block count or a percentage"),
+        (["--admission", "sometimes"], "--admission: sometimes"),
+        (["--plot", "x.png"], "drop it with --capacity-sweep"),
+    ],
+)
+def test_a_bad_sweep_option_exits_2_before_reading_the_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    missing = tmp_path / "not-there.jsonl"  # never read: the options fail first
+    assert main(["bench", "trace", str(missing), "--capacity-sweep", *extra]) == 2
+    assert message in capsys.readouterr().err
