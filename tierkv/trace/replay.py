@@ -115,12 +115,12 @@ class ReplayReport:
 
 def _tier(kind: str, o: ReplayOptions, root: Path, key_bytes: int) -> dict[str, Any]:
     spec: dict[str, Any] = {"type": kind, "admission": o.admission}
+    frame = o.block_bytes + FIXED_HEADER_BYTES + key_bytes
     if kind == "nvme":
-        frame = o.block_bytes + FIXED_HEADER_BYTES + key_bytes
         footprint = -(-frame // FS_BLOCK) * FS_BLOCK  # the tier counts allocated bytes
         spec.update(path=str(root / "nvme"), capacity=o.tier_blocks * footprint, fsync="never")
-    elif kind == "memory":
-        spec.update(capacity=o.tier_blocks * o.block_bytes)
+    elif kind == "memory":  # the tier counts framed bytes: room for exactly tier_blocks
+        spec.update(capacity=o.tier_blocks * frame)
     elif kind == "redis":
         if not o.redis_url:
             raise ValueError("a redis tier needs redis_url (--redis-url)")
