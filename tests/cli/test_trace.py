@@ -151,3 +151,13 @@ def test_a_bad_sweep_option_exits_2_before_reading_the_trace(
     missing = tmp_path / "not-there.jsonl"  # never read: the options fail first
     assert main(["bench", "trace", str(missing), "--capacity-sweep", *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_help_names_the_sweeps_default_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    """The command line states the defaults without importing the replay (torch)."""
+    from tierkv.trace.sweep import SWEEP_CAPACITIES, SWEEP_PRIMARIES
+
+    with pytest.raises(SystemExit):
+        main(["bench", "trace", "-h"])
+    text = " ".join(capsys.readouterr().out.split()).replace("- ", "-")
+    assert ",".join(SWEEP_CAPACITIES) in text and ",".join(SWEEP_PRIMARIES) in text
