@@ -9,8 +9,9 @@ Concurrency and consistency, all on the event-loop thread (no locks needed):
 - The index maps each stored key to an entry (its bytes on disk) in LRU order; loads
   refresh recency, and so do stores of a key already held (same key, same bytes:
   keys are content hashes, so the write is skipped).
-- A job runs as chunks of up to MAX_CHUNK blocks (the contract's `run_job`, with the
-  tier's `job_timeout`), each chunk one worker-thread call that does every block
+- A job runs as chunks of blocks (up to 4 MiB of small blocks, or up to MAX_CHUNK
+  large ones: `chunk_size`; the contract's `run_job`, with the tier's `job_timeout`),
+  each chunk one worker-thread call that does every block
   whole; at most `io_concurrency` chunks run at once, across all jobs. The calls are
   shielded from cancellation, so a cancelled job never leaves half a block or an
   index that disagrees with the disk.
@@ -79,9 +80,15 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_FS_BLOCK = 4096
 MAX_CHUNK = 4
-"""Blocks per worker-thread call at most (see `chunk_size`)."""
+"""Blocks per worker-thread call at most when a job is spread over `io_concurrency`
+calls (large blocks, fsynced stores; see `chunk_size`)."""
+MAX_SMALL_CHUNK = 64
+"""Small blocks per worker-thread call at most, up to CHUNK_BYTES of them (see
+`chunk_size`)."""
 CHUNK_BYTES = 4 << 20
-"""Bytes of small blocks worth one worker-thread call (see `chunk_size`)."""
+"""Bytes of small blocks worth one worker-thread call (see `chunk_size`): also what a
+chunk still running at the job's deadline may overrun it by (4 blocks of 1 MiB took
+as long before small blocks were batched this way)."""
 READ_ERRORS_BEFORE_DELETE = 3
 """Reads of one block in a row that may fail with an OS error (EIO, a link where
 the file should be, ...) before the block is given up and deleted: one hiccup must
@@ -440,7 +447,7 @@ class NvmeTier(SecondaryTierManager):
         run_chunk: Callable[[Batch], Awaitable[dict[OffloadKey, str]]],
         verb: str,
     ) -> JobResult:
-        """Run `job` as chunks of up to MAX_CHUNK blocks, one worker-thread call each,
+        """Run `job` as chunks (`chunk_size`), one worker-thread call each,
         up to `io_concurrency` in flight, by the contract's runner.
 
         Chunks, not single blocks, because a thread round trip and the event-loop work
@@ -459,20 +466,22 @@ class NvmeTier(SecondaryTierManager):
     def chunk_size(self, pairs: int, verb: str) -> int:
         """Blocks per worker-thread call for a job of `pairs` blocks.
 
-        A thread round trip and the event-loop work around it cost about 40 us of CPU
-        (measured), as much as reading a 256 KiB block from the page cache. Small
-        blocks are therefore read, and written without fsync, in whole chunks of up to
-        CHUNK_BYTES (at most MAX_CHUNK blocks): one read call keeps its chunk's reads
-        in flight at once (`posix_fadvise(WILLNEED)`, `blockfile.read_blocks`), and a
-        write that is not fsynced only copies into the page cache, so more calls buy
-        no depth. Large blocks (a chunk of one is already CHUNK_BYTES or more), and
+        A thread round trip and the event-loop work around it cost 40-370 us of CPU
+        (measured, quiet to busy machine), more than reading a 256 KiB block from the
+        page cache. Small blocks are therefore read, and written without fsync, in
+        whole chunks of up to CHUNK_BYTES (at most MAX_SMALL_CHUNK blocks): one read
+        call keeps its chunk's reads in flight (`posix_fadvise(WILLNEED)`,
+        `blockfile.read_blocks`), and a write that is not fsynced only copies into the
+        page cache, so more calls buy no depth. With 4 blocks a call, 32 KiB blocks
+        (SGLang's 64 KiB pages) spent most of the event loop's time on hand-offs.
+        Large blocks (1 MiB and up: CHUNK_BYTES in MAX_CHUNK blocks or fewer), and
         stores with `fsync: always` (whose fdatasyncs overlap only across calls),
-        spread a job over up to `io_concurrency` calls, where the round trip is small
-        beside the I/O and the depth matters."""
+        spread a job over up to `io_concurrency` calls of at most MAX_CHUNK blocks,
+        where the round trip is small beside the I/O and the depth matters."""
         spread = min(MAX_CHUNK, max(1, -(-pairs // self.config.io_concurrency)))
         if verb == "store" and self.config.fsync == "always":
             return spread
-        return max(spread, min(MAX_CHUNK, CHUNK_BYTES // self.primary.block_bytes))
+        return max(spread, min(MAX_SMALL_CHUNK, CHUNK_BYTES // self.primary.block_bytes))
 
     async def _claim_for_write(self, key: OffloadKey) -> bool:
         """Wait out any write or delete of `key` in flight; then True when this store
