@@ -143,7 +143,10 @@ class NvmeTier(SecondaryTierManager):
         self._used = 0  # footprint of indexed blocks
         self._reserved = 0  # footprint of blocks being written
         self._pins: dict[OffloadKey, int] = {}
-        self._writing: dict[OffloadKey, anyio.Event] = {}
+        self._writing: dict[OffloadKey, anyio.Event | None] = {}
+        """Keys being written; the event is made only when another store waits (an
+        `anyio.Event` per block written cost a tenth of the loop's time on 32 KiB
+        blocks)."""
         self._deleting: dict[OffloadKey, anyio.Event] = {}
         concurrency = self.config.io_concurrency
         self._io_slots = anyio.Semaphore(concurrency)
@@ -491,9 +494,14 @@ class NvmeTier(SecondaryTierManager):
             if key in self._index:
                 self._index.move_to_end(key)
                 return False
-            pending = self._writing.get(key) or self._deleting.get(key)
+            if key in self._writing:
+                pending = self._writing[key]
+                if pending is None:
+                    pending = self._writing[key] = anyio.Event()
+            else:
+                pending = self._deleting.get(key)
             if pending is None:
-                self._writing[key] = anyio.Event()
+                self._writing[key] = None
                 return True
             await pending.wait()
 
@@ -549,7 +557,9 @@ class NvmeTier(SecondaryTierManager):
             return failed
         finally:
             for key, _slot, _footprint in claimed:
-                self._writing.pop(key).set()
+                waited = self._writing.pop(key)
+                if waited is not None:
+                    waited.set()
 
     def _write_files(
         self, items: list[tuple[RelPath, OffloadKey, memoryview]], victims: list[RelPath]
