@@ -9,7 +9,7 @@ Concurrency and consistency, all on the event-loop thread (no locks needed):
 - The index maps each stored key to an entry (its bytes on disk) in LRU order; loads
   refresh recency, and so do stores of a key already held (same key, same bytes:
   keys are content hashes, so the write is skipped).
-- A job runs as chunks of blocks (up to 2 MiB of small blocks, or up to MAX_CHUNK
+- A job runs as chunks of blocks (up to 2 MiB of blocks under 512 KiB, or MAX_CHUNK
   large ones: `chunk_size`; the contract's `run_job`, with the tier's `job_timeout`),
   each chunk one worker-thread call that does every block
   whole; at most `io_concurrency` chunks run at once, across all jobs. The calls are
@@ -482,7 +482,7 @@ class NvmeTier(SecondaryTierManager):
         `blockfile.read_blocks`), and a write that is not fsynced only copies into the
         page cache, so more calls buy no depth. With 4 blocks a call, 32 KiB blocks
         (SGLang's 64 KiB pages) spent most of the event loop's time on hand-offs.
-        Large blocks (1 MiB and up: CHUNK_BYTES in MAX_CHUNK blocks or fewer), and
+        Large blocks (512 KiB and up go MAX_CHUNK or fewer a call, as before), and
         stores with `fsync: always` (whose fdatasyncs overlap only across calls),
         spread a job over up to `io_concurrency` calls of at most MAX_CHUNK blocks,
         where the round trip is small beside the I/O and the depth matters."""
