@@ -346,13 +346,13 @@ async def test_one_thread_call_reads_good_missing_and_corrupt_blocks_each_on_its
     await tier.close()
 
 
-async def test_loads_and_unsynced_stores_go_four_blocks_per_thread_call(
+async def test_loads_and_unsynced_stores_of_small_blocks_go_in_one_thread_call(
     rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A thread call per block costs event-loop CPU and buys no depth for reads (one
     call keeps its chunk's reads in flight) or for writes without fsync (copies into
-    the page cache): those take chunks of 4; fsynced stores spread over io_concurrency
-    calls so their fdatasyncs overlap. Every block still arrives whole."""
+    the page cache): 16 small blocks go in one call; fsynced stores spread over
+    io_concurrency calls so their fdatasyncs overlap. Every block still arrives whole."""
     calls: dict[str, list[int]] = {"read": [], "write": []}
     real_read, real_write = blockfile.read_blocks, NvmeTier._write_files
 
@@ -366,7 +366,7 @@ async def test_loads_and_unsynced_stores_go_four_blocks_per_thread_call(
 
     monkeypatch.setattr(blockfile, "read_blocks", counting_read)
     monkeypatch.setattr(NvmeTier, "_write_files", counting_write)
-    for fsync, writes in (("never", [4, 4, 4, 4]), ("always", [1] * 16)):
+    for fsync, writes in (("never", [16]), ("always", [1] * 16)):
         calls["read"].clear()
         calls["write"].clear()
         tier = rig.tier(io_concurrency=16, fsync=fsync)
@@ -378,16 +378,16 @@ async def test_loads_and_unsynced_stores_go_four_blocks_per_thread_call(
         loaded, got = await rig.load(tier, keys)
         assert loaded.ok, loaded.error
         assert got == data
-        assert calls["read"] == [4, 4, 4, 4]
+        assert calls["read"] == [16]
         await tier.remove(keys)
         await tier.close()
 
 
 def test_chunk_size_per_direction_fsync_and_block_size(tmp_path: Path) -> None:
-    """Small blocks go 4 to a call (up to 4 MiB of them); fsynced stores and blocks of
-    4 MiB and more spread over io_concurrency calls, as many blocks a call as that
-    takes."""
-    from tierkv_nvme.tier import CHUNK_BYTES
+    """Small blocks go up to 2 MiB (at most MAX_SMALL_CHUNK) to a call; fsynced stores
+    and large blocks spread over io_concurrency calls, up to MAX_CHUNK blocks a call;
+    large blocks go as many to a call as make 4 MiB (MAX_CHUNK at most)."""
+    from tierkv_nvme.tier import CHUNK_BYTES, MAX_SMALL_CHUNK
 
     def tier(block_bytes: int, fsync: str) -> NvmeTier:
         primary = PrimaryTier(1, block_bytes, pin_memory=False, namespace="chunks")
@@ -398,8 +398,11 @@ def test_chunk_size_per_direction_fsync_and_block_size(tmp_path: Path) -> None:
 
     synced, unsynced = tier(4096, "always"), tier(4096, "never")
     assert [synced.chunk_size(n, "store") for n in (1, 8, 9, 16, 32, 100)] == [1, 1, 2, 2, 4, 4]
-    assert [unsynced.chunk_size(n, "store") for n in (1, 8, 100)] == [4, 4, 4]
-    assert [synced.chunk_size(n, "load") for n in (1, 8, 100)] == [4, 4, 4]
+    assert [unsynced.chunk_size(n, "store") for n in (1, 8, 100)] == [MAX_SMALL_CHUNK] * 3
+    assert [synced.chunk_size(n, "load") for n in (1, 8, 100)] == [MAX_SMALL_CHUNK] * 3
+    for block_kib, per_call in ((32, 64), (64, 32), (256, 8), (512, 4), (1024, 4)):
+        sized = tier(block_kib << 10, "never")
+        assert sized.chunk_size(256, "load") == sized.chunk_size(256, "store") == per_call
     for block_bytes, per_call in ((CHUNK_BYTES // 2, 2), (CHUNK_BYTES, 1), (2 * CHUNK_BYTES, 1)):
         big = tier(block_bytes, "never")
         assert [big.chunk_size(n, "load") for n in (1, 8, 9, 100)] == [

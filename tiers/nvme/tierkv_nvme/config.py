@@ -41,7 +41,8 @@ class NvmeTierConfig(TierConfig):
         ge=1,
         le=256,
         description="worker-thread calls doing block I/O at once, across all jobs "
-        "(each call reads or writes up to 4 blocks of one job)",
+        "(each call reads or writes up to 2 MiB of small blocks of one job, at most 64, "
+        "or up to 4 large ones)",
     )
     fsync: FsyncMode = Field(
         default="always",
