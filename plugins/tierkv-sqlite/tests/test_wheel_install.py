@@ -119,7 +119,9 @@ def test_wheel_installs_into_a_fresh_venv_is_discovered_and_missed_once_removed(
         f"import site; site.addsitedir({str(deps)!r})\n"
     )
     before = run(python, "-m", "tierkv.cli", "plugins")
-    assert "sqlite" not in before.stdout, "the venv must not see a tierkv-sqlite yet"
+    # the plugin's own row (its class), not the word: field descriptions may name sqlite
+    assert "tierkv_sqlite:SqliteTier" not in before.stdout, "the venv must not see it yet"
+    assert "tierkv-cache-sqlite" not in before.stdout
 
     installed = run(python, "-m", "pip", "install", wheel, offline=True)
     assert "Successfully installed tierkv-cache-sqlite-0.1.0" in installed.stdout
