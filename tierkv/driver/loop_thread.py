@@ -10,12 +10,15 @@ start-up (`run`, opening the tier) and shutdown wait on the loop.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 
 class LoopThread:
@@ -39,6 +42,10 @@ class LoopThread:
         asyncio.set_event_loop(self._loop)
         try:
             self._loop.run_until_complete(self._serve())
+        except RuntimeError as exc:  # `loop.stop()` called from outside, not `stop()`
+            logger.warning(
+                "%s: its event loop was stopped from outside (%s)", self._thread.name, exc
+            )
         finally:
             self._loop.run_until_complete(self._loop.shutdown_asyncgens())
             self._loop.run_until_complete(self._loop.shutdown_default_executor())
