@@ -30,7 +30,8 @@ python3 -c 'import torch, cuda.bindings as b; print("torch", torch.__version__, 
 python3 -c 'import triton; print("triton", triton.__version__)' || echo "no triton: the bounded backend is skipped"
 TAIL=40 step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider -m cuda -rf tests
 step pinning 100 python3 benchmarks/gpu_pinning.py
-step one_block 60 python3 benchmarks/gpu_one_block.py
+step one_block 90 python3 benchmarks/gpu_one_block.py
+step one_block_16k 60 python3 benchmarks/gpu_one_block.py --page 16KiB --no-large
 [ -d .old/tierkv ] && step one_block_before 45 env PYTHONPATH="$PWD/.old:$PYTHONPATH" python3 benchmarks/gpu_one_block.py
 step dma_calls 90 python3 benchmarks/gpu_dma_calls.py
 (cd /tmp && TAIL=30 step bench_gpu ${BENCH_LIMIT:-150} tierkv bench --gpu ${BENCH_ARGS:-})

@@ -12,7 +12,6 @@ import torch
 from tests.gpu.test_worker import Rig, need_triton, run
 from tierkv.contract.errors import ConfigError
 from tierkv.gpu import TransferSpec, TransferWorker
-from tierkv.gpu.backends import AUTO_MIN_DMA_COPY_BYTES
 from tierkv.gpu.options import choose_backends
 from tierkv.gpu.triton_pages import CHUNK
 from tierkv.layout import GroupSpec, KVLayout
@@ -31,18 +30,19 @@ def anyio_backend() -> str:
     ("copy_backend", "cuda", "pages", "triton", "want"),
     [
         ("auto", False, [SMALL], True, ("kernel", False)),  # CPU: no copy engines
-        ("auto", True, [LARGE, LARGE], True, (None, True)),  # every page suits DMA
+        # with Triton, the bounded kernel whatever the pages: it replays small transfers
+        ("auto", True, [LARGE, LARGE], True, ("bounded", True)),
         ("auto", True, [LARGE, SMALL], True, ("bounded", True)),
         ("auto", True, [SMALL], False, ("kernel", True)),  # no Triton: the full kernel
+        ("auto", True, [LARGE, LARGE], False, (None, True)),  # ... only where a page is small
         ("dma", True, [SMALL], True, (None, True)),
         ("bounded", True, [LARGE], True, ("bounded", False)),
         ("kernel", False, [LARGE], True, ("kernel", False)),
     ],
 )
-def test_auto_builds_the_bounded_kernel_only_where_a_page_is_small(
+def test_auto_builds_dma_and_a_kernel_for_what_dma_moves_badly(
     copy_backend: str, cuda: bool, pages: list[int], triton: bool, want: tuple[str | None, bool]
 ) -> None:
-    assert min(pages) < AUTO_MIN_DMA_COPY_BYTES or want[0] != "bounded" or copy_backend != "auto"
     assert choose_backends(copy_backend, cuda, pages, triton) == want  # type: ignore[arg-type]
 
 

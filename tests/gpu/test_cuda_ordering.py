@@ -70,11 +70,12 @@ def _engine_writes(
     return made[0]
 
 
+@pytest.mark.parametrize("count", [BLOCKS, 2], ids=["many blocks", "replayed from a graph"])
 @pytest.mark.parametrize("threaded", [False, True], ids=["on the loop", "submitter thread"])
 @pytest.mark.parametrize("copy_backend", ["kernel", "dma", "bounded", "auto"])
 @pytest.mark.parametrize("how", ["event per call", "engine stream per worker"])
 async def test_a_store_from_the_loop_thread_stores_the_engine_threads_new_kv(
-    copy_backend: str, how: str, threaded: bool
+    copy_backend: str, how: str, threaded: bool, count: int
 ) -> None:
     engine_stream = torch.cuda.Stream()
     worker, kv, slab = _worker(
@@ -83,12 +84,12 @@ async def test_a_store_from_the_loop_thread_stores_the_engine_threads_new_kv(
         threaded=threaded,
     )
     event = _engine_writes(kv, engine_stream, 7)
-    ids = list(range(BLOCKS))
+    ids = list(range(count))
     result = await worker.transfer(
         TransferSpec("store", [ids], [ids], [0]), ready=event if how == "event per call" else None
     )
-    assert bool((slab == 7).all()), "the store copied stale KV"
-    assert result.num_bytes == BLOCKS * 2 * PAGE
+    assert bool((slab[:count] == 7).all()), "the store copied stale KV"
+    assert result.num_bytes == count * 2 * PAGE
     worker.close()
 
 
@@ -99,15 +100,16 @@ async def test_a_cuda_transfer_without_ready_is_refused() -> None:
     worker.close()
 
 
+@pytest.mark.parametrize("count", [BLOCKS, 2], ids=["many blocks", "replayed from a graph"])
 @pytest.mark.parametrize("threaded", [False, True], ids=["submit", "start on the thread"])
-@pytest.mark.parametrize("copy_backend", ["kernel", "dma", "bounded"])
+@pytest.mark.parametrize("copy_backend", ["kernel", "dma", "bounded", "auto"])
 async def test_an_engine_stream_waiting_on_done_event_reads_the_loaded_kv(
-    copy_backend: str, threaded: bool
+    copy_backend: str, threaded: bool, count: int
 ) -> None:
     engine_stream = torch.cuda.Stream()
     worker, kv, slab = _worker(copy_backend, ready=engine_stream, threaded=threaded)
     slab.fill_(9)
-    ids = list(range(BLOCKS))
+    ids = list(range(count))
     spec = TransferSpec("load", [ids], [ids], [0])
     handle = await worker.start(spec) if threaded else worker.submit(spec)
     with torch.cuda.stream(engine_stream):  # enqueued before the copy is known to be done
@@ -115,5 +117,5 @@ async def test_an_engine_stream_waiting_on_done_event_reads_the_loaded_kv(
         seen = kv[1].sum(dtype=torch.int64)
     await worker.wait(handle)
     engine_stream.synchronize()
-    assert int(seen) == 9 * BLOCKS * PAGE
+    assert int(seen) == 9 * count * PAGE
     worker.close()

@@ -62,9 +62,12 @@ _WORDS = (
 
 class CopyBackend(Protocol):
     name: str
-    uses_current_stream: bool
-    """Whether `enqueue` works on the current stream (torch kernels, `copy_`,
-    allocations), so the stream must be made current around it."""
+
+    @property
+    def uses_current_stream(self) -> bool:
+        """Whether `enqueue` works on the current stream (torch kernels, `copy_`,
+        allocations), so the stream must be made current around it."""
+        ...
 
     def enqueue(self, mapping: Mapping, stream: Any, plan: CopyPlan | None) -> tuple[object, ...]:
         """Issue the copy of `mapping` (on `stream` where the device has streams);

@@ -8,6 +8,11 @@ and slab rows into one small host buffer (pinned on CUDA, read by the kernel ove
 bus) and launches the kernel once per group that moves blocks. The buffer stays alive
 until the transfer's completion is reaped (it travels in the launch's keep-alive).
 
+Transfers of a few blocks per group are replayed from captured CUDA graphs
+(`tierkv.gpu.graphs`, set up by `capture_small`): the host writes the ids into the
+captured buffer and makes one driver call, instead of a Triton launch, a stream
+context and a pinned allocation.
+
 Needs Triton. On CUDA the kernel is compiled (at construction, so no transfer waits
 for the compiler); on the CPU device it runs under Triton's interpreter, slowly: that
 is how the CPU tests prove its address arithmetic byte for byte.
@@ -23,6 +28,7 @@ import numpy as np
 import torch
 
 from tierkv.gpu.geometry import Geometry
+from tierkv.gpu.graphs import GRAPH_MAX_BLOCKS, GRAPH_SLOTS, GraphTable, capture_graphs
 from tierkv.gpu.mapping import Mapping
 from tierkv.gpu.plan import CopyPlan
 from tierkv.gpu.spec import Direction
@@ -63,7 +69,6 @@ class BoundedKernelCopy:
     """Pages moved by the bounded Triton kernel; see the module doc."""
 
     name = "bounded"
-    uses_current_stream = True  # Triton launches on torch's current stream
 
     def __init__(
         self,
@@ -84,6 +89,7 @@ class BoundedKernelCopy:
         )
         self._device = slab.device
         self._cuda = slab.device.type == "cuda"
+        self.graphs: GraphTable | None = None
         self._sub_block_stride = geometry.sub_block_stride
         base = _address(slab)
         self._tables: list[tuple[Tables, int, int]] = []
@@ -97,6 +103,48 @@ class BoundedKernelCopy:
             a, b, c, d = (torch.tensor(c, dtype=torch.int64).to(self._device) for c in columns)
             self._tables.append(((a, b, c, d), len(layers), word))
 
+    @property
+    def uses_current_stream(self) -> bool:
+        """Triton launches on torch's current stream; with captured graphs the
+        backend is handed the stream and enters its context only for the launches
+        no graph covers."""
+        return self.graphs is None
+
+    def replays(self, mapping: Mapping) -> bool:
+        """Whether every group of `mapping` has a captured graph of its size (it is
+        replayed unless all of that size's slots are still in flight)."""
+        if self.graphs is None:
+            return False
+        store = mapping.direction == "store"
+        return all(
+            not ids.size or self.graphs.covers(g, store, int(ids.size))
+            for g, ids in enumerate(mapping.gpu)
+        )
+
+    def capture_small(self, max_blocks: int = GRAPH_MAX_BLOCKS, slots: int = GRAPH_SLOTS) -> None:
+        """CUDA, after `warm_up`: capture the launches of 1..`max_blocks` blocks per
+        group, `slots` of each size (`tierkv.gpu.graphs`). Where capturing fails,
+        every transfer keeps launching the kernel directly (logged)."""
+        if not self._cuda or max_blocks < 1:
+            return
+        self.graphs = capture_graphs(
+            self._capture, len(self._tables), self._device, max_blocks=max_blocks, slots=slots
+        )
+
+    def _capture(self, ids_addr: int, n: int, group: int, store: bool) -> None:
+        tables, num_layers, word = self._tables[group]
+        self._launch(
+            self.programs["store" if store else "load"],
+            ids_addr,
+            n,
+            tables,
+            num_layers,
+            self._sub_block_stride,
+            store=store,
+            word=word,
+            interpret=not self._cuda,  # CPU: the tests' stand-in for a captured launch
+        )
+
     def _staged(self, ids: np.ndarray, rows: np.ndarray) -> torch.Tensor:
         """Block ids then rows, in host memory the kernel can read (pinned on CUDA)."""
         n = ids.size
@@ -109,23 +157,45 @@ class BoundedKernelCopy:
     def enqueue(self, mapping: Mapping, stream: Any, plan: CopyPlan | None) -> tuple[object, ...]:
         keep: list[object] = []
         store = mapping.direction == "store"
-        for (tables, num_layers, word), ids, rows in zip(self._tables, mapping.gpu, mapping.rows):
+        graphs = self.graphs
+        for g, ((tables, num_layers, word), ids, rows) in enumerate(
+            zip(self._tables, mapping.gpu, mapping.rows)
+        ):
             if not ids.size:
                 continue
-            staged = self._staged(ids, rows)
-            keep.append(staged)
-            self._launch(
-                self.programs[mapping.direction],
-                staged.data_ptr(),
-                int(ids.size),
-                tables,
-                num_layers,
-                self._sub_block_stride,
-                store=store,
-                word=word,
-                interpret=not self._cuda,
-            )
+            if graphs is not None:
+                if graphs.launch(g, store, ids, rows, stream):
+                    continue
+                with torch.cuda.stream(stream):  # Triton launches on the current stream
+                    keep.append(self._launch_staged(ids, rows, tables, num_layers, word, store))
+                continue
+            keep.append(self._launch_staged(ids, rows, tables, num_layers, word, store))
         return tuple(keep)
+
+    def _launch_staged(
+        self,
+        ids: np.ndarray,
+        rows: np.ndarray,
+        tables: Tables,
+        num_layers: int,
+        word: int,
+        store: bool,
+    ) -> torch.Tensor:
+        """One launch over a new pinned buffer of `ids` and `rows` (returned: it must
+        stay alive until the copy is done)."""
+        staged = self._staged(ids, rows)
+        self._launch(
+            self.programs["store" if store else "load"],
+            staged.data_ptr(),
+            int(ids.size),
+            tables,
+            num_layers,
+            self._sub_block_stride,
+            store=store,
+            word=word,
+            interpret=not self._cuda,
+        )
+        return staged
 
     def warm_up(self) -> None:
         """Compile the kernel for both directions and every word size in use (CUDA),

@@ -96,16 +96,20 @@ def choose_backends(
     copy_backend: CopyBackendName, cuda: bool, pages: Sequence[int], triton: bool
 ) -> tuple[str | None, bool]:
     """(the backend for small copies or None, whether DMA is built) for a worker whose
-    pages are `pages`: `auto` on CPU is the kernel copy; on CUDA it is DMA, plus the
-    bounded kernel (the full kernel without `triton`) when a page is under
-    `AUTO_MIN_DMA_COPY_BYTES`, since only then can a transfer's mean copy be small."""
+    pages are `pages`: `auto` on CPU is the kernel copy; on CUDA it is DMA plus, with
+    `triton`, the bounded kernel (whatever the pages: it replays the transfers of a few
+    blocks from captured graphs, `tierkv.gpu.graphs`); without Triton, DMA plus the
+    full kernel when a page is under `AUTO_MIN_DMA_COPY_BYTES`, since only then can a
+    transfer's mean copy be small."""
     if copy_backend != "auto":
         return (None, True) if copy_backend == "dma" else (copy_backend, False)
     if not cuda:
         return "kernel", False
+    if triton:
+        return "bounded", True
     if min(pages) >= AUTO_MIN_DMA_COPY_BYTES:
         return None, True
-    return ("bounded" if triton else "kernel"), True
+    return "kernel", True
 
 
 def _all_pages(geometry: Geometry) -> list[int]:
@@ -137,6 +141,7 @@ def _bounded(
     )
     if device.type == "cuda":
         bounded.warm_up()
+        bounded.capture_small()
     return bounded
 
 
@@ -191,12 +196,16 @@ class Backends:
 
     def pick(self, mapping: Mapping) -> tuple[CopyBackend, CopyPlan | None]:
         """The backend that moves `mapping`, and the DMA plan when one was made to
-        decide (the chosen DMA backend reuses it)."""
+        decide (the chosen DMA backend reuses it). Under `auto` on CUDA: a transfer
+        the bounded kernel replays from a captured graph goes to it (its host cost is
+        a fraction of the batched memcpy's), any other by the size of its copies."""
         if self.dma is None:
             assert self.small is not None
             return self.small, None
         if self.small is None:
             return self.dma, None
+        if isinstance(self.small, BoundedKernelCopy) and self.small.replays(mapping):
+            return self.small, None
         plan = self.dma.plan(mapping)  # auto on CUDA: by the size of the copies
         if plan.mean_copy_bytes >= AUTO_MIN_DMA_COPY_BYTES:
             return self.dma, plan
