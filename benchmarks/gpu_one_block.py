@@ -3,13 +3,11 @@ median of: `submit` alone (checks, plan, driver call: the host's share), `submit
 `torch.cuda.synchronize()` (the copy done), and `await worker.transfer(...)` (the copy
 done and the event loop told, through the completion thread).
 
-Variants beside the backends: `bounded-nograph` (the bounded kernel launched through
-Triton every time, its captured graphs set aside: what the graphs save), and the await
-again with the completion thread looking at the copy for up to `--spin` us before it
-sleeps on it in the driver (what a sleeping wait adds).
+A variant beside the backends: `bounded-nograph`, the bounded kernel launched through
+Triton every time, its captured graphs set aside (what the graphs save).
 
     python benchmarks/gpu_one_block.py [--page 64KiB] [--layers 32] [--samples 200]
-        [--spin 200] [--no-large]
+        [--no-large]
 
 Without CUDA it says so and exits 0."""
 
@@ -113,7 +111,6 @@ def main() -> int:
     parser.add_argument(
         "--profile", action="store_true", help="also print cProfile's top of DMA submits"
     )
-    parser.add_argument("--spin", type=float, default=200.0, help="us (0: no spin variant)")
     parser.add_argument("--no-large", action="store_true", help="skip the 512-block rows")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -162,21 +159,13 @@ def main() -> int:
         synced = median_us(submit_synced, samples)
         worker.get_finished()
         waited = statistics.median(anyio.run(awaited)) * 1e6
-        spun = ""
-        if args.spin > 0:
-            for lane in worker._lanes.values():
-                lane.completions.spin = args.spin / 1e6
-            spin_us = statistics.median(anyio.run(awaited)) * 1e6
-            spun = f", with a {args.spin:.0f} us spin {spin_us:.0f} us"
-            for lane in worker._lanes.values():
-                lane.completions.spin = 0.0
         copy = median_us(lambda: kv[0][:layers].copy_(row, non_blocking=True), samples)
         replayed = ""
         if graphs is not None:
             replayed = f"; graph replays {graphs.replays}, all slots busy {graphs.busy}"
         print(
             f"{backend:>6}: submit {alone:.0f} us, submit+synchronize {synced:.0f} us, "
-            f"await transfer {waited:.0f} us{spun} (one contiguous copy_ of the bytes: "
+            f"await transfer {waited:.0f} us (one contiguous copy_ of the bytes: "
             f"{copy:.0f} us){replayed}"
         )
         if args.no_large:

@@ -6,6 +6,7 @@ writes into a slot are what the kernel reads. On a GPU the captured graphs run u
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import numpy as np
@@ -248,3 +249,24 @@ async def test_back_to_back_small_transfers_reuse_slots_only_when_done(copy_back
     assert backend.graphs.replays + backend.graphs.busy == 24
     assert backend.graphs.replays >= 8
     rig.worker.close()
+
+
+@pytest.mark.cuda
+@cuda
+def test_capturing_survives_other_workers_graphs_collected_as_garbage() -> None:
+    """`tierkv bench --gpu` builds worker after worker; a collection during a capture
+    freed an old worker's graphs, which CUDA forbids while the thread captures, and
+    the capture failed. With collections as often as possible, every capture holds."""
+    need_triton()
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        for _ in range(3):
+            rig = Rig(torch.device("cuda"), [[16 << 10] * 2], factor=1, copy=("bounded", "auto"))
+            backend = rig.worker._backends.small
+            assert isinstance(backend, BoundedKernelCopy) and backend.graphs is not None
+            garbage: list[Any] = [rig]
+            garbage.append(garbage)  # a cycle: freed only by a collection
+            del rig, backend, garbage
+    finally:
+        gc.set_threshold(*threshold)

@@ -21,6 +21,7 @@ CUDA only; the ring's bookkeeping is plain Python and tested on CPU with fake ev
 from __future__ import annotations
 
 import ctypes
+import gc
 import importlib
 import logging
 import threading
@@ -173,6 +174,13 @@ def capture_graphs(
     launch = load_graph_launch()
     side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
     rings: dict[tuple[int, bool, int], SlotRing] = {}
+    # A garbage collection inside a capture may free another worker's graphs, and
+    # destroying a graph is not permitted while this thread captures: the capture is
+    # invalidated (seen in `tierkv bench --gpu`, which builds worker after worker).
+    # Collect first, then keep the collector off until every graph is captured.
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         pool = torch.cuda.graph_pool_handle()  # one (empty: nothing allocates) for all
         torch.cuda.synchronize(device)
@@ -192,6 +200,9 @@ def capture_graphs(
             exc,
         )
         return None
+    finally:
+        if collecting:
+            gc.enable()
     return GraphTable(rings)
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,16 +38,11 @@ class CompletionThread:
 
     Started by `watch` when none runs; a daemon thread that exits after `IDLE_EXIT`
     seconds with nothing to watch, so a worker nobody closes keeps neither a thread nor
-    the interpreter alive. `close` lets it finish what it was given and stop.
+    the interpreter alive. `close` lets it finish what it was given and stop."""
 
-    `spin` (seconds, default 0): look at a completion this long, yielding the GIL
-    between looks, before sleeping on it in the driver; a measurement knob for what a
-    sleeping wait adds to a short copy (`benchmarks/gpu_one_block.py`), not an option."""
-
-    def __init__(self, name: str, notify: Callable[[], None], spin: float = 0.0) -> None:
+    def __init__(self, name: str, notify: Callable[[], None]) -> None:
         self._name = name
         self._notify = notify
-        self.spin = spin
         self._queue: queue.SimpleQueue[Completion | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -82,10 +76,6 @@ class CompletionThread:
             if completion is None:
                 return
             try:
-                if self.spin > 0:
-                    deadline = time.perf_counter() + self.spin
-                    while not completion.query() and time.perf_counter() < deadline:
-                        time.sleep(0)  # lets the loop thread run
                 completion.wait()
             except Exception:  # a device error: the loop side sees it in query()
                 logger.exception("%s: waiting on a copy failed", self._name)
