@@ -354,7 +354,8 @@ def format_gpu_report(report: dict[str, Any]) -> str:
         )
     lines.append(
         "ratio: tierkv / one contiguous pinned copy of the same bytes, same run; "
-        f"auto uses DMA from {format_size(report['auto_min_dma_copy_bytes'])} per copy, "
+        "auto replays transfers of 1-4 blocks on the bounded kernel's captured graphs, "
+        f"others use DMA from {format_size(report['auto_min_dma_copy_bytes'])} per copy, "
         "below it the bounded kernel; b/N: the bounded kernel on N thread blocks"
     )
     return "\n".join(lines)
