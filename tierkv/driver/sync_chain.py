@@ -35,6 +35,7 @@ builds several storage objects (one per pool, a re-attach) does not gather threa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -259,10 +260,8 @@ class SyncChain:
         raises. Where the loop is gone the claims end with their lease."""
         if self._closed or not self._loop.is_alive():
             return
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop closed: the lease ends them
             self._loop.loop.call_soon_threadsafe(self.claims.let_go, owner, keys)
-        except RuntimeError:  # the loop closed meanwhile: the lease ends the claims
-            pass
 
     def _begin(
         self, work: Coroutine[Any, Any, None], deadline: float, on_done: Callable[[], None]

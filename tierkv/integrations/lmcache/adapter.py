@@ -47,7 +47,7 @@ __all__ = ["TierkvL2Adapter"]
 
 logger = logging.getLogger(__name__)
 
-class TierkvL2Adapter(L2AdapterInterface):
+class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     """tierkv's tiers below LMCache's L1 (see the module docstring)."""
 
     def __init__(self, params: Any = None, l1_memory_desc: Any = None) -> None:
@@ -284,7 +284,9 @@ class TierkvL2Adapter(L2AdapterInterface):
         kind = f"{what}:{type(exc).__name__}"
         if kind not in self._warned:
             self._warned.add(kind)
-            logger.warning("tierkv %s failed (%s: %s); answered a miss", what, type(exc).__name__, exc)
+            logger.warning(
+                "tierkv %s failed (%s: %s); answered a miss", what, type(exc).__name__, exc
+            )
         else:
             logger.debug("tierkv %s failed: %s", what, exc)
 

@@ -40,7 +40,9 @@ class SizeChain:
 class SizeChains:
     """Per object size, its tier chain (see the module docstring); thread-safe."""
 
-    def __init__(self, settings: AdapterSettings, on_removed: Removed, tags: dict[str, str]) -> None:
+    def __init__(
+        self, settings: AdapterSettings, on_removed: Removed, tags: dict[str, str]
+    ) -> None:
         self.settings = settings
         self._on_removed = on_removed
         self._tags = tags

@@ -55,7 +55,9 @@ class LentSlots(PrimaryView):
         """A slot for each of `views` (each exactly `block_bytes` long)."""
         for view in views:
             if view.nbytes != self._block_bytes:
-                raise ValueError(f"an object of {view.nbytes} bytes lent as a {self._block_bytes}-byte slot")
+                raise ValueError(
+                    f"an object of {view.nbytes} bytes lent as a {self._block_bytes}-byte slot"
+                )
         with self._lock:
             slots = [next(self._numbers) % SLOT_RANGE for _ in views]
             self._lent.update(zip(slots, views))

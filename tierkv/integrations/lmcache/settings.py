@@ -58,7 +58,9 @@ def _problem(where: str, text: str) -> ConfigError:
     return ConfigError([f"{where}{text}"], source=SOURCE)
 
 
-def resolve(params: Mapping[str, Any] | None, *, env: Mapping[str, str] | None = None) -> AdapterSettings:
+def resolve(
+    params: Mapping[str, Any] | None, *, env: Mapping[str, str] | None = None
+) -> AdapterSettings:
     """Validate `adapter_params`; `ConfigError` names every problem by its path."""
     if params is None:
         params = {}
