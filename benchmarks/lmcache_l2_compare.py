@@ -30,6 +30,7 @@ per system, phase and size, and tierkv / LMCache.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -41,11 +42,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")  # before lmcache is imported
+import torch
 
-import torch  # noqa: E402
+from tierkv.bench.raw_files import drop_page_cache
 
-from tierkv.bench.raw_files import drop_page_cache  # noqa: E402
+os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")  # lmcache is imported later
 
 MiB = 1 << 20
 
@@ -67,8 +68,9 @@ class L1:
         self.size, self.batch = size, batch
         self.buffer = torch.empty(2 * batch * size, dtype=torch.uint8)
         self.buffer[: batch * size].random_(0, 256, generator=torch.Generator().manual_seed(7))
-        self.desc = L1MemoryDesc(ptr=self.buffer.data_ptr(), size=self.buffer.numel(),
-                                 align_bytes=4096)
+        self.desc = L1MemoryDesc(
+            ptr=self.buffer.data_ptr(), size=self.buffer.numel(), align_bytes=4096
+        )
         self.sources = [self._obj(i) for i in range(batch)]
         self.targets = [self._obj(batch + i) for i in range(batch)]
 
@@ -76,9 +78,14 @@ class L1:
         from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
 
         raw = self.buffer[i * self.size : (i + 1) * self.size]
-        meta = MemoryObjMetadata(shape=torch.Size([self.size]), dtype=torch.uint8,
-                                 address=raw.data_ptr(), phy_size=self.size,
-                                 fmt=MemoryFormat.KV_2LTD, ref_count=1)
+        meta = MemoryObjMetadata(
+            shape=torch.Size([self.size]),
+            dtype=torch.uint8,
+            address=raw.data_ptr(),
+            phy_size=self.size,
+            fmt=MemoryFormat.KV_2LTD,
+            ref_count=1,
+        )
         return TensorMemoryObj(raw, meta, parent_allocator=None)
 
     def check(self) -> None:
@@ -108,27 +115,34 @@ def wait(fd: int, take: Callable[[], Any]) -> Any:
             return got
         if not poller.poll(60_000):
             raise SystemExit("no result within 60 s")
-        try:
+        with contextlib.suppress(BlockingIOError):
             consume_fd(fd)
-        except BlockingIOError:
-            pass
 
 
 def keys_for(system: str, round_: int, count: int) -> list[Any]:
     from lmcache.v1.distributed.api import ObjectKey
 
-    return [ObjectKey(chunk_hash=f"{system}:{round_}:{i}".encode().ljust(16, b"."),
-                      model_name="bench/model", kv_rank=0) for i in range(count)]
+    return [
+        ObjectKey(
+            chunk_hash=f"{system}:{round_}:{i}".encode().ljust(16, b"."),
+            model_name="bench/model",
+            kv_rank=0,
+        )
+        for i in range(count)
+    ]
 
 
-def run_round(adapter: Any, keys: list[Any], l1: L1, drop: Callable[[], None]) -> tuple[float, float]:
+def run_round(
+    adapter: Any, keys: list[Any], l1: L1, drop: Callable[[], None]
+) -> tuple[float, float]:
     """Seconds to store and to load `keys` (in tasks of `l1.batch`)."""
     started = time.perf_counter()
     for start in range(0, len(keys), l1.batch):
         batch = keys[start : start + l1.batch]
         task = adapter.submit_store_task(batch, l1.sources[: len(batch)])
-        result = wait(adapter.get_store_event_fd(),
-                      lambda t=task: adapter.pop_completed_store_tasks().get(t))
+        result = wait(
+            adapter.get_store_event_fd(), lambda t=task: adapter.pop_completed_store_tasks().get(t)
+        )
         if not result.is_successful():
             raise SystemExit(f"{type(adapter).__name__}: a store failed")
     stored = time.perf_counter() - started
@@ -137,8 +151,10 @@ def run_round(adapter: Any, keys: list[Any], l1: L1, drop: Callable[[], None]) -
     for start in range(0, len(keys), l1.batch):
         batch = keys[start : start + l1.batch]
         task = adapter.submit_lookup_and_lock_task(batch, {})
-        found = wait(adapter.get_lookup_and_lock_event_fd(),
-                     lambda t=task: adapter.query_lookup_and_lock_result(t))
+        found = wait(
+            adapter.get_lookup_and_lock_event_fd(),
+            lambda t=task: adapter.query_lookup_and_lock_result(t),
+        )
         if found.popcount() != len(batch):
             raise SystemExit(f"{type(adapter).__name__}: a lookup missed")
         l1.buffer[l1.batch * l1.size :].zero_()
@@ -193,19 +209,28 @@ def main() -> None:
 def compare(medium: str, size: int, args: Any, work: Path, server: Any) -> dict[str, Any]:
     l1 = L1(args.batch, size)
     count = max(args.batch, parse_size(args.total) // size)
-    plugin = {"type": "plugin", "module_path": "tierkv.integrations.lmcache",
-              "class_name": "TierkvL2Adapter"}
+    plugin = {
+        "type": "plugin",
+        "module_path": "tierkv.integrations.lmcache",
+        "class_name": "TierkvL2Adapter",
+    }
     if medium == "nvme":
         tdir, ldir = work / f"tierkv-{size}", work / f"fs-{size}"
         tier = {"type": "nvme", "path": str(tdir), "capacity": "16GiB", "fsync": args.fsync}
-        specs = {"tierkv": {**plugin, "adapter_params": {"tiers": [tier]}},
-                 "lmcache-fs": {"type": "fs", "base_path": str(ldir)}}
-        drops = {"tierkv": lambda: drop_page_cache(files_under(tdir)),
-                 "lmcache-fs": lambda: drop_page_cache(files_under(ldir))}
+        specs = {
+            "tierkv": {**plugin, "adapter_params": {"tiers": [tier]}},
+            "lmcache-fs": {"type": "fs", "base_path": str(ldir)},
+        }
+        drops = {
+            "tierkv": lambda: drop_page_cache(files_under(tdir)),
+            "lmcache-fs": lambda: drop_page_cache(files_under(ldir)),
+        }
     else:
         tier = {"type": "redis", "url": server.url}
-        specs = {"tierkv": {**plugin, "adapter_params": {"tiers": [tier]}},
-                 "lmcache-resp": {"type": "resp", "host": "127.0.0.1", "port": server.port}}
+        specs = {
+            "tierkv": {**plugin, "adapter_params": {"tiers": [tier]}},
+            "lmcache-resp": {"type": "resp", "host": "127.0.0.1", "port": server.port},
+        }
         drops = {name: (lambda: None) for name in specs}
     adapters = {name: build(spec, l1) for name, spec in specs.items()}
     times: dict[str, dict[str, list[float]]] = {n: {"store": [], "load": []} for n in specs}
@@ -231,10 +256,15 @@ def compare(medium: str, size: int, args: Any, work: Path, server: Any) -> dict[
         row = {n: times[n][phase] for n in specs}
         ratio = statistics.median(row[ours]) / statistics.median(row[theirs])
         out[phase] = {**row, "ratio": ratio}
-        print(f"{medium:5} {size // MiB:2d} MiB {phase:5}  "
-              + "  ".join(f"{n} {statistics.median(v):5.2f} ({min(v):.2f}..{max(v):.2f})"
-                          for n, v in row.items())
-              + f"  GB/s   tierkv/LMCache {ratio:.2f}x", flush=True)
+        print(
+            f"{medium:5} {size // MiB:2d} MiB {phase:5}  "
+            + "  ".join(
+                f"{n} {statistics.median(v):5.2f} ({min(v):.2f}..{max(v):.2f})"
+                for n, v in row.items()
+            )
+            + f"  GB/s   tierkv/LMCache {ratio:.2f}x",
+            flush=True,
+        )
     return out
 
 

@@ -8,6 +8,7 @@ lazily: where it is missing these tests skip, and under CI=true they fail
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import select
@@ -108,10 +109,8 @@ def wait_fd(fd: int, timeout: float = WAIT) -> bool:
     poller.register(fd, select.POLLIN)
     if not poller.poll(timeout * 1000):
         return False
-    try:
+    with contextlib.suppress(BlockingIOError):
         consume_fd(fd)
-    except BlockingIOError:
-        pass
     return True
 
 
@@ -129,12 +128,16 @@ class Driver:
     def store(self, keys: list[Any], objects: list[Any], timeout: float = WAIT) -> Any:
         a = self.adapter
         task = a.submit_store_task(keys, objects)
-        return self._wait(a.get_store_event_fd(), lambda: a.pop_completed_store_tasks().get(task), timeout)
+        return self._wait(
+            a.get_store_event_fd(), lambda: a.pop_completed_store_tasks().get(task), timeout
+        )
 
     def lookup(self, keys: list[Any], timeout: float = WAIT) -> list[bool]:
         a = self.adapter
         task = a.submit_lookup_and_lock_task(keys, {})
-        got = self._wait(a.get_lookup_and_lock_event_fd(), lambda: a.query_lookup_and_lock_result(task), timeout)
+        got = self._wait(
+            a.get_lookup_and_lock_event_fd(), lambda: a.query_lookup_and_lock_result(task), timeout
+        )
         return bits(got, len(keys))
 
     def load(self, keys: list[Any], objects: list[Any], timeout: float = WAIT) -> list[bool]:

@@ -69,7 +69,11 @@ def test_objects_of_two_sizes_share_a_task_and_a_load_may_name_a_key_twice(rig: 
     assert drive.store([small, big], [l1.obj(4096, "s"), l1.obj(SIZE, "b")]).is_successful()
     out = [l1.obj(4096), l1.obj(SIZE), l1.obj(4096)]
     assert drive.load([small, big, small], out) == [True, True, True]
-    assert [rig.content(o) for o in out] == [rig.pattern("s", 4096), rig.pattern("b", SIZE), rig.pattern("s", 4096)]
+    assert [rig.content(o) for o in out] == [
+        rig.pattern("s", 4096),
+        rig.pattern("b", SIZE),
+        rig.pattern("s", 4096),
+    ]
 
 
 def test_salts_never_share_a_block(rig: Any) -> None:
@@ -85,8 +89,11 @@ def test_salts_never_share_a_block(rig: Any) -> None:
     assert [rig.content(g) for g in got] == [rig.pattern("alice", SIZE), rig.pattern("bob", SIZE)]
     assert dict(adapter.get_usage().bytes_by_cache_salt) == {"alice": SIZE, "bob": SIZE}
     # model, rank and group are in the key as well
-    for other in (rig.key(7, model="other", salt="alice"), rig.key(7, rank=1, salt="alice"),
-                  rig.key(7, group=2, salt="alice")):
+    for other in (
+        rig.key(7, model="other", salt="alice"),
+        rig.key(7, rank=1, salt="alice"),
+        rig.key(7, group=2, salt="alice"),
+    ):
         assert drive.lookup([other]) == [False]
 
 
@@ -273,7 +280,9 @@ def test_lmcache_own_check_mode_passes(rig: Any, tmp_path: Path) -> None:
         asyncio.run(
             run_test_mode(
                 "org/model",
-                l2_adapter=[rig.adapter_json([{"type": "nvme", "path": str(tmp_path), "capacity": "64MiB"}])],
+                l2_adapter=[
+                    rig.adapter_json([{"type": "nvme", "path": str(tmp_path), "capacity": "64MiB"}])
+                ],
                 num_keys=5,
             )
         )

@@ -19,11 +19,15 @@ PLUGIN = {
 
 
 def spec(tmp_path: Path, **params: Any) -> str:
-    tiers = [{"type": "nvme", "path": str(tmp_path / "kv"), "capacity": "1GiB", "job_timeout": "2s"}]
+    tiers = [
+        {"type": "nvme", "path": str(tmp_path / "kv"), "capacity": "1GiB", "job_timeout": "2s"}
+    ]
     return json.dumps({**PLUGIN, "adapter_params": {"tiers": tiers, **params}})
 
 
-def test_a_good_spec_opens_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str], rig: Any) -> None:
+def test_a_good_spec_opens_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], rig: Any
+) -> None:
     assert main(["lmcache", "check", spec(tmp_path, object_bytes=["2MiB"])]) == 0
     out = capsys.readouterr().out
     assert "a store or load fails by 3s, a lookup misses after 1s" in out
@@ -46,12 +50,18 @@ def test_a_file_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str], rig
     ("mutate", "where"),
     [
         (lambda s: {**s, "class_name": "Other"}, "class_name"),
-        (lambda s: {**s, "adapter_params": {"tiers": [{"type": "nvme", "capacity": "x"}]}},
-         "adapter_params.tiers[0]"),
-        (lambda s: {**s, "adapter_params": {**s["adapter_params"], "tierz": 1}},
-         "adapter_params.tierz"),
-        (lambda s: {**s, "adapter_params": {**s["adapter_params"],
-                                            "chain": "/nope.yaml"}}, "adapter_params"),
+        (
+            lambda s: {**s, "adapter_params": {"tiers": [{"type": "nvme", "capacity": "x"}]}},
+            "adapter_params.tiers[0]",
+        ),
+        (
+            lambda s: {**s, "adapter_params": {**s["adapter_params"], "tierz": 1}},
+            "adapter_params.tierz",
+        ),
+        (
+            lambda s: {**s, "adapter_params": {**s["adapter_params"], "chain": "/nope.yaml"}},
+            "adapter_params",
+        ),
     ],
 )
 def test_a_bad_spec_names_the_field(
