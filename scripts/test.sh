@@ -6,6 +6,7 @@ bash scripts/setup-servers.sh   # redis-server for the tier tests
 bash scripts/setup.sh
 bash scripts/setup-vllm.sh      # vLLM for tests/integrations (not needed by the demo)
 bash scripts/setup-sglang.sh    # SGLang for tests/integrations/sglang (same .venv, --no-deps)
+bash scripts/setup-lmcache.sh   # LMCache for tests/integrations/lmcache (same .venv, --no-deps)
 export PATH="$PWD/.venv/bin:$PATH"
 echo "== ruff"; ruff check .
 echo "== mypy"; mypy tierkv tiers/nvme/tierkv_nvme tiers/redis/tierkv_redis tiers/s3/tierkv_s3 plugins/tierkv-sqlite/tierkv_sqlite

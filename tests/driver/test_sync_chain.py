@@ -111,3 +111,70 @@ def test_one_loop_thread_for_every_chain_of_the_process() -> None:
     second.close()
     assert loops() == 0
     assert second.present(keys(1)) == [False]  # closed: a miss, no exception
+
+
+class Answers:
+    """Collects `start_*` callbacks; `get` waits for the next one."""
+
+    def __init__(self) -> None:
+        self.got: list[object] = []
+        self.threads: set[str] = set()
+        self._event = threading.Event()
+
+    def __call__(self, answer: object) -> None:
+        self.got.append(answer)
+        self.threads.add(threading.current_thread().name)
+        self._event.set()
+
+    def get(self, timeout: float = 10.0) -> object:
+        assert self._event.wait(timeout), "no answer"
+        self._event.clear()
+        return self.got[-1]
+
+
+def test_start_calls_answer_once_on_the_loop_and_claims_until_let_go() -> None:
+    slab = view()
+    config = MemoryTierConfig(type="memory", capacity=3 * (BLOCK + 128), claim_lease=30)
+    chain = SyncChain([config], ["memory"], slab)
+    try:
+        answers = Answers()
+        ks = keys(6)
+        chain.start_store(ks[:3], [0, 1, 2], answers)
+        assert answers.get() == set(ks[:3])
+        chain.start_lookup(ks[:1], "owner-1", answers)
+        assert answers.get() == [True]  # and claimed
+        assert answers.threads == {"tierkv-engine-loop"}
+        for i in range(3, 6):
+            chain.store(ks[i : i + 1], [i])
+        assert chain.present(ks[:3]) == [True, False, False]  # the claimed one stayed
+        chain.let_go("owner-1")
+        chain.store(keys(3, "y"), [6, 7, 8])
+        assert chain.present(ks[:1]) == [False]
+        chain.start_load([], [], answers)
+        assert answers.get() == set()
+        assert len(answers.got) == 3  # one answer per call
+    finally:
+        chain.close()
+    answers = Answers()
+    chain.start_load(ks[:1], [0], answers)  # closed: answered at once, on this thread
+    assert answers.get(0) == set()
+
+
+def test_start_answers_by_the_deadline_when_a_tier_hangs(faulty: None) -> None:
+    slab = view()
+    config = FaultyTierConfig(type="faulty", job_timeout=0.3)
+    chain = SyncChain([config], ["faulty"], slab, margin=0.5)
+    try:
+        tier = chain.tiers[0].tier
+        assert isinstance(tier, FaultyTier)
+        tier.hang = True
+        answers = Answers()
+        started = time.monotonic()
+        chain.start_load(keys(2), [0, 1], answers)
+        assert answers.get() == set()
+        assert time.monotonic() - started < chain.job_deadline + chain.margin
+        time.sleep(0.2)
+        assert len(answers.got) == 1
+    finally:
+        tier.hang = False
+        chain.close()

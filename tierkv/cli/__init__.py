@@ -10,6 +10,7 @@
     tierkv roundtrip [--config FILE]   store -> lookup -> load of random blocks
     tierkv vllm check CONFIG           a --kv-transfer-config read as vLLM will
     tierkv sglang check CONFIG         a HiCache storage extra config read as SGLang will
+    tierkv lmcache check CONFIG        an --l2-adapter JSON read as LMCache's server will
 
 Without --config, demo and bench run the default chain: the primary plus an nvme
 tier in a temporary directory, removed afterwards. With --config, the demo moves the

@@ -1,6 +1,6 @@
 """The parser of the `tierkv` command and `main`: one module per command
 (`tierkv.cli.demo`, `.bench`, `.validate`, `.plugins`, `.roundtrip`, `.vllm`,
-`.sglang`), each with `add_parser` and the function it runs; errors become exit codes
+`.sglang`, `.lmcache`), each with `add_parser` and the function it runs; errors become exit codes
 here."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from tierkv import __version__
-from tierkv.cli import bench, demo, plugins, roundtrip, sglang, validate, vllm
+from tierkv.cli import bench, demo, lmcache, plugins, roundtrip, sglang, validate, vllm
 from tierkv.cli.common import UsageError, one_line
 from tierkv.contract.errors import ConfigError, TierKVError
 
-COMMANDS = (demo, bench, validate, plugins, roundtrip, vllm, sglang)
+COMMANDS = (demo, bench, validate, plugins, roundtrip, vllm, sglang, lmcache)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,6 +20,14 @@ checks, deadline backstop, reopen); this class only fans a call out over the cha
 - `store`: every usable tier at once (write-through); a key is stored if any tier took
   it.
 
+An engine that submits work and hears back later (LMCache's L2 adapters: submit a
+task, get an event fd signalled) uses the `start_*` calls instead: the same coroutine
+under the same deadline, whose answer goes to a callback on the loop thread, called
+exactly once (when the work ends, or at deadline + `margin` whatever the tiers do).
+`start_lookup` also claims the hits in the tier that will serve them
+(`tierkv.driver.claims.ClaimLedger`, kept under an owner the caller names) until
+`let_go` or the tier's lease.
+
 One event-loop thread serves every chain of a process (`shared_loop`): an engine that
 builds several storage objects (one per pool, a re-attach) does not gather threads.
 """
@@ -27,10 +35,11 @@ builds several storage objects (one per pool, a re-attach) does not gather threa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -41,6 +50,7 @@ from tierkv.contract.keys import OffloadKey
 from tierkv.contract.slab import PrimaryView
 from tierkv.contract.tier import TierConfig
 from tierkv.driver.checks import backstop_after
+from tierkv.driver.claims import ClaimLedger, Taken
 from tierkv.driver.guarded import GuardedTier, JobKind
 from tierkv.driver.loop_thread import LoopThread
 
@@ -90,12 +100,15 @@ class SyncChain:
         lookup_timeout: float | None = None,
         margin: float = 1.0,
         tags: dict[str, Any] | None = None,
+        on_removed: Callable[[GuardedTier, tuple[OffloadKey, ...]], None] | None = None,
     ) -> None:
         self.view = view
         self.tiers = [
-            GuardedTier.create(config, view, index=i, name=name)
+            GuardedTier.create(config, view, index=i, name=name, on_removed=on_removed)
             for i, (config, name) in enumerate(zip(configs, names))
         ]
+        self.claims = ClaimLedger(self.tiers)
+        """Claims `start_lookup` took, per owner; used on the loop thread only."""
         slowest = max((float(c.job_timeout) for c in configs), default=1.0)
         self.job_deadline = backstop_after(slowest)
         """How long a load or store may take in all: the slowest tier's job_timeout
@@ -141,6 +154,7 @@ class SyncChain:
             release_shared_loop(self._loop)
 
     async def _close_all(self, timeout: float = 30.0) -> None:
+        self.claims.let_go_all()
         for tier in self.tiers:
             await tier.close(timeout=timeout)
 
@@ -203,6 +217,105 @@ class SyncChain:
 
         self._call(remove(), self.job_deadline)
 
+    # -- submitted from the engine's threads, answered on the loop ------------------------
+    def start_lookup(
+        self,
+        keys: Sequence[OffloadKey],
+        owner: str,
+        on_done: Callable[[list[bool]], None],
+    ) -> None:
+        """`present`, without waiting: `on_done(flags)` on the loop thread once. Each hit
+        is claimed in the first tier (chain order) that reported it, kept under `owner`
+        until `let_go(owner, ...)` or the tier's lease runs out."""
+        found = [False] * len(keys)
+        work = self._present(keys, found, owner) if keys else _nothing()
+        self._begin(work, self.lookup_timeout, lambda: on_done(list(found)))
+
+    def start_load(
+        self,
+        keys: Sequence[OffloadKey],
+        slots: Sequence[int],
+        on_done: Callable[[set[OffloadKey]], None],
+    ) -> None:
+        """`load`, without waiting: `on_done(keys that arrived whole)` on the loop thread
+        once. The slots must stay valid until then, and are not touched after."""
+        done: set[OffloadKey] = set()
+        work = self._jobs("load", keys, slots, done) if keys else _nothing()
+        self._begin(work, self.job_deadline, lambda: on_done(set(done)))
+
+    def start_store(
+        self,
+        keys: Sequence[OffloadKey],
+        slots: Sequence[int],
+        on_done: Callable[[set[OffloadKey]], None],
+    ) -> None:
+        """`store`, without waiting: `on_done(keys some tier took)` on the loop thread
+        once."""
+        done: set[OffloadKey] = set()
+        work = self._jobs("store", keys, slots, done) if keys else _nothing()
+        self._begin(work, self.job_deadline, lambda: on_done(set(done)))
+
+    def let_go(self, owner: str, keys: Sequence[OffloadKey] | None = None) -> None:
+        """End `owner`'s claims on `keys` (all when None), on the loop, soon; never
+        raises. Where the loop is gone the claims end with their lease."""
+        if self._closed or not self._loop.is_alive():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed: the lease ends them
+            self._loop.loop.call_soon_threadsafe(self.claims.let_go, owner, keys)
+
+    def _begin(
+        self, work: Coroutine[Any, Any, None], deadline: float, on_done: Callable[[], None]
+    ) -> None:
+        """Run `work` on the loop under `deadline` and call `on_done` exactly once, on
+        the loop thread: when `work` ends, or at `deadline + margin` if a tier ignores
+        cancellation (counted in `late_answers`). At once, on this thread, when the
+        chain is closed. `on_done` raising is logged, never passed on."""
+        called = False
+
+        def finish() -> None:
+            nonlocal called
+            if called:
+                return
+            called = True
+            try:
+                on_done()
+            except Exception:
+                logger.exception("tierkv: a completion callback failed")
+
+        if self._closed or not self._loop.is_alive():
+            work.close()
+            finish()
+            return
+        loop = self._loop.loop
+
+        async def bounded() -> None:
+            timer = loop.call_later(deadline + self.margin, late)
+            try:
+                with anyio.move_on_after(max(deadline, 0.0)):
+                    await work
+            except Exception:
+                logger.exception("tierkv: a tier call failed; answering what finished")
+            finally:
+                timer.cancel()
+                finish()
+
+        def late() -> None:
+            if not called:
+                self.late_answers += 1
+                logger.error(
+                    "tierkv: a tier call gave no answer %gs after its %gs deadline, even "
+                    "when cancelled; answering what finished (a tier ignores cancellation)",
+                    self.margin,
+                    deadline,
+                )
+                finish()
+
+        try:
+            asyncio.run_coroutine_threadsafe(bounded(), loop)
+        except RuntimeError:  # the loop closed between the check and now
+            work.close()
+            finish()
+
     def _call(self, work: Coroutine[Any, Any, None], deadline: float) -> None:
         """Run `work` on the loop under `deadline` (it records its answers as they
         come, so what finished by then counts); give up waiting at `deadline +
@@ -231,18 +344,38 @@ class SyncChain:
             logger.exception("tierkv: a tier call failed; answering what finished")
 
     # -- on the loop ---------------------------------------------------------------------
-    async def _present(self, keys: Sequence[OffloadKey], found: list[bool]) -> None:
+    async def _present(
+        self, keys: Sequence[OffloadKey], found: list[bool], owner: str | None = None
+    ) -> None:
+        """Fill `found`; with an `owner`, claim each hit in the first tier holding it
+        (claims are taken the moment a tier answers, the ones not needed let go once
+        every tier answered or the deadline cancelled the rest)."""
+        taken: list[Taken] = []
+        holder: dict[OffloadKey, int] = {}
 
         async def ask(tier: GuardedTier) -> None:
             flags = await tier.lookup(keys, self._ctx, self.lookup_timeout)
-            if flags is not None:
-                for i, flag in enumerate(flags):
-                    found[i] = found[i] or flag
+            if flags is None:
+                return
+            hits = [k for k, flag in zip(keys, flags) if flag]
+            if owner is not None and hits:
+                claim = self.claims.take(tier, hits)
+                if claim is not None:
+                    taken.append(claim)
+            for i, flag in enumerate(flags):
+                found[i] = found[i] or flag
+            for key in hits:
+                if holder.get(key, tier.index) >= tier.index:
+                    holder[key] = tier.index
 
-        async with anyio.create_task_group() as group:
-            for tier in self.tiers:
-                if tier.usable():
-                    group.start_soon(ask, tier)
+        try:
+            async with anyio.create_task_group() as group:
+                for tier in self.tiers:
+                    if tier.usable():
+                        group.start_soon(ask, tier)
+        finally:
+            if owner is not None:
+                self.claims.keep(owner, taken, holder)
 
     async def _jobs(
         self,
@@ -280,3 +413,7 @@ class SyncChain:
         finally:
             tier.release(kind, nbytes)
         done.update(outcome.result.ok_keys)
+
+
+async def _nothing() -> None:
+    """The work of a call asked about no keys."""

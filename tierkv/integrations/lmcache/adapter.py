@@ -1,0 +1,388 @@
+"""`TierkvL2Adapter`: a tierkv tier chain as an L2 adapter of LMCache's server mode.
+
+LMCache 0.5.6 builds it through its plugin loader
+(`lmcache.v1.distributed.l2_adapters.plugin_l2_adapter`) from
+`{"type": "plugin", "module_path": "tierkv.integrations.lmcache", "class_name":
+"TierkvL2Adapter", "adapter_params": {...}}` as `cls(adapter_params,
+l1_memory_desc=...)`. LMCache's L1 (host memory) is the primary: each task's memory
+objects are lent to the tiers as slots (`objects.LentSlots`) and read or written in
+place; the tiers run on the process's one event-loop thread through the shared
+guarded-tier driver (`SyncChain`: breaker, in-flight budget, answer checks,
+deadline, reopen), one chain per object size (`chains.SizeChains`).
+
+The calls come from LMCache's two controller threads (store, prefetch) and return at
+once: each submit starts the work on the loop and answers with a task id; the
+result is put in a table and its event fd signalled when the work ends
+(`tasks.Completions`), never later than the chain's deadline plus a margin. Nothing
+raises into LMCache's threads: a tier that fails, is slow or down makes a failed
+bit (lookup, load) or a failed store; a submit that cannot start reports its task
+failed at once. A lookup locks what it finds by claiming it in the tier that will
+serve it (`locks.LockBook`, `tierkv.driver.claims`): that tier does not evict it
+until LMCache unlocks it or the tier's `claim_lease` runs out.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lmcache.lmcache_native import Bitmap
+from lmcache.v1.distributed.internal_api import L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
+from lmcache.v1.platform import create_event_notifier
+
+from tierkv.contract.keys import OffloadKey
+from tierkv.driver.guarded import GuardedTier
+from tierkv.integrations.lmcache.chains import SizeChain, SizeChains
+from tierkv.integrations.lmcache.keys import offload_key
+from tierkv.integrations.lmcache.locks import LockBook
+from tierkv.integrations.lmcache.objects import object_bytes
+from tierkv.integrations.lmcache.settings import AdapterSettings, resolve
+from tierkv.integrations.lmcache.tasks import Completions, Parts, TaskIds
+
+__all__ = ["TierkvL2Adapter"]
+
+logger = logging.getLogger(__name__)
+
+class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
+    """tierkv's tiers below LMCache's L1 (see the module docstring)."""
+
+    def __init__(self, params: Any = None, l1_memory_desc: Any = None) -> None:
+        super().__init__()  # capacity 0: the tiers bound themselves
+        self.settings: AdapterSettings = resolve(params)
+        self.l1_memory_desc = l1_memory_desc
+        self._ids = TaskIds()
+        self._stores: Completions[L2StoreResult] = Completions(create_event_notifier())
+        self._lookups: Completions[Any] = Completions(create_event_notifier())
+        self._loads: Completions[Any] = Completions(create_event_notifier())
+        lease = max((float(t.claim_lease) for t in self.settings.tiers), default=0.0)
+        self._locks = LockBook(lease)
+        self._chains = SizeChains(self.settings, self._removed, {"engine": "lmcache"})
+        self._stored: dict[OffloadKey, tuple[Any, int]] = {}  # for byte accounting
+        self._state = threading.Condition()
+        self._running = 0
+        self._closed = False
+        self._warned: set[str] = set()
+        try:
+            for size in self.settings.object_bytes:
+                self._chains.get(size)
+        except BaseException:
+            self._chains.close()
+            raise
+
+    # -- event fds ----------------------------------------------------------------------
+    def get_store_event_fd(self) -> int:
+        return self._stores.fileno()
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return self._lookups.fileno()
+
+    def get_load_event_fd(self) -> int:
+        return self._loads.fileno()
+
+    # -- store --------------------------------------------------------------------------
+    def submit_store_task(self, keys: list[Any], objects: list[Any]) -> int:
+        """Write each object to every tier; the task succeeds when some tier took every
+        key, and counts the bytes of the keys taken."""
+        return self._submit("store", self._store, keys, objects)
+
+    def _store(self, task_id: int, keys: list[Any], objects: list[Any]) -> None:
+        work = self._by_size(keys, objects)
+        stored: dict[OffloadKey, tuple[Any, int]] = {}
+        asked = sum(len(items) for items in work.values())
+        self._begin()
+
+        def finish() -> None:
+            moved = sum(size for _, size in stored.values())
+            self._account_stored(stored)
+            self._end()
+            self._stores.put(task_id, L2StoreResult(len(stored) == asked, moved))
+
+        parts = Parts(len(work), finish)
+        for size, items in work.items():
+            self._start(size, items, "store", stored, parts)
+
+    def pop_completed_store_tasks(self) -> dict[int, Any]:
+        return self._stores.take_all()
+
+    # -- lookup and lock ------------------------------------------------------------------
+    def submit_lookup_and_lock_task(self, keys: list[Any], group_layout_descs: Any) -> int:
+        """Ask every chain; lock (claim) each key found in the tier that holds it."""
+        return self._submit("lookup", self._lookup, keys, group_layout_descs)
+
+    def _lookup(self, task_id: int, keys: list[Any], group_layout_descs: Any) -> None:
+        for size in _layout_sizes(group_layout_descs):
+            self._open_quietly(size)
+        okeys = [offload_key(k) for k in keys]
+        chains = self._chains.all()
+        found = [False] * len(keys)
+        owner = f"lmcache-lookup-{task_id}"
+        lock = threading.Lock()
+        self._begin()
+
+        def finish() -> None:
+            bitmap = Bitmap(len(keys))
+            for i, hit in enumerate(found):
+                if hit:
+                    bitmap.set(i)
+            self._locks.add(owner, [k for k, hit in zip(okeys, found) if hit])
+            self._end()
+            self._lookups.put(task_id, bitmap)
+
+        parts = Parts(len(chains) if keys else 0, finish)
+
+        def answered(flags: list[bool]) -> None:
+            with lock:
+                for i, flag in enumerate(flags):
+                    found[i] = found[i] or flag
+            parts.done()
+
+        for one in chains:
+            one.chain.start_lookup(okeys, owner, answered)
+
+    def query_lookup_and_lock_result(self, task_id: int) -> Any:
+        return self._lookups.take(task_id)
+
+    def submit_unlock(self, keys: list[Any]) -> None:
+        """End one lock on each key (its claim in the tier); never raises (a claim not
+        let go ends with its lease)."""
+        try:
+            ending = self._locks.take(offload_key(k) for k in keys)
+            for owner, okeys in ending.items():
+                for one in self._chains.all():
+                    one.chain.let_go(owner, okeys)
+        except Exception as exc:
+            self._warn("unlock", exc)
+
+    # -- load ---------------------------------------------------------------------------
+    def submit_load_task(self, keys: list[Any], objects: list[Any]) -> int:
+        """Read each key into its object in place, from the first tier holding it."""
+        return self._submit("load", self._load, keys, objects)
+
+    def _load(self, task_id: int, keys: list[Any], objects: list[Any]) -> None:
+        work = self._by_size(keys, objects)
+        loaded: dict[OffloadKey, tuple[Any, int]] = {}
+        okeys = [offload_key(k) for k in keys]
+        self._begin()
+
+        def finish() -> None:
+            bitmap = Bitmap(len(keys))
+            first: dict[OffloadKey, int] = {}
+            for i, okey in enumerate(okeys):
+                if okey not in loaded:
+                    continue
+                if okey in first:  # asked twice in one task: read once, copied here
+                    object_bytes(objects[i])[:] = object_bytes(objects[first[okey]])
+                else:
+                    first[okey] = i
+                bitmap.set(i)
+            self._end()
+            self._loads.put(task_id, bitmap)
+            if first:
+                self._notify_keys_accessed([keys[i] for i in first.values()])
+
+        parts = Parts(len(work), finish)
+        for size, items in work.items():
+            self._start(size, items, "load", loaded, parts)
+
+    def query_load_result(self, task_id: int) -> Any:
+        return self._loads.take(task_id)
+
+    # -- the work ---------------------------------------------------------------------
+    def _submit(self, kind: str, start: Callable[..., None], keys: Any, *args: Any) -> int:
+        """A task id for `start(task_id, keys, *args)`; a start that raises (a bad
+        argument, a chain that would not open, the adapter closed) reports the task
+        failed through its event fd at once: LMCache's threads never see it."""
+        task_id = self._ids()
+        try:
+            if self._closed:
+                raise RuntimeError("the tierkv L2 adapter is closed")
+            start(task_id, keys, *args)
+        except Exception as exc:
+            self._warn(kind, exc)
+            self._fail(kind, task_id, keys)
+        return task_id
+
+    def _by_size(
+        self, keys: Sequence[Any], objects: Sequence[Any]
+    ) -> dict[int, list[tuple[Any, OffloadKey, memoryview]]]:
+        """The task's keys by object size, each key once (the first of its objects)."""
+        if len(keys) != len(objects):
+            raise ValueError(f"{len(keys)} keys for {len(objects)} objects")
+        work: dict[int, list[tuple[Any, OffloadKey, memoryview]]] = {}
+        seen: set[OffloadKey] = set()
+        for key, obj in zip(keys, objects):
+            okey = offload_key(key)
+            if okey in seen:
+                continue
+            seen.add(okey)
+            view = object_bytes(obj)
+            work.setdefault(view.nbytes, []).append((key, okey, view))
+        for size in work:
+            self._chains.get(size)  # opened here, before any part starts
+        return work
+
+    def _start(
+        self,
+        size: int,
+        items: list[tuple[Any, OffloadKey, memoryview]],
+        kind: str,
+        done: dict[OffloadKey, tuple[Any, int]],
+        parts: Parts,
+    ) -> None:
+        """One size's part of a task on its chain; `done` gets the keys it moved."""
+        one: SizeChain = self._chains.get(size)
+        try:
+            slots = one.slots.lend([view for _, _, view in items])
+        except Exception:
+            parts.done()
+            raise
+        okeys = [okey for _, okey, _ in items]
+        by_okey = {okey: key for key, okey, _ in items}
+
+        def moved(keys: set[OffloadKey]) -> None:
+            one.slots.take_back(slots)
+            for okey in keys:
+                done[okey] = (by_okey[okey], size)
+            parts.done()
+
+        start = one.chain.start_store if kind == "store" else one.chain.start_load
+        start(okeys, slots, moved)
+
+    def _fail(self, kind: str, task_id: int, keys: Any) -> None:
+        """A task that could not start: failed as a whole, through its event fd."""
+        try:
+            count = len(keys)
+        except TypeError:
+            count = 0
+        if kind == "store":
+            self._stores.put(task_id, L2StoreResult(False, 0))
+        elif kind == "lookup":
+            self._lookups.put(task_id, Bitmap(count))
+        else:
+            self._loads.put(task_id, Bitmap(count))
+
+    def _open_quietly(self, size: int) -> None:
+        try:
+            self._chains.get(size)
+        except Exception as exc:
+            self._warn("open", exc)
+
+    def _begin(self) -> None:
+        with self._state:
+            self._running += 1
+
+    def _end(self) -> None:
+        with self._state:
+            self._running -= 1
+            self._state.notify_all()
+
+    def _warn(self, what: str, exc: BaseException) -> None:
+        kind = f"{what}:{type(exc).__name__}"
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning(
+                "tierkv %s failed (%s: %s); answered a miss", what, type(exc).__name__, exc
+            )
+        else:
+            logger.debug("tierkv %s failed: %s", what, exc)
+
+    # -- byte accounting ----------------------------------------------------------------
+    def _account_stored(self, stored: dict[OffloadKey, tuple[Any, int]]) -> None:
+        """Keys stored for the first time count their bytes (LMCache's usage)."""
+        new_keys, sizes = [], []
+        with self._state:
+            for okey, (key, size) in stored.items():
+                if okey not in self._stored:
+                    self._stored[okey] = (key, size)
+                    new_keys.append(key)
+                    sizes.append(size)
+        if new_keys:
+            self._notify_keys_stored(new_keys, sizes)
+
+    def _removed(self, tier: GuardedTier, okeys: tuple[OffloadKey, ...]) -> None:
+        """A tier removed keys (its own eviction, a failed check): they stop counting
+        (in a chain of several tiers a key may still be held below; the usage is
+        then a lower bound)."""
+        gone = []
+        with self._state:
+            for okey in okeys:
+                entry = self._stored.pop(okey, None)
+                if entry is not None:
+                    gone.append(entry)
+        if gone:
+            try:
+                self._notify_keys_deleted([k for k, _ in gone], [s for _, s in gone])
+            except Exception as exc:
+                self._warn("usage", exc)
+
+    # -- the optional calls -------------------------------------------------------------
+    def delete(self, keys: list[Any]) -> None:
+        """Remove `keys` from every tier (LMCache's L2 eviction); bounded by the chain's
+        deadline, never raises."""
+        try:
+            okeys = [offload_key(k) for k in keys]
+            for one in self._chains.all():
+                one.chain.remove_all(okeys)
+            self._removed(None, tuple(okeys))  # type: ignore[arg-type]
+        except Exception as exc:
+            self._warn("delete", exc)
+
+    def report_status(self) -> dict[str, Any]:
+        """Healthy when every tier of every chain serves; per tier its state and
+        counters."""
+        tiers: dict[str, Any] = {}
+        healthy = True
+        for one in self._chains.all():
+            for tier in one.chain.tiers:
+                ok = tier.usable()
+                healthy = healthy and ok
+                stats = tier.stats
+                tiers[f"{tier.name}@{one.size}"] = {
+                    "usable": ok,
+                    "blocks_stored": stats.blocks_stored,
+                    "blocks_loaded": stats.blocks_loaded,
+                    "failed_keys": stats.failed_keys,
+                    "errors": stats.errors,
+                    "lease_expired": stats.lease_expired,
+                }
+        return {"is_healthy": healthy and not self._closed, "tiers": tiers}
+
+    # -- life ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait (bounded by the chains' deadlines) for running tasks, close the tiers
+        and the event fds."""
+        if self._closed:
+            return
+        self._closed = True
+        chains = self._chains.all()
+        wait = max((c.chain.job_deadline + c.chain.margin for c in chains), default=0.0)
+        ends = time.monotonic() + wait
+        with self._state:
+            while self._running and time.monotonic() < ends:
+                self._state.wait(ends - time.monotonic())
+        self._chains.close()
+        for table in (self._stores, self._lookups, self._loads):
+            table.close()
+
+
+def _layout_sizes(descs: Any) -> list[int]:
+    """Object sizes a lookup's layout hint (object group -> `MemoryLayoutDesc`)
+    names; none when it names none or cannot be read."""
+    sizes = []
+    try:
+        for desc in (descs or {}).values():
+            total = 0
+            for shape, dtype in zip(desc.shapes, desc.dtypes):
+                count = 1
+                for dim in shape:
+                    count *= int(dim)
+                total += count * int(dtype.itemsize)
+            if total > 0:
+                sizes.append(total)
+    except Exception:
+        return []
+    return sizes
