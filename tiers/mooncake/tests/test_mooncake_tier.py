@@ -122,7 +122,8 @@ async def test_an_unreachable_master_fails_open_fast_and_names_it() -> None:
         ({"rdma_devices": "mlx5_0"}, "applies to protocol rdma"),
         ({"protocol": "udp"}, "tcp"),
         ({"replicas": 0}, "replicas"),
-        ({"segment_size": "1MB"}, None),
+        ({"segment_size": "8MiB"}, "at least 16MiB"),
+        ({"segment_size": "1GB"}, None),
     ],
 )
 def test_config_errors_name_the_field(fields: dict[str, Any], message: str | None) -> None:

@@ -29,6 +29,9 @@ from pydantic import ByteSize, Field, PositiveInt, field_validator, model_valida
 from tierkv.contract.units import Size
 from tierkv.tier import TierConfig
 
+MIN_SEGMENT = 16 << 20
+"""The smallest segment Mooncake 0.3.13 mounts (8 MiB fails its setup)."""
+
 _HOST_PORT = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):(?P<port>\d{1,5})$")
 _DEVICE = re.compile(r"^[A-Za-z0-9_.\-]+(:\d+)?$")
 
@@ -123,6 +126,16 @@ class MooncakeTierConfig(TierConfig):
                 "redis://host:port or P2PHANDSHAKE"
             )
         return url
+
+    @field_validator("segment_size")
+    @classmethod
+    def _check_segment(cls, size: ByteSize) -> ByteSize:
+        if 0 < size < MIN_SEGMENT:
+            raise ValueError(
+                "segment_size must be 0 (a pure client) or at least 16MiB (Mooncake "
+                "refuses smaller segments)"
+            )
+        return size
 
     @field_validator("key_prefix")
     @classmethod
