@@ -4,7 +4,10 @@ mounts a segment (`SegmentHolder`), so blocks a tier stores live in another proc
 memory, as on a fleet.
 
 Test scaffolding, not runtime; no pytest needed. `python -m tierkv_mooncake.testing
-hold MASTER METADATA SIZE` is the holder process itself.
+hold MASTER METADATA SIZE` is the holder process itself; `python -m
+tierkv_mooncake.testing serve SIZE` starts a master and a holder of SIZE bytes for a
+benchmark, prints the tier's YAML fields and runs until its input closes (Ctrl-D) or
+it is interrupted.
 """
 
 from __future__ import annotations
@@ -210,7 +213,26 @@ def _hold(master: str, metadata: str, segment_size: int) -> int:
     return 0
 
 
+def _serve(segment_size: int) -> int:
+    with MooncakeMaster() as master, SegmentHolder(master, segment_size):
+        print(
+            f"{{type: mooncake, master: '{master.master}', "
+            f"metadata_server: '{master.metadata_server}'}}",
+            flush=True,
+        )
+        try:
+            sys.stdin.read()
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 5 and sys.argv[1] == "hold":
         sys.exit(_hold(sys.argv[2], sys.argv[3], int(sys.argv[4])))
-    sys.exit("usage: python -m tierkv_mooncake.testing hold MASTER METADATA SEGMENT_SIZE")
+    if len(sys.argv) == 3 and sys.argv[1] == "serve":
+        sys.exit(_serve(int(sys.argv[2])))
+    sys.exit(
+        "usage: python -m tierkv_mooncake.testing hold MASTER METADATA SEGMENT_SIZE\n"
+        "       python -m tierkv_mooncake.testing serve SEGMENT_SIZE"
+    )
