@@ -87,7 +87,7 @@ class StoreClient:
 
     def __init__(self, config: MooncakeTierConfig) -> None:
         try:
-            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+            from mooncake.store import MooncakeDistributedStore, ReplicateConfig  # type: ignore[import-untyped]
         except ImportError as exc:
             raise TierUnavailable(f"mooncake tier: {exc}; {INSTALL_HINT}") from None
         c = config

@@ -32,7 +32,9 @@ from tierkv.tier import TierConfig
 MIN_SEGMENT = 16 << 20
 """The smallest segment Mooncake 0.3.13 mounts (8 MiB fails its setup)."""
 
-_HOST_PORT = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):(?P<port>\d{1,5})$")
+_HOST_PORT = re.compile(
+    r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):(?P<port>\d{1,5})$"
+)
 _DEVICE = re.compile(r"^[A-Za-z0-9_.\-]+(:\d+)?$")
 
 

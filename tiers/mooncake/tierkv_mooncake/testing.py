@@ -12,6 +12,7 @@ it is interrupted.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -38,7 +39,7 @@ def mooncake_master_binary() -> str:
     """The `mooncake_master` of this Python's environment; MooncakeMissing otherwise
     (also when the binding cannot load its system libraries)."""
     try:
-        import mooncake.store  # noqa: F401
+        import mooncake.store  # type: ignore[import-untyped]  # noqa: F401
     except ImportError as exc:
         raise MooncakeMissing(f"cannot import mooncake.store ({exc}); {INSTALL_HINT}") from None
     beside = Path(sys.executable).parent / "mooncake_master"
@@ -51,7 +52,9 @@ def mooncake_master_binary() -> str:
 def _wait_for_port(port: int, deadline: float, process: subprocess.Popen[bytes], log: Path) -> None:
     while True:
         if process.poll() is not None:
-            raise RuntimeError(f"the process exited ({process.returncode}): {log.read_text()[-2000:]}")
+            raise RuntimeError(
+                f"the process exited ({process.returncode}): {log.read_text()[-2000:]}"
+            )
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                 return
@@ -153,7 +156,9 @@ class SegmentHolder(LocalServer):
     store and then only waits: what another node of a fleet lends. `kill()` ends it
     with SIGKILL (its objects go with it); it also ends when this process does."""
 
-    def __init__(self, master: MooncakeMaster, segment_size: int, start_timeout: float = 30.0) -> None:
+    def __init__(
+        self, master: MooncakeMaster, segment_size: int, start_timeout: float = 30.0
+    ) -> None:
         self.master = master
         self.segment_size = segment_size
         self.start_timeout = start_timeout
@@ -220,10 +225,8 @@ def _serve(segment_size: int) -> int:
             f"metadata_server: '{master.metadata_server}'}}",
             flush=True,
         )
-        try:
+        with contextlib.suppress(KeyboardInterrupt):
             sys.stdin.read()
-        except KeyboardInterrupt:
-            pass
     return 0
 
 

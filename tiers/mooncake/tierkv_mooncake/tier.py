@@ -274,7 +274,9 @@ class MooncakeTier(SecondaryTierManager):
                 if code in (0, OBJECT_NOT_FOUND):
                     out.removed.append(key)
                 else:
-                    logger.warning("mooncake: could not delete corrupt %s: %s", name, describe_code(code))
+                    logger.warning(
+                        "mooncake: could not delete corrupt %s: %s", name, describe_code(code)
+                    )
         return out
 
     # -- lookup and remove ----------------------------------------------------------
