@@ -264,3 +264,29 @@ async def test_forged_values_under_our_names_are_never_served(
         forged_ours = {keys[0], keys[2], keys[4], keys[7], keys[8]}
         assert forged_ours <= set(result.ok_keys)
         await tier.remove(keys)
+
+
+async def test_a_frozen_segment_holder_ends_the_job_near_its_deadline(
+    fresh_master: MooncakeMaster,
+) -> None:
+    """A node that stops answering (SIGSTOP) must not hold a load for Mooncake's
+    default ~30 s per block: the tier sets its TCP progress timeout (`transfer_timeout`,
+    here 1.5 s rounded to 2 s), so the job ends within its deadline plus that much per
+    block of the batch in flight, its keys failed."""
+    rng = random.Random(35)
+    view = PrimaryView(bytearray(32 * BLOCK), BLOCK, "faults")
+    with SegmentHolder(fresh_master, 32 << 20) as holder:
+        async with opened(fresh_master, view, job_timeout="3s") as tier:
+            keys = random_keys(8, rng)
+            stored = await store_blocks(tier, view, keys, rng)
+            holder.freeze()
+            try:
+                dest = list(range(16, 24))
+                started = time.monotonic()
+                result = await tier.load(job(keys, dest))
+                elapsed = time.monotonic() - started
+            finally:
+                holder.thaw()
+            assert wrong_bytes(view, result, keys, dest, stored) == 0
+            assert not result.ok_keys
+            assert elapsed < 3 + 8 * 2 + 3, f"the load took {elapsed:.1f}s"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import socket
 from collections.abc import Sequence
 from typing import Any
@@ -53,6 +54,11 @@ CODE_NAMES = {
     TRANSFER_FAIL: "TRANSFER_FAIL (the segment holding it did not answer)",
     RPC_FAIL: "RPC_FAIL (the master did not answer)",
 }
+
+TCP_TIMEOUT_VARIABLES = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
+"""Mooncake's TCP transport gives up on a peer that sent nothing for this many seconds
+(read when a client is set up; measured: a frozen peer then fails a get in 3 s instead
+of 30)."""
 
 INSTALL_HINT = (
     "install the Mooncake Store binding: pip install 'tierkv-cache-mooncake[cpu]' "
@@ -95,6 +101,11 @@ class StoreClient:
         metadata = c.metadata_address
         if metadata is not None:
             probe(metadata, "metadata server", c.connect_timeout)
+        if c.protocol == "tcp":
+            # a transfer to a frozen node otherwise waits ~30 s, and a load's thread
+            # (writing its slot from inside the binding) cannot be abandoned
+            for variable in TCP_TIMEOUT_VARIABLES:
+                os.environ.setdefault(variable, str(c.transfer_timeout_seconds))
         store = MooncakeDistributedStore()
         code = store.setup(
             c.local_hostname,

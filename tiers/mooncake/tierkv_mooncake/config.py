@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 from pydantic import ByteSize, Field, PositiveInt, field_validator, model_validator
 
-from tierkv.contract.units import Size
+from tierkv.contract.units import Duration, Size
 from tierkv.tier import TierConfig
 
 MIN_SEGMENT = 16 << 20
@@ -102,6 +102,13 @@ class MooncakeTierConfig(TierConfig):
     concurrency: PositiveInt = Field(
         default=2, description="batched calls of one job in flight (each in a worker thread)"
     )
+    transfer_timeout: Duration | None = Field(
+        default=None,
+        description="with tcp: seconds a transfer may make no progress before it fails "
+        "(a frozen node); default min(2s, job_timeout / 2). Sets Mooncake's "
+        "MC_TCP_PROGRESS_TIMEOUT_SEC, which is process-wide: the first tier to open sets "
+        "it, and a variable already exported wins",
+    )
     connect_timeout: float = Field(
         default=2.0,
         gt=0,
@@ -159,6 +166,14 @@ class MooncakeTierConfig(TierConfig):
         if self.rdma_devices and self.protocol != "rdma":
             raise ValueError("rdma_devices applies to protocol rdma; this tier is tcp")
         return self
+
+    @property
+    def transfer_timeout_seconds(self) -> int:
+        """Whole seconds (Mooncake reads an integer), at least 1."""
+        chosen = self.transfer_timeout
+        if chosen is None:
+            chosen = min(2.0, self.job_timeout / 2)
+        return max(1, round(chosen))
 
     @property
     def master_address(self) -> tuple[str, int]:

@@ -189,12 +189,23 @@ class SegmentHolder(LocalServer):
     def kill(self) -> None:
         process, self._process = self._process, None
         if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGCONT)  # a frozen process dies as well
             process.send_signal(signal.SIGKILL)
             process.wait()
+
+    def freeze(self) -> None:
+        """SIGSTOP: the process holds its segment and answers nothing (a hung node)."""
+        if self._process is not None:
+            self._process.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        if self._process is not None:
+            self._process.send_signal(signal.SIGCONT)
 
     def stop(self) -> None:
         process, self._process = self._process, None
         if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGCONT)
             assert process.stdin is not None
             process.stdin.close()  # the holder closes its store and exits
             try:

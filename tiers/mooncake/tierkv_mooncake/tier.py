@@ -24,8 +24,10 @@ A load writes the slot from inside the binding, so its thread is never abandoned
 job cancelled at its deadline waits for the call to return (the contract's `in_thread`)
 rather than let a late transfer write a slot the cache has reused. A store reads its
 slots the same way. Mooncake bounds its calls itself: an unreachable master answers
-`RPC_FAIL` at once (a put waits ~4 s for it); a segment whose process froze fails a
-transfer after ~30 s on TCP.
+`RPC_FAIL` at once (a put waits ~4 s for it); a transfer to a segment whose process
+froze fails after the TCP progress timeout, ~30 s a block by default, which the client
+sets to `transfer_timeout` (`client.TCP_TIMEOUT_VARIABLES`), so such a job ends at most
+about `transfer_timeout` per block of its batch in flight after its deadline.
 
 What the store does on its own terms is a miss here, never wrong bytes: an object it
 evicted, whose lease expired, or that lived in a segment whose process left
