@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # System packages the tests need and nothing else does: the real servers the tier
-# tests start (redis-server; openssl for its TLS certificates). scripts/test.sh runs
+# tests start (redis-server; openssl for its TLS certificates) and the libraries
+# Mooncake Store's binding and mooncake_master link even over TCP (libibverbs1,
+# librdmacm1, libnuma1; the binding itself is a pip wheel in requirements-dev.txt). scripts/test.sh runs
 # this; scripts/run.sh (the demo) does not need it. Idempotent; fast when installed.
 set -euo pipefail
 
-APT_PACKAGES=(redis-server openssl)
+APT_PACKAGES=(redis-server openssl libibverbs1 librdmacm1 libnuma1)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

@@ -24,10 +24,16 @@ KNOWN_TIER_PACKAGES: dict[str, str] = {
     "nvme": "tierkv-cache-nvme",
     "redis": "tierkv-cache-redis",
     "s3": "tierkv-cache-s3",
+    "mooncake": "tierkv-cache-mooncake",
 }
 """Tier types we know of and the distribution that provides each, for error hints."""
 
-CHECKOUT_PATHS: dict[str, str] = {"nvme": "tiers/nvme", "redis": "tiers/redis", "s3": "tiers/s3"}
+CHECKOUT_PATHS: dict[str, str] = {
+    "nvme": "tiers/nvme",
+    "redis": "tiers/redis",
+    "s3": "tiers/s3",
+    "mooncake": "tiers/mooncake",
+}
 """Where a first-party tier's distribution lives in a tierkv checkout (nothing is on the
 package index yet, so that is where it installs from)."""
 

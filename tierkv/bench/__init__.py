@@ -14,7 +14,8 @@ own, behind a primary of its own):
 - raw: the same bytes in the same batches through the medium's plain client with the
   tier's own concurrency (`io_concurrency`, `max_connections`, `max_concurrency`):
   torch `copy_` for the primary, `os.pwrite`/`os.pread` in a thread pool for `nvme`,
-  concurrent redis-py SET/GET for `redis`, s3fs `_pipe_file`/`_cat_file` for `s3`.
+  concurrent redis-py SET/GET for `redis`, s3fs `_pipe_file`/`_cat_file` for `s3`,
+  `MooncakeDistributedStore` put/get from one thread for `mooncake`.
   A tier of another type (a plugin) is measured without a ratio.
 
 Throughput is MB/s (10^6 bytes per second); each figure is the median of the
@@ -61,7 +62,7 @@ from tierkv.bench.options import BenchFailure, BenchOptions, UnknownMedium
 from tierkv.bench.orchestrator import bench_orchestrator
 from tierkv.bench.raw import RawMedium, RawMemcpy
 from tierkv.bench.raw_files import RawBlockFiles, RawFile
-from tierkv.bench.raw_remote import RawRedis, RawS3
+from tierkv.bench.raw_remote import RawMooncake, RawRedis, RawS3
 from tierkv.bench.run import run_bench
 from tierkv.bench.streaming import bench_streaming
 from tierkv.bench.summary import bench_summary
@@ -80,6 +81,7 @@ __all__ = [
     "RawFile",
     "RawMedium",
     "RawMemcpy",
+    "RawMooncake",
     "RawRedis",
     "RawS3",
     "Target",

@@ -15,7 +15,7 @@ from tierkv.bench.chain import bench_config, bench_keys, empty_primary
 from tierkv.bench.options import BenchFailure, BenchOptions
 from tierkv.bench.raw import RawMedium
 from tierkv.bench.raw_files import RawFile
-from tierkv.bench.raw_remote import RawRedis, RawS3
+from tierkv.bench.raw_remote import RawMooncake, RawRedis, RawS3
 from tierkv.bench.timing import Batch, Timing, drive, split_batches, summarize
 from tierkv.cache import TieredCache
 from tierkv.config import CacheConfig
@@ -26,6 +26,7 @@ RAW_BASELINES: dict[str, Callable[[TierConfig, int], RawMedium]] = {
     "nvme": lambda tier, block_bytes: RawFile(tier, block_bytes),
     "redis": lambda tier, block_bytes: RawRedis(tier),
     "s3": lambda tier, block_bytes: RawS3(tier),
+    "mooncake": lambda tier, block_bytes: RawMooncake(tier, block_bytes),
 }
 """Raw client per tier type; a tier type not listed is measured without a ratio."""
 

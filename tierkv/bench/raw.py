@@ -13,7 +13,7 @@ from tierkv.bench.timing import Batch
 from tierkv.contract.tier import SecondaryTierManager
 
 
-def _row(t: torch.Tensor, i: int) -> memoryview:
+def row_of(t: torch.Tensor, i: int) -> memoryview:
     return memoryview(t[i].numpy())  # type: ignore[arg-type]
 
 
@@ -40,7 +40,7 @@ class RawMedium:
     ) -> None:
         async def one(i: int) -> None:
             async with self.gate:
-                await fn(i, _row(t, i))
+                await fn(i, row_of(t, i))
 
         async with anyio.create_task_group() as tg:
             for i in range(*batch):

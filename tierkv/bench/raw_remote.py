@@ -1,5 +1,6 @@
 """The raw media over the network: plain redis-py for `redis` (`RawRedis`), plain
-s3fs for `s3` (`RawS3`), each with the tier's own concurrency and credentials."""
+s3fs for `s3` (`RawS3`), each with the tier's own concurrency and credentials; Mooncake
+Store's own client for `mooncake` (`RawMooncake`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import importlib
 import os
 from typing import Any
 
-from tierkv.bench.raw import RawMedium
+import anyio
+import torch
+
+from tierkv.bench.raw import RawMedium, row_of
+from tierkv.bench.timing import Batch
 
 
 class RawRedis(RawMedium):
@@ -99,3 +104,60 @@ class RawS3(RawMedium):
     async def close(self) -> None:
         if self.session is not None:
             await self.session.close()
+
+
+class RawMooncake(RawMedium):
+    """`mooncake`'s medium: a `MooncakeDistributedStore` of its own (a pure client of
+    the tier's master, lending no segment), `put` and `get` of each block's bytes
+    from one Python thread, a batch per hop (no frame, no checksum)."""
+
+    def __init__(self, tier: Any, block_bytes: int) -> None:  # a MooncakeTierConfig
+        super().__init__(1)
+        self.tier = tier
+        self.block_bytes = block_bytes
+        self.description = "MooncakeDistributedStore put/get, one thread"
+        self.prefix = f"tierkv-bench-raw/{os.getpid()}/"
+        self.client: Any = None
+        self.thread = anyio.CapacityLimiter(1)
+
+    async def open(self) -> None:
+        store_module: Any = importlib.import_module("mooncake.store")
+        t = self.tier
+        store = store_module.MooncakeDistributedStore()
+        code = await anyio.to_thread.run_sync(
+            store.setup,
+            t.local_hostname,
+            t.metadata_server,
+            0,
+            max(int(t.local_buffer_size), 2 * self.block_bytes),  # put/get stage through it
+            t.protocol,
+            t.rdma_devices,
+            t.master,
+        )
+        if code != 0:
+            raise RuntimeError(f"mooncake setup against {t.master} failed: {code}")
+        self.client = store
+
+    def _put_rows(self, data: torch.Tensor, batch: Batch) -> None:
+        for i in range(*batch):
+            code = self.client.put(f"{self.prefix}{i}", row_of(data, i))
+            if code != 0:
+                raise RuntimeError(f"mooncake put of block {i} failed: {code}")
+
+    def _get_rows(self, out: torch.Tensor, batch: Batch) -> None:
+        for i in range(*batch):
+            row_of(out, i)[:] = self.client.get(f"{self.prefix}{i}")
+
+    async def store(self, data: torch.Tensor, batch: Batch) -> None:
+        await anyio.to_thread.run_sync(self._put_rows, data, batch, limiter=self.thread)
+
+    async def load(self, out: torch.Tensor, batch: Batch) -> None:
+        await anyio.to_thread.run_sync(self._get_rows, out, batch, limiter=self.thread)
+
+    async def cleanup(self, n: int) -> None:
+        names = [f"{self.prefix}{i}" for i in range(n)]
+        await anyio.to_thread.run_sync(self.client.batch_remove, names, True)
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await anyio.to_thread.run_sync(self.client.close)
