@@ -55,6 +55,18 @@ CONTINUATION_SHARE = 0.5
 """A request whose hit covers at least this share of its blocks continues a cached
 prefix: its new blocks are admitted on first sight."""
 
+_MULTIPLIERS = (
+    0x9E3779B97F4A7C15,
+    0xBF58476D1CE4E5B9,
+    0x94D049BB133111EB,
+    0xD6E8FEB86659FD93,
+    0xC2B2AE3D27D4EB4F,
+    0x165667B19E3779F9,
+    0xFF51AFD7ED558CCD,
+    0xC4CEB9FE1A85EC53,
+)
+"""One odd 64-bit multiplier per sketch row (well-known mixing constants)."""
+
 AGING_PER_BLOCK = 10
 """With `tinylfu` tiers, the sketch halves its counts every this many sightings per
 block the largest of them holds (Caffeine's sample of ten times the cache's size)."""
@@ -78,7 +90,9 @@ class SightingSketch:
         self.depth = depth
         self._shift = np.uint64(64 - width_bits)
         self._table = np.zeros((depth, self.width), dtype=np.uint8)
-        self._rows = np.arange(depth, dtype=np.uint64)[:, None]
+        self._flat = self._table.reshape(-1)  # the same counters, one row after another
+        self._multipliers = np.array(_MULTIPLIERS[:depth], dtype=np.uint64)[:, None]
+        self._row_start = np.arange(depth, dtype=np.uint64)[:, None] * np.uint64(self.width)
         self._added = 0
         self.reset_every = 10 * self.width
         self.halvings = 0
@@ -88,14 +102,14 @@ class SightingSketch:
         return int(self._table.nbytes)
 
     def _slots(self, keys: Sequence[bytes]) -> np.ndarray:
-        """`[depth, n]` counter indices of `keys` (double hashing over Python's
-        per-process bytes hash: keys are already hashes, this only spreads them)."""
+        """`[depth, n]` indices of `keys`' counters in the flattened table: per row,
+        the top bits of Python's per-process bytes hash times an odd multiplier of
+        that row (multiply-shift, a universal family; keys are already hashes, this
+        only spreads them). Four numpy calls: at request-sized batches their fixed
+        cost, not the arithmetic, is the price (array arithmetic wraps silently)."""
         # hash() is a signed 64-bit int: read as int64, seen as its two's complement
         h = np.fromiter(map(hash, keys), dtype=np.int64, count=len(keys)).view(np.uint64)
-        with np.errstate(over="ignore"):
-            h2 = (h * np.uint64(0x9E3779B97F4A7C15)) | np.uint64(1)
-            mixed = (h[None, :] + self._rows * h2[None, :]) * np.uint64(0xBF58476D1CE4E5B9)
-        slots: np.ndarray = (mixed >> self._shift).astype(np.intp)
+        slots: np.ndarray = ((h * self._multipliers) >> self._shift) + self._row_start
         return slots
 
     def add(self, keys: Sequence[bytes]) -> np.ndarray:
@@ -104,31 +118,23 @@ class SightingSketch:
         if not keys:
             return np.zeros(0, dtype=np.uint8)
         slots = self._slots(keys)
-        result: np.ndarray | None = None
-        for row in range(self.depth):
-            counters = self._table[row]
-            idx = slots[row]
-            current = counters[idx]
-            # saturating increment; duplicates within one batch count once
-            bumped = np.where(current < 255, current + 1, current).astype(np.uint8)
-            counters[idx] = bumped
-            result = bumped if result is None else np.minimum(result, bumped)
+        current = self._flat[slots]
+        # saturating increment; duplicates within one batch count once
+        bumped = current + (current < 255).astype(np.uint8)
+        self._flat[slots] = bumped
+        result: np.ndarray = bumped.min(axis=0)
         self._added += len(keys)
         if self._added >= self.reset_every:
             self._table >>= 1
             self._added //= 2
             self.halvings += 1
-        assert result is not None
         return result
 
     def estimate(self, keys: Sequence[bytes]) -> np.ndarray:
         """The estimated sightings of each key (uint8 array, len(keys))."""
         if not keys:
             return np.zeros(0, dtype=np.uint8)
-        slots = self._slots(keys)
-        result: np.ndarray = self._table[0][slots[0]]
-        for row in range(1, self.depth):
-            result = np.minimum(result, self._table[row][slots[row]])
+        result: np.ndarray = self._flat[self._slots(keys)].min(axis=0)
         return result
 
 
