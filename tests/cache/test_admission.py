@@ -161,3 +161,17 @@ async def test_tinylfu_on_a_tier_that_cannot_name_its_candidates_is_reuse(
 def test_tinylfu_admission_needs_a_write_through_tier() -> None:
     with pytest.raises(ConfigError, match="admission 'tinylfu' applies to write_through"):
         parse_config(chain(admission="tinylfu", write_policy="write_back"))
+
+
+async def test_tinylfu_falls_back_to_reuse_when_a_tier_cannot_say(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(self: MemoryTier) -> object:
+        raise RuntimeError("no idea")
+
+    monkeypatch.setattr(MemoryTier, "room", broken)
+    async with TieredCache(parse_config(chain(blocks=4, admission="tinylfu"))) as cache:
+        await serve(cache, keys(12, "a"), "r1")  # the store goes on, by the reuse rule
+        stats = cache.stats().tiers["memory"]
+        assert stats["blocks_stored"] == 0 and stats["declined"] == 12
+    assert "uses the reuse rule from now on" in caplog.text

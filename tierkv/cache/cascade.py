@@ -76,12 +76,21 @@ class Cascader:
         reuse_verdicts: list[bool] | None = None
         for handle in self.reuse:
             if handle in self.relative:
-                verdicts[handle.index] = self._weighed(handle, keys)
-            else:
-                if reuse_verdicts is None:
-                    assert self.admission is not None
-                    reuse_verdicts = self.admission.admits(keys)
-                verdicts[handle.index] = reuse_verdicts
+                try:
+                    verdicts[handle.index] = self._weighed(handle, keys)
+                    continue
+                except Exception:  # a plugin's room() or candidates failed: reuse rule
+                    logger.warning(
+                        "tier %s could not name its eviction candidates; its tinylfu "
+                        "admission uses the reuse rule from now on",
+                        handle.name,
+                        exc_info=True,
+                    )
+                    self.relative.remove(handle)
+            if reuse_verdicts is None:
+                assert self.admission is not None
+                reuse_verdicts = self.admission.admits(keys)
+            verdicts[handle.index] = reuse_verdicts
         if verdicts and watch is not None and self._declines_free:
             # kept out of every admitting tier on purpose: held only to make the store
             # reject would be worse (they were judged not worth keeping)
