@@ -202,14 +202,17 @@ class ReuseAdmission:
         rivals = list(islice(candidates, n - free))
         counts = self.sketch.estimate(past + rivals).tolist()  # one pass for both
         rival_counts = counts[len(past) :]
-        if held_above is not None:
-            rival_counts = [0 if held_above(r) else c for r, c in zip(rivals, rival_counts)]
         continuing = self._continuing
         need = self.min_sightings
         verdicts = [True] * free
         j, left = 0, len(rivals)
         for key, count in zip(past, counts):
-            if j < left and (count >= need or count > rival_counts[j] or key in continuing):
+            if j < left and (
+                count >= need
+                or key in continuing
+                or count > rival_counts[j]
+                or (count and held_above is not None and held_above(rivals[j]))  # as 0
+            ):
                 verdicts.append(True)
                 j += 1  # it displaces this candidate; the next key meets the next one
             else:
