@@ -175,3 +175,24 @@ async def test_tinylfu_falls_back_to_reuse_when_a_tier_cannot_say(
         stats = cache.stats().tiers["memory"]
         assert stats["blocks_stored"] == 0 and stats["declined"] == 12
     assert "uses the reuse rule from now on" in caplog.text
+
+
+async def test_tinylfu_counts_the_blocks_already_on_their_way_to_the_tier() -> None:
+    config = chain(blocks=2, admission="tinylfu", capacity=frames(6))
+    async with TieredCache(parse_config(config)) as cache:
+        old = keys(4, "old")
+        await serve(cache, old, "r1")  # 4 of 6 taken: room for 2
+        primary = cache.core.primary
+        assert [primary.is_ready(k) for k in old] == [False, False, True, True]
+        handle = cache.core.tiers[0]
+        new = keys(4, "new")
+        cache.cascader.count_hits(new, ReqContext(request_id="r2"), new)  # seen once
+        # 2 fit; the next 2 meet old[0] and old[1], seen once too: kept out
+        assert cache.cascader._weighed(handle, new) == [True, True, False, False]
+        handle.stats.inflight_bytes = 2 * BLOCK  # 2 blocks on their way take the room
+        assert cache.cascader._weighed(handle, new) == [False] * 4
+        # 4 on their way: the room and then old[0], old[1] are theirs; these meet
+        # old[2] and old[3], resident in the primary (counted unseen), then nothing
+        handle.stats.inflight_bytes = 4 * BLOCK
+        assert cache.cascader._weighed(handle, new) == [True, True, False, False]
+        handle.stats.inflight_bytes = 0
