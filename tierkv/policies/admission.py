@@ -34,10 +34,12 @@ the tier would evict for it (`SecondaryTierManager.eviction_candidates`):
    in, and a small tier full of live ones keeps them.
 
 A W-TinyLFU window (a segment of the tier that takes every new block) was tried in a
-simulation of both sweep traces: it writes every stored block, as write-all does, so
-it cannot keep writes low; the primary and the continuation rule are the window here.
-The decision is O(1) per block: one batched sketch estimate for the keys and one for
-as many candidates as the keys past the free room, read lazily from the tier's order.
+simulation of the conversation trace: it writes every stored block, as write-all does,
+so it cannot keep writes low; the primary, the free room and the continuation rule are
+the window here (`docs/bench.md`, "Measured: the capacity sweep", says what that costs).
+The decision is O(1) per block: one batched sketch estimate of the keys together with
+as many candidates as keys past the free room, read lazily from the tier's order
+(0.45-0.55 us a block, `benchmarks/admission_cost.py`).
 """
 
 from __future__ import annotations
