@@ -39,7 +39,8 @@ so it cannot keep writes low; the primary, the free room and the continuation ru
 the window here (`docs/bench.md`, "Measured: the capacity sweep", says what that costs).
 The decision is O(1) per block: one batched sketch estimate of the keys together with
 as many candidates as keys past the free room, read lazily from the tier's order
-(0.45-0.55 us a block, `benchmarks/admission_cost.py`).
+(0.3-0.4 CPU us a block in 1,024-block calls, 0.5-0.9 in 32-block ones, where numpy's
+fixed cost per call dominates: `benchmarks/admission_cost.py`).
 """
 
 from __future__ import annotations
