@@ -122,9 +122,15 @@ class Cascader:
         assert admission is not None
         tier = handle.tier
         if not self._aged_for_tiers:  # rooms are known once the tiers are open
-            largest = max(h.tier.room().capacity_blocks for h in self.relative)
-            admission.age_every(AGING_PER_BLOCK * largest)
             self._aged_for_tiers = True
+            sizes = []
+            for other in self.relative:
+                try:
+                    sizes.append(other.tier.room().capacity_blocks)
+                except Exception:  # its own decision, next, says so and falls back
+                    continue
+            if sizes:
+                admission.age_every(AGING_PER_BLOCK * max(sizes))
         room = tier.room()
         pending = -(-handle.stats.inflight_bytes // core.block_bytes)
         candidates = islice(tier.eviction_candidates(), max(0, pending - room.free_blocks), None)
