@@ -6,7 +6,9 @@ exercise the real format with no server. It is also the smallest complete exampl
 the tier contract: blocks it evicts to stay under `capacity`, and blocks it deletes
 after a failed check, are reported with `report_removed`; blocks a lookup claimed are
 passed over by that eviction (`protects_claims`), and a store that would need one of
-them fails its key instead.
+them fails its key instead. It names its eviction candidates (`room`,
+`eviction_candidates`), so `admission: tinylfu` weighs a new block against the block
+it would displace.
 
 Framing here runs on the event loop, a few blocks between yields: the memory tier is
 for tests, examples and small blocks; a tier that moves MiB-sized blocks over a wire
@@ -16,7 +18,7 @@ frames them in worker threads (`tierkv_redis`, `tierkv_s3`).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import anyio
 from pydantic import ByteSize, Field
@@ -33,10 +35,12 @@ from tierkv.contract.tier import (
     SecondaryTierManager,
     Size,
     TierConfig,
+    TierRoom,
     TierUnavailable,
 )
 
 _YIELD_EVERY = 8  # blocks copied between yields to the event loop
+_TYPICAL_KEY_BYTES = 36  # a sha256 block hash and its group: the frame size before any store
 
 
 class MemoryTierConfig(TierConfig):
@@ -52,11 +56,15 @@ class MemoryTier(SecondaryTierManager):
     config: MemoryTierConfig
     reports_evictions = True
     protects_claims = True
+    names_eviction_candidates = True
 
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
         super().__init__(config, primary)
         self._frames: OrderedDict[OffloadKey, bytes] = OrderedDict()
         self._bytes = 0
+        self._frame_bytes = self.framer.frame_bytes(
+            bytes(_TYPICAL_KEY_BYTES), primary.block_bytes
+        )  # one block's frame: the last one stored (a 36-byte key's before any)
         self._inflight = InFlightJobs(self.name)
 
     @staticmethod
@@ -83,6 +91,17 @@ class MemoryTier(SecondaryTierManager):
     async def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[bool]:
         self._check_open()
         return [key in self._frames for key in keys]
+
+    def room(self) -> TierRoom:
+        capacity, frame = int(self.config.capacity), self._frame_bytes
+        return TierRoom(max(0, capacity - self._bytes) // frame, capacity // frame)
+
+    def eviction_candidates(self) -> Iterator[OffloadKey]:
+        """Least recently used first, claimed blocks passed over (as `_put` evicts)."""
+        claims = self.claims
+        if not claims:  # nothing claimed: the order itself
+            return iter(self._frames)
+        return (key for key in self._frames if not claims.is_protected(key))
 
     async def touch(self, keys: Sequence[OffloadKey]) -> None:
         frames = self._frames
@@ -114,6 +133,7 @@ class MemoryTier(SecondaryTierManager):
             self._bytes -= len(frames.pop(key))
         frames[key] = frame
         self._bytes += len(frame)
+        self._frame_bytes = len(frame)
         return victims
 
     async def store(self, job: JobMetadata) -> JobResult:

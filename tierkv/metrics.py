@@ -73,7 +73,7 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "skipped_unhealthy": ("skipped_unhealthy", "Requests not sent while the circuit was open"),
     "declined": (
         "declined_blocks",
-        "Stored blocks reuse admission kept out of the tier (seen once, not continuing)",
+        "Stored blocks admission (reuse, tinylfu) kept out of the tier",
     ),
     "foreign_blocks": (
         "foreign_blocks",

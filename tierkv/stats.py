@@ -62,7 +62,7 @@ class TierStats:
     deadline_breaches: int = 0  # jobs the tier did not answer by job_timeout + grace
     drops: int = 0  # cascades not sent: back-pressure
     skipped_unhealthy: int = 0  # requests not sent: circuit open
-    declined: int = 0  # stored blocks reuse admission kept out of this tier
+    declined: int = 0  # stored blocks admission (reuse, tinylfu) kept out of this tier
     foreign_blocks: int = 0  # loads that found a block signed by another MAC key
     fallback_lookups: int = 0  # keys asked again because a tier above failed to load them
     fallback_hits: int = 0  # ... and found here

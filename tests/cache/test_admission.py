@@ -1,6 +1,7 @@
 """Reuse-aware admission in the cache: a write-through tier with `admission: reuse`
 is written only blocks seen in two requests, or the new tail of a continuing request
-(issue 21, item 2)."""
+(issue 21, item 2); with `tinylfu`, every block while it has room, then those that
+out-see the block it would evict (issue 36, item 1)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import torch
 from tierkv.cache import TieredCache
 from tierkv.config import parse_config
 from tierkv.contract.errors import ConfigError
+from tierkv.contract.framing import FIXED_HEADER_BYTES
 from tierkv.contract.jobs import ReqContext
 from tierkv.contract.keys import OffloadKey, hash_token_blocks, make_offload_key
+from tierkv.memory_tier import MemoryTier
 
 pytestmark = pytest.mark.anyio
 
@@ -111,3 +114,85 @@ def test_reuse_admission_needs_a_write_through_tier() -> None:
         parse_config(chain(write_policy="write_back"))
     with pytest.raises(ConfigError, match="admission"):
         parse_config(chain(admission="sometimes"))
+
+
+# -- tinylfu: relative to the block the tier would evict (issue 36) -----------------------
+def frames(n: int) -> int:
+    """Bytes of `n` framed blocks in the memory tier (a 36-byte key, no MAC)."""
+    return n * (BLOCK + FIXED_HEADER_BYTES + 36)
+
+
+async def test_tinylfu_writes_every_block_while_the_tier_has_room() -> None:
+    async with TieredCache(parse_config(chain(blocks=4, admission="tinylfu"))) as cache:
+        await serve(cache, keys(12, "a"), "r1")
+        stats = cache.stats().tiers["memory"]
+        assert stats["blocks_stored"] == 12 and stats["declined"] == 0
+
+
+async def test_tinylfu_keeps_popular_blocks_from_a_one_shot_request() -> None:
+    config = chain(blocks=4, admission="tinylfu", capacity=frames(8))
+    async with TieredCache(parse_config(config)) as cache:
+        popular = keys(8, "p")
+        for n in range(3):  # 8 blocks seen 3 times: the tier (8 blocks) is full of them
+            await serve(cache, popular, f"p{n}")
+        assert tier_blocks(cache) == 8
+        one_shot = keys(6, "o")
+        await serve(cache, one_shot, "o1")
+        stats = cache.stats().tiers["memory"]
+        # seen once, against blocks seen 3 times: kept out, except where the candidate
+        # is resident in the primary (its tier copy serves nobody while it is there)
+        assert stats["declined"] >= 2
+        assert await serve(cache, popular, "p3") == 8  # every popular block still served
+        # seen a second time: admitted against anything
+        await serve(cache, one_shot, "o2")
+        assert await serve(cache, one_shot, "o3") == 6
+
+
+async def test_tinylfu_on_a_tier_that_cannot_name_its_candidates_is_reuse(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(MemoryTier, "names_eviction_candidates", False)  # as redis, s3
+    async with TieredCache(parse_config(chain(blocks=4, admission="tinylfu"))) as cache:
+        await serve(cache, keys(12, "a"), "r1")
+        stats = cache.stats().tiers["memory"]
+        assert stats["blocks_stored"] == 0 and stats["declined"] == 12
+
+
+def test_tinylfu_admission_needs_a_write_through_tier() -> None:
+    with pytest.raises(ConfigError, match="admission 'tinylfu' applies to write_through"):
+        parse_config(chain(admission="tinylfu", write_policy="write_back"))
+
+
+async def test_tinylfu_falls_back_to_reuse_when_a_tier_cannot_say(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(self: MemoryTier) -> object:
+        raise RuntimeError("no idea")
+
+    monkeypatch.setattr(MemoryTier, "room", broken)
+    async with TieredCache(parse_config(chain(blocks=4, admission="tinylfu"))) as cache:
+        await serve(cache, keys(12, "a"), "r1")  # the store goes on, by the reuse rule
+        stats = cache.stats().tiers["memory"]
+        assert stats["blocks_stored"] == 0 and stats["declined"] == 12
+    assert "uses the reuse rule from now on" in caplog.text
+
+
+async def test_tinylfu_counts_the_blocks_already_on_their_way_to_the_tier() -> None:
+    config = chain(blocks=2, admission="tinylfu", capacity=frames(6))
+    async with TieredCache(parse_config(config)) as cache:
+        old = keys(4, "old")
+        await serve(cache, old, "r1")  # 4 of 6 taken: room for 2
+        primary = cache.core.primary
+        assert [primary.is_ready(k) for k in old] == [False, False, True, True]
+        handle = cache.core.tiers[0]
+        new = keys(4, "new")
+        cache.cascader.count_hits(new, ReqContext(request_id="r2"), new)  # seen once
+        # 2 fit; the next 2 meet old[0] and old[1], seen once too: kept out
+        assert cache.cascader._weighed(handle, new) == [True, True, False, False]
+        handle.stats.inflight_bytes = 2 * BLOCK  # 2 blocks on their way take the room
+        assert cache.cascader._weighed(handle, new) == [False] * 4
+        # 4 on their way: the room and then old[0], old[1] are theirs; these meet
+        # old[2] and old[3], resident in the primary (counted unseen), then nothing
+        handle.stats.inflight_bytes = 4 * BLOCK
+        assert cache.cascader._weighed(handle, new) == [True, True, False, False]
+        handle.stats.inflight_bytes = 0

@@ -28,7 +28,7 @@ def test_bench_trace_reports_each_policy_as_json(
     report = json.loads(capsys.readouterr().out)
     assert report["requests"] == 40 and report["distinct_blocks"] == 3 + 20 + 2 + 40
     runs = report["runs"]
-    assert [r["admission"] for r in runs] == ["all", "reuse"]
+    assert [r["admission"] for r in runs] == ["all", "reuse", "tinylfu"]
     assert runs[0]["estimates"]["bandwidth"]["memory"] == 10 * 2**30
     assert all(0 < r["hit_rate"] <= report["infinite_cache_hit_rate"] for r in runs)
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Iterator
 
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from tierkv.policies.admission import ReuseAdmission, SightingSketch
+from tierkv.policies.admission import MIN_AGING_PERIOD, ReuseAdmission, SightingSketch
 
 
 @settings(max_examples=60, deadline=None)
@@ -84,3 +85,115 @@ def test_the_continuing_set_is_bounded() -> None:
         keys = [os.urandom(20) for _ in range(4)]
         admission.sighted(keys, tail=keys[2:])
     assert len(admission._continuing) == 5
+
+
+# -- tinylfu: admission relative to the block the tier would evict ----------------------
+def _keys(n: int) -> list[bytes]:
+    return [os.urandom(20) for _ in range(n)]
+
+
+def _seen(admission: ReuseAdmission, keys: list[bytes], times: int) -> None:
+    for _ in range(times):
+        admission.sighted(keys, tail=keys)  # misses: sightings, never a continuation
+
+
+def test_a_tier_with_room_admits_every_block() -> None:
+    admission = ReuseAdmission(width_bits=16)
+    keys = _keys(5)
+    _seen(admission, keys, 1)
+    taken: list[bytes] = []
+    rivals = iter(_keys(3))
+    assert admission.admits_against(keys, 5, rivals) == [True] * 5
+    assert admission.admits_against(keys, 9, iter(taken)) == [True] * 5
+    # room for 2: the rest meet candidates; none left (all claimed): declined
+    assert admission.admits_against(keys, 2, iter(())) == [True, True, False, False, False]
+
+
+def test_a_block_seen_once_is_weighed_against_the_candidate() -> None:
+    admission = ReuseAdmission(width_bits=16)
+    new, cold, warm = _keys(1), _keys(1), _keys(1)
+    _seen(admission, new, 1)
+    _seen(admission, warm, 3)
+    assert admission.admits_against(new, 0, iter(warm)) == [False]  # 1 < 3: kept out
+    assert admission.admits_against(new, 0, iter(cold)) == [True]  # 1 > 0: displaces it
+    _seen(admission, cold, 1)
+    assert admission.admits_against(new, 0, iter(cold)) == [False]  # a tie keeps the incumbent
+    # a candidate resident in the primary counts 0: its tier copy is not serving it
+    assert admission.admits_against(new, 0, iter(warm), held_above=warm.__contains__) == [True]
+
+
+def test_a_second_sighting_or_a_continuation_is_admitted_against_any_candidate() -> None:
+    admission = ReuseAdmission(width_bits=16)
+    hot = _keys(1)
+    _seen(admission, hot, 9)
+    twice = _keys(1)
+    _seen(admission, twice, 2)
+    assert admission.admits_against(twice, 0, iter(hot)) == [True]
+    turn1 = _keys(6)
+    admission.sighted(turn1, tail=turn1)
+    turn2 = [*turn1, *_keys(2)]
+    admission.sighted(turn2, tail=turn2[6:])  # hit 6 of 8: continuing
+    assert admission.admits_against(turn2[6:], 0, iter(hot * 2)) == [True, True]
+
+
+def test_each_admitted_block_displaces_the_next_candidate() -> None:
+    admission = ReuseAdmission(width_bits=16)
+    keys, rivals = _keys(3), _keys(3)
+    _seen(admission, keys, 1)
+    _seen(admission, rivals[1:2], 5)  # the second candidate is popular
+    read: list[bytes] = []
+
+    def candidates() -> Iterator[bytes]:
+        for r in rivals:
+            read.append(r)
+            yield r
+
+    # key 0 displaces rival 0 (never seen); key 1 meets rival 1 (popular) and is kept
+    # out, so key 2 meets rival 1 too
+    assert admission.admits_against(keys, 0, candidates()) == [True, False, False]
+    assert read == rivals  # never more candidates than keys past the room
+    read.clear()
+    assert admission.admits_against(keys, 2, candidates()) == [True, True, True]
+    assert read == rivals[:1]
+
+
+def test_aging_lets_a_new_block_past_a_candidate_whose_popularity_faded() -> None:
+    admission = ReuseAdmission(width_bits=16)
+    admission.age_every(10)
+    assert admission.sketch.reset_every == MIN_AGING_PERIOD  # never faster than this
+    admission.age_every(MIN_AGING_PERIOD * 2)
+    assert admission.sketch.reset_every == MIN_AGING_PERIOD * 2
+    old, new = _keys(1), _keys(1)
+    _seen(admission, old, 2)
+    _seen(admission, new, 1)
+    assert admission.admits_against(new, 0, iter(old)) == [False]
+    while admission.sketch.halvings < 2:  # other traffic: 2 -> 1 -> 0
+        admission.sighted(_keys(256), ())
+    _seen(admission, new, 1)  # seen again since: 1 (halved to 0) + 1
+    assert int(admission.sketch.estimate(old)[0]) == 0
+    assert admission.admits_against(new, 0, iter(old)) == [True]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    seen=st.lists(st.integers(0, 4), min_size=0, max_size=12),
+    rival_seen=st.lists(st.integers(0, 4), min_size=0, max_size=12),
+    free=st.integers(-3, 14),
+)
+def test_tinylfu_verdicts_follow_the_rule(
+    seen: list[int], rival_seen: list[int], free: int
+) -> None:
+    admission = ReuseAdmission(width_bits=16)
+    keys, rivals = _keys(len(seen)), _keys(len(rival_seen))
+    for key, n in [*zip(keys, seen), *zip(rivals, rival_seen)]:
+        _seen(admission, [key], n)
+    verdicts = admission.admits_against(keys, free, iter(rivals))
+    room = max(0, min(free, len(keys)))
+    assert len(verdicts) == len(keys) and all(verdicts[:room])
+    # past the room, the same walk by hand: each admitted key displaces one candidate
+    j = 0
+    for key_seen, verdict in zip(seen[room:], verdicts[room:]):
+        wins = j < len(rivals) and (key_seen >= 2 or key_seen > rival_seen[j])
+        assert verdict == wins
+        j += wins
+    assert sum(verdicts) - room <= len(rivals)  # never more than the tier can evict

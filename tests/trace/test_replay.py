@@ -111,7 +111,7 @@ async def test_the_bench_reports_every_run_with_references(tmp_path: Path) -> No
         TraceBenchOptions(path, block_bytes=BLOCK, tiers=("memory",), tier_capacities=("25%",)),
         said.append,
     )
-    assert [r["admission"] for r in report["runs"]] == ["all", "reuse"]
+    assert [r["admission"] for r in report["runs"]] == ["all", "reuse", "tinylfu"]
     run = report["runs"][0]
     assert 0 < run["hit_rate"] <= report["infinite_cache_hit_rate"]
     backlog = run["backlog"]

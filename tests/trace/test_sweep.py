@@ -37,7 +37,10 @@ async def test_every_cell_is_replayed_and_set_beside_the_lru_and_write_all(
     report = await run_capacity_sweep(options)
     cells = report["cells"]
     wanted = [
-        (p, c, a) for p in ("1%", "4") for c in ("5%", "27%", "50%") for a in ("all", "reuse")
+        (p, c, a)
+        for p in ("1%", "4")
+        for c in ("5%", "27%", "50%")
+        for a in ("all", "reuse", "tinylfu")
     ]
     assert [(c["primary"], c["tier_capacity"], c["admission"]) for c in cells] == wanted
     keys = [request_keys(r) for r in read_trace(conversations)]
@@ -60,10 +63,21 @@ async def test_every_cell_is_replayed_and_set_beside_the_lru_and_write_all(
         assert cell["blocks_written"] > 0 and cell["bytes_written"] >= 4096 * cell["blocks_written"]
         if cell["admission"] == "all":
             assert cell["declined_blocks"] == 0
+        others = [
+            c["hit_rate"]
+            for c in cells
+            if (c["primary"], c["tier_capacity"]) == (cell["primary"], cell["tier_capacity"])
+            and c is not cell
+        ]
+        assert cell["vs_best_other"] == pytest.approx(cell["hit_rate"] / max(others))
     assert {c["primary_blocks"] for c in cells if c["primary"] == "4"} == {4}
     lines = sweep_lines(report)
     assert len([line for line in lines if " | " in line]) == 1 + 6  # the head, a row per size
-    assert any("/all" in line and "wr/all" in line for line in lines)
+    head = lines[2].split(" | ")
+    assert [h.split()[0] for h in head[1:]] == ["all", "reuse", "tinylfu"]  # a column each
+    assert head[3].split()[1:] == ["/LRU", "written", "/all", "wr/all", "/best"]
+    row = lines[3].split(" | ")
+    assert len(row[3].split()) == 6  # the tinylfu column's figures, /best included
 
 
 async def test_a_sweep_of_one_policy_compares_it_with_itself(conversations: Path) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from itertools import islice
 
 from tierkv.cache.core import CacheCore
 from tierkv.cache.results import StoreResult
@@ -37,7 +38,7 @@ from tierkv.cache.writeback import WriteBack
 from tierkv.contract.jobs import JobMetadata, ReqContext
 from tierkv.contract.keys import OffloadKey
 from tierkv.driver import GuardedTier
-from tierkv.policies.admission import ReuseAdmission
+from tierkv.policies.admission import AGING_PER_BLOCK, ReuseAdmission
 from tierkv.retention import kept_blocks
 
 logger = logging.getLogger(__name__)
@@ -48,13 +49,21 @@ class Cascader:
         self.core = core
         self.writeback = writeback
         self.selective = [h for h in core.tiers if h.policy == "write_through_selective"]
-        # write-through tiers that take only blocks likely to be read again
-        self.reuse = [h for h in core.tiers if h.config.admission == "reuse"]
+        # write-through tiers that take only blocks likely to be read again: by the
+        # reuse rule, or (tinylfu) weighed against the block the tier would evict for
+        # them; a tinylfu tier that cannot name that block gets the reuse rule
+        self.reuse = [h for h in core.tiers if h.config.admission != "all"]
+        self.relative = [
+            h
+            for h in self.reuse
+            if h.config.admission == "tinylfu" and h.tier.names_eviction_candidates
+        ]
         self.admission = ReuseAdmission() if self.reuse else None
-        # a block reuse admission declines may be evicted by its own streaming store
-        # only when no write-through tier takes every block (those decide its safety)
+        self._aged_for_tiers = False
+        # a block admission declines may be evicted by its own streaming store only
+        # when no write-through tier takes every block (those decide its safety)
         self._declines_free = all(
-            h.config.admission == "reuse" for h in core.tiers if h.policy == "write_through"
+            h.config.admission != "all" for h in core.tiers if h.policy == "write_through"
         )
 
     # -- cascades ----------------------------------------------------------------------
@@ -63,12 +72,36 @@ class Cascader:
         if not keys:
             return
         index = self.core.index
-        admitted: list[OffloadKey] | None = None
+        verdicts: dict[int, list[bool]] = {}  # per admitting tier: write each key?
+        reuse_verdicts: list[bool] | None = None
+        for handle in self.reuse:
+            if handle in self.relative:
+                try:
+                    verdicts[handle.index] = self._weighed(handle, keys)
+                    continue
+                except Exception:  # a plugin's room() or candidates failed: reuse rule
+                    logger.warning(
+                        "tier %s could not name its eviction candidates; its tinylfu "
+                        "admission uses the reuse rule from now on",
+                        handle.name,
+                        exc_info=True,
+                    )
+                    self.relative.remove(handle)
+            if reuse_verdicts is None:
+                assert self.admission is not None
+                reuse_verdicts = self.admission.admits(keys)
+            verdicts[handle.index] = reuse_verdicts
+        if verdicts and watch is not None and self._declines_free:
+            # kept out of every admitting tier on purpose: held only to make the store
+            # reject would be worse (they were judged not worth keeping)
+            taken = [any(v) for v in zip(*verdicts.values())]
+            if not all(taken):
+                watch.declined(k for k, ok in zip(keys, taken) if not ok)
         for handle in self.core.tiers:
             if handle.policy == "write_through":
-                if handle.config.admission == "reuse":
-                    if admitted is None:
-                        admitted = self._admitted(keys, watch)
+                mine = verdicts.get(handle.index)
+                if mine is not None:
+                    admitted = [k for k, ok in zip(keys, mine) if ok]
                     handle.stats.declined += len(keys) - len(admitted)
                     if admitted:
                         self.cascade(handle, admitted, watch)
@@ -81,16 +114,29 @@ class Cascader:
                     self.cascade(handle, chosen, watch)
         self.writeback.admit(keys)
 
-    def _admitted(self, keys: Sequence[OffloadKey], watch: StoreWatch | None) -> list[OffloadKey]:
-        """The `keys` reuse admission lets into its tiers; the rest are declined, and
-        a streaming store may evict them as if a tier had taken them (they were judged
-        not worth keeping: holding them would only make the store reject)."""
-        assert self.admission is not None
-        verdicts = self.admission.admits(keys)
-        admitted = [k for k, ok in zip(keys, verdicts) if ok]
-        if watch is not None and self._declines_free and len(admitted) < len(keys):
-            watch.declined(k for k, ok in zip(keys, verdicts) if not ok)
-        return admitted
+    def _weighed(self, handle: GuardedTier, keys: Sequence[OffloadKey]) -> list[bool]:
+        """The tinylfu verdicts of `handle`'s tier on `keys`: its room less the blocks
+        already on their way to it, then each key against the candidate it would
+        displace (candidates the writes in flight will displace are skipped)."""
+        admission, core = self.admission, self.core
+        assert admission is not None
+        tier = handle.tier
+        if not self._aged_for_tiers:  # rooms are known once the tiers are open
+            self._aged_for_tiers = True
+            sizes = []
+            for other in self.relative:
+                try:
+                    sizes.append(other.tier.room().capacity_blocks)
+                except Exception:  # its own decision, next, says so and falls back
+                    continue
+            if sizes:
+                admission.age_every(AGING_PER_BLOCK * max(sizes))
+        room = tier.room()
+        pending = -(-handle.stats.inflight_bytes // core.block_bytes)
+        candidates = islice(tier.eviction_candidates(), max(0, pending - room.free_blocks), None)
+        return admission.admits_against(
+            keys, room.free_blocks - pending, candidates, core.primary.is_ready
+        )
 
     def cascade(
         self, handle: GuardedTier, keys: Sequence[OffloadKey], watch: StoreWatch | None = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, cast, get_args
 
 import anyio
 
@@ -104,8 +104,9 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
         "admission, about 10x faster on a small disk)",
     )  # fmt: skip
     p.add_argument(
-        "--admission", default="all,reuse", metavar="LIST", help="policies to compare (all,reuse)"
-    )
+        "--admission", default="all,reuse,tinylfu", metavar="LIST",
+        help="policies to compare (all,reuse,tinylfu)",
+    )  # fmt: skip
     p.add_argument("--redis-url", metavar="URL", help="for a redis tier")
     p.add_argument("--dir", type=Path, metavar="DIR", help="where nvme writes (a temp dir)")
 
@@ -246,10 +247,14 @@ def _split(text: str) -> tuple[str, ...]:
 
 def _admissions(text: str) -> tuple[str, ...]:
     """`--admission`: the policies to compare (the tier's `admission` values)."""
+    from tierkv.contract.tier import Admission
+
     policies = _split(text)
-    bad = [a for a in policies if a not in ("all", "reuse")]
+    bad = [a for a in policies if a not in get_args(Admission)]
     if bad or not policies:
-        raise UsageError(f"--admission: {', '.join(bad) or 'empty'} (use all, reuse)")
+        raise UsageError(
+            f"--admission: {', '.join(bad) or 'empty'} (use {', '.join(get_args(Admission))})"
+        )
     return policies
 
 

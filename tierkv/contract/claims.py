@@ -91,6 +91,8 @@ class ClaimTable:
 
     def is_protected(self, key: OffloadKey) -> bool:
         """Whether a claim on `key` is still live: eviction must pass over it."""
+        if key not in self._deadlines:  # most keys: no lock (one dict read is atomic)
+            return False
         with self._lock:
             held = self._deadlines.get(key)
             if not held:

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import anyio
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveInt, field_validator
@@ -76,6 +76,7 @@ __all__ = [
     "SlotGuard",
     "Size",
     "TierConfig",
+    "TierRoom",
     "TierUnavailable",
     "WritePolicy",
     "in_batches",
@@ -85,7 +86,7 @@ __all__ = [
 ]
 
 WritePolicy = Literal["write_through", "write_back", "write_through_selective"]
-Admission = Literal["all", "reuse"]
+Admission = Literal["all", "reuse", "tinylfu"]
 
 RemovalListener = Callable[[tuple[OffloadKey, ...]], None]
 """Called with the keys a tier reports it no longer holds (see `report_removed`)."""
@@ -95,6 +96,16 @@ NO_ROOM = "no room"
 blocks it may not evict (claimed by lookups, being read or written): the tier is full,
 not down, and a store job that stored nothing for that reason does not count against
 its circuit breaker (`tierkv.driver.GuardedTier`)."""
+
+
+class TierRoom(NamedTuple):
+    """A tier's room in blocks of the primary's `block_bytes` (`SecondaryTierManager.room`)."""
+
+    free_blocks: int
+    """Blocks it takes before its eviction must make room (the cache subtracts the
+    stores it has in flight to the tier)."""
+    capacity_blocks: int
+    """Blocks it holds when full."""
 
 
 class TierConfig(BaseModel):
@@ -123,9 +134,12 @@ class TierConfig(BaseModel):
     )
     admission: Admission = Field(
         default="all",
-        description="which stored blocks a write_through tier is written: all; or reuse: "
+        description="which stored blocks a write_through tier is written: all; reuse: "
         "a block seen in at least 2 requests (remembered past its eviction), or new blocks "
-        "of a request that hit at least half its blocks (a continuing conversation)",
+        "of a request that hit at least half its blocks (a continuing conversation); "
+        "tinylfu: every block while the tier has room, then as reuse, or a block seen "
+        "more often than the one the tier would evict for it (tiers that cannot name "
+        "that block, such as redis and s3, get reuse)",
     )
     job_timeout: Duration = Field(
         default=30.0,
@@ -244,6 +258,14 @@ class SecondaryTierManager(ABC):
     its eviction skips `self.claims.is_protected` keys. False (the default) for a tier
     that cannot (a Redis or a bucket evicts on the server's own terms) or never evicts:
     `protect` and `unprotect` then do nothing, and the cache sends it no claims."""
+    names_eviction_candidates: ClassVar[bool] = False
+    """True when the tier evicts by itself in an order it can tell ahead, in memory and
+    at once: `room` says how many more blocks it takes before it must evict, and
+    `eviction_candidates` which blocks its eviction would take next. `admission:
+    tinylfu` then weighs each new block against the block it would displace
+    (`tierkv.policies.admission`). False (the default) for a tier that cannot say (a
+    Redis evicting under maxmemory, a bucket with no bound): `tinylfu` falls back to
+    the `reuse` rule there."""
 
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
         if not isinstance(config, self.Config):
@@ -301,6 +323,21 @@ class SecondaryTierManager(ABC):
         that evicts by recency counts it as a use (a block hot in the primary is not
         the coldest down here). Keys not held are ignored; cheap and best effort, no
         I/O of block bytes. Default: nothing."""
+
+    def room(self) -> TierRoom:
+        """How many more blocks of `primary.block_bytes` this tier takes before its
+        eviction must make room, and how many it holds when full (used when
+        `names_eviction_candidates`). Called on the event-loop thread; in memory, no
+        I/O, O(1)."""
+        raise NotImplementedError(f"tier {self.name!r} does not name its eviction candidates")
+
+    def eviction_candidates(self) -> Iterator[OffloadKey]:
+        """The blocks this tier's eviction would take next, the next victim first,
+        lazily (used when `names_eviction_candidates`); blocks its eviction passes over
+        (claimed, being read) are left out. The caller takes a few at once and drops
+        the iterator before its next await (the order changes as the tier works).
+        Default: none."""
+        return iter(())
 
     def protect(self, keys: Sequence[OffloadKey], lease: float) -> None:
         """A lookup just reported `keys` held here and a load will read them: keep them

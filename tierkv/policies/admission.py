@@ -16,12 +16,38 @@ signals the cache has at store time, cheaply:
 `ReuseAdmission.admits` answers for a batch of keys in one numpy pass (well under a
 microsecond per block for request-sized batches); memory is fixed by the sketch's
 size and the bounded set of continuing keys.
+
+**Relative to what it would evict** (`admission: tinylfu`, `ReuseAdmission.admits_against`).
+A fixed rule admits the same share of blocks whatever the tier's size: declining a
+conversation's first turn saves a small tier from churn and costs a large one its
+next-turn hit (issue 36). The TinyLFU answer is to weigh the newcomer against the block
+the tier would evict for it (`SecondaryTierManager.eviction_candidates`):
+
+1. while the tier has free room (`room()`), admit: nothing is displaced;
+2. a block seen in at least `MIN_SIGHTINGS` requests, or new in a continuing request,
+   is admitted, as `reuse` would (it displaces the next candidate);
+3. a block seen once is admitted only if it was seen more often than the candidate it
+   would displace, whose estimate counts 0 while it is resident in the primary (its
+   tier copy is not what serves it) and fades as the sketch ages: the aging period is
+   tied to the tier's size (`AGING_PER_BLOCK` sightings per block the admitting tiers
+   hold), so a tier full of blocks nobody has asked for in a long while lets new ones
+   in, and a small tier full of live ones keeps them.
+
+A W-TinyLFU window (a segment of the tier that takes every new block) was tried in a
+simulation of the conversation trace: it writes every stored block, as write-all does,
+so it cannot keep writes low; the primary, the free room and the continuation rule are
+the window here (`docs/bench.md`, "Measured: the capacity sweep", says what that costs).
+The decision is O(1) per block: one batched sketch estimate of the keys together with
+as many candidates as keys past the free room, read lazily from the tier's order
+(0.3-0.4 CPU us a block in 1,024-block calls, 0.5-0.9 in 32-block ones, where numpy's
+fixed cost per call dominates: `benchmarks/admission_cost.py`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from itertools import islice
 
 import numpy as np
 
@@ -32,7 +58,23 @@ CONTINUATION_SHARE = 0.5
 """A request whose hit covers at least this share of its blocks continues a cached
 prefix: its new blocks are admitted on first sight."""
 
-_M64 = (1 << 64) - 1
+_MULTIPLIERS = (
+    0x9E3779B97F4A7C15,
+    0xBF58476D1CE4E5B9,
+    0x94D049BB133111EB,
+    0xD6E8FEB86659FD93,
+    0xC2B2AE3D27D4EB4F,
+    0x165667B19E3779F9,
+    0xFF51AFD7ED558CCD,
+    0xC4CEB9FE1A85EC53,
+)
+"""One odd 64-bit multiplier per sketch row (well-known mixing constants)."""
+
+AGING_PER_BLOCK = 10
+"""With `tinylfu` tiers, the sketch halves its counts every this many sightings per
+block the largest of them holds (Caffeine's sample of ten times the cache's size)."""
+MIN_AGING_PERIOD = 4096
+"""Sightings between halvings at the least, however small the tier."""
 
 
 class SightingSketch:
@@ -51,7 +93,9 @@ class SightingSketch:
         self.depth = depth
         self._shift = np.uint64(64 - width_bits)
         self._table = np.zeros((depth, self.width), dtype=np.uint8)
-        self._rows = np.arange(depth, dtype=np.uint64)[:, None]
+        self._flat = self._table.reshape(-1)  # the same counters, one row after another
+        self._multipliers = np.array(_MULTIPLIERS[:depth], dtype=np.uint64)[:, None]
+        self._row_start = np.arange(depth, dtype=np.uint64)[:, None] * np.uint64(self.width)
         self._added = 0
         self.reset_every = 10 * self.width
         self.halvings = 0
@@ -61,13 +105,14 @@ class SightingSketch:
         return int(self._table.nbytes)
 
     def _slots(self, keys: Sequence[bytes]) -> np.ndarray:
-        """`[depth, n]` counter indices of `keys` (double hashing over Python's
-        per-process bytes hash: keys are already hashes, this only spreads them)."""
-        h = np.fromiter((hash(k) & _M64 for k in keys), dtype=np.uint64, count=len(keys))
-        with np.errstate(over="ignore"):
-            h2 = (h * np.uint64(0x9E3779B97F4A7C15)) | np.uint64(1)
-            mixed = (h[None, :] + self._rows * h2[None, :]) * np.uint64(0xBF58476D1CE4E5B9)
-        slots: np.ndarray = (mixed >> self._shift).astype(np.intp)
+        """`[depth, n]` indices of `keys`' counters in the flattened table: per row,
+        the top bits of Python's per-process bytes hash times an odd multiplier of
+        that row (multiply-shift, a universal family; keys are already hashes, this
+        only spreads them). Four numpy calls: at request-sized batches their fixed
+        cost, not the arithmetic, is the price (array arithmetic wraps silently)."""
+        # hash() is a signed 64-bit int: read as int64, seen as its two's complement
+        h = np.fromiter(map(hash, keys), dtype=np.int64, count=len(keys)).view(np.uint64)
+        slots: np.ndarray = ((h * self._multipliers) >> self._shift) + self._row_start
         return slots
 
     def add(self, keys: Sequence[bytes]) -> np.ndarray:
@@ -76,37 +121,30 @@ class SightingSketch:
         if not keys:
             return np.zeros(0, dtype=np.uint8)
         slots = self._slots(keys)
-        result: np.ndarray | None = None
-        for row in range(self.depth):
-            counters = self._table[row]
-            idx = slots[row]
-            current = counters[idx]
-            # saturating increment; duplicates within one batch count once
-            bumped = np.where(current < 255, current + 1, current).astype(np.uint8)
-            counters[idx] = bumped
-            result = bumped if result is None else np.minimum(result, bumped)
+        current = self._flat[slots]
+        # saturating increment; duplicates within one batch count once
+        bumped = current + (current < 255).astype(np.uint8)
+        self._flat[slots] = bumped
+        result: np.ndarray = bumped.min(axis=0)
         self._added += len(keys)
         if self._added >= self.reset_every:
             self._table >>= 1
             self._added //= 2
             self.halvings += 1
-        assert result is not None
         return result
 
     def estimate(self, keys: Sequence[bytes]) -> np.ndarray:
         """The estimated sightings of each key (uint8 array, len(keys))."""
         if not keys:
             return np.zeros(0, dtype=np.uint8)
-        slots = self._slots(keys)
-        result: np.ndarray = self._table[0][slots[0]]
-        for row in range(1, self.depth):
-            result = np.minimum(result, self._table[row][slots[row]])
+        result: np.ndarray = self._flat[self._slots(keys)].min(axis=0)
         return result
 
 
 class ReuseAdmission:
     """Decides, per freshly stored block, whether a tier with `admission: reuse`
-    should be written (see the module doc). Fed by every lookup (`sighted`)."""
+    (`admits`) or `tinylfu` (`admits_against`) should be written (see the module doc).
+    Fed by every lookup (`sighted`)."""
 
     def __init__(
         self,
@@ -142,3 +180,44 @@ class ReuseAdmission:
         continuing = self._continuing
         need = self.min_sightings
         return [bool(c >= need) or key in continuing for key, c in zip(keys, counts.tolist())]
+
+    def age_every(self, sightings: int) -> None:
+        """Halve the sketch's counts every `sightings` (at least MIN_AGING_PERIOD)."""
+        self.sketch.reset_every = max(MIN_AGING_PERIOD, sightings)
+
+    def admits_against(
+        self,
+        keys: Sequence[bytes],
+        free: int,
+        candidates: Iterator[bytes],
+        held_above: Callable[[bytes], bool] | None = None,
+    ) -> list[bool]:
+        """For each key: write it to a tier with room for `free` more blocks whose
+        eviction would take `candidates` next (the `tinylfu` rule, see the module
+        doc)? `held_above(key)`: the candidate is resident in the primary. Reads at
+        most `len(keys) - free` candidates; a key past the room with no candidate
+        left (the rest is claimed or being read) is declined: the tier would refuse it."""
+        n = len(keys)
+        if free >= n:
+            return [True] * n
+        free = max(0, free)
+        past = list(keys[free:])
+        rivals = list(islice(candidates, n - free))
+        counts = self.sketch.estimate(past + rivals).tolist()  # one pass for both
+        rival_counts = counts[len(past) :]
+        continuing = self._continuing
+        need = self.min_sightings
+        verdicts = [True] * free
+        j, left = 0, len(rivals)
+        for key, count in zip(past, counts):
+            if j < left and (
+                count >= need
+                or key in continuing
+                or count > rival_counts[j]
+                or (count and held_above is not None and held_above(rivals[j]))  # as 0
+            ):
+                verdicts.append(True)
+                j += 1  # it displaces this candidate; the next key meets the next one
+            else:
+                verdicts.append(False)
+        return verdicts

@@ -56,6 +56,7 @@ from tierkv.contract.keys import OffloadKey, make_offload_key
 from tierkv.contract.mac import KEY_ID_BYTES, MacKey
 from tierkv.contract.slab import PrimaryView
 from tierkv.contract.tier import SecondaryTierManager
+from tierkv.testing.candidates import CandidateConformance
 from tierkv.testing.claims import ClaimConformance
 
 CTX = ReqContext(request_id="conformance")
@@ -95,9 +96,10 @@ def assert_partition(result: JobResult, job: JobMetadata) -> None:
     assert sorted(result.ok_keys + result.failed_keys) == sorted(job.keys)
 
 
-class TierConformanceSuite(ClaimConformance):
+class TierConformanceSuite(ClaimConformance, CandidateConformance):
     """Subclass as `Test...` and implement `make_tier` and `corrupt`. The claim tests
-    (`protect` / `unprotect`) come from `tierkv.testing.claims`."""
+    (`protect` / `unprotect`) come from `tierkv.testing.claims`, those of eviction
+    candidates (`room`, `eviction_candidates`) from `tierkv.testing.candidates`."""
 
     pytestmark = pytest.mark.anyio
 

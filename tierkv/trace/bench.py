@@ -28,7 +28,7 @@ class TraceBenchOptions:
     primary: str = "2%"
     tier_capacities: tuple[str, ...] = ("10%", "25%")
     tiers: tuple[str, ...] = ("nvme",)
-    admissions: tuple[str, ...] = ("all", "reuse")
+    admissions: tuple[str, ...] = ("all", "reuse", "tinylfu")
     redis_url: str | None = None
     directory: Path | None = None
     load: float = 0.7

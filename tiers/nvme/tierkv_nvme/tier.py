@@ -24,6 +24,9 @@ Concurrency and consistency, all on the event-loop thread (no locks needed):
   (none left: the block fails "no room"), whose files
   are deleted by the same thread call that then writes the new blocks. A job bigger
   than the capacity fails the blocks that do not fit rather than evicting its own.
+- The tier names its eviction candidates (`room`, `eviction_candidates`: the same
+  order `_make_room` takes), so `admission: tinylfu` weighs a new block against the
+  block it would displace.
 
 An OSError on a block (disk full, permission, I/O error) fails that key with a
 message naming the cause and the fix; the tier goes on serving other keys. A block is
@@ -41,7 +44,7 @@ import fcntl
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +64,7 @@ from tierkv.tier import (
     ReqContext,
     SecondaryTierManager,
     TierConfig,
+    TierRoom,
     TierUnavailable,
     detached,
     in_batches,
@@ -96,6 +100,8 @@ SMALL_CHUNK_BYTES = 2 << 20
 running at the job's deadline overruns it by less than 4 blocks of 1 MiB did. 512 KiB
 blocks read from the page cache went slower 8 a call than 4 (measured), so this budget
 batches only blocks under 512 KiB beyond the 4 a call they had."""
+_TYPICAL_KEY_BYTES = 36
+"""A sha256 block hash and its group: the key length `room` sizes a block by."""
 READ_ERRORS_BEFORE_DELETE = 3
 """Reads of one block in a row that may fail with an OS error (EIO, a link where
 the file should be, ...) before the block is given up and deleted: one hiccup must
@@ -143,6 +149,7 @@ class NvmeTier(SecondaryTierManager):
     config: NvmeTierConfig
     reports_evictions = True
     protects_claims = True
+    names_eviction_candidates = True
 
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
         super().__init__(config, primary)
@@ -161,6 +168,7 @@ class NvmeTier(SecondaryTierManager):
         self._threads = anyio.CapacityLimiter(concurrency)
         self._inflight = InFlightJobs(self.name)
         self._fs_block = DEFAULT_FS_BLOCK
+        self._block_footprint = 0  # the last block stored (`room` counts in it)
         self._lock_fd: int | None = None
         self._root_fd = -1  # the namespace directory, opened without following links
         self._state = "new"
@@ -196,6 +204,26 @@ class NvmeTier(SecondaryTierManager):
         """Disk bytes one block stored under `key` takes."""
         frame = self.framer.frame_bytes(key, self.primary.block_bytes)
         return disk_footprint(frame, self._fs_block)
+
+    def room(self) -> TierRoom:
+        """Blocks of the primary's size (each counted by its disk footprint, as
+        capacity is: the last block stored, or one of a 36-byte key before any) that
+        fit before `_make_room` must evict, and that fit in all."""
+        capacity = int(self.config.capacity)
+        block = self._block_footprint or disk_footprint(
+            self.framer.frame_bytes(bytes(_TYPICAL_KEY_BYTES), self.primary.block_bytes),
+            self._fs_block,
+        )
+        free = max(0, capacity - self._used - self._reserved)
+        return TierRoom(free // block, capacity // block)
+
+    def eviction_candidates(self) -> Iterator[OffloadKey]:
+        """Least recently used first, passing over pinned and claimed blocks (the
+        order `_make_room` evicts in)."""
+        pins, claims = self._pins, self.claims
+        if not pins and not claims:  # nothing read or claimed: the order itself
+            return iter(self._index)
+        return (k for k in self._index if not pins.get(k) and not claims.is_protected(k))
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -567,6 +595,7 @@ class NvmeTier(SecondaryTierManager):
                 if error is None:
                     self._index[key] = _Entry(footprint)
                     self._used += footprint
+                    self._block_footprint = footprint
                 else:
                     failed[key] = self._describe_error(error, "write", key)
             return failed

@@ -1,0 +1,100 @@
+"""What an admission decision costs per block: `reuse` (`ReuseAdmission.admits`) and
+`tinylfu` (`admits_against`, read against a real full `MemoryTier`'s eviction
+candidates, each candidate checked for residence in a primary-sized dict as the cache
+does), beside sketching the lookup that precedes it (`sighted`).
+
+    python benchmarks/admission_cost.py [--batches 32,1024] [--tier-blocks 100000]
+
+Per batch size (blocks of one store window) it prints the median of `--repeat` runs of
+`--rounds` decisions each, in CPU microseconds per block (this thread's CPU time, not
+the wall clock: on a shared machine the process also waits for a core), with min..max. The keys are
+random 36-byte keys seen once or twice; the tier is full (no free room), so every key
+past the room meets a candidate: the costliest path. CPU only; no tier I/O.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+from tierkv.contract.slab import PrimaryView
+from tierkv.memory_tier import MemoryTier, MemoryTierConfig
+from tierkv.policies.admission import ReuseAdmission
+
+KEY_BYTES = 36
+
+
+def _keys(n: int) -> list[bytes]:
+    return [os.urandom(KEY_BYTES) for _ in range(n)]
+
+
+def _full_tier(blocks: int, block_bytes: int) -> MemoryTier:
+    """A memory tier holding `blocks` frames, full (its LRU filled directly: the
+    benchmark measures the decision, not the framing)."""
+    view = PrimaryView(bytearray(block_bytes), block_bytes, "admission-bench")
+    frame = view.block_bytes + 34 + KEY_BYTES
+    tier = MemoryTier(MemoryTierConfig(type="memory", capacity=blocks * frame), view)
+    for key in _keys(blocks):
+        tier._frames[key] = b""  # the LRU order is all that is read
+    tier._bytes = blocks * frame
+    tier._frame_bytes = frame
+    return tier
+
+
+def _per_block(run: Callable[[], object], blocks: int, rounds: int) -> float:
+    """CPU microseconds per block (this thread's CPU time: steadier than the wall clock
+    on a shared machine, where the process waits for a core)."""
+    started = time.thread_time()
+    for _ in range(rounds):
+        run()
+    return (time.thread_time() - started) / (rounds * blocks) * 1e6
+
+
+def _cases(
+    admission: ReuseAdmission, keys: list[bytes], tier: MemoryTier, free: int, primary: dict
+) -> dict[str, Callable[[], object]]:
+    return {
+        "sighted (the lookup's sketch)": lambda: admission.sighted(keys, ()),
+        "reuse: admits": lambda: admission.admits(keys),
+        "tinylfu: admits_against": lambda: admission.admits_against(
+            keys, free, tier.eviction_candidates(), primary.__contains__
+        ),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", default="32,1024", help="blocks per decision (32,1024)")
+    parser.add_argument("--tier-blocks", type=int, default=100_000, help="blocks the tier holds")
+    parser.add_argument("--primary-blocks", type=int, default=4096, help="resident in primary")
+    parser.add_argument("--rounds", type=int, default=200, help="decisions per run (200)")
+    parser.add_argument("--repeat", type=int, default=5, help="runs; the median is printed (5)")
+    args = parser.parse_args()
+    tier = _full_tier(args.tier_blocks, 4096)
+    primary = dict.fromkeys(_keys(args.primary_blocks))
+    admission = ReuseAdmission()
+    print(
+        f"tier of {args.tier_blocks:,} blocks (full), primary of {args.primary_blocks:,}, "
+        f"sketch {admission.sketch.nbytes >> 20} MiB; CPU microseconds per block, median of "
+        f"{args.repeat} runs of {args.rounds} decisions (min..max)"
+    )
+    for batch in (int(b) for b in args.batches.split(",")):
+        keys = _keys(batch)
+        admission.sighted(keys, keys)
+        admission.sighted(keys[::2], keys[::2])  # half seen twice, half once
+        free = tier.room().free_blocks
+        assert free == 0
+        cases = _cases(admission, keys, tier, free, primary)
+        for name, run in cases.items():
+            runs = [_per_block(run, batch, args.rounds) for _ in range(args.repeat)]
+            print(
+                f"  {batch:>5} blocks  {name:<30} {statistics.median(runs):6.3f} us "
+                f"({min(runs):.3f}..{max(runs):.3f})"
+            )
+
+
+if __name__ == "__main__":
+    main()
