@@ -230,3 +230,47 @@ def test_drain_jobs_waits_for_every_job(vllm: Any, faulty_tier_type: str) -> Non
     adapter.drain_jobs()
     assert not adapter.has_pending_work()
     assert [r.success for r in adapter.get_finished_jobs()] == [True]
+
+
+def memory(blocks: int) -> dict[str, Any]:
+    """A memory tier holding exactly `blocks` framed 4 KiB rows (frames are ~70 bytes
+    over the row)."""
+    return {"type": "memory", "capacity": blocks * 4200}
+
+
+@pytest.mark.parametrize("claims", [True, False], ids=["claimed", "lease 0: no claims"])
+def test_a_hit_the_tier_reported_is_still_there_when_vllm_loads_it(
+    vllm: Any, claims: bool
+) -> None:
+    """The tier answers a request's lookup (a hit on every block), then another
+    request's stores fill it before vLLM promotes the hit: the claimed blocks stay,
+    the other blocks are evicted in their place, and the load reads every byte.
+    Without claims (`claim_lease: 0`) the same run loses the hit."""
+    tier = {**memory(8), "claim_lease": "10s" if claims else 0}
+    engine = vllm.engine([vllm.entry(tier)], chunks=4)
+    old, newer, newest = vllm.keys(4, "old"), vllm.keys(4, "newer"), vllm.keys(4, "newest")
+    for keys in (old, newer):  # the tier holds both; the 4-row primary only `newer`
+        ctx = engine.new_request()
+        engine.store(ctx, keys)
+        engine.finish(ctx)
+        engine.settle()
+    adapter = engine.tiers[0]
+    assert holds(adapter, old + newer) == [True] * 8
+    reader = engine.new_request()
+    assert engine.prefix(reader, old) == (0, True)  # asked: RETRY until the tier answers
+    engine.step()
+    engine.settle(lambda: adapter._lookups.answer(old[-1], reader.req_id) is not None)
+    writer = engine.new_request()
+    engine.store(writer, newest)  # the tier must evict 4 blocks for these
+    engine.finish(writer)
+    engine.settle()
+    if claims:
+        assert engine.promote(reader, old) == 4
+        assert engine.read(reader, old) == [vllm.payload(k) for k in old]
+        assert holds(adapter, newer) == [False] * 4, "evicted in the claimed blocks' place"
+        assert adapter.tierkv_tier.claims.expired == 0
+    else:
+        assert engine.promote(reader, old) < 4
+    engine.finish(reader)
+    engine.settle()
+    assert adapter._claim_owners == {}

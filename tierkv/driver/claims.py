@@ -43,8 +43,12 @@ class ClaimLedger:
     """Claims per owner (a request id) and tier; see the module docstring."""
 
     def __init__(
-        self, tiers: Sequence[GuardedTier], clock: Callable[[], float] = time.monotonic
+        self,
+        tiers: Sequence[GuardedTier] | Mapping[int, GuardedTier],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`tiers[i]` is the tier of index `i` (a mapping where an adapter drives one
+        tier of a longer chain, such as vLLM's secondary tier `i`)."""
         self._tiers = tiers
         self._clock = clock
         # owner -> tier index -> its claims there; oldest owner first (swept from there)

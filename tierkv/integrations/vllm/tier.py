@@ -13,17 +13,21 @@ in flight) or cut off by shutdown. It only translates and crosses threads.
 
 Lookups are batched per scheduler step (`lookups.LookupBook`): RETRY while the tier
 is being asked, then the answer, which a failed load or a removal reported by the
-tier turns into a MISS so a block that cannot be read is not promoted again.
-Reuse vLLM reports (`touch`) is forwarded to the tier once per step; `get_stats`
+tier turns into a MISS so a block that cannot be read is not promoted again. A hit
+is claimed in the tier the moment it answers (`tierkv.driver.claims`: a tier that
+evicts by itself keeps it until the request's load has read it, the request ends, or
+`claim_lease` runs out), so a store cascade in between cannot evict what the lookup
+promised. Reuse vLLM reports (`touch`) is forwarded to the tier once per step; `get_stats`
 adds what only the tier knows to vLLM's metrics (`metrics.py`); `drain_jobs` is
 bounded by `drain_timeout`.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -46,6 +50,7 @@ from tierkv.contract.keys import OffloadKey
 from tierkv.contract.slab import PrimaryView
 from tierkv.contract.tier import SecondaryTierManager
 from tierkv.driver import GuardedTier, JobKind
+from tierkv.driver.claims import ClaimLedger
 from tierkv.driver.engine_jobs import EngineJobs
 from tierkv.driver.loop_thread import LoopThread
 from tierkv.integrations.vllm import metrics
@@ -124,6 +129,11 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
         )
         self._removal_expected = bool(type(self._driver.tier).reports_evictions)
         self._lookups = LookupBook()
+        # a hit the tier reported stays in it until its load (tierkv.driver.claims):
+        # request id -> the owners its lookup rounds claimed under; on the loop thread
+        self._claims = ClaimLedger({self._driver.index: self._driver})
+        self._claim_owners: dict[str, list[str]] = {}
+        self._claim_rounds = itertools.count()
         self._events: list[OffloadingEvent] | None = (
             [] if offloading_spec.kv_events_config.enable_kv_cache_events else None
         )
@@ -218,6 +228,13 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
 
     def on_request_finished(self, req_context: VllmReqContext) -> None:
         self._lookups.release(req_context.req_id)
+        request_id = req_context.req_id
+        if not self._closed and self._loop.is_alive():
+
+            async def end_claims() -> None:
+                self._let_go(request_id)
+
+            self._loop.spawn(end_claims)
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         self._submit(job_metadata, is_load=False)
@@ -336,7 +353,11 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
         try:
             assert driver is not None
             with self._jobs.cancellable(job.job_id) as scope:
-                outcome = await driver.run(kind, job)
+                try:
+                    outcome = await driver.run(kind, job)
+                finally:
+                    if kind == "load":  # read, failed or cancelled: its claims are done
+                        self._let_go(job.ctx.request_id, job.keys)
                 result = outcome.result
                 if outcome.failure in ("timeout", "error"):
                     error, reason = result.error, outcome.failure
@@ -407,6 +428,8 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
             if self._driver is not None:
                 ctx = ReqContext(request_id=request_id)
                 found = await self._driver.lookup(keys, ctx, self._timeout)
+                if found is not None:  # no await since the answer: nothing evicted yet
+                    self._claim(self._driver, request_id, keys, found)
             if found is None:  # down, slow or broken: a miss (the driver logged why)
                 found = [False] * len(keys)
                 self._metrics.count(metrics.LOOKUP_ERRORS, len(keys))
@@ -417,6 +440,30 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
         async with anyio.create_task_group() as group:
             for request_id, pairs in batch.items():
                 group.start_soon(one, request_id, pairs)
+
+    def _claim(
+        self, driver: GuardedTier, request_id: str, keys: list[OffloadKey], found: list[bool]
+    ) -> None:
+        """Claim the hits of one lookup round in the tier, under an owner of their own
+        (a request's rounds ask about different keys, and each keeps its claims)."""
+        hits = [k for k, f in zip(keys, found) if f]
+        taken = self._claims.take(driver, hits) if hits else None
+        if taken is None:  # no hit, or a tier that takes no claims
+            return
+        owner = f"{request_id}#{next(self._claim_rounds)}"
+        self._claims.keep(owner, [taken], dict.fromkeys(hits, driver.index))
+        self._claim_owners.setdefault(request_id, []).append(owner)
+
+    def _let_go(self, request_id: str | None, keys: Sequence[OffloadKey] | None = None) -> None:
+        """End `request_id`'s claims on `keys` (every claim when None): its load is
+        over, or the request is. A claim whose lease ran out is only counted."""
+        owners = self._claim_owners.get(request_id) if request_id is not None else None
+        if not owners:
+            return
+        for owner in owners:
+            self._claims.let_go(owner, keys)
+        if keys is None or not any(self._claims.held(owner) for owner in owners):
+            del self._claim_owners[request_id]  # type: ignore[arg-type]
 
     def _on_removed(self, driver: GuardedTier, keys: tuple[OffloadKey, ...]) -> None:
         """The tier dropped these blocks on its own (eviction, expiry, a bad read)."""
@@ -443,5 +490,7 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
 
     async def _close(self) -> None:
         await self._loop.cancel_spawned()
+        self._claims.let_go_all()
+        self._claim_owners.clear()
         if self._driver is not None:
             await self._driver.close(timeout=30.0)
