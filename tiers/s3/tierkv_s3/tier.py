@@ -4,7 +4,7 @@ One object per block, `<prefix>/<namespace tag>/<key hex>`, holding the
 `tierkv.contract.framing` header and the block bytes, written with one PUT (a
 multipart upload for frames of at least 2 x `part_size`); S3 makes an object visible
 only once it is whole; a multipart upload that fails or is cancelled is aborted
-(`_put_multipart`).
+(`multipart.py`).
 Bytes read back are untrusted: an object failing any frame check (checksum, and the
 MAC when `mac_key_env` is set) fails its key, is deleted and `report_removed`; so is a
 block a load finds gone (deleted behind the tier's back, a bucket lifecycle rule).
@@ -27,10 +27,8 @@ job moves its keys with up to `max_concurrency` requests at once (the contract's
 and the others go on. A failure that would fail every key alike (endpoint unreachable,
 bucket gone, access denied) aborts the rest of the job at once.
 
-A `CreateMultipartUpload` that timed out may still have created an upload at S3 after
-the client gave up (and with `retries`, even when the store then succeeds): its key is
-swept, listing the uploads of that object (`ListMultipartUploads`) and aborting every
-one but those in progress here, right after the store and again at `close`.
+Multipart stores, and the uploads a cancelled or timed-out one may leave at S3, are
+`multipart.MultipartUploads`' (swept right after the store and again at `close`).
 
 Lookups send one HEAD per key, concurrently, and trust a block this tier itself
 stored or loaded for `exists_cache_ttl`; any failed load of a key forgets it, so a
@@ -75,6 +73,7 @@ from tierkv.tier import (
     run_job,
 )
 from tierkv_s3.config import S3TierConfig
+from tierkv_s3.multipart import MultipartUploads
 from tierkv_s3.names import ObjectNames
 from tierkv_s3.retry import JOB_WIDE, S3Failure, call_with_retries
 
@@ -84,9 +83,6 @@ T = TypeVar("T")
 
 _DELETE_BATCH = 1000  # the most keys one DeleteObjects request takes
 _PRESENT_MAX = 1 << 16  # entries of the existence cache
-_ABORT_GRACE = 2.0
-"""Seconds a cancelled store may spend aborting its multipart upload before it returns
-(an abort not confirmed by then is retried by `close`)."""
 
 _FRAMING_THREADS = 2
 """Worker threads framing and checking blocks, per tier (more would only compete with
@@ -143,9 +139,9 @@ class S3Tier(SecondaryTierManager):
         self._threads: IOThreads | None = None
         self._gate: anyio.Semaphore | None = None
         self._present: OrderedDict[OffloadKey, float] = OrderedDict()
-        self._unaborted: list[tuple[str, str]] = []  # (object key, upload id)
-        self._unswept: set[str] = set()  # object keys whose upload create timed out
-        self._uploading: set[str] = set()  # upload ids of multipart stores in flight
+        self._multipart = MultipartUploads(
+            self._names, int(c.part_size), c.max_concurrency, self._call
+        )
         self._cpu = anyio.CapacityLimiter(_FRAMING_THREADS)
         self._inflight = InFlightJobs(self.name)
 
@@ -271,14 +267,8 @@ class S3Tier(SecondaryTierManager):
         await self._inflight.drain()
         fs = self._fs
         if fs is not None:
-            leftover, self._unaborted = self._unaborted, []
-            for name, upload_id in leftover:  # uploads a cancelled store could not abort
-                with anyio.CancelScope(shield=True):
-                    await self._abort_upload(fs, name, upload_id, self.config.request_timeout)
-            suspects, self._unswept = sorted(self._unswept), set()
-            for name in suspects:  # uploads a timed-out create may have left
-                with anyio.CancelScope(shield=True):
-                    await self._sweep_uploads(fs, name, self.config.request_timeout)
+            with anyio.CancelScope(shield=True):
+                await self._multipart.clean_up(fs, self.config.request_timeout)
         client, self._client, self._fs = self._client, None, None
         sync, self._sync = self._sync, None
         threads, self._threads = self._threads, None
@@ -371,7 +361,7 @@ class S3Tier(SecondaryTierManager):
             frame = await in_thread(
                 self.framer.encode, key, self.primary.block(slot), limiter=self._cpu
             )
-            await self._put_multipart(fs, key, frame)
+            await self._multipart.put(fs, key, frame, self.config.request_timeout)
         else:
             sync, threads = self._sync_client()
             framed: list[bytes] = []  # the frame, made once, kept for a retry
@@ -392,144 +382,6 @@ class S3Tier(SecondaryTierManager):
                     raise JobEnded("s3 store: the job ended before this block was read")
                 framed.append(self.framer.encode(key, self.primary.block(slot)))
         sync.put_object(Bucket=self._names.bucket, Key=self._names.key(key), Body=framed[0])
-
-    async def _put_multipart(self, fs: S3FileSystem, key: OffloadKey, frame: bytes) -> None:
-        """Upload `frame` in parts of `part_size`, up to `max_concurrency` at once.
-
-        Not s3fs's `_pipe_file`: it aborts the upload only on an `Exception`, so a
-        cancellation (a request or job timeout, the cache closing) left an incomplete
-        multipart upload whose parts S3 keeps, and bills, until someone aborts it.
-        Here any way out but success aborts it; one the abort could not reach is kept
-        and aborted again by `close`."""
-        bucket, name, url = self._names.bucket, self._names.key(key), self._names.url(key)
-        part_size = int(self.config.part_size)
-        attempts = 0
-
-        async def create() -> Any:
-            nonlocal attempts
-            attempts += 1
-            return await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=name)
-
-        try:
-            created = await self._call(f"store of {url}", create)
-        except BaseException as exc:
-            if attempts and not (isinstance(exc, S3Failure) and exc.kind in JOB_WIDE):
-                self._unswept.add(name)  # an attempt may have created an upload anyway
-                with anyio.CancelScope(shield=True):
-                    await self._sweep_uploads(fs, name, _ABORT_GRACE)
-            raise
-        upload_id: str = created["UploadId"]
-        if attempts > 1:  # an earlier attempt timed out, and may yet create an upload
-            self._unswept.add(name)
-        self._uploading.add(upload_id)
-        try:
-            starts = range(0, len(frame), part_size)
-            etags = [""] * len(starts)
-            failures: list[S3Failure] = []
-            limiter = anyio.CapacityLimiter(self.config.max_concurrency)
-
-            async def upload(index: int, start: int) -> None:
-                body = frame[start : start + part_size]
-                try:
-                    async with limiter:
-                        reply = await self._call(
-                            f"store of {url} (part {index + 1})",
-                            lambda: fs._call_s3(
-                                "upload_part",
-                                Bucket=bucket,
-                                Key=name,
-                                UploadId=upload_id,
-                                PartNumber=index + 1,
-                                Body=body,
-                            ),
-                        )
-                except S3Failure as failure:
-                    failures.append(failure)
-                    tg.cancel_scope.cancel()  # the upload is lost: stop its other parts
-                    return
-                etags[index] = reply["ETag"]
-
-            async with anyio.create_task_group() as tg:
-                for index, start in enumerate(starts):
-                    tg.start_soon(upload, index, start)
-            if failures:
-                raise failures[0]
-            parts = [{"PartNumber": i + 1, "ETag": etag} for i, etag in enumerate(etags)]
-            await self._call(
-                f"store of {url}",
-                lambda: fs._call_s3(
-                    "complete_multipart_upload",
-                    Bucket=bucket,
-                    Key=name,
-                    UploadId=upload_id,
-                    MultipartUpload={"Parts": parts},
-                ),
-            )
-        except BaseException:
-            # shielded, so a cancellation cannot skip it; bounded, so a dead endpoint
-            # delays the job's end by at most _ABORT_GRACE
-            with anyio.CancelScope(shield=True):
-                if not await self._abort_upload(fs, name, upload_id, _ABORT_GRACE):
-                    self._unaborted.append((name, upload_id))
-            raise
-        finally:
-            self._uploading.discard(upload_id)
-        if name in self._unswept:
-            await self._sweep_uploads(fs, name, self.config.request_timeout)
-
-    async def _sweep_uploads(self, fs: S3FileSystem, name: str, timeout: float) -> bool:
-        """Abort the incomplete multipart uploads of object `name` (except those this
-        tier is running): what a `CreateMultipartUpload` that timed out on the client
-        may have left at S3. Whether the listing and every abort succeeded. The name
-        stays in `_unswept` either way: the late create may reach S3 after this sweep,
-        so `close` sweeps it once more.
-
-        An upload of the same object by another server at the same moment would be
-        aborted too; its store fails and is retried by its cache: keys are content
-        hashes, so that writer was storing the very bytes this tier just stored."""
-        bucket = self._names.bucket
-        try:
-            reply = await call_with_retries(
-                f"listing the uploads of s3://{bucket}/{name}",
-                lambda: fs._call_s3("list_multipart_uploads", Bucket=bucket, Prefix=name),
-                retries=0,
-                timeout=timeout,
-                backoff_base=0.0,
-                backoff_cap=0.0,
-            )
-        except S3Failure as failure:
-            logger.warning("s3: %s", failure)
-            return False
-        swept = True
-        for upload in reply.get("Uploads") or []:
-            upload_id = upload.get("UploadId")
-            if upload.get("Key") != name or upload_id in self._uploading:
-                continue
-            swept = await self._abort_upload(fs, name, upload_id, timeout) and swept
-        return swept
-
-    async def _abort_upload(
-        self, fs: S3FileSystem, name: str, upload_id: str, timeout: float
-    ) -> bool:
-        """Abort one multipart upload; whether S3 confirmed it (or it is gone)."""
-        bucket = self._names.bucket
-        try:
-            await call_with_retries(
-                f"abort of the upload of s3://{bucket}/{name}",
-                lambda: fs._call_s3(
-                    "abort_multipart_upload", Bucket=bucket, Key=name, UploadId=upload_id
-                ),
-                retries=0,
-                timeout=timeout,
-                backoff_base=0.0,
-                backoff_cap=0.0,
-            )
-        except S3Failure as failure:
-            if failure.kind == "missing":  # NoSuchUpload: nothing left to abort
-                return True
-            logger.warning("s3: %s", failure)
-            return False
-        return True
 
     async def load(self, job: JobMetadata) -> JobResult:
         async with self._inflight.job():
