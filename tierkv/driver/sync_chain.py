@@ -164,13 +164,16 @@ class SyncChain:
 
     # -- calls from the engine's threads --------------------------------------------------
     def present(
-        self, keys: Sequence[OffloadKey], budget: float | None = None
+        self, keys: Sequence[OffloadKey], budget: float | None = None, owner: str | None = None
     ) -> list[bool]:
         """One flag per key: some tier holds it. Misses for whatever is not known by
-        `lookup_timeout` (or `budget` seconds, when the caller has less time left)."""
+        `lookup_timeout` (or `budget` seconds, when the caller has less time left).
+        With an `owner`, each hit is claimed in the first tier that reported it, as by
+        `start_lookup`, until `let_go(owner, ...)` or the tier's lease runs out."""
         found = [False] * len(keys)
         if keys:
-            self._call(self._present(keys, found), self._limit(self.lookup_timeout, budget))
+            work = self._present(keys, found, owner)
+            self._call(work, self._limit(self.lookup_timeout, budget))
         return found
 
     def load(

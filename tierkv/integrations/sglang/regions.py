@@ -33,6 +33,7 @@ from typing import Any
 from tierkv.contract.keys import OffloadKey
 from tierkv.contract.slab import PrimaryView
 from tierkv.driver.sync_chain import SyncChain
+from tierkv.integrations.sglang.claims import ExistsClaims
 from tierkv.integrations.sglang.pages import host_bytes, page_keys
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class RegionPool:
 
         self.pool = pool
         self.name = name
+        self._claims = ExistsClaims()
         self.suffix = suffix
         self.page_size = int(getattr(pool, "page_size", 1) or 1)
         ptrs, sizes = pool.get_page_buffer_meta(torch.arange(self.page_size, dtype=torch.int64))
@@ -154,15 +156,30 @@ class RegionPool:
                 split[self.component_of[j]].append(key)
         return split
 
-    def present(self, page_hashes: Sequence[str]) -> list[bool]:
-        """Per page: every region is held by some tier."""
+    def present(self, page_hashes: Sequence[str], owner: str | None = None) -> list[bool]:
+        """Per page: every region is held by some tier. With an `owner` (one
+        `batch_exists` call) the regions found are claimed in their tiers until the
+        load that reads them ends (`move`) or the tier's `claim_lease` runs out, so a
+        store in between cannot evict what SGLang was told it will find."""
         per_page = self.keys(page_hashes)
         found: dict[OffloadKey, bool] = {}
         end = time.monotonic() + self._deadline("lookup")
         for component, keys in zip(self.components, self._split(per_page)):
             budget = end - time.monotonic()
-            found.update(zip(keys, component.chain.present(keys, budget)))
+            flags = component.chain.present(keys, budget, owner)
+            found.update(zip(keys, flags))
+            if owner is not None:
+                self._claims.note(owner, [k for k, f in zip(keys, flags) if f])
         return [all(found.get(k, False) for k in page) for page in per_page]
+
+    def unclaim(self, owner: str, page_hashes: Sequence[str]) -> None:
+        """End `owner`'s claims on these pages: found, but past the prefix SGLang
+        will fetch."""
+        if not page_hashes:
+            return
+        for component, keys in zip(self.components, self._split(self.keys(page_hashes))):
+            self._claims.forget(owner, keys)
+            component.chain.let_go(owner, keys)
 
     def _deadline(self, what: str) -> float:
         """One engine call's deadline across the components (each a tier chain)."""
@@ -215,6 +232,9 @@ class RegionPool:
         for component, pairs in zip(self.components, work):
             move = component.chain.load if kind == "load" else component.chain.store
             done |= move(list(pairs), list(pairs.values()), end - time.monotonic())
+            if kind == "load":  # read or not, the claims that promised these are done
+                for owner, keys in self._claims.ending(list(pairs)).items():
+                    component.chain.let_go(owner, keys)
         answers = [all(k in done for k in page) for page in per_page]
         if kind == "load":
             seen: set[str] = set()
@@ -239,10 +259,6 @@ def restorable_ends(
         return list(range(1, boundary + 1)), boundary
     if policy == "trailing_pages":
         window = max(1, trailing)
-        ends = [
-            end
-            for end in range(1, kv_pages + 1)
-            if all(present[max(0, end - window) : end])
-        ]
+        ends = [end for end in range(1, kv_pages + 1) if all(present[max(0, end - window) : end])]
         return ends, max(ends, default=0)
     return None

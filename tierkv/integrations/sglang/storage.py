@@ -19,6 +19,7 @@ waits past its deadline: a tier error, a timeout, a tier that is down is a miss
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -123,6 +124,7 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._metrics = CallMetrics()
         self._written: OrderedDict[str, None] = OrderedDict()
         self._warned: set[str] = set()
+        self._exists_calls = itertools.count(1)
 
     # -- set-up ----------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -180,8 +182,11 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         kv = self._ready()
         if kv is None or not keys:
             return 0
-        present = kv.present(keys)
-        return present.index(False) if False in present else len(keys)
+        owner = self._exists_owner()
+        present = kv.present(keys, owner=owner)
+        hit = present.index(False) if False in present else len(keys)
+        kv.unclaim(owner, keys[hit:])  # SGLang fetches the leading pages only
+        return hit
 
     @_never_raises(_all_false)
     def batch_get_v1(
@@ -228,6 +233,10 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                         self._written.move_to_end(key)
                 while len(self._written) > REMEMBERED_PAGES:
                     self._written.popitem(last=False)
+
+    def _exists_owner(self) -> str:
+        """The owner of one exists call's claims (`claims.ExistsClaims`)."""
+        return f"sglang-exists-{next(self._exists_calls)}"
 
     def _ready(self) -> RegionPool | None:
         kv = self.kv
@@ -294,7 +303,7 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             sidecar = self.sidecars.get(str(transfer.name))
             if sidecar is None:
                 return PoolTransferResult(0, hits, [])  # a pool tierkv does not hold
-            present = sidecar.present(keys[:kv_pages])
+            present = sidecar.present(keys[:kv_pages], owner=self._exists_owner())
             policy = getattr(transfer.hit_policy, "value", str(transfer.hit_policy))
             verdict = restorable_ends(kv_pages, present, policy, len(transfer.keys or []))
             if verdict is None:
