@@ -440,8 +440,16 @@ class NvmeTier(SecondaryTierManager):
 
     async def store(self, job: JobMetadata) -> JobResult:
         self._check_open()
+        written: list[OffloadKey] = []  # pinned until the job ends: never its own victims
+
+        async def store_chunk(chunk: Batch) -> dict[OffloadKey, str]:
+            return await self._store_chunk(chunk, written)
+
         async with self._inflight.job():
-            result = await self._in_chunks(job, self._store_chunk, "store")
+            try:
+                result = await self._in_chunks(job, store_chunk, "store")
+            finally:
+                self._unpin(written)
         if result.failed_keys:
             logger.warning(
                 "nvme tier: %d of %d blocks of job %d not stored: %s",
@@ -548,7 +556,10 @@ class NvmeTier(SecondaryTierManager):
                 return True
             await pending.wait()
 
-    async def _store_chunk(self, chunk: Batch) -> dict[OffloadKey, str]:
+    async def _store_chunk(self, chunk: Batch, written: list[OffloadKey]) -> dict[OffloadKey, str]:
+        """Write one chunk of a store job; the keys written are pinned and added to
+        `written` (the job unpins them when it ends), so that a later chunk of the same
+        job, making room, evicts other blocks or fails rather than evict these."""
         failed: dict[OffloadKey, str] = {}
         capacity = int(self.config.capacity)
         claimed: list[tuple[OffloadKey, int, int]] = []  # key, slot, footprint
@@ -596,6 +607,8 @@ class NvmeTier(SecondaryTierManager):
                     self._index[key] = _Entry(footprint)
                     self._used += footprint
                     self._block_footprint = footprint
+                    self._pins[key] = self._pins.get(key, 0) + 1
+                    written.append(key)
                 else:
                     failed[key] = self._describe_error(error, "write", key)
             return failed
@@ -648,6 +661,14 @@ class NvmeTier(SecondaryTierManager):
             self._deleting[key] = anyio.Event()
         return victims
 
+    def _unpin(self, keys: Sequence[OffloadKey]) -> None:
+        for key in keys:
+            pins = self._pins[key] - 1
+            if pins:
+                self._pins[key] = pins
+            else:
+                del self._pins[key]
+
     def _finish_deleting(self, keys: Sequence[OffloadKey]) -> None:
         for key in keys:
             event = self._deleting.pop(key, None)
@@ -676,12 +697,7 @@ class NvmeTier(SecondaryTierManager):
                     shield=True,
                 )
         finally:
-            for key, _slot, _entry in reads:
-                pins = self._pins[key] - 1
-                if pins:
-                    self._pins[key] = pins
-                else:
-                    del self._pins[key]
+            self._unpin([key for key, _slot, _entry in reads])
         unreadable: list[OffloadKey] = []
         forgotten: list[OffloadKey] = []
         for (key, _slot, entry), error in zip(reads, outcomes):
