@@ -88,14 +88,19 @@ calls (large blocks, fsynced stores; see `chunk_size`)."""
 CHUNK_BYTES = 4 << 20
 """Bytes of blocks worth one worker-thread call, MAX_CHUNK blocks at most (see
 `chunk_size`)."""
-MAX_SMALL_CHUNK = 64
+SMALL_BLOCK_BYTES = 512 << 10
+"""Blocks under this size are small (see `chunk_size`): 512 KiB blocks read from the
+page cache went slower 8 a call than 4 (measured), so only smaller ones are batched
+beyond the 4 a call they had."""
+MAX_SMALL_CHUNK = {"load": 256, "store": 64}
 """Small blocks per worker-thread call at most, up to SMALL_CHUNK_BYTES of them (see
-`chunk_size`)."""
-SMALL_CHUNK_BYTES = 2 << 20
-"""Bytes of small blocks worth one worker-thread call (see `chunk_size`); a chunk still
-running at the job's deadline overruns it by less than 4 blocks of 1 MiB did. 512 KiB
-blocks read from the page cache went slower 8 a call than 4 (measured), so this budget
-batches only blocks under 512 KiB beyond the 4 a call they had."""
+`chunk_size`): one SGLang load of 128 pages of 64 KiB (256 blocks) is one thread call."""
+SMALL_CHUNK_BYTES = {"load": 8 << 20, "store": 2 << 20}
+"""Bytes of small blocks worth one worker-thread call (see `chunk_size`). A load of
+8 MiB is about a millisecond of copying from the page cache (what a chunk still
+running at the job's deadline overruns it by); stores stay at 2 MiB, since creating
+files is kernel work that several threads overlap (one thread call per 256-block
+store was slower, measured)."""
 READ_ERRORS_BEFORE_DELETE = 3
 """Reads of one block in a row that may fail with an OS error (EIO, a link where
 the file should be, ...) before the block is given up and deleted: one hiccup must
@@ -486,7 +491,10 @@ class NvmeTier(SecondaryTierManager):
         call keeps its chunk's reads in flight (`posix_fadvise(WILLNEED)`,
         `blockfile.read_blocks`), and a write that is not fsynced only copies into the
         page cache, so more calls buy no depth. With 4 blocks a call, 32 KiB blocks
-        (SGLang's 64 KiB pages) spent most of the event loop's time on hand-offs.
+        (SGLang's 64 KiB pages) spent most of the event loop's time on hand-offs; with
+        64 a call, one 128-page SGLang load ran as 4 thread calls side by side that
+        spent 1.5-2x the CPU of one call (threads taking the GIL from one another on
+        2 cores), so loads now go 8 MiB (256 blocks) a call.
         Large blocks (512 KiB and up go MAX_CHUNK or fewer a call, as before), and
         stores with `fsync: always` (whose fdatasyncs overlap only across calls),
         spread a job over up to `io_concurrency` calls of at most MAX_CHUNK blocks,
@@ -495,11 +503,10 @@ class NvmeTier(SecondaryTierManager):
         if verb == "store" and self.config.fsync == "always":
             return spread
         block = self.primary.block_bytes
-        return max(
-            spread,
-            min(MAX_CHUNK, CHUNK_BYTES // block),
-            min(MAX_SMALL_CHUNK, SMALL_CHUNK_BYTES // block),
-        )
+        large = max(spread, min(MAX_CHUNK, CHUNK_BYTES // block))
+        if block >= SMALL_BLOCK_BYTES:
+            return large
+        return max(large, min(MAX_SMALL_CHUNK[verb], SMALL_CHUNK_BYTES[verb] // block))
 
     async def _claim_for_write(self, key: OffloadKey) -> bool:
         """Wait out any write or delete of `key` in flight; then True when this store
