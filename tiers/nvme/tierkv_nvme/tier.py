@@ -40,6 +40,7 @@ import errno
 import fcntl
 import logging
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -134,11 +135,14 @@ class _Entry:
     """One indexed block. Compared by identity, so a slow reader that finds its file
     corrupt forgets that entry only, not a newer one stored under the same key."""
 
-    __slots__ = ("footprint", "read_errors")
+    __slots__ = ("footprint", "read_errors", "touched_ns")
 
-    def __init__(self, footprint: int) -> None:
+    def __init__(self, footprint: int, touched_ns: int) -> None:
         self.footprint = footprint
         self.read_errors = 0  # OS errors of the reads in a row before this one
+        self.touched_ns = touched_ns
+        """The file's mtime as this tier last set or found it: a load refreshes it
+        when older than `blockfile.TOUCH_AFTER_NS` (no `fstat` per read to learn it)."""
 
 
 class NvmeTier(SecondaryTierManager):
@@ -365,7 +369,7 @@ class NvmeTier(SecondaryTierManager):
         self._used = 0
         for block in sorted(scan.blocks, key=lambda b: b.mtime_ns):
             footprint = disk_footprint(block.frame_bytes, self._fs_block)
-            self._index[block.key] = _Entry(footprint)
+            self._index[block.key] = _Entry(footprint, block.mtime_ns)
             self._used += footprint
 
     async def _enforce_capacity(self) -> int:
@@ -570,9 +574,10 @@ class NvmeTier(SecondaryTierManager):
                     self._reserved -= sum(footprint for _, _, footprint in writes)
                     self._finish_deleting(victims)
                     self.report_removed(victims)
+            written_ns = time.time_ns()
             for (key, _slot, footprint), error in zip(writes, outcomes):
                 if error is None:
-                    self._index[key] = _Entry(footprint)
+                    self._index[key] = _Entry(footprint, written_ns)
                     self._used += footprint
                 else:
                     failed[key] = self._describe_error(error, "write", key)
@@ -645,11 +650,16 @@ class NvmeTier(SecondaryTierManager):
             reads.append((key, slot, entry))
         if not reads:
             return failed
+        now = time.time_ns()
+        stale = now - blockfile.TOUCH_AFTER_NS
         try:
             async with self._io_slots:
                 outcomes = await in_thread(
                     self._read_files,
-                    [(self.rel_of(k), k, self.primary.block(s)) for k, s, _ in reads],
+                    [
+                        (self.rel_of(k), k, self.primary.block(s), e.touched_ns < stale)
+                        for k, s, e in reads
+                    ],
                     limiter=self._threads,
                     shield=True,
                 )
@@ -666,6 +676,8 @@ class NvmeTier(SecondaryTierManager):
             if error is None:
                 if entry.read_errors:
                     entry.read_errors = 0
+                if entry.touched_ns < stale:
+                    entry.touched_ns = now
                 continue
             failed[key] = self._describe_error(error, "read", key)
             if not isinstance(error, (CorruptBlock, FileNotFoundError)):
@@ -705,9 +717,7 @@ class NvmeTier(SecondaryTierManager):
             self.report_removed(forgotten)
         return failed
 
-    def _read_files(
-        self, items: list[tuple[RelPath, OffloadKey, memoryview]]
-    ) -> list[Exception | None]:
+    def _read_files(self, items: list[blockfile.ReadItem]) -> list[Exception | None]:
         """Worker thread: read and check each block into its slot; one outcome each."""
         return blockfile.read_blocks(self._root_fd, items, self.framer)
 
