@@ -276,9 +276,7 @@ def read_opened(
             if got > expected:
                 raise CorruptBlock(f"file is longer than a frame of this block ({expected} bytes)")
             raise CorruptBlock(f"file ended after {got} of {expected} bytes")
-        header = framer.parse_header(head)
-        framer.check(header, key, len(dest))
-        framer.verify(header, dest)
+        framer.check_frame(head, key, dest)
     except CorruptBlock:
         _discard_corrupt(root_fd, rel, fd)
         raise
