@@ -33,9 +33,10 @@ FIXED_HEADER_BYTES (34) + len(key) (+ KEY_ID_BYTES (8) + MAC_BYTES (32) with a M
 A tier with `capacity: C` holds about C // (header_bytes(key) + block_bytes) blocks.
 
 A tier that can read in two steps (header, then payload straight into the primary
-slot) uses `parse_header` + `check` + `verify` (or `check_frame`, the three at once); one that gets the whole value at once
-uses `decode_into`. All of them are CPU work on a whole block (checksum, MAC, a copy):
-remote tiers run them in a worker thread, not on the event loop.
+slot) uses `parse_header` + `check` + `verify` (or `check_frame`, the three at once);
+one that gets the whole value at once uses `decode_into`. All of them are CPU work on
+a whole block (checksum, MAC, a copy): remote tiers run them in a worker thread, not
+on the event loop.
 
 The module-level functions are the frame without a MAC, kept for code written before
 `Framer`.
