@@ -123,3 +123,50 @@ def test_a_frame_in_parts_with_a_bad_piece_or_length_is_corrupt() -> None:
         framer.decode_parts_into(key, [frame[:100], frame[100:-1]], dest)
     with pytest.raises(CorruptBlock, match="no parts"):
         framer.decode_parts_into(key, [], dest)
+
+
+def _split_check(framer: Framer, head: bytes, key: bytes, payload: bytes) -> str | None:
+    """What `parse_header` + `check` + `verify` say about (head, payload): None or the
+    error."""
+    try:
+        header = framer.parse_header(head)
+        framer.check(header, key, len(payload))
+        framer.verify(header, payload)
+    except CorruptBlock as exc:
+        return str(exc)
+    return None
+
+
+def _whole_check(framer: Framer, head: bytes, key: bytes, payload: bytes) -> str | None:
+    try:
+        framer.check_frame(head, key, payload)
+    except CorruptBlock as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("mac", [False, True])
+def test_check_frame_agrees_with_the_three_steps_on_every_byte(mac: bool) -> None:
+    """`check_frame` (one unpack and compare for unsigned frames) accepts exactly what
+    `parse_header` + `check` + `verify` accept and raises the same message otherwise:
+    every byte of the header flipped, the payload flipped, another key, namespace or
+    block size."""
+    from tierkv.contract.mac import MacKey
+
+    framer = Framer("ns", MacKey(b"s" * 32) if mac else None)
+    head = framer.encode_header(KEY, PAYLOAD)
+    cases = [(head, KEY, PAYLOAD)]
+    for i in range(len(head)):
+        bent = bytearray(head)
+        bent[i] ^= 0x41
+        cases.append((bytes(bent), KEY, PAYLOAD))
+    flipped = bytearray(PAYLOAD)
+    flipped[7] ^= 1
+    cases.append((head, KEY, bytes(flipped)))
+    cases.append((head, b"x" * len(KEY), PAYLOAD))
+    cases.append((head, KEY, PAYLOAD[:-1]))
+    cases.append((Framer("other").encode_header(KEY, PAYLOAD), KEY, PAYLOAD))
+    for case in cases:
+        assert _whole_check(framer, *case) == _split_check(framer, *case)
+    assert _whole_check(framer, *cases[0]) is None
+    assert all(_whole_check(framer, *case) is not None for case in cases[1:])

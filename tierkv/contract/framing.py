@@ -33,9 +33,10 @@ FIXED_HEADER_BYTES (34) + len(key) (+ KEY_ID_BYTES (8) + MAC_BYTES (32) with a M
 A tier with `capacity: C` holds about C // (header_bytes(key) + block_bytes) blocks.
 
 A tier that can read in two steps (header, then payload straight into the primary
-slot) uses `parse_header` + `check` + `verify`; one that gets the whole value at once
-uses `decode_into`. All of them are CPU work on a whole block (checksum, MAC, a copy):
-remote tiers run them in a worker thread, not on the event loop.
+slot) uses `parse_header` + `check` + `verify` (or `check_frame`, the three at once);
+one that gets the whole value at once uses `decode_into`. All of them are CPU work on
+a whole block (checksum, MAC, a copy): remote tiers run them in a worker thread, not
+on the event loop.
 
 The module-level functions are the frame without a MAC, kept for code written before
 `Framer`.
@@ -232,6 +233,33 @@ class Framer:
                 if header.key_id is not None
                 else "MAC mismatch: written without this tier's key, or altered"
             )
+
+    def check_frame(self, head: Buffer, key: OffloadKey, payload: Buffer) -> None:
+        """`parse_header(head)`, `check(header, key, len(payload))` and
+        `verify(header, payload)` in one call, for a tier that read the header
+        (exactly `header_bytes(key)` bytes) and the payload apart.
+
+        An unsigned frame (a tier without a MAC key) is checked with one unpack and a
+        compare of every field against what this framer writes for `key` and
+        `payload` (magic, version, flags 0, namespace, length, key length, key,
+        checksum); any difference goes the full way, which raises the precise
+        `CorruptBlock`. No Header is built per block."""
+        if self._mac is None and len(head) == FIXED_HEADER_BYTES + len(key):
+            fields = _FIXED.unpack_from(head)
+            if (
+                fields[0] == MAGIC
+                and fields[1] == FORMAT_VERSION
+                and fields[2] == 0
+                and fields[3] == self._ns_hash
+                and fields[4] == len(payload)
+                and fields[6] == len(key)
+                and head[FIXED_HEADER_BYTES:] == key
+                and fields[5] == checksum(payload)
+            ):
+                return
+        header = self.parse_header(head)
+        check_header(header, key, len(payload))
+        self.verify(header, payload)
 
     def decode_into(self, key: OffloadKey, frame: Buffer, dest: memoryview) -> None:
         """Check a whole frame read back for `key` and copy its payload into `dest`.

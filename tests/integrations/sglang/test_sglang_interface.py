@@ -145,6 +145,36 @@ def test_a_bad_call_is_a_miss_not_an_exception(rig: Any) -> None:
     assert backend.batch_exists_v2(hashes, pool_transfers="junk").kv_hit_pages == 0
 
 
+def test_a_region_that_is_not_a_slot_is_a_miss(rig: Any, monkeypatch: Any) -> None:
+    """A page region the pool reports off its slot grid (misaligned, of another size,
+    or past the buffer) answers misses for the whole call, and moves no byte."""
+    pool = rig.pool(pages=4)
+    backend = rig.backend(pool, [rig.nvme()])
+    hashes = rig.page_hashes(2)
+    rig.fill(pool, [0, 1], "slots")
+    assert backend.batch_set_v1(hashes, pool.indices([0, 1])) == [True, True]
+    real = pool.get_page_buffer_meta
+    before = [pool.page_bytes(p) for p in (2, 3)]
+    for bend in ("misaligned", "size", "past the end"):
+
+        def bent(indices: Any, bend: str = bend) -> Any:
+            ptrs, sizes = real(indices)
+            if bend == "misaligned":
+                ptrs = [ptrs[0] + 2, *ptrs[1:]]
+            elif bend == "size":
+                sizes = [sizes[0] // 2, *sizes[1:]]
+            else:
+                ptrs = [*ptrs[:-1], ptrs[-1] + 4 * pool.kv_buffer.nbytes]
+            return ptrs, sizes
+
+        monkeypatch.setattr(pool, "get_page_buffer_meta", bent)
+        assert backend.batch_get_v1(hashes, pool.indices([2, 3])) == [False, False]
+        assert [pool.page_bytes(p) for p in (2, 3)] == before
+    monkeypatch.setattr(pool, "get_page_buffer_meta", real)
+    assert backend.batch_get_v1(hashes, pool.indices([2, 3])) == [True, True]
+    assert [pool.page_bytes(p) for p in (2, 3)] == [pool.page_bytes(p) for p in (0, 1)]
+
+
 def test_one_event_loop_thread_per_process(rig: Any) -> None:
     before = len(loop_threads())
     first = rig.backend(rig.pool(pages=4), [rig.nvme("a")])

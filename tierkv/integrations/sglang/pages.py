@@ -72,11 +72,11 @@ def read_geometry(
 def page_keys(page_hashes: Sequence[str], suffix: str, parts: int) -> list[list[OffloadKey]]:
     """Per page, the keys of its `parts` regions (see the module docstring)."""
     tail = suffix.encode()
+    prefix = _DOMAIN + len(tail).to_bytes(4, "little") + tail
+    groups = [make_offload_key(b"\0", j)[1:] for j in range(parts)]  # each region's tail
+    blake2b = hashlib.blake2b
     keys = []
     for page_hash in page_hashes:
-        digest = hashlib.blake2b(
-            _DOMAIN + len(tail).to_bytes(4, "little") + tail + str(page_hash).encode(),
-            digest_size=16,
-        ).digest()
-        keys.append([make_offload_key(digest, j) for j in range(parts)])
+        digest = blake2b(prefix + str(page_hash).encode(), digest_size=16).digest()
+        keys.append([digest + group for group in groups])
     return keys

@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from tierkv.contract.keys import OffloadKey
 from tierkv.contract.slab import PrimaryView
 from tierkv.driver.sync_chain import SyncChain
@@ -111,6 +113,12 @@ class RegionPool:
                 )
                 for j in regions:
                     self.component_of[j] = c
+            self._region_components = np.array(
+                [self.component_of[j] for j in range(self.parts)], dtype=np.int64
+            )
+            self._bases = np.array([c.base for c in self.components], dtype=np.int64)
+            self._sizes = np.array([c.size for c in self.components], dtype=np.int64)
+            self._counts = np.array([c.view.num_blocks for c in self.components], dtype=np.int64)
             self._slots(torch.arange(self.page_size, dtype=torch.int64))  # else refuse now
         except BaseException:
             self.close()
@@ -190,7 +198,8 @@ class RegionPool:
 
     def _slots(self, host_indices: Any) -> list[int]:
         """The slot (in its component) of every region of the pages at `host_indices`,
-        page by page; ValueError for a region that is not a slot of its component."""
+        page by page; ValueError for a region that is not a slot of its component.
+        Array arithmetic over the call's regions (256 per 128-page MHA call)."""
         ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
         pages = len(host_indices) // self.page_size
         if len(ptrs) != pages * self.parts:
@@ -198,17 +207,21 @@ class RegionPool:
                 f"pool {self.name}: {len(ptrs)} regions for {pages} pages; "
                 f"expected {self.parts} per page"
             )
-        slots = []
-        for i, (ptr, size) in enumerate(zip(ptrs, sizes)):
-            component = self.components[self.component_of[i % self.parts]]
-            slot, rest = divmod(int(ptr) - component.base, component.size)
-            if size != component.size or rest or not 0 <= slot < component.view.num_blocks:
-                raise ValueError(
-                    f"pool {self.name}: a page region ({size} bytes) is not a "
-                    f"{component.size}-byte slot of its buffer"
-                )
-            slots.append(slot)
-        return slots
+        if not pages:
+            return []
+        # per region of the call: its component's base, slot size and slot count
+        which = np.tile(self._region_components, pages)
+        base, size, count = self._bases[which], self._sizes[which], self._counts[which]
+        slot, rest = np.divmod(np.asarray(ptrs, dtype=np.int64) - base, size)
+        bad = (np.asarray(sizes, dtype=np.int64) != size) | (rest != 0)
+        bad |= (slot < 0) | (slot >= count)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"pool {self.name}: a page region ({sizes[i]} bytes) is not a "
+                f"{int(size[i])}-byte slot of its buffer"
+            )
+        return slot.tolist()  # type: ignore[no-any-return]
 
     def move(self, kind: str, page_hashes: Sequence[str], host_indices: Any) -> list[bool]:
         """Load or store the pages at `host_indices` (`page_size` indices a page); per

@@ -87,3 +87,27 @@ async def test_reopen_deletes_files_with_bad_flags(rig) -> None:
     assert again.recovery is not None and again.recovery.removed_bad == 1
     assert await again.lookup(keys, CTX) == [False, True]
     await again.close()
+
+
+@pytest.mark.parametrize("change", ["one byte more", "one byte less", "empty"])
+async def test_a_block_file_of_the_wrong_length_fails_the_key_and_goes(rig, change: str) -> None:
+    """A file that grew or shrank after the tier wrote it (the read learns its length
+    from one spare byte, not an `fstat`): the key fails, nothing of it is served, the
+    file is deleted, and the other keys of the load arrive whole."""
+    tier = rig.tier()
+    await tier.open()
+    keys = rig.keys(3)
+    stored, data = await rig.store(tier, keys)
+    assert stored.ok, stored.error
+    path = tier.path_of(keys[1])
+    frame = path.read_bytes()
+    path.write_bytes(
+        {"one byte more": frame + b"\0", "one byte less": frame[:-1], "empty": b""}[change]
+    )
+    result, got = await rig.load(tier, keys)
+    assert result.failed_keys == (keys[1],)
+    assert "longer than a frame" in (result.error or "") or "ended after" in (result.error or "")
+    assert got[keys[0]] == data[keys[0]] and got[keys[2]] == data[keys[2]]
+    assert not path.exists()
+    assert await tier.lookup(keys, CTX) == [True, False, True]
+    await tier.close()

@@ -389,7 +389,7 @@ async def test_loads_and_unsynced_stores_of_small_blocks_go_in_one_thread_call(
 
 
 def test_chunk_size_per_direction_fsync_and_block_size(tmp_path: Path) -> None:
-    """Small blocks go up to 2 MiB (at most MAX_SMALL_CHUNK) to a call; fsynced stores
+    """Small blocks go up to 8 MiB (loads) or 2 MiB (stores) to a call; fsynced stores
     and large blocks spread over io_concurrency calls, up to MAX_CHUNK blocks a call;
     large blocks go as many to a call as make 4 MiB (MAX_CHUNK at most)."""
     from tierkv_nvme.tier import CHUNK_BYTES, MAX_SMALL_CHUNK
@@ -403,11 +403,18 @@ def test_chunk_size_per_direction_fsync_and_block_size(tmp_path: Path) -> None:
 
     synced, unsynced = tier(4096, "always"), tier(4096, "never")
     assert [synced.chunk_size(n, "store") for n in (1, 8, 9, 16, 32, 100)] == [1, 1, 2, 2, 4, 4]
-    assert [unsynced.chunk_size(n, "store") for n in (1, 8, 100)] == [MAX_SMALL_CHUNK] * 3
-    assert [synced.chunk_size(n, "load") for n in (1, 8, 100)] == [MAX_SMALL_CHUNK] * 3
-    for block_kib, per_call in ((32, 64), (64, 32), (256, 8), (512, 4), (1024, 4)):
+    assert [unsynced.chunk_size(n, "store") for n in (1, 8, 100)] == [MAX_SMALL_CHUNK["store"]] * 3
+    assert [synced.chunk_size(n, "load") for n in (1, 8, 100)] == [MAX_SMALL_CHUNK["load"]] * 3
+    for block_kib, loads, stores in (
+        (16, 256, 64),
+        (32, 256, 64),
+        (64, 128, 32),
+        (256, 32, 8),
+        (512, 4, 4),
+        (1024, 4, 4),
+    ):
         sized = tier(block_kib << 10, "never")
-        assert sized.chunk_size(256, "load") == sized.chunk_size(256, "store") == per_call
+        assert (sized.chunk_size(256, "load"), sized.chunk_size(256, "store")) == (loads, stores)
     for block_bytes, per_call in ((CHUNK_BYTES // 2, 2), (CHUNK_BYTES, 1), (2 * CHUNK_BYTES, 1)):
         big = tier(block_bytes, "never")
         assert [big.chunk_size(n, "load") for n in (1, 8, 9, 100)] == [

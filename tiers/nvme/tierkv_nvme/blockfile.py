@@ -14,8 +14,9 @@ temporary file, optionally `fdatasync`, then `rename` onto the final name. A cra
 any point leaves either the old state or the whole new block under the final name;
 a temporary file left by a crash is deleted by the next `open`.
 
-Load: one `preadv` reads the header into a small buffer and the payload straight into
-the primary slot (no copy), then the frame is checked by the tier's `Framer` (every
+Load: one `preadv` reads the header into a small buffer, the payload straight into
+the primary slot (no copy) and one spare byte (a file of the wrong length fails
+without an `fstat`), then the frame is checked by the tier's `Framer` (every
 header field, the flags strictly, the checksum over the slot itself, and the MAC when
 the tier has a key). On a failed check the slot holds garbage and the key is reported
 failed, so nobody reads it. The blocks of one thread call are opened a few at a time
@@ -47,6 +48,8 @@ from tierkv_nvme.layout import TEMP_SUFFIX, temp_name
 RelPath = tuple[str, ...]
 """(fan-out directory, ..., file name) of a block: `layout.block_relpath`, or
 `layout.legacy_relpath` for the two levels older tiers wrote."""
+ReadItem = tuple[RelPath, OffloadKey, memoryview, bool]
+"""A block `read_blocks` reads: where, its key, its slot, whether to refresh its mtime."""
 
 logger = logging.getLogger(__name__)
 
@@ -242,32 +245,42 @@ def _discard_corrupt(root_fd: int, rel: RelPath, fd: int) -> None:
 
 
 def read_opened(
-    root_fd: int, rel: RelPath, fd: int, key: OffloadKey, dest: memoryview, framer: Framer
+    root_fd: int,
+    rel: RelPath,
+    fd: int,
+    key: OffloadKey,
+    dest: memoryview,
+    framer: Framer,
+    *,
+    touch: bool = False,
+    spare: bytearray | None = None,
 ) -> None:
     """Read and check `key`'s frame from `fd` (the file at `rel`), payload straight
-    into `dest`: the file's size, then every header field, the checksum over `dest`
-    itself, and the MAC when the tier has a key.
+    into `dest`: the file's length (one `preadv` into the header, `dest` and one spare
+    byte: a file shorter or longer than a frame fails), then every header field, the
+    checksum over `dest` itself, and the MAC when the tier has a key.
 
     Raises CorruptBlock (after deleting the file, if `rel` still names it) when any
-    check fails, OSError on I/O errors. On success the file's mtime is brought up to
-    date (see TOUCH_AFTER_NS): mtimes are the recency a restart rebuilds the LRU order
-    from."""
+    check fails, OSError on I/O errors. `dest` may have been written when a check
+    fails. On success with `touch` the file's mtime is brought up to date (the tier
+    asks when its index says the mtime is older than TOUCH_AFTER_NS): mtimes are the
+    recency a restart rebuilds the LRU order from."""
     try:
         head = bytearray(framer.header_bytes(key))
         expected = len(head) + len(dest)
-        stat = os.fstat(fd)
-        if stat.st_size != expected:
-            raise CorruptBlock(f"file is {stat.st_size} bytes, a frame of this block is {expected}")
-        got = _read_all(fd, (head, dest))
+        buffers = (head, dest, spare if spare is not None else bytearray(1))
+        got = os.preadv(fd, buffers, 0)
+        if got < expected:  # a short read before the end of the file is rare: read again
+            got = _read_all(fd, buffers)
         if got != expected:
+            if got > expected:
+                raise CorruptBlock(f"file is longer than a frame of this block ({expected} bytes)")
             raise CorruptBlock(f"file ended after {got} of {expected} bytes")
-        header = framer.parse_header(head)
-        framer.check(header, key, len(dest))
-        framer.verify(header, dest)
+        framer.check_frame(head, key, dest)
     except CorruptBlock:
         _discard_corrupt(root_fd, rel, fd)
         raise
-    if time.time_ns() - stat.st_mtime_ns > TOUCH_AFTER_NS:
+    if touch:
         os.utime(fd)
 
 
@@ -275,35 +288,37 @@ def read_block(
     root_fd: int, rel: RelPath, key: OffloadKey, dest: memoryview, framer: Framer
 ) -> None:
     """Read `key`'s frame from `rel` under `root_fd`, payload straight into `dest`,
-    and check it (`read_opened`).
+    and check it (`read_opened`); its mtime is refreshed when older than
+    TOUCH_AFTER_NS.
 
     Raises FileNotFoundError when the file is gone, CorruptBlock (after deleting the
     file) when any check fails, other OSError on I/O errors (ELOOP for a link)."""
     fd = open_block(root_fd, rel)
     try:
-        read_opened(root_fd, rel, fd, key, dest, framer)
+        touch = time.time_ns() - os.fstat(fd).st_mtime_ns > TOUCH_AFTER_NS
+        read_opened(root_fd, rel, fd, key, dest, framer, touch=touch)
     finally:
         os.close(fd)
 
 
-PREFETCH_BLOCKS = 4
+PREFETCH_BLOCKS = 16
 """Files of one `read_blocks` call opened and asked for (`POSIX_FADV_WILLNEED`) at
-once: the disk reads them all while the thread checks them one by one."""
+once: the disk reads them all while the thread checks them one by one. 16, since a
+job of small blocks is one thread call where it was four calls of 4 at a time."""
 
 
-def read_blocks(
-    root_fd: int, items: Sequence[tuple[RelPath, OffloadKey, memoryview]], framer: Framer
-) -> list[Exception | None]:
-    """`read_block` for each of `items` (rel, key, slot), one outcome each (None: read
-    and checked), in one thread: groups of PREFETCH_BLOCKS files are opened and
-    `posix_fadvise(WILLNEED)`ed first, so one thread keeps several reads in flight and
-    a job needs fewer thread round trips for the same depth of I/O."""
+def read_blocks(root_fd: int, items: Sequence[ReadItem], framer: Framer) -> list[Exception | None]:
+    """`read_opened` for each of `items` (rel, key, slot, touch), one outcome each
+    (None: read and checked), in one thread: groups of PREFETCH_BLOCKS files are opened
+    and `posix_fadvise(WILLNEED)`ed first, so one thread keeps several reads in flight
+    and a job needs fewer thread round trips for the same depth of I/O."""
     outcomes: list[Exception | None] = []
+    spare = bytearray(1)
     for first in range(0, len(items), PREFETCH_BLOCKS):
         group = items[first : first + PREFETCH_BLOCKS]
         opened: list[int | Exception] = []
         try:
-            for rel, _key, _dest in group:
+            for rel, _key, _dest, _touch in group:
                 try:
                     opened.append(open_block(root_fd, rel))
                 except OSError as exc:
@@ -313,12 +328,12 @@ def read_blocks(
                     if isinstance(fd, int):
                         with contextlib.suppress(OSError):
                             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            for (rel, key, dest), fd in zip(group, opened):
+            for (rel, key, dest, touch), fd in zip(group, opened):
                 if isinstance(fd, Exception):
                     outcomes.append(fd)
                     continue
                 try:
-                    read_opened(root_fd, rel, fd, key, dest, framer)
+                    read_opened(root_fd, rel, fd, key, dest, framer, touch=touch, spare=spare)
                 except Exception as exc:  # reported per key by the caller
                     outcomes.append(detached(exc))
                 else:
@@ -351,6 +366,7 @@ def read_header(path: Path, framer: Framer, size: int) -> Header:
 
 
 __all__ = [
+    "ReadItem",
     "RelPath",
     "TEMP_SUFFIX",
     "delete_files",

@@ -43,6 +43,7 @@ import errno
 import fcntl
 import logging
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -92,14 +93,19 @@ calls (large blocks, fsynced stores; see `chunk_size`)."""
 CHUNK_BYTES = 4 << 20
 """Bytes of blocks worth one worker-thread call, MAX_CHUNK blocks at most (see
 `chunk_size`)."""
-MAX_SMALL_CHUNK = 64
+SMALL_BLOCK_BYTES = 512 << 10
+"""Blocks under this size are small (see `chunk_size`): 512 KiB blocks read from the
+page cache went slower 8 a call than 4 (measured), so only smaller ones are batched
+beyond the 4 a call they had."""
+MAX_SMALL_CHUNK = {"load": 256, "store": 64}
 """Small blocks per worker-thread call at most, up to SMALL_CHUNK_BYTES of them (see
-`chunk_size`)."""
-SMALL_CHUNK_BYTES = 2 << 20
-"""Bytes of small blocks worth one worker-thread call (see `chunk_size`); a chunk still
-running at the job's deadline overruns it by less than 4 blocks of 1 MiB did. 512 KiB
-blocks read from the page cache went slower 8 a call than 4 (measured), so this budget
-batches only blocks under 512 KiB beyond the 4 a call they had."""
+`chunk_size`): one SGLang load of 128 pages of 64 KiB (256 blocks) is one thread call."""
+SMALL_CHUNK_BYTES = {"load": 8 << 20, "store": 2 << 20}
+"""Bytes of small blocks worth one worker-thread call (see `chunk_size`). A load of
+8 MiB is about a millisecond of copying from the page cache (what a chunk still
+running at the job's deadline overruns it by); stores stay at 2 MiB, since creating
+files is kernel work that several threads overlap (one thread call per 256-block
+store was slower, measured)."""
 _TYPICAL_KEY_BYTES = 36
 """A sha256 block hash and its group: the key length `room` sizes a block by."""
 READ_ERRORS_BEFORE_DELETE = 3
@@ -135,11 +141,14 @@ class _Entry:
     """One indexed block. Compared by identity, so a slow reader that finds its file
     corrupt forgets that entry only, not a newer one stored under the same key."""
 
-    __slots__ = ("footprint", "read_errors")
+    __slots__ = ("footprint", "read_errors", "touched_ns")
 
-    def __init__(self, footprint: int) -> None:
+    def __init__(self, footprint: int, touched_ns: int) -> None:
         self.footprint = footprint
         self.read_errors = 0  # OS errors of the reads in a row before this one
+        self.touched_ns = touched_ns
+        """The file's mtime as this tier last set or found it: a load refreshes it
+        when older than `blockfile.TOUCH_AFTER_NS` (no `fstat` per read to learn it)."""
 
 
 class NvmeTier(SecondaryTierManager):
@@ -388,7 +397,7 @@ class NvmeTier(SecondaryTierManager):
         self._used = 0
         for block in sorted(scan.blocks, key=lambda b: b.mtime_ns):
             footprint = disk_footprint(block.frame_bytes, self._fs_block)
-            self._index[block.key] = _Entry(footprint)
+            self._index[block.key] = _Entry(footprint, block.mtime_ns)
             self._used += footprint
 
     async def _enforce_capacity(self) -> int:
@@ -522,7 +531,10 @@ class NvmeTier(SecondaryTierManager):
         call keeps its chunk's reads in flight (`posix_fadvise(WILLNEED)`,
         `blockfile.read_blocks`), and a write that is not fsynced only copies into the
         page cache, so more calls buy no depth. With 4 blocks a call, 32 KiB blocks
-        (SGLang's 64 KiB pages) spent most of the event loop's time on hand-offs.
+        (SGLang's 64 KiB pages) spent most of the event loop's time on hand-offs; with
+        64 a call, one 128-page SGLang load ran as 4 thread calls side by side that
+        spent 1.5-2x the CPU of one call (threads taking the GIL from one another on
+        2 cores), so loads now go 8 MiB (256 blocks) a call.
         Large blocks (512 KiB and up go MAX_CHUNK or fewer a call, as before), and
         stores with `fsync: always` (whose fdatasyncs overlap only across calls),
         spread a job over up to `io_concurrency` calls of at most MAX_CHUNK blocks,
@@ -531,11 +543,10 @@ class NvmeTier(SecondaryTierManager):
         if verb == "store" and self.config.fsync == "always":
             return spread
         block = self.primary.block_bytes
-        return max(
-            spread,
-            min(MAX_CHUNK, CHUNK_BYTES // block),
-            min(MAX_SMALL_CHUNK, SMALL_CHUNK_BYTES // block),
-        )
+        large = max(spread, min(MAX_CHUNK, CHUNK_BYTES // block))
+        if block >= SMALL_BLOCK_BYTES:
+            return large
+        return max(large, min(MAX_SMALL_CHUNK[verb], SMALL_CHUNK_BYTES[verb] // block))
 
     async def _claim_for_write(self, key: OffloadKey) -> bool:
         """Wait out any write or delete of `key` in flight; then True when this store
@@ -602,9 +613,10 @@ class NvmeTier(SecondaryTierManager):
                     self._reserved -= sum(footprint for _, _, footprint in writes)
                     self._finish_deleting(victims)
                     self.report_removed(victims)
+            written_ns = time.time_ns()
             for (key, _slot, footprint), error in zip(writes, outcomes):
                 if error is None:
-                    self._index[key] = _Entry(footprint)
+                    self._index[key] = _Entry(footprint, written_ns)
                     self._used += footprint
                     self._block_footprint = footprint
                     self._pins[key] = self._pins.get(key, 0) + 1
@@ -688,11 +700,16 @@ class NvmeTier(SecondaryTierManager):
             reads.append((key, slot, entry))
         if not reads:
             return failed
+        now = time.time_ns()
+        stale = now - blockfile.TOUCH_AFTER_NS
         try:
             async with self._io_slots:
                 outcomes = await in_thread(
                     self._read_files,
-                    [(self.rel_of(k), k, self.primary.block(s)) for k, s, _ in reads],
+                    [
+                        (self.rel_of(k), k, self.primary.block(s), e.touched_ns < stale)
+                        for k, s, e in reads
+                    ],
                     limiter=self._threads,
                     shield=True,
                 )
@@ -704,6 +721,8 @@ class NvmeTier(SecondaryTierManager):
             if error is None:
                 if entry.read_errors:
                     entry.read_errors = 0
+                if entry.touched_ns < stale:
+                    entry.touched_ns = now
                 continue
             failed[key] = self._describe_error(error, "read", key)
             if not isinstance(error, (CorruptBlock, FileNotFoundError)):
@@ -743,9 +762,7 @@ class NvmeTier(SecondaryTierManager):
             self.report_removed(forgotten)
         return failed
 
-    def _read_files(
-        self, items: list[tuple[RelPath, OffloadKey, memoryview]]
-    ) -> list[Exception | None]:
+    def _read_files(self, items: list[blockfile.ReadItem]) -> list[Exception | None]:
         """Worker thread: read and check each block into its slot; one outcome each."""
         return blockfile.read_blocks(self._root_fd, items, self.framer)
 
