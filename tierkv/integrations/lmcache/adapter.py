@@ -36,6 +36,7 @@ from lmcache.v1.platform import create_event_notifier
 
 from tierkv.contract.keys import OffloadKey
 from tierkv.driver.guarded import GuardedTier
+from tierkv.driver.miss_log import MissLog
 from tierkv.integrations.lmcache.chains import SizeChain, SizeChains
 from tierkv.integrations.lmcache.keys import offload_key
 from tierkv.integrations.lmcache.locks import LockBook
@@ -46,6 +47,7 @@ from tierkv.integrations.lmcache.tasks import Completions, Parts, TaskIds
 __all__ = ["TierkvL2Adapter"]
 
 logger = logging.getLogger(__name__)
+
 
 class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     """tierkv's tiers below LMCache's L1 (see the module docstring)."""
@@ -65,7 +67,7 @@ class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._state = threading.Condition()
         self._running = 0
         self._closed = False
-        self._warned: set[str] = set()
+        self._misses = MissLog(logger)
         try:
             for size in self.settings.object_bytes:
                 self._chains.get(size)
@@ -281,14 +283,7 @@ class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             self._state.notify_all()
 
     def _warn(self, what: str, exc: BaseException) -> None:
-        kind = f"{what}:{type(exc).__name__}"
-        if kind not in self._warned:
-            self._warned.add(kind)
-            logger.warning(
-                "tierkv %s failed (%s: %s); answered a miss", what, type(exc).__name__, exc
-            )
-        else:
-            logger.debug("tierkv %s failed: %s", what, exc)
+        self._misses.failed(what, exc)
 
     # -- byte accounting ----------------------------------------------------------------
     def _account_stored(self, stored: dict[OffloadKey, tuple[Any, int]]) -> None:

@@ -37,6 +37,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from tierkv.contract.slab import PrimaryView
+from tierkv.driver.miss_log import MissLog
 from tierkv.driver.sync_chain import SyncChain
 from tierkv.integrations.sglang.metrics import CallMetrics
 from tierkv.integrations.sglang.pages import read_geometry
@@ -123,7 +124,7 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._lock = threading.Lock()
         self._metrics = CallMetrics()
         self._written: OrderedDict[str, None] = OrderedDict()
-        self._warned: set[str] = set()
+        self._misses = MissLog(logger)
         self._exists_calls = itertools.count(1)
 
     # -- set-up ----------------------------------------------------------------------
@@ -164,14 +165,7 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         )
 
     def _failed(self, what: str, exc: BaseException) -> None:
-        kind = f"{what}:{type(exc).__name__}"
-        if kind not in self._warned:
-            self._warned.add(kind)
-            logger.warning(
-                "tierkv %s failed (%s: %s); answered a miss", what, type(exc).__name__, exc
-            )
-        else:
-            logger.debug("tierkv %s failed: %s", what, exc)
+        self._misses.failed(what, exc)
 
     # -- the zero-copy interface --------------------------------------------------------
     @_never_raises(lambda keys: 0)
