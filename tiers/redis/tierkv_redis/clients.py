@@ -65,11 +65,19 @@ def make_client(config: RedisTierConfig, url: str) -> Redis:
     return Redis.from_url(url, socket_read_size=SOCKET_READ_SIZE, **kwargs)
 
 
+LEFT_BEHIND_MARGIN = 0.5
+"""Seconds a worker thread's socket may wait past `job_timeout`. Not zero: with a
+socket timeout equal to the job's deadline the two raced, and a loaded machine let the
+socket win, so a frozen server's keys failed as "unreachable: Timeout reading from
+socket" instead of naming `job_timeout` (and opened the node's breaker)."""
+
+
 def make_sync_client(config: RedisTierConfig, url: str) -> SyncRedis:
     """The synchronous client of stores and loads for the node at `url`. Its socket
-    timeout is at most `job_timeout`: a thread a job left behind on a frozen server is
-    freed about when the job was."""
-    timeout = min(config.socket_timeout, config.job_timeout)
+    timeout is `socket_timeout`, but at most `job_timeout` plus `LEFT_BEHIND_MARGIN`:
+    the job's own deadline ends a job on a frozen server first, and a thread the job
+    left behind there is freed soon after."""
+    timeout = min(config.socket_timeout, config.job_timeout + LEFT_BEHIND_MARGIN)
     # as the asyncio client: one immediate retry of a connection a restart closed,
     # none of a timeout
     retry = SyncRetry(NoBackoff(), 1, supported_errors=(ConnectionError,))

@@ -39,10 +39,11 @@ during which no other request of the server progresses. Lookups and removals are
 and stay on the asyncio client.
 
 A thread waiting on a frozen Redis cannot be interrupted, so a job at its deadline
-leaves it behind (`IOThreads`): its socket timeout, at most `job_timeout`, frees it
-soon after, and it touches the job's slots only under the job's `SlotGuard`, which the
-job closes before it returns. A late store may still land in Redis (as with any client
-whose command was sent); a late load never writes a slot.
+leaves it behind (`IOThreads`): its socket timeout, at most `job_timeout` plus half a
+second (`clients.LEFT_BEHIND_MARGIN`), frees it soon after, and it touches the job's
+slots only under the job's `SlotGuard`, which the job closes before it returns. A
+late store may still land in Redis (as with any client whose command was sent); a late
+load never writes a slot.
 """
 
 from __future__ import annotations
