@@ -12,40 +12,17 @@ one with `supports_capacity = False`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import AbstractAsyncContextManager
 from itertools import islice
-from typing import Any, ClassVar
 
 import pytest
 
-from tierkv.contract.jobs import JobMetadata
 from tierkv.contract.keys import OffloadKey
-from tierkv.contract.slab import PrimaryView
 from tierkv.contract.tier import SecondaryTierManager
+from tierkv.testing.suite_base import SuiteHooks
 
 
-class CandidateConformance:
+class CandidateConformance(SuiteHooks):
     """Mixed into `TierConformanceSuite`, whose hooks and helpers it uses."""
-
-    supports_capacity: ClassVar[bool]
-
-    # -- provided by TierConformanceSuite and ClaimConformance ------------------------
-    def view(self) -> PrimaryView:
-        raise NotImplementedError
-
-    def job(self, keys: Sequence[OffloadKey], slots: Sequence[int]) -> JobMetadata:
-        raise NotImplementedError
-
-    def opened(
-        self, view: PrimaryView, capacity_blocks: int | None = None, **fields: Any
-    ) -> AbstractAsyncContextManager[SecondaryTierManager]:
-        raise NotImplementedError
-
-    async def _fill(
-        self, tier: SecondaryTierManager, view: PrimaryView, n: int, first: int = 0
-    ) -> dict[OffloadKey, bytes]:
-        raise NotImplementedError
 
     def _names_candidates(self, tier: SecondaryTierManager) -> bool:
         if not self.supports_capacity:

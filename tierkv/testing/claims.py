@@ -14,58 +14,21 @@ whole, with nothing skipped, for a complete tier that does not: the README's plu
 from __future__ import annotations
 
 import os
-import random
-from collections.abc import Sequence
-from contextlib import AbstractAsyncContextManager
-from typing import Any, ClassVar
 
 import anyio
 import pytest
 
-from tierkv.contract.jobs import JobMetadata, ReqContext
-from tierkv.contract.keys import OffloadKey, make_offload_key
+from tierkv.contract.jobs import ReqContext
+from tierkv.contract.keys import OffloadKey
 from tierkv.contract.slab import PrimaryView
 from tierkv.contract.tier import SecondaryTierManager
+from tierkv.testing.suite_base import SuiteHooks, new_keys
 
 _CTX = ReqContext(request_id="claims-conformance")
 
 
-def _keys(n: int) -> list[OffloadKey]:
-    return [make_offload_key(os.urandom(16), 0) for _ in range(n)]
-
-
-class ClaimConformance:
+class ClaimConformance(SuiteHooks):
     """Mixed into `TierConformanceSuite`, whose hooks and helpers it uses."""
-
-    supports_capacity: ClassVar[bool]
-
-    # -- provided by TierConformanceSuite ---------------------------------------------
-    def view(self) -> PrimaryView:
-        raise NotImplementedError
-
-    def job(self, keys: Sequence[OffloadKey], slots: Sequence[int]) -> JobMetadata:
-        raise NotImplementedError
-
-    def opened(
-        self, view: PrimaryView, capacity_blocks: int | None = None, **fields: Any
-    ) -> AbstractAsyncContextManager[SecondaryTierManager]:
-        raise NotImplementedError
-
-    # -- helpers ----------------------------------------------------------------------
-    async def _fill(
-        self, tier: SecondaryTierManager, view: PrimaryView, n: int, first: int = 0
-    ) -> dict[OffloadKey, bytes]:
-        """Store `n` new blocks one job each (oldest first); their bytes by key."""
-        rng = random.Random(first)
-        stored: dict[OffloadKey, bytes] = {}
-        for i, key in enumerate(_keys(n)):
-            slot = (first + i) % 8
-            payload = rng.randbytes(view.block_bytes)
-            view.block(slot)[:] = payload
-            result = await tier.store(self.job([key], [slot]))
-            assert result.ok, result.error
-            stored[key] = payload
-        return stored
 
     def _keeps_claims(self, tier: SecondaryTierManager) -> bool:
         """Whether the claim tests apply: the tier protects claims (else there is
@@ -92,7 +55,7 @@ class ClaimConformance:
         view = self.view()
         async with self.opened(view) as tier:
             stored = await self._fill(tier, view, 3)
-            keys = [*stored, *_keys(1)]
+            keys = [*stored, *new_keys(1)]
             tier.protect(keys, 5.0)
             tier.protect(keys[:1], 5.0)
             assert await tier.lookup(keys, _CTX) == [True, True, True, False]
@@ -161,7 +124,7 @@ class ClaimConformance:
                 held.update(block)
             held = {k: v for k, v in held.items() if k not in reported}
             tier.protect(list(held), 30.0)
-            [new] = _keys(1)
+            [new] = new_keys(1)
             view.block(0)[:] = os.urandom(view.block_bytes)
             result = await tier.store(self.job([new], [0]))
             assert result.failed_keys == (new,), "a store must not evict a claimed block"
