@@ -140,6 +140,17 @@ def test_a_huge_tier_samples_at_most_one_key_in_256() -> None:
     admission = AdaptiveAdmission(width_bits=12)
     admission.size_for(1 << 40, 1 << 30)
     assert admission.sampling == 256 and admission._sampled_below == 1
+    # still bounded: each shadow structure holds at most SHADOW_BLOCKS keys
+    assert admission.all_shadow.tier_blocks == SHADOW_BLOCKS
+    assert admission.all_shadow.primary_blocks == SHADOW_BLOCKS
+    assert admission.max_shadow_keys == 4 * SHADOW_BLOCKS
+
+
+def test_a_primary_larger_than_the_tier_is_capped_in_the_shadows() -> None:
+    admission = AdaptiveAdmission(width_bits=12)
+    admission.size_for(100, 1 << 20)
+    assert admission.sampling == 1
+    assert admission.all_shadow.primary_blocks == SHADOW_BLOCKS
 
 
 @settings(max_examples=40, deadline=None)

@@ -15,8 +15,9 @@ measured hit rate for the same reason):
   with the real sketch's estimates. Only sampled keys enter them: a key is sampled when
   its first byte is below `256 / rate`; keys are uniform hashes, so the sample is a
   fixed 1/rate of the key space, the same in every process (never Python's salted
-  `hash()`). The rate is the smallest power of two that keeps each shadow tier at most
-  `SHADOW_BLOCKS` keys, so memory is bounded whatever the tier's size.
+  `hash()`). The rate is the smallest power of two (at most 256) that keeps each shadow
+  tier at most `SHADOW_BLOCKS` keys; past 256 x `SHADOW_BLOCKS` blocks the shadows are
+  capped there, so memory is bounded whatever the tier's size.
 - **Hits scored as a prefix.** Each lookup walks its sampled keys through both shadows
   in order; a key scores a hit in a shadow only while every sampled key before it also
   did (a block after a missing one cannot be served, as in the real cache).
@@ -44,7 +45,7 @@ import numpy as np
 from tierkv.policies.admission import ReuseAdmission
 
 SHADOW_BLOCKS = 4096
-"""At most this many keys in each shadow tier (and as many in each shadow primary)."""
+"""At most this many keys in each shadow tier, and in each shadow primary."""
 MAX_SAMPLING = 256
 """One key in at most this many is sampled (the first byte of a key picks it)."""
 MARGIN = 0.99
@@ -148,9 +149,12 @@ class AdaptiveAdmission(ReuseAdmission):
             rate *= 2
         self.sampling = rate
         self._sampled_below = 256 // rate
-        tier = max(1, tier_blocks // rate)
-        self.all_shadow = ShadowChain(primary_blocks // rate, tier)
-        self.tinylfu_shadow = ShadowChain(primary_blocks // rate, tier)
+        # bounded however large: past 256 x shadow_blocks (1 Mi blocks by default) a
+        # shadow tier models a smaller share of the tier than its sample of the keys
+        tier = max(1, min(tier_blocks // rate, self.shadow_blocks))
+        primary = min(primary_blocks // rate, self.shadow_blocks)
+        self.all_shadow = ShadowChain(primary, tier)
+        self.tinylfu_shadow = ShadowChain(primary, tier)
         self._decay_every = self.decay_per_block * tier
         self._asks = 0
         self.writes_all = False
