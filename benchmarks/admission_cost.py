@@ -1,7 +1,10 @@
-"""What an admission decision costs per block: `reuse` (`ReuseAdmission.admits`) and
+"""What an admission decision costs per block: `reuse` (`ReuseAdmission.admits`),
 `tinylfu` (`admits_against`, read against a real full `MemoryTier`'s eviction
 candidates, each candidate checked for residence in a primary-sized dict as the cache
-does), beside sketching the lookup that precedes it (`sighted`).
+does) and `adaptive` (`AdaptiveAdmission.admits_adaptive`, in its tinylfu state: the
+costlier one), beside sketching the lookup that precedes it (`sighted`; `adaptive`
+also walks the sampled keys through its two shadow chains there: one key in
+`sampling`, every key for a tier of up to 4,096 blocks, the worst case, measured too).
 
     python benchmarks/admission_cost.py [--batches 32,1024] [--tier-blocks 100000]
 
@@ -22,6 +25,7 @@ from collections.abc import Callable
 
 from tierkv.contract.slab import PrimaryView
 from tierkv.memory_tier import MemoryTier, MemoryTierConfig
+from tierkv.policies.adaptive import AdaptiveAdmission
 from tierkv.policies.admission import ReuseAdmission
 
 KEY_BYTES = 36
@@ -54,12 +58,23 @@ def _per_block(run: Callable[[], object], blocks: int, rounds: int) -> float:
 
 
 def _cases(
-    admission: ReuseAdmission, keys: list[bytes], tier: MemoryTier, free: int, primary: dict
+    admission: ReuseAdmission,
+    adaptive: AdaptiveAdmission,
+    every_key: AdaptiveAdmission,
+    keys: list[bytes],
+    tier: MemoryTier,
+    free: int,
+    primary: dict,
 ) -> dict[str, Callable[[], object]]:
     return {
         "sighted (the lookup's sketch)": lambda: admission.sighted(keys, ()),
         "reuse: admits": lambda: admission.admits(keys),
         "tinylfu: admits_against": lambda: admission.admits_against(
+            keys, free, tier.eviction_candidates(), primary.__contains__
+        ),
+        f"adaptive: sighted, 1 in {adaptive.sampling}": lambda: adaptive.sighted(keys, ()),
+        "adaptive: sighted, every key": lambda: every_key.sighted(keys, ()),
+        "adaptive: admits_adaptive": lambda: adaptive.admits_adaptive(
             keys, free, tier.eviction_candidates(), primary.__contains__
         ),
     }
@@ -76,6 +91,10 @@ def main() -> None:
     tier = _full_tier(args.tier_blocks, 4096)
     primary = dict.fromkeys(_keys(args.primary_blocks))
     admission = ReuseAdmission()
+    adaptive = AdaptiveAdmission()
+    adaptive.size_for(args.tier_blocks, args.primary_blocks)
+    every_key = AdaptiveAdmission()
+    every_key.size_for(4096, args.primary_blocks)
     print(
         f"tier of {args.tier_blocks:,} blocks (full), primary of {args.primary_blocks:,}, "
         f"sketch {admission.sketch.nbytes >> 20} MiB; CPU microseconds per block, median of "
@@ -83,11 +102,13 @@ def main() -> None:
     )
     for batch in (int(b) for b in args.batches.split(",")):
         keys = _keys(batch)
-        admission.sighted(keys, keys)
-        admission.sighted(keys[::2], keys[::2])  # half seen twice, half once
+        for a in (admission, adaptive, every_key):
+            a.sighted(keys, keys)
+            a.sighted(keys[::2], keys[::2])  # half seen twice, half once
         free = tier.room().free_blocks
         assert free == 0
-        cases = _cases(admission, keys, tier, free, primary)
+        assert not adaptive.writes_all  # its costlier state: the tinylfu rule
+        cases = _cases(admission, adaptive, every_key, keys, tier, free, primary)
         for name, run in cases.items():
             runs = [_per_block(run, batch, args.rounds) for _ in range(args.repeat)]
             print(

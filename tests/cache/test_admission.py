@@ -17,6 +17,7 @@ from tierkv.contract.framing import FIXED_HEADER_BYTES
 from tierkv.contract.jobs import ReqContext
 from tierkv.contract.keys import OffloadKey, hash_token_blocks, make_offload_key
 from tierkv.memory_tier import MemoryTier
+from tierkv.policies.adaptive import AdaptiveAdmission
 
 pytestmark = pytest.mark.anyio
 
@@ -196,3 +197,63 @@ async def test_tinylfu_counts_the_blocks_already_on_their_way_to_the_tier() -> N
         handle.stats.inflight_bytes = 4 * BLOCK
         assert cache.cascader._weighed(handle, new) == [True, True, False, False]
         handle.stats.inflight_bytes = 0
+
+
+# -- adaptive: tinylfu or write-all, as the shadows' duel says (issue 36) -----------------
+def test_adaptive_is_a_config_name_and_a_misspelling_lists_the_names() -> None:
+    config = parse_config(chain(admission="adaptive"))
+    assert config.tiers[0].admission == "adaptive"
+    with pytest.raises(ConfigError, match="'all', 'reuse', 'tinylfu' or 'adaptive'"):
+        parse_config(chain(admission="adaptiv"))
+    with pytest.raises(ConfigError, match="admission 'adaptive' applies to write_through"):
+        parse_config(chain(admission="adaptive", write_policy="write_back"))
+
+
+async def test_adaptive_writes_every_block_while_the_tier_has_room() -> None:
+    async with TieredCache(parse_config(chain(blocks=4, admission="adaptive"))) as cache:
+        await serve(cache, keys(12, "a"), "r1")
+        stats = cache.stats().tiers["memory"]
+        assert stats["blocks_stored"] == 12 and stats["declined"] == 0
+
+
+async def test_adaptive_sizes_its_shadows_for_the_tier_and_keeps_popular_blocks() -> None:
+    config = chain(blocks=4, admission="adaptive", capacity=frames(8))
+    async with TieredCache(parse_config(config)) as cache:
+        popular = keys(8, "p")
+        for n in range(3):
+            await serve(cache, popular, f"p{n}")
+        admission = cache.cascader.admission
+        assert isinstance(admission, AdaptiveAdmission)
+        assert admission.all_shadow.tier_blocks == 8 and admission.all_shadow.primary_blocks == 4
+        assert not admission.writes_all  # both shadows served the same: tinylfu
+        await serve(cache, keys(6, "o"), "o1")
+        assert cache.stats().tiers["memory"]["declined"] >= 2  # as tinylfu
+        assert await serve(cache, popular, "p3") == 8
+
+
+async def test_adaptive_writes_everything_while_the_duel_says_write_all() -> None:
+    config = chain(blocks=4, admission="adaptive", capacity=frames(8))
+    async with TieredCache(parse_config(config)) as cache:
+        for n in range(3):
+            await serve(cache, keys(8, "p"), f"p{n}")
+        admission = cache.cascader.admission
+        assert isinstance(admission, AdaptiveAdmission)
+        admission.all_shadow.hits = 1e9  # the write-all shadow far ahead
+        await serve(cache, keys(6, "o"), "o1")
+        assert admission.writes_all
+        assert cache.stats().tiers["memory"]["declined"] == 0
+
+
+async def test_adaptive_on_a_tier_that_cannot_name_its_candidates(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(MemoryTier, "names_eviction_candidates", False)  # as redis, s3
+    async with TieredCache(parse_config(chain(blocks=4, admission="adaptive"))) as cache:
+        await serve(cache, keys(12, "a"), "r1")  # reuse: seen once, declined
+        assert cache.stats().tiers["memory"]["declined"] == 12
+        admission = cache.cascader.admission
+        assert isinstance(admission, AdaptiveAdmission)
+        admission.all_shadow.hits = 1e9
+        await serve(cache, keys(5, "b"), "r2")
+        assert admission.writes_all
+        assert cache.stats().tiers["memory"]["blocks_stored"] == 5

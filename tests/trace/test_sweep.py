@@ -116,3 +116,16 @@ def test_a_bad_size_is_refused_naming_it(bad: str, message: str) -> None:
     with pytest.raises(ValueError) as exc:
         check_size(bad)
     assert message in str(exc.value) and repr(bad.strip()) in str(exc.value)
+
+
+async def test_a_sweep_replays_adaptive_admission(conversations: Path) -> None:
+    options = SweepOptions(conversations, capacities=("12%",), primaries=("2%",))
+    report = await run_capacity_sweep(
+        SweepOptions(**{**options.__dict__, "admissions": ("all", "reuse", "adaptive")})
+    )
+    cells = {c["admission"]: c for c in report["cells"]}
+    assert set(cells) == {"all", "reuse", "adaptive"}
+    assert cells["adaptive"]["failed_loads"] == 0
+    best = max(cells["all"]["hit_rate"], cells["reuse"]["hit_rate"])
+    assert cells["adaptive"]["vs_best_other"] == pytest.approx(cells["adaptive"]["hit_rate"] / best)
+    assert "adaptive" in sweep_lines(report)[2]

@@ -38,6 +38,7 @@ from tierkv.cache.writeback import WriteBack
 from tierkv.contract.jobs import JobMetadata, ReqContext
 from tierkv.contract.keys import OffloadKey
 from tierkv.driver import GuardedTier
+from tierkv.policies.adaptive import AdaptiveAdmission
 from tierkv.policies.admission import AGING_PER_BLOCK, ReuseAdmission
 from tierkv.retention import kept_blocks
 
@@ -51,14 +52,20 @@ class Cascader:
         self.selective = [h for h in core.tiers if h.policy == "write_through_selective"]
         # write-through tiers that take only blocks likely to be read again: by the
         # reuse rule, or (tinylfu) weighed against the block the tier would evict for
-        # them; a tinylfu tier that cannot name that block gets the reuse rule
+        # them, or (adaptive) tinylfu or every block as the shadows' duel says; a tier
+        # that cannot name that block gets the reuse rule (adaptive: or every block)
         self.reuse = [h for h in core.tiers if h.config.admission != "all"]
         self.relative = [
             h
             for h in self.reuse
-            if h.config.admission == "tinylfu" and h.tier.names_eviction_candidates
+            if h.config.admission in ("tinylfu", "adaptive") and h.tier.names_eviction_candidates
         ]
-        self.admission = ReuseAdmission() if self.reuse else None
+        self.adaptive = {h.index for h in self.reuse if h.config.admission == "adaptive"}
+        self.admission: ReuseAdmission | None = None
+        if self.adaptive:
+            self.admission = AdaptiveAdmission()
+        elif self.reuse:
+            self.admission = ReuseAdmission()
         self._aged_for_tiers = False
         # a block admission declines may be evicted by its own streaming store only
         # when no write-through tier takes every block (those decide its safety)
@@ -87,6 +94,10 @@ class Cascader:
                         exc_info=True,
                     )
                     self.relative.remove(handle)
+            if handle.index in self.adaptive:
+                assert isinstance(self.admission, AdaptiveAdmission)
+                verdicts[handle.index] = self.admission.admits_adaptive_blind(keys)
+                continue
             if reuse_verdicts is None:
                 assert self.admission is not None
                 reuse_verdicts = self.admission.admits(keys)
@@ -123,20 +134,26 @@ class Cascader:
         tier = handle.tier
         if not self._aged_for_tiers:  # rooms are known once the tiers are open
             self._aged_for_tiers = True
-            sizes = []
+            sizes: dict[int, int] = {}
             for other in self.relative:
                 try:
-                    sizes.append(other.tier.room().capacity_blocks)
+                    sizes[other.index] = other.tier.room().capacity_blocks
                 except Exception:  # its own decision, next, says so and falls back
                     continue
             if sizes:
-                admission.age_every(AGING_PER_BLOCK * max(sizes))
+                admission.age_every(AGING_PER_BLOCK * max(sizes.values()))
+            adaptive = [size for i, size in sizes.items() if i in self.adaptive]
+            if adaptive:  # the shadows model the largest adaptive tier
+                assert isinstance(admission, AdaptiveAdmission)
+                admission.size_for(max(adaptive), core.primary.num_blocks)
         room = tier.room()
         pending = -(-handle.stats.inflight_bytes // core.block_bytes)
         candidates = islice(tier.eviction_candidates(), max(0, pending - room.free_blocks), None)
-        return admission.admits_against(
-            keys, room.free_blocks - pending, candidates, core.primary.is_ready
-        )
+        free = room.free_blocks - pending
+        if handle.index in self.adaptive:
+            assert isinstance(admission, AdaptiveAdmission)
+            return admission.admits_adaptive(keys, free, candidates, core.primary.is_ready)
+        return admission.admits_against(keys, free, candidates, core.primary.is_ready)
 
     def cascade(
         self, handle: GuardedTier, keys: Sequence[OffloadKey], watch: StoreWatch | None = None

@@ -105,7 +105,7 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--admission", default="all,reuse,tinylfu", metavar="LIST",
-        help="policies to compare (all,reuse,tinylfu)",
+        help="policies to compare (all,reuse,tinylfu; also adaptive)",
     )  # fmt: skip
     p.add_argument("--redis-url", metavar="URL", help="for a redis tier")
     p.add_argument("--dir", type=Path, metavar="DIR", help="where nvme writes (a temp dir)")

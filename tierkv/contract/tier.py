@@ -86,7 +86,7 @@ __all__ = [
 ]
 
 WritePolicy = Literal["write_through", "write_back", "write_through_selective"]
-Admission = Literal["all", "reuse", "tinylfu"]
+Admission = Literal["all", "reuse", "tinylfu", "adaptive"]
 
 RemovalListener = Callable[[tuple[OffloadKey, ...]], None]
 """Called with the keys a tier reports it no longer holds (see `report_removed`)."""
@@ -139,7 +139,9 @@ class TierConfig(BaseModel):
         "of a request that hit at least half its blocks (a continuing conversation); "
         "tinylfu: every block while the tier has room, then as reuse, or a block seen "
         "more often than the one the tier would evict for it (tiers that cannot name "
-        "that block, such as redis and s3, get reuse)",
+        "that block, such as redis and s3, get reuse); adaptive: tinylfu or every block, "
+        "whichever two sampled shadow chains say serves more on the recent asks (tiers "
+        "that cannot name their evictions: reuse or every block)",
     )
     job_timeout: Duration = Field(
         default=30.0,

@@ -37,6 +37,8 @@ A W-TinyLFU window (a segment of the tier that takes every new block) was tried 
 simulation of the conversation trace: it writes every stored block, as write-all does,
 so it cannot keep writes low; the primary, the free room and the continuation rule are
 the window here (`docs/bench.md`, "Measured: the capacity sweep", says what that costs).
+`admission: adaptive` (`tierkv.policies.adaptive`) chooses between this rule and
+write-all by measuring both on sampled shadow chains.
 The decision is O(1) per block: one batched sketch estimate of the keys together with
 as many candidates as keys past the free room, read lazily from the tier's order
 (0.3-0.4 CPU us a block in 1,024-block calls, 0.5-0.9 in 32-block ones, where numpy's
