@@ -1,4 +1,4 @@
-"""GETs whose values are read off the socket straight into a reusable buffer.
+"""GETs whose values are read off the socket straight into their slots (or a reused buffer).
 
 Through redis-py a GET of a MiB-sized value costs three copies and a fresh allocation
 beyond the kernel's: the socket is read in chunks that are fed to the hiredis reader,
@@ -8,10 +8,14 @@ blocks were bound by the client's CPU (1.7-2.1 s per GiB, the server 0.5 s) and 
 half the speed of the same GETs read this way.
 
 Here a worker thread sends a batch's GETs (or GETEXs) down one pooled connection and
-reads each bulk reply with `recv_into`, the header line through a small buffer and the
-value straight into the thread's scratch buffer, which is kept for the next batch. The
-caller checks each frame there and copies its payload into the slot: one copy, as the
-`SlotGuard` wants (a thread left behind on a frozen Redis never holds a slot's memory).
+reads each bulk reply with `recv_into`, the header line through a small buffer. With
+the job's `SocketGuard` and a `Place` per command, a value of the frame's length goes
+header to scratch and payload straight into its slot, each in one call on a socket in
+blocking mode (`sockets.whole_io`), while the job lives: the guard cuts the socket
+when the job ends, so a thread the deadline left behind never writes a slot after it.
+Any other value (another length, no place, a job already ended, a TLS socket read in
+pieces) goes into the thread's scratch buffer, kept for the next batch, and the caller
+checks it there and copies its payload into the slot.
 
 It takes the connection from redis-py's blocking pool (connect, AUTH, SELECT, TLS and
 READONLY stay redis-py's) and reads its socket, which redis-py keeps in a private
@@ -195,13 +199,12 @@ class _SocketReplies:
                 self._skip(self._header())
         # any other type is one line, already read
 
-    def _placed(
-        self, body: memoryview, length: int, place: Place, guard: SocketGuard
-    ) -> Placed | None:
-        """Read a value of `length` bytes: its head into `body`, the rest into its
-        slot while the job lives, then the CRLF into `body`; None when the job had
-        ended (then all of it went into `body`)."""
-        self._body(body[: place.head])
+    def _placed(self, length: int, place: Place, guard: SocketGuard) -> Reply:
+        """Read a value of `length` bytes: its head into scratch, the rest into its
+        slot while the job lives (`Placed`); when the job has ended, all of it into
+        scratch (a value, as if it had no place: never a half-read `Placed`)."""
+        head = self._room(place.head + 2)  # the head, then the CRLF
+        self._body(head[: place.head])
         with guard.moving(self.sock) as alive:
             if alive:
                 dest = place.view()[place.start : place.end]
@@ -214,11 +217,19 @@ class _SocketReplies:
                     raise
                 finally:
                     dest.release()
-        if not alive:
-            self._body(body[place.head : length + 2])
-            return None
-        self._body(body[length:])
-        return Placed(body[: place.head])
+        if alive:
+            self._body(head[place.head :])
+            self._crlf(head[place.head :])
+            return Placed(head[: place.head])
+        body = self._room(length + 2)
+        body[: place.head] = head[: place.head]
+        self._body(body[place.head :])
+        self._crlf(body[length:])
+        return body[:length]
+
+    def _crlf(self, end: memoryview) -> None:
+        if bytes(end) != b"\r\n":
+            raise InvalidResponse(f"a value from {self.where} does not end with CRLF")
 
     def _body(self, body: memoryview) -> None:
         """Fill `body` from the line buffer's rest, then from the socket."""
@@ -241,19 +252,16 @@ class _SocketReplies:
             length = self._count(head)
             if length < 0:
                 return None
-            body = self._room(length + 2)
             if (
                 place is not None
                 and self.guard is not None
                 and length == place.head + place.end - place.start
             ):
-                placed = self._placed(body, length, place, self.guard)
-            else:
-                self._body(body)
-                placed = None
-            if bytes(body[length:]) != b"\r\n":
-                raise InvalidResponse(f"a value from {self.where} does not end with CRLF")
-            return body[:length] if placed is None else placed
+                return self._placed(length, place, self.guard)
+            body = self._room(length + 2)
+            self._body(body)
+            self._crlf(body[length:])
+            return body[:length]
         if kind == b"-":
             return _error(head[1:])
         if kind == b"_":  # RESP3 null

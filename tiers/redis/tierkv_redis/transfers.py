@@ -6,8 +6,11 @@ split block's parts are sent later parts first and the main name last, so a look
 sees the block only once all of it is there.
 
 A load sends GETs (GETEX with a `ttl`: a hit renews it) down one pooled connection and
-reads the values into the thread's scratch buffer (`gets.py`), then checks each frame
-there and copies its payload into the slot while the job lives. A block gone (expired,
+reads each value's payload straight into its slot while the job lives (`gets.py`, under
+the job's `SocketGuard`), then checks the frame there; a value of an unexpected length
+is read into the thread's scratch buffer instead, checked there and never copied into
+the slot unless it passes. As the contract allows, a failed key's slot may hold the
+bytes read. A block gone (expired,
 evicted), half gone, or failing its checks fails its key; what must be deleted is
 handed back to the event loop, which deletes it.
 
