@@ -13,15 +13,12 @@ node's (the tier routes a cluster's commands itself, `cluster.py`).
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Sequence
-from typing import Any
 
 from redis.connection import ConnectionPool
 from redis.exceptions import ConnectionError, ResponseError
 
 from tierkv.tier import detached
-from tierkv_redis.sockets import send_whole, usable, whole_io
 
 
 def pack_set(name: bytes, header: bytes, payload: bytes | memoryview, px: int | None) -> bytes:
@@ -41,29 +38,11 @@ def pack_set(name: bytes, header: bytes, payload: bytes | memoryview, px: int | 
     return b"".join((head, header, payload, tail))
 
 
-def _send(conn: Any, commands: Sequence[bytes]) -> None:
-    """Write `commands` down `conn`, connecting it first if it is not: each command in
-    one call with the socket blocking (`sockets.whole_io`) where it can be, else by
-    redis-py (in pieces)."""
-    sock = getattr(conn, "_sock", None)
-    if sock is None:
-        conn.connect()
-        sock = getattr(conn, "_sock", None)
-    if not usable(sock):
-        for command in commands:  # one exact bytes each: written without a join
-            conn.send_packed_command([command], check_health=False)
-        return
-    assert isinstance(sock, socket.socket)  # usable() says so
-    where = f"{getattr(conn, 'host', '?')}:{getattr(conn, 'port', '?')}"
-    with whole_io(sock, sock.gettimeout()):
-        for command in commands:
-            send_whole(sock, command, where)
-
-
 def _send_once(pool: ConnectionPool, commands: Sequence[bytes]) -> list[ResponseError | None]:
-    conn: Any = pool.get_connection()
+    conn = pool.get_connection()
     try:
-        _send(conn, commands)
+        for command in commands:  # one exact bytes each: written without a join
+            conn.send_packed_command([command], check_health=False)  # type: ignore[no-untyped-call]
         outcomes: list[ResponseError | None] = []
         for _ in commands:
             try:
@@ -74,7 +53,7 @@ def _send_once(pool: ConnectionPool, commands: Sequence[bytes]) -> list[Response
         return outcomes
     except BaseException:
         # a connection with replies still unread must never go back to the pool
-        conn.disconnect()
+        conn.disconnect()  # type: ignore[no-untyped-call]
         raise
     finally:
         pool.release(conn)
