@@ -250,7 +250,10 @@ async def test_forged_or_damaged_values_fail_their_keys_and_are_deleted(
         assert result.error and "corrupt block deleted" in result.error
         for reason in ("expected", "bad magic", "another namespace", "payload is"):
             assert reason in result.error
-        for slot in (10, 12, 13, 14):  # a slot is written only after every check passed
+        # a value of the frame's length is read straight into its slot and checked
+        # there (the contract lets a failed key's slot hold anything); one of another
+        # length never reaches the slot
+        for slot in (12, 14):
             assert bytes(view.block(slot)) == sentinel
         assert bytes(view.block(11)) == data[1]
         assert bytes(view.block(15)) == data[5]
@@ -300,7 +303,8 @@ async def test_a_missing_part_is_a_miss_never_a_corrupt_read(redis_server: Redis
         result = await tier.load(job(keys, [10, 11]))  # a load before any lookup
         assert result.failed_keys == (keys[0],)
         assert result.error and "1 of 5 parts missing" in result.error
-        assert bytes(view.block(10)) == b"\0" * view.block_bytes
+        # the parts that were there may have been read into slot 10 (a failed key's
+        # slot may hold anything): what counts is that its key failed
         assert bytes(view.block(11)) == data[1]
         assert await client.exists(*names) == 0  # the orphaned parts went too
     finally:

@@ -1,4 +1,4 @@
-"""GETs whose values are read off the socket straight into a reusable buffer.
+"""GETs whose values are read off the socket straight into their slots (or a reused buffer).
 
 Through redis-py a GET of a MiB-sized value costs three copies and a fresh allocation
 beyond the kernel's: the socket is read in chunks that are fed to the hiredis reader,
@@ -8,10 +8,14 @@ blocks were bound by the client's CPU (1.7-2.1 s per GiB, the server 0.5 s) and 
 half the speed of the same GETs read this way.
 
 Here a worker thread sends a batch's GETs (or GETEXs) down one pooled connection and
-reads each bulk reply with `recv_into`, the header line through a small buffer and the
-value straight into the thread's scratch buffer, which is kept for the next batch. The
-caller checks each frame there and copies its payload into the slot: one copy, as the
-`SlotGuard` wants (a thread left behind on a frozen Redis never holds a slot's memory).
+reads each bulk reply with `recv_into`, the header line through a small buffer. With
+the job's `SocketGuard` and a `Place` per command, a value of the frame's length goes
+header to scratch and payload straight into its slot, each in one call on a socket in
+blocking mode (`sockets.whole_io`), while the job lives: the guard cuts the socket
+when the job ends, so a thread the deadline left behind never writes a slot after it.
+Any other value (another length, no place, a job already ended, a TLS socket read in
+pieces) goes into the thread's scratch buffer, kept for the next batch, and the caller
+checks it there and copies its payload into the slot.
 
 It takes the connection from redis-py's blocking pool (connect, AUTH, SELECT, TLS and
 READONLY stay redis-py's) and reads its socket, which redis-py keeps in a private
@@ -24,7 +28,9 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from redis.connection import ConnectionPool
@@ -32,15 +38,41 @@ from redis.exceptions import ConnectionError, InvalidResponse, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tierkv.tier import detached
+from tierkv_redis.sockets import SocketGuard, recv_whole, usable, whole_io
 
 try:  # the parser's table of error codes -> ResponseError subclasses (MOVED, OOM, ...)
     from redis._parsers.base import BaseParser as _Parser
 except ImportError:  # pragma: no cover - another redis-py layout
     _Parser = None  # type: ignore[assignment,misc]
 
+
+@dataclass(frozen=True, slots=True)
+class Place:
+    """Where a value of `head + (end - start)` bytes goes: its first `head` bytes to
+    the thread's scratch, the rest straight into `view()[start:end]` (a slot's bytes;
+    `view` is called only while the job lives, and its view dropped before the job's
+    `SocketGuard` can close)."""
+
+    view: Callable[[], memoryview]
+    head: int
+    start: int
+    end: int
+
+
+class Placed:
+    """A value read into its `Place`: `head` is its first bytes (a view of the
+    scratch buffer), the rest is in the slot, unchecked."""
+
+    __slots__ = ("head",)
+
+    def __init__(self, head: memoryview) -> None:
+        self.head = head
+
+
 # One reply of a GET: the value (a view of the thread's scratch buffer, valid until the
-# thread reads its next batch), None for a missing key, or the server's error.
-Reply: TypeAlias = memoryview | bytes | ResponseError | None
+# thread reads its next batch), Placed (the value read into its slot), None for a
+# missing key, or the server's error.
+Reply: TypeAlias = memoryview | bytes | Placed | ResponseError | None
 
 _LINE_BUFFER = 64 * 1024
 # A thread keeps a scratch buffer up to this size for its next batch; a batch needing
@@ -85,9 +117,21 @@ class _SocketReplies:
     """Reads the replies of GETs from one socket: header lines through the thread's line
     buffer, values straight into a scratch buffer with `recv_into`."""
 
-    def __init__(self, sock: socket.socket, where: str) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        where: str,
+        *,
+        whole: bool = False,
+        timeout: float | None = None,
+        guard: SocketGuard | None = None,
+    ) -> None:
         self.sock = sock
         self.where = where
+        self.guard = guard  # values with a Place are read into their slot under it
+        # in `whole_io` mode (blocking): each value read in one call, within `timeout`
+        self.whole = whole
+        self.timeout = timeout
         self.line = memoryview(_scratch.line)
         self.pos = 0
         self.end = 0
@@ -97,7 +141,7 @@ class _SocketReplies:
     def _recv(self, into: memoryview) -> int:
         try:
             n = self.sock.recv_into(into)
-        except TimeoutError as exc:  # socket.timeout: a frozen server
+        except (TimeoutError, BlockingIOError) as exc:  # a frozen server (either mode)
             raise RedisTimeoutError(f"Timeout reading from {self.where}") from exc
         except OSError as exc:
             raise ConnectionError(f"Error while reading from {self.where}: {exc}") from exc
@@ -155,26 +199,68 @@ class _SocketReplies:
                 self._skip(self._header())
         # any other type is one line, already read
 
+    def _placed(self, length: int, place: Place, guard: SocketGuard) -> Reply:
+        """Read a value of `length` bytes: its head into scratch, the rest into its
+        slot while the job lives (`Placed`); when the job has ended, all of it into
+        scratch (a value, as if it had no place: never a half-read `Placed`)."""
+        head = self._room(place.head + 2)  # the head, then the CRLF
+        self._body(head[: place.head])
+        with guard.moving(self.sock) as alive:
+            if alive:
+                dest = place.view()[place.start : place.end]
+                try:
+                    self._body(dest)
+                except BaseException as exc:
+                    # no frame of the failed read may keep a view of the slot alive
+                    # (a slab is unmapped only once every view of it is gone)
+                    traceback.clear_frames(exc.__traceback__)
+                    raise
+                finally:
+                    dest.release()
+        if alive:
+            self._body(head[place.head :])
+            self._crlf(head[place.head :])
+            return Placed(head[: place.head])
+        body = self._room(length + 2)
+        body[: place.head] = head[: place.head]
+        self._body(body[place.head :])
+        self._crlf(body[length:])
+        return body[:length]
+
+    def _crlf(self, end: memoryview) -> None:
+        if bytes(end) != b"\r\n":
+            raise InvalidResponse(f"a value from {self.where} does not end with CRLF")
+
     def _body(self, body: memoryview) -> None:
         """Fill `body` from the line buffer's rest, then from the socket."""
         have = min(self.end - self.pos, len(body))
         body[:have] = self.line[self.pos : self.pos + have]
         self.pos += have
+        if self.whole and have < len(body):
+            recv_whole(self.sock, body[have:], self.where, self.timeout)
+            return
         while have < len(body):
             have += self._recv(body[have:])
 
-    def next(self) -> Reply:
-        """The next reply: a value, None (no such key) or the server's error."""
+    def next(self, place: Place | None = None) -> Reply:
+        """The next reply: a value, None (no such key) or the server's error. A value
+        of the length `place` expects is read into its slot while the job lives
+        (`Placed`); any other value into scratch."""
         head = self._header()
         kind = head[:1]
         if kind == b"$":
             length = self._count(head)
             if length < 0:
                 return None
+            if (
+                place is not None
+                and self.guard is not None
+                and length == place.head + place.end - place.start
+            ):
+                return self._placed(length, place, self.guard)
             body = self._room(length + 2)
             self._body(body)
-            if bytes(body[length:]) != b"\r\n":
-                raise InvalidResponse(f"a value from {self.where} does not end with CRLF")
+            self._crlf(body[length:])
             return body[:length]
         if kind == b"-":
             return _error(head[1:])
@@ -186,14 +272,28 @@ class _SocketReplies:
         raise InvalidResponse(f"unexpected reply {head[:40]!r} to a GET from {self.where}")
 
 
-def _read_on(conn: Any, commands: Sequence[bytes], direct: bool) -> list[Reply]:
-    """Send `commands` down `conn` (connecting it if it is not) and read their replies."""
+def _read_on(
+    conn: Any,
+    commands: Sequence[bytes],
+    direct: bool,
+    places: Sequence[Place | None] | None,
+    guard: SocketGuard | None,
+) -> list[Reply]:
+    """Send `commands` down `conn` (connecting it if it is not) and read their replies
+    (into their places where the socket can be read whole)."""
     conn.send_packed_command([b"".join(commands)], check_health=False)
     sock = getattr(conn, "_sock", None)
     if direct and isinstance(sock, socket.socket):
         where = f"{getattr(conn, 'host', '?')}:{getattr(conn, 'port', '?')}"
-        replies = _SocketReplies(sock, where)
-        return [replies.next() for _ in commands]
+        if not usable(sock):  # TLS, or not Linux: in pieces, in redis-py's mode
+            replies = _SocketReplies(sock, where)
+            return [replies.next() for _ in commands]
+        timeout = sock.gettimeout()
+        with whole_io(sock, timeout):
+            replies = _SocketReplies(sock, where, whole=True, timeout=timeout, guard=guard)
+            if places is None:
+                return [replies.next() for _ in commands]
+            return [replies.next(place) for place in places]
     out: list[Reply] = []  # the public, slower way
     for _ in commands:
         try:
@@ -204,23 +304,33 @@ def _read_on(conn: Any, commands: Sequence[bytes], direct: bool) -> list[Reply]:
 
 
 def read_values(
-    pool: ConnectionPool, commands: Sequence[bytes], *, direct: bool = True
+    pool: ConnectionPool,
+    commands: Sequence[bytes],
+    *,
+    direct: bool = True,
+    places: Sequence[Place | None] | None = None,
+    guard: SocketGuard | None = None,
 ) -> list[Reply]:
     """Worker thread: send packed GETs (`pack_get`) down one pooled connection and read
     their replies: per command the value, None, or the server's error. A value is a view
     of this thread's scratch buffer, valid until the thread's next call. Connection
     errors raise, after one retry on a fresh connection (a pooled connection a Redis
     restart closed fails once); a timeout raises at once. `direct=False` reads through
-    redis-py's parser, as on a connection whose socket cannot be reached."""
+    redis-py's parser, as on a connection whose socket cannot be reached.
+
+    With `places` (one per command, or None) and the job's `guard`, a value of the
+    length its place expects is read straight into its slot (`Placed`) where the
+    socket can be read whole; the job ending meanwhile cuts the connection
+    (`SlotsClosed`, not retried)."""
     conn: Any = pool.get_connection()
     try:
         try:
-            return _read_on(conn, commands, direct)
+            return _read_on(conn, commands, direct, places, guard)
         except ConnectionError:
             # as redis-py retries: the same connection, reconnected (another pooled one
             # could be just as stale)
             conn.disconnect()
-            return _read_on(conn, commands, direct)
+            return _read_on(conn, commands, direct, places, guard)
     except BaseException:
         # a connection with replies still unread must never go back to the pool
         conn.disconnect()

@@ -33,6 +33,7 @@ from tierkv_redis.failures import MOVED_NOTE, UNREACHABLE
 from tierkv_redis.names import BlockNames
 from tierkv_redis.routing import Node, NodeHealth
 from tierkv_redis.session import Session
+from tierkv_redis.sockets import SocketGuard
 
 Pair = tuple[OffloadKey, int]
 
@@ -142,7 +143,7 @@ async def run_on_nodes(
 ) -> JobResult:
     """`op` over `batches` (from `plan`) by the contract's `run_job`; then the job's
     slots closed to any thread its deadline left behind."""
-    guard = SlotGuard()
+    guard = SocketGuard()
     try:
         return await run_job(
             job,

@@ -41,9 +41,10 @@ and stay on the asyncio client.
 A thread waiting on a frozen Redis cannot be interrupted, so a job at its deadline
 leaves it behind (`IOThreads`): its socket timeout, at most `job_timeout` plus half a
 second (`clients.LEFT_BEHIND_MARGIN`), frees it soon after, and it touches the job's
-slots only under the job's `SlotGuard`, which the job closes before it returns. A
-late store may still land in Redis (as with any client whose command was sent); a late
-load never writes a slot.
+slots only under the job's `SocketGuard` (`sockets.py`), which the job closes before it
+returns: a read straight into a slot is cut there (its socket shut down). A late store
+may still land in Redis (as with any client whose command was sent); a late load never
+writes a slot.
 """
 
 from __future__ import annotations

@@ -6,8 +6,11 @@ split block's parts are sent later parts first and the main name last, so a look
 sees the block only once all of it is there.
 
 A load sends GETs (GETEX with a `ttl`: a hit renews it) down one pooled connection and
-reads the values into the thread's scratch buffer (`gets.py`), then checks each frame
-there and copies its payload into the slot while the job lives. A block gone (expired,
+reads each value's payload straight into its slot while the job lives (`gets.py`, under
+the job's `SocketGuard`), then checks the frame there; a value of an unexpected length
+is read into the thread's scratch buffer instead, checked there and never copied into
+the slot unless it passes. As the contract allows, a failed key's slot may hold the
+bytes read. A block gone (expired,
 evicted), half gone, or failing its checks fails its key; what must be deleted is
 handed back to the event loop, which deletes it.
 
@@ -18,6 +21,7 @@ the job to fail the node; per-command errors (out of memory, MOVED) fail their k
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 
 from redis.client import Redis as SyncRedis
 
@@ -31,8 +35,9 @@ from tierkv.tier import (
     SlotGuard,
 )
 from tierkv_redis.failures import command_error, is_command_error
-from tierkv_redis.gets import Reply, pack_get, read_values
+from tierkv_redis.gets import Place, Placed, Reply, pack_get, read_values
 from tierkv_redis.names import BlockNames
+from tierkv_redis.sockets import SocketGuard
 from tierkv_redis.wire import pack_set, send_sets
 
 Loaded = tuple[dict[OffloadKey, str], list[OffloadKey], list[OffloadKey]]
@@ -111,11 +116,18 @@ class Transfers:
 
     # -- loads ----------------------------------------------------------------------
     def load(self, sync: SyncRedis, batch: Batch, guard: SlotGuard) -> Loaded:
-        """Worker thread: GET each block of `batch`, check its frame and copy its payload
-        into its slot while the job lives."""
+        """Worker thread: GET each block of `batch` and check its frame. With the
+        job's `SocketGuard` each value is read straight into its slot while the job
+        lives and checked there; otherwise into scratch, then checked and copied."""
         px = self.ttl_ms  # GETEX renews the ttl of a block read
         names = [name for key, _ in batch for name in self.names.all(key)]
-        values = read_values(sync.connection_pool, [pack_get(n.encode(), px) for n in names])
+        places = self._places(batch) if isinstance(guard, SocketGuard) else None
+        values = read_values(
+            sync.connection_pool,
+            [pack_get(n.encode(), px) for n in names],
+            places=places,
+            guard=guard if isinstance(guard, SocketGuard) else None,
+        )
         errors: dict[OffloadKey, str] = {}
         doomed: list[OffloadKey] = []  # keys whose stored values must go
         gone: list[OffloadKey] = []  # keys Redis no longer has (expired, evicted)
@@ -130,6 +142,25 @@ class Transfers:
             if why is not None:
                 errors[key] = why
         return errors, doomed, gone
+
+    def _places(self, batch: Batch) -> list[Place | None]:
+        """Where each GET's value goes: the frame's header to scratch, its payload
+        (or the payload's piece in this part) straight into the key's slot."""
+        places: list[Place | None] = []
+        block = self.primary.block
+        for key, slot in batch:
+            view = partial(block, slot)
+            head = self.framer.header_bytes(key)
+            bounds = self.names.part_bounds(key)
+            if bounds[0][1] < head:  # a first part shorter than the header: scratch
+                places.extend([None] * len(bounds))
+                continue
+            for i, (start, end) in enumerate(bounds):
+                if i == 0:
+                    places.append(Place(view, head, 0, end - head))
+                else:
+                    places.append(Place(view, 0, start - head, end - head))
+        return places
 
     def _missing(
         self,
@@ -165,14 +196,19 @@ class Transfers:
         doomed: list[OffloadKey],
         guard: SlotGuard,
     ) -> str | None:
-        """Check the frame of `key` and copy its payload into `slot` while the job
-        lives; why not, noting a corrupt block for deletion."""
-        frames = [p for p in parts if isinstance(p, bytes | memoryview)]  # all of them
+        """Check the frame of `key` (read into `slot`, or copy its payload there from
+        scratch) while the job lives; why not, noting a corrupt block for deletion."""
+        placed = [p for p in parts if isinstance(p, Placed)]
+        frames = [p for p in parts if isinstance(p, bytes | memoryview)]
         with guard.hold() as alive:
             if not alive:
                 return "redis load: the job ended before this block was written"
             try:
-                if len(frames) == 1:
+                if placed and frames:
+                    raise CorruptBlock("its parts have not the lengths its frame gives")
+                if placed:  # already in the slot: checked there
+                    self.framer.check_frame(placed[0].head, key, self.primary.block(slot))
+                elif len(frames) == 1:
                     self.framer.decode_into(key, frames[0], self.primary.block(slot))
                 else:  # straight from the parts into the slot, no joined copy
                     self.framer.decode_parts_into(key, frames, self.primary.block(slot))

@@ -1,0 +1,204 @@
+"""`sockets.py` and the loads that read values straight into their slots: whole reads
+and writes in blocking mode with kernel timeouts, redis-py's timeout mode restored
+after each batch, a job's `SocketGuard` cutting a read into a slot when the job ends
+(nothing reaches the slot afterwards), and byte-identical round trips through the
+tier at the block sizes the README quotes, split blocks included."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import threading
+import time
+
+import pytest
+import redis
+from redis.connection import BlockingConnectionPool
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from tierkv_redis import RedisTier, RedisTierConfig
+from tierkv_redis.gets import Place, Placed, _SocketReplies, pack_get, read_values
+from tierkv_redis.sockets import SlotsClosed, SocketGuard, recv_whole, usable, whole_io
+from tierkv_redis.testing import RedisServer
+
+from tierkv.contract.jobs import JobMetadata, ReqContext
+from tierkv.contract.keys import OffloadKey
+from tierkv.primary import PrimaryTier
+from tierkv.testing import fill_slots, random_keys
+
+MiB = 1 << 20
+
+
+def test_whole_io_blocks_for_the_batch_and_restores_redis_pys_mode() -> None:
+    a, b = socket.socketpair()
+    try:
+        a.settimeout(1.5)
+        assert usable(a)
+        with whole_io(a, 1.5):
+            assert a.gettimeout() is None  # blocking: one call per value
+            sender = threading.Thread(target=b.sendall, args=(b"x" * 300_000,))
+            sender.start()  # more than the socket buffers hold: read while it is sent
+            into = memoryview(bytearray(300_000))
+            recv_whole(a, into, "pair", 1.5)
+            sender.join(5)
+            assert bytes(into) == b"x" * 300_000
+        assert a.gettimeout() == 1.5
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_whole_read_from_a_silent_peer_times_out_in_the_kernels_time() -> None:
+    a, b = socket.socketpair()
+    try:
+        b.sendall(b"y" * 10)  # part of the value, then silence
+        started = time.monotonic()
+        with whole_io(a, 0.3), pytest.raises(RedisTimeoutError, match="Timeout reading"):
+            recv_whole(a, memoryview(bytearray(100)), "pair", 0.3)
+        assert 0.25 < time.monotonic() - started < 2.0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_tls_sockets_are_not_read_whole() -> None:
+    import ssl
+
+    context = ssl.create_default_context()
+    sock = context.wrap_socket(
+        socket.socket(), server_hostname="localhost", do_handshake_on_connect=False
+    )
+    try:
+        assert not usable(sock)  # recv_into refuses flags on TLS sockets
+    finally:
+        sock.close()
+
+
+def _placed_read(
+    payload: int, sent: int, guard: SocketGuard, slot: memoryview
+) -> tuple[socket.socket, threading.Thread, list[BaseException | object]]:
+    """A thread reading one GET reply of a `payload`-byte value (8-byte head), placed
+    to go into all of `slot`, of which the peer has sent `sent` payload bytes so far."""
+    a, b = socket.socketpair()
+    b.sendall(b"$%d\r\n" % (8 + payload) + b"H" * 8 + b"p" * sent)
+    out: list[BaseException | object] = []
+
+    def read() -> None:
+        with whole_io(a, 5.0):
+            replies = _SocketReplies(a, "pair", whole=True, timeout=5.0, guard=guard)
+            try:
+                out.append(replies.next(Place(lambda: slot, 8, 0, len(slot))))
+            except BaseException as exc:
+                out.append(exc)
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    return b, thread, out
+
+
+def test_a_job_ending_mid_read_cuts_it_and_never_writes_the_slot_after() -> None:
+    slot = memoryview(bytearray(b"\xee" * MiB))
+    guard = SocketGuard()
+    peer, thread, out = _placed_read(MiB, 100_000, guard, slot)
+    try:
+        deadline = time.monotonic() + 5
+        while slot[99_999] != ord("p") and time.monotonic() < deadline:
+            time.sleep(0.01)  # the first bytes reached the slot; the rest is awaited
+        started = time.monotonic()
+        guard.close()  # the job's deadline: returns once the read let go
+        assert time.monotonic() - started < 1.0
+        thread.join(5)
+        assert not thread.is_alive()
+        assert len(out) == 1 and isinstance(out[0], SlotsClosed)
+        with pytest.raises(OSError):  # the connection was cut: nothing more arrives
+            peer.sendall(b"p" * MiB)
+            peer.sendall(b"p" * MiB)
+        time.sleep(0.05)
+        assert bytes(slot[100_000:]) == b"\xee" * (MiB - 100_000)
+        with guard.hold() as alive:
+            assert not alive
+    finally:
+        peer.close()
+
+
+def test_a_job_that_ended_before_the_read_gets_the_value_in_scratch() -> None:
+    slot = memoryview(bytearray(b"\xee" * 1000))
+    guard = SocketGuard()
+    guard.close()
+    peer, thread, out = _placed_read(1000, 1000, guard, slot)
+    try:
+        peer.sendall(b"\r\n")
+        thread.join(5)
+        assert len(out) == 1 and isinstance(out[0], memoryview)  # not Placed
+        assert bytes(out[0]) == b"H" * 8 + b"p" * 1000
+        assert bytes(slot) == b"\xee" * 1000
+    finally:
+        peer.close()
+
+
+def test_a_value_of_another_length_never_reaches_the_slot() -> None:
+    slot = memoryview(bytearray(b"\xee" * 1000))
+    guard = SocketGuard()
+    peer, thread, out = _placed_read(999, 999, guard, slot)  # the place expects 1000
+    try:
+        peer.sendall(b"\r\n")
+        thread.join(5)
+        assert len(out) == 1 and isinstance(out[0], memoryview)
+        assert bytes(slot) == b"\xee" * 1000
+    finally:
+        peer.close()
+        guard.close()
+
+
+def test_placed_values_and_misses_in_one_batch(redis_server: RedisServer) -> None:
+    with redis.Redis.from_url(redis_server.url) as c:
+        c.set("sockets-test:a", b"HEAD" + b"a" * 5000)
+        c.set("sockets-test:b", b"HEAD" + b"b" * 4999)  # not the expected length
+    slots = [memoryview(bytearray(5000)) for _ in range(3)]
+    places = [Place(lambda s=s: s, 4, 0, 5000) for s in slots]
+    pool = BlockingConnectionPool.from_url(redis_server.url, max_connections=1, socket_timeout=2)
+    guard = SocketGuard()
+    try:
+        names = [b"sockets-test:a", b"sockets-test:missing", b"sockets-test:b"]
+        replies = read_values(pool, [pack_get(n, None) for n in names], places=places, guard=guard)
+        assert isinstance(replies[0], Placed) and bytes(replies[0].head) == b"HEAD"
+        assert bytes(slots[0]) == b"a" * 5000
+        assert replies[1] is None
+        assert isinstance(replies[2], memoryview) and bytes(replies[2]) == b"HEAD" + b"b" * 4999
+        conn = pool.get_connection()
+        try:
+            assert conn._sock.gettimeout() == 2  # type: ignore[attr-defined]
+        finally:
+            pool.release(conn)
+    finally:
+        guard.close()
+        pool.disconnect()
+
+
+_job_ids = iter(range(1, 1 << 30))
+
+
+def _job(keys: list[OffloadKey], slots: range) -> JobMetadata:
+    return JobMetadata(next(_job_ids), tuple(keys), tuple(slots), ReqContext(request_id="t"))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("block", [64 << 10, MiB, 8 * MiB])
+async def test_round_trips_are_byte_identical(redis_server: RedisServer, block: int) -> None:
+    """The sizes the README quotes; 8 MiB blocks are split in two parts (the default
+    `part_size` is 8 MiB and the frame is a little more), each read into its slot."""
+    rng = random.Random(block)
+    view = PrimaryTier(8, block, pin_memory=False, namespace=f"sockets-{os.urandom(3).hex()}").view
+    tier = RedisTier(RedisTierConfig.model_validate({"url": redis_server.url}), view)
+    await tier.open()
+    try:
+        keys = random_keys(4, rng)
+        data = fill_slots(view, range(4), rng)
+        assert (await tier.store(_job(keys, range(4)))).ok
+        assert len(tier._names.all(keys[0])) == (2 if block == 8 * MiB else 1)
+        result = await tier.load(_job(keys, range(4, 8)))
+        assert result.ok, result.error
+        for i in range(4):
+            assert bytes(view.block(4 + i)) == data[i]
+    finally:
+        await tier.close()
