@@ -4,9 +4,10 @@ candidates, each candidate checked for residence in a primary-sized dict as the 
 does) and `adaptive` (`AdaptiveAdmission.admits_adaptive`, in its tinylfu state: the
 costlier one), beside sketching the lookup that precedes it (`sighted`; `adaptive`
 also walks the sampled keys through its two shadow chains there: one key in
-`sampling`). The duel is measured for the `--tier-blocks` tier, for a tier of 4,096
-blocks (sampled at the floor, `MIN_SAMPLING`) and for a tier of 200 (every key
-sampled: the worst case), each on two kinds of asks: the same keys again (every key a
+`sampling`). The duel is measured for the `--tier-blocks` tier, for tiers of 4,096
+and 1,000 blocks (sampled at the floor, `MIN_SAMPLING`, or as often as a shadow tier of
+`MIN_SHADOW_BLOCKS` keys needs) and of 200 (every key sampled: the worst case), each
+on two kinds of asks: the same keys again (every key a
 hit in the shadows' primary) and trace-like ones ("new half": each ask repeats the
 first half of the one before and adds as many new keys, so the shadows miss, write and
 weigh rivals as on a real trace).
@@ -128,7 +129,8 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         keys = _keys(batch)
         duels: dict[str, AdaptiveAdmission] = {}
-        for name, blocks in (("tier", args.tier_blocks), ("4,096", 4096), ("200", 200)):
+        tiers = (("tier", args.tier_blocks), ("4,096", 4096), ("1,000", 1000), ("200", 200))
+        for name, blocks in tiers:
             duels[name] = AdaptiveAdmission()
             duels[name].size_for(blocks, min(args.primary_blocks, blocks // 10))
         for a in (admission, *duels.values()):

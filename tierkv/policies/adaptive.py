@@ -52,13 +52,18 @@ SHADOW_BLOCKS = 4096
 """At most this many keys in each shadow tier, and in each shadow primary."""
 MAX_SAMPLING = 256
 """One key in at most this many is sampled (the first byte of a key picks it)."""
-MIN_SAMPLING = 1
+MIN_SAMPLING = 16
 """One key in at least this many is sampled while the shadow tier keeps at least
 `MIN_SHADOW_BLOCKS` keys: the duel's cost per block looked up is its cost per sampled
-key (a few dict operations) divided by the rate."""
-MIN_SHADOW_BLOCKS = 256
+key (some twenty dict operations where the shadows miss and write) over the rate."""
+MIN_SHADOW_BLOCKS = 128
 """The sampling floor does not shrink a shadow tier below this many keys (a smaller
-tier samples more keys, down to every key)."""
+tier samples more keys, down to every key). 128 and 16 kept the hit bar in the
+capacity sweep's cells rerun (`docs/bench.md`); 64-key shadows lost 3.5 % at the
+smallest conversation cell, and the result is not monotone in the rate (256-key
+shadows, one key in 4, lost 3 % at the smallest shared-trace cell, one in 8 did not)."""
+BULK_PAST = 8
+"""Past this many keys, the duel's bookkeeping goes by whole batches (dearer to start)."""
 MARGIN = 0.99
 """The tinylfu rule is used while its shadow serves at least this share of write-all's."""
 DECAY_PER_BLOCK = 16
@@ -141,11 +146,13 @@ class AdaptiveAdmission(ReuseAdmission):
         sample = keys if below == 256 else [k for k in keys if k[0] < below]
         if not sample:
             return super().sighted(keys, tail)
-        # the tinylfu shadow's rivals are among its tier's first len(sample) keys:
-        # estimated in the same sketch pass as the request's sightings
+        bulk = len(sample) > BULK_PAST
+        # the tinylfu shadow's rivals are among its tier's first len(sample) keys: for
+        # a large sample, estimated in the same sketch pass as the request's sightings
+        # (a small one estimates them later, and only if some key is new)
         selective = self.tinylfu_shadow
         rivals = len(sample) + len(selective.tier) - selective.tier_blocks > 0
-        front = list(islice(selective.tier, len(sample))) if rivals else []
+        front = list(islice(selective.tier, len(sample))) if rivals and bulk else []
         halvings = self.sketch.halvings
         counts, front_counts = self.sketch.add_then_estimate(keys, front)
         self._continued(keys, tail)
@@ -173,8 +180,9 @@ class AdaptiveAdmission(ReuseAdmission):
         new_all: list[bytes] = []
         new_sel: list[bytes] = []
         walked = 0
+        bulk = len(sample) > BULK_PAST
         for key in sample:
-            if not (prefix_all or prefix_sel):
+            if bulk and not (prefix_all or prefix_sel):
                 break  # past both hits: the rest is done in bulk below
             walked += 1
             if key in primary:  # a hit in both while its prefix holds; no tier read
@@ -250,20 +258,26 @@ class AdaptiveAdmission(ReuseAdmission):
         if free >= len(new):
             tier.update(dict.fromkeys(new))
             return
-        # the rivals: the tier's first keys before these come (all of them in `front`)
-        rivals = list(islice(tier, len(new) - free))
+        past = new[free:]
+        # the rivals: the tier's first keys before these come (all of them in `front`
+        # where the lookup's pass estimated it)
+        rivals = list(islice(tier, len(past)))
         tier.update(dict.fromkeys(new[:free]))
-        rival_count = dict(zip(front, front_counts.tolist()))
-        sighted = dict(zip(keys, (counts >> 1 if halved else counts).tolist()))
+        if front:
+            rival_count = dict(zip(front, front_counts.tolist()))
+            rival_counts = [rival_count[rival] for rival in rivals]
+            sighted = dict(zip(keys, (counts >> 1 if halved else counts).tolist()))
+            past_counts = [sighted[key] for key in past]
+        else:  # as `admits_against` does: one estimate of both, after the sightings
+            both = self.sketch.estimate(past + rivals).tolist()
+            past_counts, rival_counts = both[: len(past)], both[len(past) :]
         continuing, need = self._continuing, self.min_sightings
         displaced = 0
-        for key in new[free:]:
+        for key, count in zip(past, past_counts):
             if displaced == len(rivals):
                 break  # no candidate left: the tier would refuse it
-            count = sighted[key]
-            rival = rivals[displaced]
-            if count >= need or key in continuing or count > rival_count[rival]:
-                del tier[rival]
+            if count >= need or key in continuing or count > rival_counts[displaced]:
+                del tier[rivals[displaced]]
                 tier[key] = None
                 displaced += 1
 
