@@ -4,7 +4,13 @@ candidates, each candidate checked for residence in a primary-sized dict as the 
 does) and `adaptive` (`AdaptiveAdmission.admits_adaptive`, in its tinylfu state: the
 costlier one), beside sketching the lookup that precedes it (`sighted`; `adaptive`
 also walks the sampled keys through its two shadow chains there: one key in
-`sampling`, every key for a tier of up to 4,096 blocks, the worst case, measured too).
+`sampling`). The duel is measured for the `--tier-blocks` tier, for tiers of 4,096
+and 1,000 blocks (sampled at the floor, `MIN_SAMPLING`, or as often as a shadow tier of
+`MIN_SHADOW_BLOCKS` keys needs) and of 200 (every key sampled: the worst case), each
+on two kinds of asks: the same keys again (every key a
+hit in the shadows' primary) and trace-like ones ("new half": each ask repeats the
+first half of the one before and adds as many new keys, so the shadows miss, write and
+weigh rivals as on a real trace).
 
     python benchmarks/admission_cost.py [--batches 32,1024] [--tier-blocks 100000]
 
@@ -22,6 +28,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 from tierkv.contract.slab import PrimaryView
 from tierkv.memory_tier import MemoryTier, MemoryTierConfig
@@ -57,27 +64,50 @@ def _per_block(run: Callable[[], object], blocks: int, rounds: int) -> float:
     return (time.thread_time() - started) / (rounds * blocks) * 1e6
 
 
+def _trace_like(batch: int, rounds: int) -> Callable[[], list[bytes]]:
+    """Asks that each repeat the first half of the one before and add new keys."""
+    fresh = iter(_keys(batch * rounds * 8))  # enough for every run of every case
+    ask = [next(fresh) for _ in range(batch)]
+
+    def next_ask() -> list[bytes]:
+        nonlocal ask
+        ask = ask[: batch // 2] + [next(fresh) for _ in range(batch - batch // 2)]
+        return ask
+
+    return next_ask
+
+
 def _cases(
     admission: ReuseAdmission,
-    adaptive: AdaptiveAdmission,
-    every_key: AdaptiveAdmission,
+    duels: dict[str, AdaptiveAdmission],
     keys: list[bytes],
     tier: MemoryTier,
     free: int,
     primary: dict,
+    rounds: int,
 ) -> dict[str, Callable[[], object]]:
-    return {
+    cases: dict[str, Callable[[], object]] = {
         "sighted (the lookup's sketch)": lambda: admission.sighted(keys, ()),
         "reuse: admits": lambda: admission.admits(keys),
         "tinylfu: admits_against": lambda: admission.admits_against(
             keys, free, tier.eviction_candidates(), primary.__contains__
         ),
-        f"adaptive: sighted, 1 in {adaptive.sampling}": lambda: adaptive.sighted(keys, ()),
-        "adaptive: sighted, every key": lambda: every_key.sighted(keys, ()),
-        "adaptive: admits_adaptive": lambda: adaptive.admits_adaptive(
-            keys, free, tier.eviction_candidates(), primary.__contains__
-        ),
     }
+    for name, duel in duels.items():
+        cases[f"adaptive: sighted, {name}, 1 in {duel.sampling}"] = partial(duel.sighted, keys, ())
+    plain = ReuseAdmission()
+    asks = _trace_like(len(keys), rounds)
+    cases["sighted, new half"] = lambda: plain.sighted(asks(), ())
+    for name, duel in duels.items():
+        asks_duel = _trace_like(len(keys), rounds)
+        cases[f"adaptive: sighted, {name}, 1 in {duel.sampling}, new half"] = (
+            lambda d=duel, a=asks_duel: d.sighted(a(), ())
+        )
+    adaptive = duels["tier"]
+    cases["adaptive: admits_adaptive"] = lambda: adaptive.admits_adaptive(
+        keys, free, tier.eviction_candidates(), primary.__contains__
+    )
+    return cases
 
 
 def main() -> None:
@@ -91,10 +121,6 @@ def main() -> None:
     tier = _full_tier(args.tier_blocks, 4096)
     primary = dict.fromkeys(_keys(args.primary_blocks))
     admission = ReuseAdmission()
-    adaptive = AdaptiveAdmission()
-    adaptive.size_for(args.tier_blocks, args.primary_blocks)
-    every_key = AdaptiveAdmission()
-    every_key.size_for(4096, args.primary_blocks)
     print(
         f"tier of {args.tier_blocks:,} blocks (full), primary of {args.primary_blocks:,}, "
         f"sketch {admission.sketch.nbytes >> 20} MiB; CPU microseconds per block, median of "
@@ -102,17 +128,22 @@ def main() -> None:
     )
     for batch in (int(b) for b in args.batches.split(",")):
         keys = _keys(batch)
-        for a in (admission, adaptive, every_key):
+        duels: dict[str, AdaptiveAdmission] = {}
+        tiers = (("tier", args.tier_blocks), ("4,096", 4096), ("1,000", 1000), ("200", 200))
+        for name, blocks in tiers:
+            duels[name] = AdaptiveAdmission()
+            duels[name].size_for(blocks, min(args.primary_blocks, blocks // 10))
+        for a in (admission, *duels.values()):
             a.sighted(keys, keys)
             a.sighted(keys[::2], keys[::2])  # half seen twice, half once
         free = tier.room().free_blocks
         assert free == 0
-        assert not adaptive.writes_all  # its costlier state: the tinylfu rule
-        cases = _cases(admission, adaptive, every_key, keys, tier, free, primary)
+        assert not duels["tier"].writes_all  # its costlier state: the tinylfu rule
+        cases = _cases(admission, duels, keys, tier, free, primary, args.rounds)
         for name, run in cases.items():
             runs = [_per_block(run, batch, args.rounds) for _ in range(args.repeat)]
             print(
-                f"  {batch:>5} blocks  {name:<30} {statistics.median(runs):6.3f} us "
+                f"  {batch:>5} blocks  {name:<44} {statistics.median(runs):6.3f} us "
                 f"({min(runs):.3f}..{max(runs):.3f})"
             )
 

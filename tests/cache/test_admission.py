@@ -254,6 +254,10 @@ async def test_adaptive_on_a_tier_that_cannot_name_its_candidates(
         admission = cache.cascader.admission
         assert isinstance(admission, AdaptiveAdmission)
         admission.all_shadow.hits = 1e9
-        await serve(cache, keys(5, "b"), "r2")
+        # unsized (no room to read), the shadows model SHADOW_BLOCKS, one key in
+        # `sampling`: the duel runs on a request holding a sampled key
+        batch = keys(40, "b")
+        assert any(k[0] < 256 // admission.sampling for k in batch)
+        await serve(cache, batch, "r2")
         assert admission.writes_all
-        assert cache.stats().tiers["memory"]["blocks_stored"] == 5
+        assert cache.stats().tiers["memory"]["blocks_stored"] == 40

@@ -4,12 +4,21 @@ shadow chain picks the rule that serves more, deterministically, in bounded memo
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
+from collections.abc import Callable
+from itertools import islice
 
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from tierkv.policies.adaptive import SHADOW_BLOCKS, AdaptiveAdmission, ShadowChain
+from tierkv.policies.adaptive import (
+    MIN_SAMPLING,
+    MIN_SHADOW_BLOCKS,
+    SHADOW_BLOCKS,
+    AdaptiveAdmission,
+)
+from tierkv.policies.admission import ReuseAdmission, SightingSketch
 
 
 def key(tag: str, n: int) -> bytes:
@@ -116,7 +125,7 @@ def test_decisions_are_deterministic() -> None:
 
 
 def test_a_key_is_sampled_by_its_first_byte() -> None:
-    admission = AdaptiveAdmission(width_bits=12)
+    admission = AdaptiveAdmission(width_bits=12, min_sampling=1)
     admission.size_for(SHADOW_BLOCKS * 4, 100)  # one key in four
     assert admission.sampling == 4
     admission.sighted([bytes([63]) + bytes(19)], ())
@@ -126,10 +135,16 @@ def test_a_key_is_sampled_by_its_first_byte() -> None:
 
 @pytest.mark.parametrize(
     ("tier", "rate", "shadow"),
-    [(100, 1, 100), (SHADOW_BLOCKS, 1, SHADOW_BLOCKS), (10 * SHADOW_BLOCKS, 16, 2560)],
+    [
+        (100, 1, 100),
+        (2 * MIN_SHADOW_BLOCKS - 1, 1, 2 * MIN_SHADOW_BLOCKS - 1),  # too small to sample
+        (2 * MIN_SHADOW_BLOCKS, 2, MIN_SHADOW_BLOCKS),
+        (SHADOW_BLOCKS, 8, SHADOW_BLOCKS // 8),  # the floor
+        (10 * SHADOW_BLOCKS, 16, 2560),
+    ],
 )
 def test_the_shadows_are_scaled_to_at_most_shadow_blocks(tier: int, rate: int, shadow: int) -> None:
-    admission = AdaptiveAdmission(width_bits=12)
+    admission = AdaptiveAdmission(width_bits=12, min_sampling=8)
     admission.size_for(tier, tier // 10)
     assert admission.sampling == rate
     assert admission.all_shadow.tier_blocks == shadow
@@ -143,7 +158,7 @@ def test_a_huge_tier_samples_at_most_one_key_in_256() -> None:
     # still bounded: each shadow structure holds at most SHADOW_BLOCKS keys
     assert admission.all_shadow.tier_blocks == SHADOW_BLOCKS
     assert admission.all_shadow.primary_blocks == SHADOW_BLOCKS
-    assert admission.max_shadow_keys == 4 * SHADOW_BLOCKS
+    assert admission.max_shadow_keys == 3 * SHADOW_BLOCKS  # two tiers, one shared primary
 
 
 def test_a_primary_larger_than_the_tier_is_capped_in_the_shadows() -> None:
@@ -167,6 +182,7 @@ def test_memory_stays_bounded_and_verdicts_are_whole(
     for ids in requests:
         ks = [key("p", i) for i in ids]
         admission.sighted(ks, ks[len(ks) // 2 :])
+        assert admission.all_shadow.primary is admission.tinylfu_shadow.primary  # shared
         for chain in (admission.all_shadow, admission.tinylfu_shadow):
             assert len(chain.tier) <= chain.tier_blocks
             assert len(chain.primary) <= chain.primary_blocks
@@ -175,19 +191,141 @@ def test_memory_stays_bounded_and_verdicts_are_whole(
         assert len(verdicts) == len(ks)
         if admission.writes_all or free >= len(ks):
             assert all(verdicts)
-    total = sum(
-        len(c.tier) + len(c.primary) for c in (admission.all_shadow, admission.tinylfu_shadow)
-    )
+    shadows = admission.all_shadow, admission.tinylfu_shadow
+    total = len(shadows[0].primary) + sum(len(c.tier) for c in shadows)
     assert total <= admission.max_shadow_keys
 
 
 def test_a_shadow_scores_only_the_prefix() -> None:
-    chain = ShadowChain(primary_blocks=1, tier_blocks=8)
+    admission = AdaptiveAdmission(width_bits=12, min_sampling=1)
+    admission.size_for(8, 1)
+    chain = admission.all_shadow
     a, b, c = key("s", 0), key("s", 1), key("s", 2)
-    chain.write(chain.ask([a, b, c]))
+    admission.sighted([a, b, c])
+    assert list(chain.tier) == [a, b, c] and chain.hits == 0
     chain.tier.pop(b)  # b gone: c, though held, is past the hit
-    assert chain.ask([a, b, c]) == [b]
-    assert chain.hits == 1
+    admission.sighted([a, b, c])
+    assert chain.hits == 1  # a (in the primary or the tier); not c
+    assert list(chain.tier) == [c, a, b]  # a read from the tier; b written again
+
+
+class ReferenceChain:
+    """The shadow chain as first written (one chain at a time, a dict operation per
+    step): the one-pass duel must leave what it leaves."""
+
+    def __init__(self, primary_blocks: int, tier_blocks: int) -> None:
+        self.primary: OrderedDict[bytes, None] = OrderedDict()
+        self.tier: OrderedDict[bytes, None] = OrderedDict()
+        self.primary_blocks, self.tier_blocks = max(1, primary_blocks), max(1, tier_blocks)
+        self.hits = 0.0
+
+    def ask(self, keys: list[bytes]) -> list[bytes]:
+        prefix, new = True, []
+        for k in keys:
+            in_primary, in_tier = k in self.primary, k in self.tier
+            if prefix and (in_primary or in_tier):
+                self.hits += 1
+                if in_tier and not in_primary:
+                    self.tier.move_to_end(k)
+            else:
+                prefix = False
+                if not in_tier:
+                    new.append(k)
+            self.primary[k] = None
+            self.primary.move_to_end(k)
+            if len(self.primary) > self.primary_blocks:
+                self.primary.popitem(last=False)
+        return new
+
+    def write(self, keys: list[bytes]) -> None:
+        for k in keys:
+            self.tier[k] = None
+            if len(self.tier) > self.tier_blocks:
+                self.tier.popitem(last=False)
+
+    def write_against(self, keys: list[bytes], admitted: Callable[..., list[bool]]) -> None:
+        free = self.tier_blocks - len(self.tier)
+        rivals = list(islice(iter(self.tier), max(0, len(keys) - free)))
+        displaced = iter(rivals)
+        for k, ok in zip(keys, admitted(keys, free, iter(rivals))):
+            if ok:
+                if len(self.tier) >= self.tier_blocks:
+                    del self.tier[next(displaced)]
+                self.tier[k] = None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 200), min_size=1, max_size=40, unique=True), max_size=120),
+    st.integers(1, 60),
+    st.integers(0, 12),
+)
+def test_the_one_pass_duel_leaves_what_two_chains_asked_in_turn_leave(
+    requests: list[list[int]], tier: int, primary: int
+) -> None:
+    admission = AdaptiveAdmission(width_bits=6, min_sampling=1, decay_per_block=1)
+    admission.size_for(tier, primary)
+    admission.age_every(1)  # halvings too
+    admission.sketch.reset_every = 97
+    reference = ReuseAdmission(width_bits=6)
+    reference.sketch.reset_every = 97
+    everything, selective = ReferenceChain(primary, tier), ReferenceChain(primary, tier)
+    for n, ids in enumerate(requests):
+        ks = [key("d", i) for i in ids]
+        tail = ks[len(ks) // 2 :] if n % 3 else ks
+        admission.sighted(ks, tail)
+        reference.sighted(ks, tail)
+        everything.write(everything.ask(ks))
+        selective.write_against(selective.ask(ks), reference.admits_against)
+        for chain, model in (
+            (admission.all_shadow, everything),
+            (admission.tinylfu_shadow, selective),
+        ):
+            assert list(chain.tier) == list(model.tier)
+            assert list(chain.primary) == list(model.primary)
+    assert admission.sketch.halvings == reference.sketch.halvings
+
+
+@pytest.mark.parametrize("floor", sorted({1, 8, MIN_SAMPLING}))
+@pytest.mark.parametrize("tier", [64, 2 * MIN_SHADOW_BLOCKS, 5000, SHADOW_BLOCKS * 300])
+def test_the_sampling_floor_bounds_the_shadows_and_keeps_decisions_deterministic(
+    tier: int, floor: int
+) -> None:
+    runs = []
+    for _ in range(2):
+        admission = AdaptiveAdmission(width_bits=12, min_sampling=floor)
+        admission.size_for(tier, tier // 20)
+        rate, shadow = admission.sampling, admission.all_shadow.tier_blocks
+        assert rate >= floor or tier // (2 * rate) < MIN_SHADOW_BLOCKS
+        assert shadow >= min(tier, MIN_SHADOW_BLOCKS) and shadow <= SHADOW_BLOCKS
+        assert admission.max_shadow_keys <= 3 * SHADOW_BLOCKS
+        second_turns(admission, blocks=300)
+        one_shot_heavy(admission, rounds=3)
+        for chain in (admission.all_shadow, admission.tinylfu_shadow):
+            assert len(chain.tier) <= chain.tier_blocks
+            assert len(chain.primary) <= chain.primary_blocks
+        runs.append(
+            (
+                admission.writes_all,
+                admission.switches,
+                admission.all_shadow.hits,
+                list(admission.tinylfu_shadow.tier),
+                list(admission.all_shadow.primary),
+            )
+        )
+    assert runs[0] == runs[1]
+
+
+def test_add_then_estimate_is_add_then_estimate() -> None:
+    one, two = SightingSketch(8), SightingSketch(8)
+    one.reset_every = two.reset_every = 50
+    for n in range(60):
+        ks = [key("a", (n * 7 + i) % 90) for i in range(9)]
+        others = [key("a", (n + i) % 90) for i in range(n % 4)]
+        counts, theirs = one.add_then_estimate(ks, others)
+        assert counts.tolist() == two.add(ks).tolist()
+        assert theirs.tolist() == two.estimate(others).tolist()
+    assert one.halvings == two.halvings > 0
 
 
 def test_bad_settings_are_refused() -> None:
@@ -197,3 +335,5 @@ def test_bad_settings_are_refused() -> None:
         AdaptiveAdmission(margin=1.5)
     with pytest.raises(ValueError, match="decay_per_block"):
         AdaptiveAdmission(decay_per_block=0)
+    with pytest.raises(ValueError, match="min_sampling"):
+        AdaptiveAdmission(min_sampling=3)

@@ -16,8 +16,11 @@ measured hit rate for the same reason):
   its first byte is below `256 / rate`; keys are uniform hashes, so the sample is a
   fixed 1/rate of the key space, the same in every process (never Python's salted
   `hash()`). The rate is the smallest power of two (at most 256) that keeps each shadow
-  tier at most `SHADOW_BLOCKS` keys; past 256 x `SHADOW_BLOCKS` blocks the shadows are
-  capped there, so memory is bounded whatever the tier's size.
+  tier at most `SHADOW_BLOCKS` keys, and at least `MIN_SAMPLING` while the shadow tier
+  keeps `MIN_SHADOW_BLOCKS` keys (the duel's cost per block is its cost per sampled key
+  over the rate); past 256 x `SHADOW_BLOCKS` blocks the shadows are capped there, so
+  memory is bounded whatever the tier's size. Both shadows see the same asks, so they
+  share one primary, and one pass over the sampled keys serves both.
 - **Hits scored as a prefix.** Each lookup walks its sampled keys through both shadows
   in order; a key scores a hit in a shadow only while every sampled key before it also
   did (a block after a missing one cannot be served, as in the real cache).
@@ -30,15 +33,16 @@ measured hit rate for the same reason):
 
 Decisions are deterministic (a replay gives the same verdicts every time): the shadows
 depend only on the keys and the sketch. Per sampled key, a few dict operations on the
-lookup's path (`sighted`) and one batched sketch estimate per request; a decision is
-the `tinylfu` one or a constant (`benchmarks/admission_cost.py`).
+lookup's path (`sighted`); the tinylfu shadow's rivals are estimated in the same numpy
+pass that counts the lookup's sightings; a decision is the `tinylfu` one or a constant
+(`benchmarks/admission_cost.py`).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
-from itertools import islice
+from itertools import islice, repeat
 
 import numpy as np
 
@@ -48,6 +52,18 @@ SHADOW_BLOCKS = 4096
 """At most this many keys in each shadow tier, and in each shadow primary."""
 MAX_SAMPLING = 256
 """One key in at most this many is sampled (the first byte of a key picks it)."""
+MIN_SAMPLING = 16
+"""One key in at least this many is sampled while the shadow tier keeps at least
+`MIN_SHADOW_BLOCKS` keys: the duel's cost per block looked up is its cost per sampled
+key (some twenty dict operations where the shadows miss and write) over the rate."""
+MIN_SHADOW_BLOCKS = 128
+"""The sampling floor does not shrink a shadow tier below this many keys (a smaller
+tier samples more keys, down to every key). 128 and 16 kept the hit bar in the
+capacity sweep's cells rerun (`docs/bench.md`); 64-key shadows lost 3.5 % at the
+smallest conversation cell, and the result is not monotone in the rate (256-key
+shadows, one key in 4, lost 3 % at the smallest shared-trace cell, one in 8 did not)."""
+BULK_PAST = 8
+"""Past this many keys, the duel's bookkeeping goes by whole batches (dearer to start)."""
 MARGIN = 0.99
 """The tinylfu rule is used while its shadow serves at least this share of write-all's."""
 DECAY_PER_BLOCK = 16
@@ -56,64 +72,22 @@ DECAY_PER_BLOCK = 16
 
 class ShadowChain:
     """Keys only: a primary LRU of `primary_blocks` over a tier LRU of `tier_blocks`,
-    written through; `hits` counts prefix hits (decayed by the owner)."""
+    written through; `hits` counts prefix hits (decayed by the owner). Both shadows of
+    a duel see the same asks, so they share one primary (`primary`)."""
 
     __slots__ = ("hits", "primary", "primary_blocks", "tier", "tier_blocks")
 
-    def __init__(self, primary_blocks: int, tier_blocks: int) -> None:
-        self.primary: OrderedDict[bytes, None] = OrderedDict()
+    def __init__(
+        self,
+        primary_blocks: int,
+        tier_blocks: int,
+        primary: OrderedDict[bytes, None] | None = None,
+    ) -> None:
+        self.primary: OrderedDict[bytes, None] = OrderedDict() if primary is None else primary
         self.tier: OrderedDict[bytes, None] = OrderedDict()
         self.primary_blocks = max(1, primary_blocks)
         self.tier_blocks = max(1, tier_blocks)
         self.hits = 0.0
-
-    def ask(self, keys: Sequence[bytes]) -> list[bytes]:
-        """One request asks `keys` (in order): score the prefix hit, refresh the
-        primary, and return the keys its tier does not hold (to be written or not)."""
-        primary, tier = self.primary, self.tier
-        prefix = True
-        new: list[bytes] = []
-        hits = 0
-        for key in keys:
-            in_primary = key in primary
-            in_tier = key in tier
-            if prefix and (in_primary or in_tier):
-                hits += 1
-                if in_tier and not in_primary:
-                    tier.move_to_end(key)  # loaded from the tier: its LRU sees the read
-            else:
-                prefix = False
-                if not in_tier:
-                    new.append(key)
-            primary[key] = None
-            primary.move_to_end(key)
-            if len(primary) > self.primary_blocks:
-                primary.popitem(last=False)
-        self.hits += hits
-        return new
-
-    def write(self, keys: Sequence[bytes]) -> None:
-        """Write-all: every key into the tier, the least recently used out."""
-        tier = self.tier
-        for key in keys:
-            tier[key] = None
-            if len(tier) > self.tier_blocks:
-                tier.popitem(last=False)
-
-    def write_against(self, keys: Sequence[bytes], admitted: Callable[..., list[bool]]) -> None:
-        """The tinylfu rule against this tier's own LRU tail: `admitted(keys, free,
-        candidates)` is `ReuseAdmission.admits_against`."""
-        tier = self.tier
-        free = self.tier_blocks - len(tier)
-        rivals = list(islice(iter(tier), max(0, len(keys) - free)))
-        verdicts = admitted(keys, free, iter(rivals))
-        displaced = iter(rivals)
-        for key, ok in zip(keys, verdicts):
-            if not ok:
-                continue
-            if len(tier) >= self.tier_blocks:
-                del tier[next(displaced)]
-            tier[key] = None
 
 
 class AdaptiveAdmission(ReuseAdmission):
@@ -125,6 +99,7 @@ class AdaptiveAdmission(ReuseAdmission):
         self,
         *,
         shadow_blocks: int = SHADOW_BLOCKS,
+        min_sampling: int = MIN_SAMPLING,
         margin: float = MARGIN,
         decay_per_block: int = DECAY_PER_BLOCK,
         width_bits: int = 20,
@@ -136,7 +111,10 @@ class AdaptiveAdmission(ReuseAdmission):
             raise ValueError(f"margin must be in (0, 1], got {margin}")
         if decay_per_block < 1:
             raise ValueError(f"decay_per_block must be at least 1, got {decay_per_block}")
+        if min_sampling < 1 or min_sampling & (min_sampling - 1):
+            raise ValueError(f"min_sampling must be a power of two, got {min_sampling}")
         self.shadow_blocks = shadow_blocks
+        self.min_sampling = min_sampling
         self.margin = margin
         self.decay_per_block = decay_per_block
         self.size_for(shadow_blocks, 0)
@@ -145,7 +123,10 @@ class AdaptiveAdmission(ReuseAdmission):
         """Size the shadows for a tier of `tier_blocks` under a primary of
         `primary_blocks` (the scores start again from nothing)."""
         rate = 1
-        while rate < MAX_SAMPLING and tier_blocks // rate > self.shadow_blocks:
+        while rate < MAX_SAMPLING and (
+            tier_blocks // rate > self.shadow_blocks
+            or (rate < self.min_sampling and tier_blocks // (2 * rate) >= MIN_SHADOW_BLOCKS)
+        ):
             rate *= 2
         self.sampling = rate
         self._sampled_below = 256 // rate
@@ -154,26 +135,102 @@ class AdaptiveAdmission(ReuseAdmission):
         tier = max(1, min(tier_blocks // rate, self.shadow_blocks))
         primary = min(primary_blocks // rate, self.shadow_blocks)
         self.all_shadow = ShadowChain(primary, tier)
-        self.tinylfu_shadow = ShadowChain(primary, tier)
+        self.tinylfu_shadow = ShadowChain(primary, tier, self.all_shadow.primary)
         self._decay_every = self.decay_per_block * tier
         self._asks = 0
         self.writes_all = False
         self.switches = 0
 
     def sighted(self, keys: Sequence[bytes], tail: Sequence[bytes] = ()) -> np.ndarray:
-        counts = super().sighted(keys, tail)
         below = self._sampled_below
-        sample = [k for k in keys if k[0] < below]
-        if sample:
-            self._duel(sample)
+        sample = keys if below == 256 else [k for k in keys if k[0] < below]
+        if not sample:
+            return super().sighted(keys, tail)
+        bulk = len(sample) > BULK_PAST
+        # the tinylfu shadow's rivals are among its tier's first len(sample) keys: for
+        # a large sample, estimated in the same sketch pass as the request's sightings
+        # (a small one estimates them later, and only if some key is new)
+        selective = self.tinylfu_shadow
+        rivals = len(sample) + len(selective.tier) - selective.tier_blocks > 0
+        front = list(islice(selective.tier, len(sample))) if rivals and bulk else []
+        halvings = self.sketch.halvings
+        counts, front_counts = self.sketch.add_then_estimate(keys, front)
+        self._continued(keys, tail)
+        self._duel(sample, keys, counts, self.sketch.halvings != halvings, front, front_counts)
         return counts
 
-    def _duel(self, sample: list[bytes]) -> None:
+    def _duel(
+        self,
+        sample: Sequence[bytes],
+        keys: Sequence[bytes],
+        counts: np.ndarray,
+        halved: bool,
+        front: list[bytes],
+        front_counts: np.ndarray,
+    ) -> None:
+        """Walk `sample` through both shadows at once (one pass over the shared
+        primary), write each shadow's new keys by its rule, and score the duel.
+        `counts`: `keys`' sightings from the sketch's add (`halved`: the sketch halved
+        right after it); `front_counts`: estimates of the tinylfu tier's `front`."""
         everything, selective = self.all_shadow, self.tinylfu_shadow
-        everything.write(everything.ask(sample))
-        new = selective.ask(sample)
-        if new:
-            selective.write_against(new, self.admits_against)
+        primary, room = everything.primary, everything.primary_blocks
+        every_tier, tier = everything.tier, selective.tier
+        prefix_all = prefix_sel = True
+        hits_all = hits_sel = 0
+        new_all: list[bytes] = []
+        new_sel: list[bytes] = []
+        walked = 0
+        bulk = len(sample) > BULK_PAST
+        for key in sample:
+            if bulk and not (prefix_all or prefix_sel):
+                break  # past both hits: the rest is done in bulk below
+            walked += 1
+            if key in primary:  # a hit in both while its prefix holds; no tier read
+                primary.move_to_end(key)
+                if prefix_all:
+                    hits_all += 1
+                elif key not in every_tier:
+                    new_all.append(key)
+                if prefix_sel:
+                    hits_sel += 1
+                elif key not in tier:
+                    new_sel.append(key)
+                continue
+            primary[key] = None
+            if len(primary) > room:
+                primary.popitem(last=False)
+            if key in every_tier:
+                if prefix_all:
+                    hits_all += 1
+                    every_tier.move_to_end(key)  # loaded from the tier: its LRU sees it
+            else:
+                prefix_all = False
+                new_all.append(key)
+            if key in tier:
+                if prefix_sel:
+                    hits_sel += 1
+                    tier.move_to_end(key)
+            else:
+                prefix_sel = False
+                new_sel.append(key)
+        if walked < len(sample):
+            # no hit left to score: only the tiers' membership and the primary's order
+            # matter (the final order is what per-key refreshes would have left)
+            rest = sample[walked:]
+            new_all += [key for key in rest if key not in every_tier]
+            new_sel += [key for key in rest if key not in tier]
+            deque(map(primary.pop, rest, repeat(None)), maxlen=0)
+            primary.update(dict.fromkeys(rest))
+            for _ in range(len(primary) - room):
+                primary.popitem(last=False)
+        if new_all:  # write-all: every new key in, the least recently used out
+            every_tier.update(dict.fromkeys(new_all))
+            for _ in range(len(every_tier) - everything.tier_blocks):
+                every_tier.popitem(last=False)
+        if new_sel:
+            self._write_against(new_sel, keys, counts, halved, front, front_counts)
+        everything.hits += hits_all
+        selective.hits += hits_sel
         self._asks += len(sample)
         if self._asks >= self._decay_every:
             self._asks = 0
@@ -184,11 +241,51 @@ class AdaptiveAdmission(ReuseAdmission):
             self.writes_all = writes_all
             self.switches += 1
 
+    def _write_against(
+        self,
+        new: list[bytes],
+        keys: Sequence[bytes],
+        counts: np.ndarray,
+        halved: bool,
+        front: list[bytes],
+        front_counts: np.ndarray,
+    ) -> None:
+        """The tinylfu rule (`admits_against`, no primary check) for the tinylfu
+        shadow's new keys against its own tier's LRU tail."""
+        shadow = self.tinylfu_shadow
+        tier = shadow.tier
+        free = max(0, shadow.tier_blocks - len(tier))
+        if free >= len(new):
+            tier.update(dict.fromkeys(new))
+            return
+        past = new[free:]
+        # the rivals: the tier's first keys before these come (all of them in `front`
+        # where the lookup's pass estimated it)
+        rivals = list(islice(tier, len(past)))
+        tier.update(dict.fromkeys(new[:free]))
+        if front:
+            rival_count = dict(zip(front, front_counts.tolist()))
+            rival_counts = [rival_count[rival] for rival in rivals]
+            sighted = dict(zip(keys, (counts >> 1 if halved else counts).tolist()))
+            past_counts = [sighted[key] for key in past]
+        else:  # as `admits_against` does: one estimate of both, after the sightings
+            both = self.sketch.estimate(past + rivals).tolist()
+            past_counts, rival_counts = both[: len(past)], both[len(past) :]
+        continuing, need = self._continuing, self.min_sightings
+        displaced = 0
+        for key, count in zip(past, past_counts):
+            if displaced == len(rivals):
+                break  # no candidate left: the tier would refuse it
+            if count >= need or key in continuing or count > rival_counts[displaced]:
+                del tier[rivals[displaced]]
+                tier[key] = None
+                displaced += 1
+
     @property
     def max_shadow_keys(self) -> int:
-        """Keys the shadows may hold at most, all four structures together."""
+        """Keys the shadows may hold at most: two tiers and their shared primary."""
         chain = self.all_shadow
-        return 2 * (chain.primary_blocks + chain.tier_blocks)
+        return chain.primary_blocks + 2 * chain.tier_blocks
 
     def admits_adaptive(
         self,

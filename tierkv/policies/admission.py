@@ -75,6 +75,8 @@ _MULTIPLIERS = (
 AGING_PER_BLOCK = 10
 """With `tinylfu` tiers, the sketch halves its counts every this many sightings per
 block the largest of them holds (Caffeine's sample of ten times the cache's size)."""
+_BUMPED = np.minimum(np.arange(256) + 1, 255).astype(np.uint8)
+"""A counter's value after one more sighting (saturating at 255), by its value now."""
 MIN_AGING_PERIOD = 4096
 """Sightings between halvings at the least, however small the tier."""
 
@@ -111,24 +113,46 @@ class SightingSketch:
         the top bits of Python's per-process bytes hash times an odd multiplier of
         that row (multiply-shift, a universal family; keys are already hashes, this
         only spreads them). Four numpy calls: at request-sized batches their fixed
-        cost, not the arithmetic, is the price (array arithmetic wraps silently)."""
+        cost, not the arithmetic, is the price (array arithmetic wraps silently).
+        Signed (the indices fit), as `take` and `put` want: cheaper than `[]`."""
         # hash() is a signed 64-bit int: read as int64, seen as its two's complement
         h = np.fromiter(map(hash, keys), dtype=np.int64, count=len(keys)).view(np.uint64)
-        slots: np.ndarray = ((h * self._multipliers) >> self._shift) + self._row_start
-        return slots
+        slots = h * self._multipliers
+        slots >>= self._shift
+        slots += self._row_start
+        signed: np.ndarray = slots.view(np.int64)  # below 2**33: what take/put index by
+        return signed
 
     def add(self, keys: Sequence[bytes]) -> np.ndarray:
         """Count one sighting of each key (pass each key once per request); returns
         the keys' estimated sightings, this one included."""
         if not keys:
             return np.zeros(0, dtype=np.uint8)
-        slots = self._slots(keys)
-        current = self._flat[slots]
+        return self.add_slots(self._slots(keys), len(keys))
+
+    def add_then_estimate(
+        self, keys: Sequence[bytes], others: Sequence[bytes]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`add(keys)`, then `estimate(others)`, hashing both batches in one pass
+        (request-sized batches pay numpy's fixed cost per call, not per key)."""
+        n = len(keys)
+        if not n:
+            return np.zeros(0, dtype=np.uint8), self.estimate(others)
+        if not others:
+            return self.add(keys), np.zeros(0, dtype=np.uint8)
+        slots = self._slots([*keys, *others])
+        counts = self.add_slots(slots[:, :n], n)
+        theirs: np.ndarray = np.minimum.reduce(self._flat.take(slots[:, n:]))
+        return counts, theirs
+
+    def add_slots(self, slots: np.ndarray, n: int) -> np.ndarray:
+        """`add` for `n` keys whose counters `_slots` has found."""
+        flat = self._flat
         # saturating increment; duplicates within one batch count once
-        bumped = current + (current < 255).astype(np.uint8)
-        self._flat[slots] = bumped
-        result: np.ndarray = bumped.min(axis=0)
-        self._added += len(keys)
+        bumped = _BUMPED.take(flat.take(slots))
+        flat.put(slots, bumped)
+        result: np.ndarray = np.minimum.reduce(bumped)
+        self._added += n
         if self._added >= self.reset_every:
             self._table >>= 1
             self._added //= 2
@@ -139,7 +163,7 @@ class SightingSketch:
         """The estimated sightings of each key (uint8 array, len(keys))."""
         if not keys:
             return np.zeros(0, dtype=np.uint8)
-        result: np.ndarray = self._flat[self._slots(keys)].min(axis=0)
+        result: np.ndarray = np.minimum.reduce(self._flat.take(self._slots(keys)))
         return result
 
 
@@ -166,6 +190,11 @@ class ReuseAdmission:
         """One request looked up `keys` (distinct) and missed `tail` (the keys past
         its hit). Returns the keys' sightings after counting this one."""
         counts = self.sketch.add(keys)
+        self._continued(keys, tail)
+        return counts
+
+    def _continued(self, keys: Sequence[bytes], tail: Sequence[bytes]) -> None:
+        """Remember `tail` as continuing when the request's hit covered enough."""
         n, missed = len(keys), len(tail)
         if missed and n > missed and n - missed >= self.continuation_share * n:
             continuing = self._continuing
@@ -174,7 +203,6 @@ class ReuseAdmission:
                 continuing.move_to_end(key)
             while len(continuing) > self.max_continuing:
                 continuing.popitem(last=False)
-        return counts
 
     def admits(self, keys: Sequence[bytes]) -> list[bool]:
         """For each key: write it to the tier now?"""
