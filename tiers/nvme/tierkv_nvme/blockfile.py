@@ -19,9 +19,12 @@ the primary slot (no copy) and one spare byte (a file of the wrong length fails
 without an `fstat`), then the frame is checked by the tier's `Framer` (every
 header field, the flags strictly, the checksum over the slot itself, and the MAC when
 the tier has a key). On a failed check the slot holds garbage and the key is reported
-failed, so nobody reads it. The blocks of one thread call are opened a few at a time
-and announced to the kernel together (`posix_fadvise(WILLNEED)`, `read_blocks`), so
-the disk reads them all while the thread checks the first.
+failed, so nobody reads it. The blocks of one thread call are opened a few at a time,
+each read at once when the page cache holds it whole (`RWF_NOWAIT`), the rest
+announced to the kernel together (`posix_fadvise(WILLNEED)`, `read_blocks`), so the
+disk reads them all while the thread checks the first. A slot at a distance from its
+payload's file offset that makes the copy slow (SHORT_DISTANCE) is read through a
+scratch buffer instead.
 
 No symlink is followed below the tier's namespace directory: every operation opens,
 renames and deletes the file relative to its fan-out directory's descriptor, with
@@ -205,12 +208,14 @@ _NOWAIT_REFUSED = (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS)
 SHORT_DISTANCE = 64
 """A copy whose destination lies 1 to SHORT_DISTANCE - 1 bytes after its source,
 modulo a page, is slow on x86 CPUs that copy with `rep movsb` (FSRM), the kernel's
-copy to user memory included: a 32 KiB `preadv` took 13.5 us instead of 2.2 us on the
-dev VM's AMD EPYC for distances 1-15, and glibc's `memcpy` 12 us instead of 1. A frame's
-payload starts `header_bytes(key)` into its file (56 bytes for SGLang's 22-byte keys),
-so a slot 64 bytes into a page (where a 64-byte-aligned allocation such as torch's
-`zeros` puts it) was read at that slow distance. Such reads go through a scratch
-buffer placed so that neither copy is short (`_Scratch`)."""
+copy to user memory included: on the dev VM's AMD EPYC a 32 KiB `preadv` took 13.5 us
+instead of 2.2 us at distances 1-15, and glibc's `memcpy` 12 us instead of 1 (glibc's
+own `memmove` avoids `rep movsb` at distances 1-63 on the Intel CPUs it knows to
+suffer it; so 1-63 here). A frame's payload starts `header_bytes(key)` into its file
+(56 bytes for SGLang's 22-byte keys), so a slot 64 bytes into a page (where a
+64-byte-aligned allocation, such as torch's CPU tensors SGLang's host pools are made
+of, puts it) was read at that slow distance. Such reads go through a scratch buffer
+placed so that neither copy is short (`_Scratch`)."""
 
 
 class _Cached:
