@@ -153,6 +153,25 @@ def read(tier, items: list[blockfile.ReadItem]) -> list[Exception | None]:
     return tier._read_files(items)
 
 
+async def test_large_slots_are_read_straight_in_at_any_distance(
+    rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over SCRATCH_MAX_BYTES a fresh scratch buffer costs more than the slow copy."""
+    monkeypatch.setattr(blockfile, "SCRATCH_MAX_BYTES", rig.block_bytes - 1)
+    tier = rig.tier()
+    await tier.open()
+    [key] = rig.keys(1)
+    stored, data = await rig.store(tier, [key])
+    assert stored.ok
+    area, dest = at_distance(rig, tier, key, 8)
+    assert blockfile._Scratch().frame(dest, tier.framer.header_bytes(key)) is None
+    assert read(tier, [(tier.rel_of(key), key, dest, False)]) == [None]
+    assert bytes(dest) == data[key]
+    dest.release()
+    area.close()
+    await tier.close()
+
+
 @pytest.mark.parametrize("distance", [0, 8, 63, 64, -8])
 async def test_a_slot_at_any_distance_from_the_payload_reads_whole(
     rig, distance: int, monkeypatch: pytest.MonkeyPatch
