@@ -382,7 +382,8 @@ def read_blocks(
     """`read_opened` for each of `items` (rel, key, slot, touch), one outcome each
     (None: read and checked), in one thread, PREFETCH_BLOCKS files at a time: each
     file is opened and read at once if the page cache holds it whole (`RWF_NOWAIT`);
-    the rest of the group are then `posix_fadvise(WILLNEED)`ed together and read, so
+    from the first that it does not (a file partly cached would otherwise be copied
+    twice), the rest of the group are `posix_fadvise(WILLNEED)`ed together and read, so
     one thread keeps several disk reads in flight and a job needs fewer thread round
     trips for the same depth of I/O. A block just written or read costs no advice
     call (a third of a 32 KiB block's system calls were directory opens and advice)."""
@@ -405,6 +406,7 @@ def _read_groups(
     """`read_blocks`' work, PREFETCH_BLOCKS files at a time, into `outcomes`."""
     for first in range(0, len(items), PREFETCH_BLOCKS):
         cold: list[tuple[int, int]] = []  # (index, fd) not read from the cache
+        cached = _Cached.nowait  # page cache alone, until a block of the group is not there
         opened: list[int] = []
         try:
             for i in range(first, min(first + PREFETCH_BLOCKS, len(items))):
@@ -416,23 +418,23 @@ def _read_groups(
                     continue
                 opened.append(fd)
                 try:
-                    if not (
-                        _Cached.nowait
-                        and read_opened(
-                            leaves,
-                            rel,
-                            fd,
-                            key,
-                            dest,
-                            framer,
-                            touch=touch,
-                            scratch=scratch,
-                            cached_only=True,
-                        )
-                    ):
-                        cold.append((i, fd))
+                    done = cached and read_opened(
+                        leaves,
+                        rel,
+                        fd,
+                        key,
+                        dest,
+                        framer,
+                        touch=touch,
+                        scratch=scratch,
+                        cached_only=True,
+                    )
                 except Exception as exc:  # reported per key by the caller
                     outcomes[i] = detached(exc)
+                    continue
+                if not done:
+                    cold.append((i, fd))
+                    cached = False  # the rest is likely cold too: advised and read with it
             if len(cold) > 1:
                 for _i, fd in cold:
                     with contextlib.suppress(OSError):
