@@ -56,6 +56,9 @@ def _name_hex(key: OffloadKey) -> tuple[str, str]:
 
 def block_relpath(key: OffloadKey) -> tuple[str, str]:
     """(fan-out dir, file name) of `key`."""
+    if 0 < len(key) <= MAX_HEX_KEY_BYTES:  # the common case, in short (one per block read)
+        stem = key.hex()
+        return stem[:2], stem + BLOCK_SUFFIX
     stem, fan = _name_hex(key)
     fan = fan.ljust(2, "0")  # a key shorter than a byte still gets a fan-out directory
     return fan[0:2], stem + BLOCK_SUFFIX

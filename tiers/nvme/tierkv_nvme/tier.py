@@ -34,7 +34,7 @@ deleted on a failed integrity check at once, on OS errors of its reads only afte
 READ_ERRORS_BEFORE_DELETE in a row (a hiccup is not data loss). Blocks the tier
 deletes on its own (evicted for room, corrupt, unreadable, gone from the disk)
 are `report_removed` once the thread that deleted them has returned. No symlink below
-the namespace directory is followed (`blockfile.open_leaf`).
+the namespace directory is followed (`blockfile`, `dirs`).
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ from tierkv.tier import (
 from tierkv_nvme import blockfile
 from tierkv_nvme.blockfile import RelPath
 from tierkv_nvme.config import NvmeTierConfig
+from tierkv_nvme.dirs import FanoutDirs
 from tierkv_nvme.layout import (
     LOCK_NAME,
     NAMESPACE_NOTE,
@@ -180,6 +181,7 @@ class NvmeTier(SecondaryTierManager):
         self._block_footprint = 0  # the last block stored (`room` counts in it)
         self._lock_fd: int | None = None
         self._root_fd = -1  # the namespace directory, opened without following links
+        self._dirs = FanoutDirs(-1)  # its fan-out directories' descriptors, kept
         self._state = "new"
         self.recovery: RecoveryReport | None = None
 
@@ -340,6 +342,7 @@ class NvmeTier(SecondaryTierManager):
             raise
         self._lock_fd = fd
         self._root_fd = root
+        self._dirs = FanoutDirs(root)
         try:  # courtesy notes, for error messages and people browsing the disk; a full
             # disk must not keep the tier from opening and serving what it holds
             os.ftruncate(fd, 0)
@@ -355,6 +358,7 @@ class NvmeTier(SecondaryTierManager):
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+        self._dirs.close()
         if self._root_fd >= 0:
             os.close(self._root_fd)
             self._root_fd = -1
@@ -411,7 +415,7 @@ class NvmeTier(SecondaryTierManager):
             victims.append(key)
         if victims:
             rels = [self.rel_of(k) for k in victims]
-            await in_thread(blockfile.delete_files, self._root_fd, rels)
+            await in_thread(self._delete_files, rels)
             self.report_removed(victims)
         return len(victims)
 
@@ -488,8 +492,7 @@ class NvmeTier(SecondaryTierManager):
                 return
             try:
                 await in_thread(
-                    blockfile.delete_files,
-                    self._root_fd,
+                    self._delete_files,
                     [self.rel_of(k) for k in targets],
                     limiter=self._threads,
                     shield=True,
@@ -634,18 +637,24 @@ class NvmeTier(SecondaryTierManager):
         self, items: list[tuple[RelPath, OffloadKey, memoryview]], victims: list[RelPath]
     ) -> list[Exception | None]:
         """Worker thread: delete `victims`, then write each block; one outcome each."""
-        if victims:
-            blockfile.delete_files(self._root_fd, victims)
         fsync = self.config.fsync == "always"
         outcomes: list[Exception | None] = []
-        for rel, key, payload in items:
-            try:
-                blockfile.write_block(self._root_fd, rel, key, payload, self.framer, fsync=fsync)
-            except Exception as exc:  # reported per key by the caller
-                outcomes.append(detached(exc))
-            else:
-                outcomes.append(None)
+        with self._dirs.leaves() as leaves:
+            if victims:
+                blockfile.delete_files(leaves, victims)
+            for rel, key, payload in items:
+                try:
+                    blockfile.write_block(leaves, rel, key, payload, self.framer, fsync=fsync)
+                except Exception as exc:  # reported per key by the caller
+                    outcomes.append(detached(exc))
+                else:
+                    outcomes.append(None)
         return outcomes
+
+    def _delete_files(self, rels: list[RelPath]) -> int:
+        """Worker thread: delete the files `rels` (`blockfile.delete_files`)."""
+        with self._dirs.leaves() as leaves:
+            return blockfile.delete_files(leaves, rels)
 
     def _make_room(self, footprint: int) -> list[OffloadKey] | None:
         """Evict least recently used blocks neither pinned nor claimed until `footprint`
@@ -750,8 +759,7 @@ class NvmeTier(SecondaryTierManager):
             if unreadable:
                 try:
                     await in_thread(
-                        blockfile.delete_files,
-                        self._root_fd,
+                        self._delete_files,
                         [self.rel_of(k) for k in unreadable],
                         limiter=self._threads,
                         shield=True,
@@ -764,7 +772,8 @@ class NvmeTier(SecondaryTierManager):
 
     def _read_files(self, items: list[blockfile.ReadItem]) -> list[Exception | None]:
         """Worker thread: read and check each block into its slot; one outcome each."""
-        return blockfile.read_blocks(self._root_fd, items, self.framer)
+        with self._dirs.leaves() as leaves:
+            return blockfile.read_blocks(leaves, items, self.framer)
 
     def _describe_error(self, error: Exception, action: str, key: OffloadKey) -> str:
         if isinstance(error, CorruptBlock):

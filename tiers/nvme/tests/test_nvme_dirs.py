@@ -1,0 +1,308 @@
+"""The fan-out directory descriptors the tier keeps (`dirs.py`) and the read path's
+shortcuts (`blockfile.read_blocks`: page cache first, a scratch buffer for slots at a
+slow copy distance): bounded, closed at `close`, checked against the names on disk,
+and never a way around the integrity checks."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tierkv_nvme import blockfile, dirs
+from tierkv_nvme.layout import block_relpath
+
+from tierkv.contract.jobs import ReqContext
+from tierkv.contract.keys import OffloadKey
+from tierkv.tier import CorruptBlock
+
+pytestmark = pytest.mark.anyio
+CTX = ReqContext(request_id="nvme-dirs")
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def fanouts(keys: list[OffloadKey]) -> int:
+    return len({block_relpath(k)[0] for k in keys})
+
+
+async def test_descriptors_are_kept_per_fanout_directory_and_closed_at_close(rig) -> None:
+    before = open_fds()
+    tier = rig.tier()
+    await tier.open()
+    keys = rig.keys(12)
+    stored, data = await rig.store(tier, keys)
+    assert stored.ok, stored.error
+    for _ in range(3):  # reads and writes reuse them: no more than one per directory
+        result, got = await rig.load(tier, keys)
+        assert result.ok and got == data
+    assert len(tier._dirs) == fanouts(keys)
+    assert open_fds() <= before + fanouts(keys) + 2 + 1  # + the lock and the namespace dir
+    await tier.close()
+    assert open_fds() == before
+    assert len(tier._dirs) == 0
+
+
+async def test_kept_descriptors_survive_removing_every_block(rig) -> None:
+    """`remove` (what SGLang's `clear` calls) deletes files, never the directories: the
+    descriptors stay good and no more are opened for the blocks stored after."""
+    tier = rig.tier()
+    await tier.open()
+    keys = rig.keys(8)
+    assert (await rig.store(tier, keys))[0].ok
+    kept = len(tier._dirs)
+    await tier.remove(keys)
+    assert rig.files(tier) == []
+    assert await tier.lookup(keys, CTX) == [False] * len(keys)
+    stored, data = await rig.store(tier, keys)
+    assert stored.ok, stored.error
+    result, got = await rig.load(tier, keys)
+    assert result.ok and got == data
+    assert len(tier._dirs) == kept
+    await tier.close()
+
+
+async def test_a_fanout_directory_replaced_by_another_is_used_by_its_name(rig, tmp_path) -> None:
+    """Moved away and replaced by a new directory after its descriptor was kept: the
+    next call reads and writes the directory the name holds now, never the old one
+    (whose descriptor stays open until `close`, then closes)."""
+    before = open_fds()
+    tier = rig.tier()
+    await tier.open()
+    [key] = rig.keys(1)
+    assert (await rig.store(tier, [key]))[0].ok
+    first, name = block_relpath(key)
+    moved = tmp_path / "moved"
+    (tier.directory / first).rename(moved)
+    (tier.directory / first).mkdir()
+
+    result, _ = await rig.load(tier, [key])
+    assert result.failed_keys == (key,)
+    assert "gone" in (result.error or "")
+    stored, data = await rig.store(tier, [key], first_slot=2)
+    assert stored.ok, stored.error
+    assert (tier.directory / first / name).is_file()
+    assert sorted(p.name for p in moved.iterdir()) == [name]  # the old one untouched
+    result, got = await rig.load(tier, [key])
+    assert result.ok and got == data
+    await tier.close()
+    assert open_fds() == before
+
+
+async def test_a_fanout_directory_deleted_under_the_tier_is_made_again(rig) -> None:
+    tier = rig.tier()
+    await tier.open()
+    [key] = rig.keys(1)
+    assert (await rig.store(tier, [key]))[0].ok
+    first, name = block_relpath(key)
+    shutil.rmtree(tier.directory / first)
+    result, _ = await rig.load(tier, [key])
+    assert result.failed_keys == (key,)
+    stored, data = await rig.store(tier, [key], first_slot=3)
+    assert stored.ok, stored.error
+    assert (tier.directory / first / name).is_file()
+    result, got = await rig.load(tier, [key])
+    assert result.ok and got == data
+    await tier.close()
+
+
+async def test_past_the_process_budget_directories_are_opened_per_call(
+    rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no descriptors left in the process's budget (a quarter of RLIMIT_NOFILE)
+    nothing is kept: every call opens what it needs and closes it, and works."""
+    monkeypatch.setattr(dirs, "fd_budget", lambda: 0)
+    tier = rig.tier()
+    await tier.open()
+    keys = rig.keys(6)
+    baseline = open_fds()
+    stored, data = await rig.store(tier, keys)
+    assert stored.ok, stored.error
+    result, got = await rig.load(tier, keys)
+    assert result.ok and got == data
+    assert len(tier._dirs) == 0
+    assert open_fds() == baseline
+    await tier.close()
+
+
+def test_the_budget_is_a_quarter_of_the_open_file_limit() -> None:
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY:
+        assert dirs.fd_budget() == soft // 4
+
+
+# -- the read path ---------------------------------------------------------------------
+def at_distance(rig, tier, key: OffloadKey, distance: int) -> tuple[mmap.mmap, memoryview]:
+    """A destination for `key`'s payload placed `distance` bytes after its file
+    offset, modulo a page."""
+    head = tier.framer.header_bytes(key)
+    area = mmap.mmap(-1, 4 * mmap.PAGESIZE + rig.block_bytes)
+    start = mmap.PAGESIZE + (head + distance) % mmap.PAGESIZE
+    return area, memoryview(area)[start : start + rig.block_bytes]
+
+
+def read(tier, items: list[blockfile.ReadItem]) -> list[Exception | None]:
+    return tier._read_files(items)
+
+
+async def test_large_slots_are_read_straight_in_at_any_distance(
+    rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over SCRATCH_MAX_BYTES a fresh scratch buffer costs more than the slow copy."""
+    monkeypatch.setattr(blockfile, "SCRATCH_MAX_BYTES", rig.block_bytes - 1)
+    tier = rig.tier()
+    await tier.open()
+    [key] = rig.keys(1)
+    stored, data = await rig.store(tier, [key])
+    assert stored.ok
+    area, dest = at_distance(rig, tier, key, 8)
+    assert blockfile._Scratch().frame(dest, tier.framer.header_bytes(key)) is None
+    assert read(tier, [(tier.rel_of(key), key, dest, False)]) == [None]
+    assert bytes(dest) == data[key]
+    dest.release()
+    area.close()
+    await tier.close()
+
+
+@pytest.mark.parametrize("distance", [0, 8, 63, 64, -8])
+async def test_a_slot_at_any_distance_from_the_payload_reads_whole(
+    rig, distance: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slots at a short distance after the payload (1-63 bytes) are read through the
+    scratch buffer; every distance reads the same bytes."""
+    through: list[bool] = []
+    real = blockfile._Scratch.frame
+
+    def spy(self: Any, dest: memoryview, head_bytes: int) -> Any:
+        frame = real(self, dest, head_bytes)
+        through.append(frame is not None)
+        return frame
+
+    monkeypatch.setattr(blockfile._Scratch, "frame", spy)
+    tier = rig.tier()
+    await tier.open()
+    [key] = rig.keys(1)
+    stored, data = await rig.store(tier, [key])
+    assert stored.ok
+    area, dest = at_distance(rig, tier, key, distance)
+    assert read(tier, [(tier.rel_of(key), key, dest, False)]) == [None]
+    assert bytes(dest) == data[key]
+    assert through == [0 < distance % mmap.PAGESIZE < blockfile.SHORT_DISTANCE]
+    dest.release()
+    area.close()
+    await tier.close()
+
+
+@pytest.mark.parametrize("change", ["one byte more", "one byte less", "a flipped bit"])
+@pytest.mark.parametrize("distance", [8, 64])
+async def test_a_bad_file_fails_through_the_scratch_buffer_too(
+    rig, change: str, distance: int
+) -> None:
+    tier = rig.tier()
+    await tier.open()
+    [key] = rig.keys(1)
+    assert (await rig.store(tier, [key]))[0].ok
+    path = tier.path_of(key)
+    frame = bytearray(path.read_bytes())
+    if change == "a flipped bit":
+        frame[-1] ^= 1
+    path.write_bytes(
+        {"one byte more": frame + b"\0", "one byte less": frame[:-1]}.get(change, frame)
+    )
+    area, dest = at_distance(rig, tier, key, distance)
+    [outcome] = read(tier, [(tier.rel_of(key), key, dest, False)])
+    assert isinstance(outcome, CorruptBlock)
+    assert not path.exists()
+    dest.release()
+    area.close()
+    await tier.close()
+
+
+async def test_blocks_not_in_the_page_cache_are_read_after_advice(
+    rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block dropped from the page cache fails the cache-only read; it and the rest
+    of its group are read after `posix_fadvise(WILLNEED)` together (no second try of
+    the cache: a partly cached file would be copied twice); the blocks read from the
+    cache before it get no advice."""
+    advised: list[int] = []
+    real = os.posix_fadvise
+
+    def spy(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_WILLNEED:
+            advised.append(fd)
+        real(fd, offset, length, advice)
+
+    tier = rig.tier()
+    await tier.open()
+    keys = rig.keys(6)
+    stored, data = await rig.store(tier, keys)
+    assert stored.ok
+    result, got = await rig.load(tier, keys)
+    assert result.ok and got == data
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    result, got = await rig.load(tier, keys)
+    assert result.ok and got == data
+    assert advised == []  # all cached: no advice
+    for key in keys[3:]:
+        fd = os.open(tier.path_of(key), os.O_RDONLY)
+        os.fsync(fd)
+        real(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    result, got = await rig.load(tier, keys)
+    assert result.ok and got == data
+    assert len(advised) <= 3  # from the first dropped one on (the kernel may keep some)
+    await tier.close()
+
+
+async def test_a_filesystem_that_refuses_cache_only_reads_is_read_as_before(
+    rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = os.preadv
+    refused: list[int] = []
+
+    def preadv(fd: int, buffers: Any, offset: int, *flags: int) -> int:
+        if flags and flags[0]:
+            refused.append(fd)
+            raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(blockfile._Cached, "nowait", blockfile._Cached.nowait)
+    monkeypatch.setattr(os, "preadv", preadv)
+    tier = rig.tier()
+    await tier.open()
+    keys = rig.keys(4)
+    stored, data = await rig.store(tier, keys)
+    assert stored.ok
+    for _ in range(2):
+        result, got = await rig.load(tier, keys)
+        assert result.ok and got == data
+    assert len(refused) <= 1 and blockfile._Cached.nowait is False
+    await tier.close()
+
+
+def test_leaves_close_what_they_did_not_keep(tmp_path: Path) -> None:
+    root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    kept = dirs.FanoutDirs(root)
+    before = open_fds()
+    with kept.leaves() as leaves:
+        one = leaves.get(("ab",), create=True)
+        assert leaves.get(("ab",), create=False) == one
+        leaves.get(("ab", "cd"), create=True)  # two levels: not kept, closed at the end
+    assert len(kept) == 1 and open_fds() == before + 1
+    (tmp_path / "ab").rename(tmp_path / "old")
+    (tmp_path / "ab").symlink_to(tmp_path / "old", target_is_directory=True)
+    with kept.leaves() as leaves, pytest.raises(OSError) as failed:
+        leaves.get(("ab",), create=False)
+    assert failed.value.errno == errno.ELOOP
+    kept.close()
+    assert open_fds() == before and len(kept) == 0
+    os.close(root)
