@@ -43,6 +43,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from itertools import islice, repeat
+from typing import NamedTuple
 
 import numpy as np
 
@@ -68,6 +69,20 @@ MARGIN = 0.99
 """The tinylfu rule is used while its shadow serves at least this share of write-all's."""
 DECAY_PER_BLOCK = 16
 """The shadows' scores halve every this many sampled asks per shadow tier block."""
+
+
+class Sighting(NamedTuple):
+    """What one lookup's sketch pass found, as the tinylfu shadow's writes weigh it:
+    `counts`, the sightings of `keys` after this one (`halved`: the sketch halved
+    right after adding them); `front_counts`, estimates of the tinylfu shadow tier's
+    `front` keys (its first ones, the rivals of a large sample's new keys; empty
+    where the lookup did not estimate them)."""
+
+    keys: Sequence[bytes]
+    counts: np.ndarray
+    halved: bool
+    front: list[bytes]
+    front_counts: np.ndarray
 
 
 class ShadowChain:
@@ -156,22 +171,13 @@ class AdaptiveAdmission(ReuseAdmission):
         halvings = self.sketch.halvings
         counts, front_counts = self.sketch.add_then_estimate(keys, front)
         self._continued(keys, tail)
-        self._duel(sample, keys, counts, self.sketch.halvings != halvings, front, front_counts)
+        halved = self.sketch.halvings != halvings
+        self._duel(sample, Sighting(keys, counts, halved, front, front_counts))
         return counts
 
-    def _duel(
-        self,
-        sample: Sequence[bytes],
-        keys: Sequence[bytes],
-        counts: np.ndarray,
-        halved: bool,
-        front: list[bytes],
-        front_counts: np.ndarray,
-    ) -> None:
+    def _duel(self, sample: Sequence[bytes], sighting: Sighting) -> None:
         """Walk `sample` through both shadows at once (one pass over the shared
-        primary), write each shadow's new keys by its rule, and score the duel.
-        `counts`: `keys`' sightings from the sketch's add (`halved`: the sketch halved
-        right after it); `front_counts`: estimates of the tinylfu tier's `front`."""
+        primary), write each shadow's new keys by its rule, and score the duel."""
         everything, selective = self.all_shadow, self.tinylfu_shadow
         primary, room = everything.primary, everything.primary_blocks
         every_tier, tier = everything.tier, selective.tier
@@ -228,7 +234,7 @@ class AdaptiveAdmission(ReuseAdmission):
             for _ in range(len(every_tier) - everything.tier_blocks):
                 every_tier.popitem(last=False)
         if new_sel:
-            self._write_against(new_sel, keys, counts, halved, front, front_counts)
+            self._write_against(new_sel, sighting)
         everything.hits += hits_all
         selective.hits += hits_sel
         self._asks += len(sample)
@@ -241,15 +247,7 @@ class AdaptiveAdmission(ReuseAdmission):
             self.writes_all = writes_all
             self.switches += 1
 
-    def _write_against(
-        self,
-        new: list[bytes],
-        keys: Sequence[bytes],
-        counts: np.ndarray,
-        halved: bool,
-        front: list[bytes],
-        front_counts: np.ndarray,
-    ) -> None:
+    def _write_against(self, new: list[bytes], sighting: Sighting) -> None:
         """The tinylfu rule (`admits_against`, no primary check) for the tinylfu
         shadow's new keys against its own tier's LRU tail."""
         shadow = self.tinylfu_shadow
@@ -263,10 +261,11 @@ class AdaptiveAdmission(ReuseAdmission):
         # where the lookup's pass estimated it)
         rivals = list(islice(tier, len(past)))
         tier.update(dict.fromkeys(new[:free]))
-        if front:
-            rival_count = dict(zip(front, front_counts.tolist()))
+        if sighting.front:
+            rival_count = dict(zip(sighting.front, sighting.front_counts.tolist()))
             rival_counts = [rival_count[rival] for rival in rivals]
-            sighted = dict(zip(keys, (counts >> 1 if halved else counts).tolist()))
+            counts = sighting.counts >> 1 if sighting.halved else sighting.counts
+            sighted = dict(zip(sighting.keys, counts.tolist()))
             past_counts = [sighted[key] for key in past]
         else:  # as `admits_against` does: one estimate of both, after the sightings
             both = self.sketch.estimate(past + rivals).tolist()
