@@ -18,63 +18,24 @@ Per batch size (blocks of one store window) it prints the median of `--repeat` r
 `--rounds` decisions each, in CPU microseconds per block (this thread's CPU time, not
 the wall clock: on a shared machine the process also waits for a core), with min..max. The keys are
 random 36-byte keys seen once or twice; the tier is full (no free room), so every key
-past the room meets a candidate: the costliest path. CPU only; no tier I/O.
+past the room meets a candidate: the costliest path. CPU only; no tier I/O. `tierkv
+bench` prints the sum per policy (lookup and decision, `tierkv.bench.admission`).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import time
 from collections.abc import Callable
 from functools import partial
 
-from tierkv.contract.slab import PrimaryView
-from tierkv.memory_tier import MemoryTier, MemoryTierConfig
+from tierkv.bench.admission import cpu_us_per_block as _per_block
+from tierkv.bench.admission import full_tier as _full_tier
+from tierkv.bench.admission import random_keys as _keys
+from tierkv.bench.admission import trace_like as _trace_like
+from tierkv.memory_tier import MemoryTier
 from tierkv.policies.adaptive import AdaptiveAdmission
 from tierkv.policies.admission import ReuseAdmission
-
-KEY_BYTES = 36
-
-
-def _keys(n: int) -> list[bytes]:
-    return [os.urandom(KEY_BYTES) for _ in range(n)]
-
-
-def _full_tier(blocks: int, block_bytes: int) -> MemoryTier:
-    """A memory tier holding `blocks` frames, full (its LRU filled directly: the
-    benchmark measures the decision, not the framing)."""
-    view = PrimaryView(bytearray(block_bytes), block_bytes, "admission-bench")
-    frame = view.block_bytes + 34 + KEY_BYTES
-    tier = MemoryTier(MemoryTierConfig(type="memory", capacity=blocks * frame), view)
-    for key in _keys(blocks):
-        tier._frames[key] = b""  # the LRU order is all that is read
-    tier._bytes = blocks * frame
-    tier._frame_bytes = frame
-    return tier
-
-
-def _per_block(run: Callable[[], object], blocks: int, rounds: int) -> float:
-    """CPU microseconds per block (this thread's CPU time: steadier than the wall clock
-    on a shared machine, where the process waits for a core)."""
-    started = time.thread_time()
-    for _ in range(rounds):
-        run()
-    return (time.thread_time() - started) / (rounds * blocks) * 1e6
-
-
-def _trace_like(batch: int, rounds: int) -> Callable[[], list[bytes]]:
-    """Asks that each repeat the first half of the one before and add new keys."""
-    fresh = iter(_keys(batch * rounds * 8))  # enough for every run of every case
-    ask = [next(fresh) for _ in range(batch)]
-
-    def next_ask() -> list[bytes]:
-        nonlocal ask
-        ask = ask[: batch // 2] + [next(fresh) for _ in range(batch - batch // 2)]
-        return ask
-
-    return next_ask
 
 
 def _cases(

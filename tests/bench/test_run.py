@@ -31,6 +31,10 @@ def test_default_chain_measures_primary_and_nvme_against_raw_media(
     for op in ("store", "lookup_hit", "lookup_miss", "load"):
         assert orch[f"{op}_keys_per_s"] == pytest.approx(64 * orch[f"{op}_calls_per_s"])
     assert orch["load_1024_us_per_block"] > 0 and orch["host_copy_us_per_key"] > 0
+    admission = orch["admission_us_per_block"]
+    assert list(admission) == ["reuse", "tinylfu", "adaptive", "adaptive, 200-block tier"]
+    for cost in admission.values():
+        assert list(cost) == ["32", "1024"] and min(cost.values()) > 0
     # streaming: 4 x the total (4 MiB) through a primary of total / 4 (4 blocks here)
     stream = report["streaming"]
     assert stream["request_bytes"] == 4 << 20 and stream["primary_bytes"] == 4 * (128 << 10)

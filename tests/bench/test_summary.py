@@ -64,6 +64,10 @@ def synthetic_report(
         "host_store_us_per_key_beyond_copy": host_store_us,
         "host_load_us_per_key_beyond_copy": 1.0,
         "host_copy_us_per_key": 0.5,
+        "admission_us_per_block": {
+            "reuse": {"32": 0.5, "1024": 0.25},
+            "adaptive": {"32": 1.0, "1024": 0.125},
+        },
         **{f"{op}_keys_per_s": 2e6 for op in ("store", "lookup_hit", "lookup_miss", "load")},
         **{f"{op}_calls_per_s": 2e6 / 128 for op in ("store", "lookup_hit", "lookup_miss", "load")},
     }
@@ -112,6 +116,11 @@ def test_figures_that_miss_the_projects_targets_are_shown_as_measured() -> None:
     assert bookkeeping == (
         "  bookkeeping: 1.50 us/block on 1,024-block loads; lookup 0.50 us/key at "
         "1,000,000 resident keys; host tensor store 2.50 / load 1.00 us/key beyond the copy"
+    )
+    [admission] = [line for line in lines if line.startswith("  admission")]
+    assert admission == (
+        "  admission (lookup + store decision): us/block at 32 / 1,024-block asks: "
+        "reuse 0.50 / 0.25; adaptive 1.00 / 0.12"
     )
     assert lines[-1] == "ran in 1.0 s"
 

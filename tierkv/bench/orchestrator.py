@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from tierkv.bench.admission import bench_admission
 from tierkv.bench.bookkeeping import NoCopy, bench_bookkeeping
 from tierkv.bench.chain import bench_chain, bench_keys
 from tierkv.bench.options import BenchOptions
@@ -50,10 +51,12 @@ async def bench_orchestrator(
         rates.update(await _lookups_and_loads(cache, keys, options, progress))
         bookkeeping = await bench_bookkeeping(cache, keys, block_bytes, options, progress)
         resident = len(cache.primary)
+    admission = bench_admission(options.repeat, progress=progress)
     return {
         "resident_keys": resident,
         "keys_per_call": per_call,
         **bookkeeping,
+        "admission_us_per_block": admission,
         **{f"{name}_keys_per_s": statistics.median(values) for name, values in rates.items()},
         **{
             f"{name}_calls_per_s": statistics.median(values) / per_call

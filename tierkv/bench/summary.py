@@ -24,6 +24,8 @@ def bench_summary(report: dict[str, Any]) -> list[Block]:
         blocks += ["", *_streaming(stream)]
     if orch and "load_1024_us_per_block" in orch:
         blocks.append(_bookkeeping_line(orch))
+    if orch and orch.get("admission_us_per_block"):
+        blocks.append(_admission_line(orch["admission_us_per_block"]))
     if report.get("integrity"):
         blocks += ["", *integrity_summary(report["integrity"])]
     blocks.append(f"ran in {report['elapsed_seconds']:.1f} s")
@@ -163,6 +165,17 @@ def _bookkeeping_line(orch: dict[str, Any]) -> str:
         f"{orch['host_store_us_per_key_beyond_copy']:.2f} / load "
         f"{orch['host_load_us_per_key_beyond_copy']:.2f} us/key beyond the copy"
     )
+
+
+def _admission_line(costs: dict[str, dict[str, float]]) -> str:
+    """Each admission policy's CPU per block looked up, per ask size."""
+    sizes = list(next(iter(costs.values())))
+    per_policy = "; ".join(
+        f"{name} " + " / ".join(f"{cost[size]:.2f}" for size in sizes)
+        for name, cost in costs.items()
+    )
+    asks = " / ".join(f"{int(size):,}" for size in sizes)
+    return f"  admission (lookup + store decision): us/block at {asks}-block asks: {per_policy}"
 
 
 def _rate(side: dict[str, Any]) -> str:
