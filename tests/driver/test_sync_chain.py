@@ -11,6 +11,7 @@ import pytest
 
 from tierkv.contract.keys import make_offload_key
 from tierkv.contract.slab import PrimaryView
+from tierkv.driver.guarded import GuardedTier
 from tierkv.driver.sync_chain import SyncChain
 from tierkv.memory_tier import MemoryTierConfig
 from tierkv.registry import register_tier, unregister_tier
@@ -177,4 +178,35 @@ def test_start_answers_by_the_deadline_when_a_tier_hangs(faulty: None) -> None:
         assert len(answers.got) == 1
     finally:
         tier.hang = False
+        chain.close()
+
+
+def test_start_calls_report_each_tiers_keys_and_the_capacity_is_the_largest_tier() -> None:
+    slab = view()
+    small = MemoryTierConfig(type="memory", name="small", capacity=3 * (BLOCK + 128))
+    large = MemoryTierConfig(type="memory", name="large", capacity=8 * (BLOCK + 128))
+    chain = SyncChain([small, large], ["small", "large"], slab)
+    try:
+        fits = [t.tier.room().capacity_blocks for t in chain.tiers]
+        assert fits[0] < 6 <= fits[1]
+        assert chain.capacity_blocks() == fits[1]  # every tier holds a copy: not the sum
+        held: list[tuple[str, set[bytes], str]] = []
+
+        def on_tier(tier: GuardedTier, moved: tuple[bytes, ...]) -> None:
+            held.append((tier.name, set(moved), threading.current_thread().name))
+
+        answers = Answers()
+        ks = keys(6)
+        chain.start_store(ks, list(range(6)), answers, on_tier)
+        assert answers.get() == set(ks)
+        stored = {name: moved for name, moved, _ in held}
+        assert stored["large"] == set(ks)
+        assert len(stored["small"]) == fits[0]  # what it evicted during the job is left out
+        assert {thread for _, _, thread in held} == {"tierkv-engine-loop"}
+        held.clear()
+        chain.start_load(ks, list(range(8, 14)), answers, on_tier)
+        assert answers.get() == set(ks)
+        loaded = {name: moved for name, moved, _ in held}
+        assert loaded == {"small": stored["small"], "large": set(ks) - stored["small"]}
+    finally:
         chain.close()

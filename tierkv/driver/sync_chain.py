@@ -26,7 +26,10 @@ under the same deadline, whose answer goes to a callback on the loop thread, cal
 exactly once (when the work ends, or at deadline + `margin` whatever the tiers do).
 `start_lookup` also claims the hits in the tier that will serve them
 (`tierkv.driver.claims.ClaimLedger`, kept under an owner the caller names) until
-`let_go` or the tier's lease.
+`let_go` or the tier's lease. `start_store` and `start_load` may also report, per
+tier, the keys each tier job moved (`on_tier`): a caller that keeps its own record
+of where keys are held (LMCache's key listing) learns it there, on the loop thread,
+in order with the tier's removal reports.
 
 One event-loop thread serves every chain of a process (`shared_loop`): an engine that
 builds several storage objects (one per pool, a re-attach) does not gather threads.
@@ -53,6 +56,9 @@ from tierkv.driver.checks import backstop_after
 from tierkv.driver.claims import ClaimLedger, Taken
 from tierkv.driver.guarded import GuardedTier, JobKind
 from tierkv.driver.loop_thread import LoopThread
+
+TierMoved = Callable[[GuardedTier, tuple[OffloadKey, ...]], None]
+"""Called on the loop thread with a tier and the keys one of its jobs just moved."""
 
 __all__ = ["SyncChain", "release_shared_loop", "shared_loop"]
 
@@ -162,6 +168,19 @@ class SyncChain:
     def closed(self) -> bool:
         return self._closed
 
+    def capacity_blocks(self) -> int | None:
+        """The most blocks the chain holds when full: every tier is written each
+        block, so the largest tier bounds it (not the sum). None when some tier
+        names no bound of its own (`room`: a Redis, a bucket)."""
+        tiers = [t.tier for t in self.tiers]
+        if not tiers or not all(t.names_eviction_candidates and t.reports_evictions for t in tiers):
+            return None
+
+        async def largest() -> int:
+            return max(t.room().capacity_blocks for t in tiers)
+
+        return self._loop.run(largest(), timeout=10.0)
+
     # -- calls from the engine's threads --------------------------------------------------
     def present(
         self, keys: Sequence[OffloadKey], budget: float | None = None, owner: str | None = None
@@ -239,11 +258,13 @@ class SyncChain:
         keys: Sequence[OffloadKey],
         slots: Sequence[int],
         on_done: Callable[[set[OffloadKey]], None],
+        on_tier: TierMoved | None = None,
     ) -> None:
         """`load`, without waiting: `on_done(keys that arrived whole)` on the loop thread
-        once. The slots must stay valid until then, and are not touched after."""
+        once. The slots must stay valid until then, and are not touched after. With
+        `on_tier`, `on_tier(tier, keys)` as each tier job delivers keys."""
         done: set[OffloadKey] = set()
-        work = self._jobs("load", keys, slots, done) if keys else _nothing()
+        work = self._jobs("load", keys, slots, done, on_tier) if keys else _nothing()
         self._begin(work, self.job_deadline, lambda: on_done(set(done)))
 
     def start_store(
@@ -251,11 +272,13 @@ class SyncChain:
         keys: Sequence[OffloadKey],
         slots: Sequence[int],
         on_done: Callable[[set[OffloadKey]], None],
+        on_tier: TierMoved | None = None,
     ) -> None:
         """`store`, without waiting: `on_done(keys some tier took)` on the loop thread
-        once."""
+        once. With `on_tier`, `on_tier(tier, keys)` as each tier job stores keys (a key
+        the tier reported removed while its job ran is not among them)."""
         done: set[OffloadKey] = set()
-        work = self._jobs("store", keys, slots, done) if keys else _nothing()
+        work = self._jobs("store", keys, slots, done, on_tier) if keys else _nothing()
         self._begin(work, self.job_deadline, lambda: on_done(set(done)))
 
     def let_go(self, owner: str, keys: Sequence[OffloadKey] | None = None) -> None:
@@ -386,17 +409,19 @@ class SyncChain:
         keys: Sequence[OffloadKey],
         slots: Sequence[int],
         done: set[OffloadKey],
+        on_tier: TierMoved | None = None,
     ) -> None:
         if kind == "store":
             async with anyio.create_task_group() as group:
                 for tier in self.tiers:
-                    group.start_soon(self._one_job, tier, kind, keys, slots, done)
+                    group.start_soon(self._one_job, tier, kind, keys, slots, done, on_tier)
             return
         for tier in self.tiers:
             wanted = [(k, s) for k, s in zip(keys, slots) if k not in done]
             if not wanted:
                 break
-            await self._one_job(tier, kind, [k for k, _ in wanted], [s for _, s in wanted], done)
+            wanted_keys, wanted_slots = [k for k, _ in wanted], [s for _, s in wanted]
+            await self._one_job(tier, kind, wanted_keys, wanted_slots, done, on_tier)
 
     async def _one_job(
         self,
@@ -405,8 +430,10 @@ class SyncChain:
         keys: Sequence[OffloadKey],
         slots: Sequence[int],
         done: set[OffloadKey],
+        on_tier: TierMoved | None = None,
     ) -> None:
-        """One job on one tier, admitted by its driver; adds the keys it moved."""
+        """One job on one tier, admitted by its driver; adds the keys it moved (and
+        tells `on_tier`, before anything else runs on the loop)."""
         nbytes = len(keys) * self.view.block_bytes
         if tier.admit(kind, len(keys), nbytes) is not None:
             return  # down, breaker open or too much in flight: counted by the driver
@@ -416,6 +443,11 @@ class SyncChain:
         finally:
             tier.release(kind, nbytes)
         done.update(outcome.result.ok_keys)
+        if on_tier is not None and outcome.result.ok_keys:
+            try:
+                on_tier(tier, tuple(outcome.result.ok_keys))
+            except Exception:
+                logger.exception("tierkv: a tier report callback failed")
 
 
 async def _nothing() -> None:

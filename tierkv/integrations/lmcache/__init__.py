@@ -7,8 +7,9 @@
 
 `adapter.TierkvL2Adapter` is the adapter; `settings` validates `adapter_params`,
 `keys` maps LMCache's object keys, `tasks` and `locks` keep its task and lock
-protocol, `objects` and `chains` lend its memory objects to the tiers; none of these
-but `adapter` imports LMCache. Importing this package imports no LMCache: the adapter
+protocol, `objects` and `chains` lend its memory objects to the tiers, `record` keeps
+which keys the tiers hold (for its key listing and usage); none of these but
+`adapter` imports LMCache. Importing this package imports no LMCache: the adapter
 class loads on first use (LMCache's loader asks for it by name).
 """
 

@@ -19,6 +19,13 @@ bit (lookup, load) or a failed store; a submit that cannot start reports its tas
 failed at once. A lookup locks what it finds by claiming it in the tier that will
 serve it (`locks.LockBook`, `tierkv.driver.claims`): that tier does not evict it
 until LMCache unlocks it or the tier's `claim_lease` runs out.
+
+The optional calls: `delete` removes keys from every tier; `list_l2_keys` pages
+through the keys some tier holds, from the adapter's own record of them
+(`record.KeyRecord`: tierkv's keys are hashed, a tier cannot give LMCache's keys
+back), which also keeps LMCache's byte accounting; `get_usage` reports those bytes
+against what the chains hold when full (`SizeChains.capacity_bytes`), so LMCache's
+L2 eviction controller gets a usage fraction where every tier bounds itself.
 """
 
 from __future__ import annotations
@@ -30,8 +37,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lmcache.lmcache_native import Bitmap
+from lmcache.v1.distributed.api import KeyEntry, KeyListPage
 from lmcache.v1.distributed.internal_api import L2StoreResult
-from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
+from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInterface
 from lmcache.v1.platform import create_event_notifier
 
 from tierkv.contract.keys import OffloadKey
@@ -41,6 +49,7 @@ from tierkv.integrations.lmcache.chains import SizeChain, SizeChains
 from tierkv.integrations.lmcache.keys import offload_key
 from tierkv.integrations.lmcache.locks import LockBook
 from tierkv.integrations.lmcache.objects import object_bytes
+from tierkv.integrations.lmcache.record import KeyRecord
 from tierkv.integrations.lmcache.settings import AdapterSettings, resolve
 from tierkv.integrations.lmcache.tasks import Completions, Parts, TaskIds
 
@@ -48,12 +57,16 @@ __all__ = ["TierkvL2Adapter"]
 
 logger = logging.getLogger(__name__)
 
+PAGE_LIMIT = 10_000
+"""The most keys one `list_l2_keys` page returns (a larger `page_size` gets this many
+and a cursor): a page is built under the record's lock, which stores wait for."""
+
 
 class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     """tierkv's tiers below LMCache's L1 (see the module docstring)."""
 
     def __init__(self, params: Any = None, l1_memory_desc: Any = None) -> None:
-        super().__init__()  # capacity 0: the tiers bound themselves
+        super().__init__()  # capacity set below, once the tiers are known
         self.settings: AdapterSettings = resolve(params)
         self.l1_memory_desc = l1_memory_desc
         self._ids = TaskIds()
@@ -63,7 +76,8 @@ class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         lease = max((float(t.claim_lease) for t in self.settings.tiers), default=0.0)
         self._locks = LockBook(lease)
         self._chains = SizeChains(self.settings, self._removed, {"engine": "lmcache"})
-        self._stored: dict[OffloadKey, tuple[Any, int]] = {}  # for byte accounting
+        self._record = KeyRecord(self.settings.record_keys)
+        self._record_full_said = False
         self._state = threading.Condition()
         self._running = 0
         self._closed = False
@@ -71,6 +85,9 @@ class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         try:
             for size in self.settings.object_bytes:
                 self._chains.get(size)
+            # read once by LMCache's storage manager (`supports_global_eviction`),
+            # right after it builds the adapter; `get_usage` keeps it current
+            self._max_capacity_bytes = self._chains.capacity_bytes()
         except BaseException:
             self._chains.close()
             raise
@@ -99,7 +116,6 @@ class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
 
         def finish() -> None:
             moved = sum(size for _, size in stored.values())
-            self._account_stored(stored)
             self._end()
             self._stores.put(task_id, L2StoreResult(len(stored) == asked, moved))
 
@@ -181,10 +197,13 @@ class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                 else:
                     first[okey] = i
                 bitmap.set(i)
+            if first:  # before the result: LMCache's LRU knows of the access first
+                try:
+                    self._notify_keys_accessed([keys[i] for i in first.values()])
+                except Exception as exc:
+                    self._warn("usage", exc)
             self._end()
             self._loads.put(task_id, bitmap)
-            if first:
-                self._notify_keys_accessed([keys[i] for i in first.values()])
 
         parts = Parts(len(work), finish)
         for size, items in work.items():
@@ -251,8 +270,11 @@ class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                 done[okey] = (by_okey[okey], size)
             parts.done()
 
+        def held(tier: GuardedTier, keys: tuple[OffloadKey, ...]) -> None:
+            self._held(tier, [(k, by_okey[k], size) for k in keys if k in by_okey])
+
         start = one.chain.start_store if kind == "store" else one.chain.start_load
-        start(okeys, slots, moved)
+        start(okeys, slots, moved, held)
 
     def _fail(self, kind: str, task_id: int, keys: Any) -> None:
         """A task that could not start: failed as a whole, through its event fd."""
@@ -285,34 +307,36 @@ class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     def _warn(self, what: str, exc: BaseException) -> None:
         self._misses.failed(what, exc)
 
-    # -- byte accounting ----------------------------------------------------------------
-    def _account_stored(self, stored: dict[OffloadKey, tuple[Any, int]]) -> None:
-        """Keys stored for the first time count their bytes (LMCache's usage)."""
-        new_keys, sizes = [], []
-        with self._state:
-            for okey, (key, size) in stored.items():
-                if okey not in self._stored:
-                    self._stored[okey] = (key, size)
-                    new_keys.append(key)
-                    sizes.append(size)
-        if new_keys:
-            self._notify_keys_stored(new_keys, sizes)
+    # -- the key record and byte accounting ----------------------------------------------
+    def _held(self, tier: GuardedTier, items: list[tuple[OffloadKey, Any, int]]) -> None:
+        """A tier's store or load job moved these keys: the tier holds them. Keys new
+        to the record count their bytes (LMCache's usage) and are listed; a load
+        records a key an earlier process stored. On the loop thread."""
+        added, forgotten = self._record.held(tier.bit, items)
+        if self._record.dropped and not self._record_full_said:
+            self._record_full_said = True
+            logger.warning(
+                "tierkv below LMCache's L1: the key record is full (%d keys, "
+                "adapter_params.record_keys): the oldest keys are no longer listed or "
+                "counted (they stay in the tiers); raise record_keys",
+                self._record.limit,
+            )
+        self._account(forgotten, stored=False)
+        self._account(added, stored=True)
 
     def _removed(self, tier: GuardedTier, okeys: tuple[OffloadKey, ...]) -> None:
-        """A tier removed keys (its own eviction, a failed check): they stop counting
-        (in a chain of several tiers a key may still be held below; the usage is
-        then a lower bound)."""
-        gone = []
-        with self._state:
-            for okey in okeys:
-                entry = self._stored.pop(okey, None)
-                if entry is not None:
-                    gone.append(entry)
-        if gone:
-            try:
-                self._notify_keys_deleted([k for k, _ in gone], [s for _, s in gone])
-            except Exception as exc:
-                self._warn("usage", exc)
+        """A tier removed keys (its own eviction, a failed check): keys no other tier
+        of the chain holds leave the record and stop counting."""
+        self._account(self._record.let_go(tier.bit, okeys), stored=False)
+
+    def _account(self, keys: list[tuple[Any, int]], *, stored: bool) -> None:
+        if not keys:
+            return
+        try:
+            notify = self._notify_keys_stored if stored else self._notify_keys_deleted
+            notify([k for k, _ in keys], [s for _, s in keys])
+        except Exception as exc:
+            self._warn("usage", exc)
 
     # -- the optional calls -------------------------------------------------------------
     def delete(self, keys: list[Any]) -> None:
@@ -322,9 +346,37 @@ class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             okeys = [offload_key(k) for k in keys]
             for one in self._chains.all():
                 one.chain.remove_all(okeys)
-            self._removed(None, tuple(okeys))  # type: ignore[arg-type]
+            self._account(self._record.forget(okeys), stored=False)
         except Exception as exc:
             self._warn("delete", exc)
+
+    def list_l2_keys(
+        self, model_name: str | None = None, page_size: int = 500, cursor: str | None = None
+    ) -> Any:
+        """One page of the keys some tier of the adapter holds (of `model_name`'s
+        only, when given), oldest first, at most `PAGE_LIMIT`; `next_page_token` is
+        None on the last page. The keys are those this process stored or loaded
+        that no tier has reported removed since (`record.KeyRecord`): keys an
+        earlier process left in an nvme tier are listed once this one loads them;
+        keys a redis or s3 server dropped on its own stay listed until deleted.
+        A cursor works only with the adapter that made it. `ValueError` for a
+        `page_size` below 1 or a malformed or foreign cursor."""
+        if isinstance(page_size, int) and not isinstance(page_size, bool) and page_size > 0:
+            page_size = min(page_size, PAGE_LIMIT)
+        page = self._record.page(model_name, page_size, cursor)
+        entries = tuple(
+            KeyEntry(key=key.to_encoded_object_key(), size_bytes=size) for key, size in page.entries
+        )
+        return KeyListPage(entries=entries, next_page_token=page.cursor)
+
+    def get_usage(self) -> AdapterUsage:
+        """Bytes of the recorded keys (per cache salt too) and what the chains hold
+        when full: the largest tier of each object size's chain, or 0 (no usage
+        fraction, no global eviction) where a tier names no bound (redis, s3)."""
+        capacity = self._chains.capacity_bytes()
+        with self._usage_lock:
+            self._max_capacity_bytes = capacity
+        return super().get_usage()
 
     def report_status(self) -> dict[str, Any]:
         """Healthy when every tier of every chain serves; per tier its state and
@@ -344,7 +396,12 @@ class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                     "errors": stats.errors,
                     "lease_expired": stats.lease_expired,
                 }
-        return {"is_healthy": healthy and not self._closed, "tiers": tiers}
+        return {
+            "is_healthy": healthy and not self._closed,
+            "tiers": tiers,
+            "recorded_keys": len(self._record),
+            "record_dropped": self._record.dropped,
+        }
 
     # -- life ----------------------------------------------------------------------------
     def close(self) -> None:

@@ -6,6 +6,14 @@ come in a size per object group (a hybrid model's attention and state groups dif
 tiers over it (namespace `<namespace>|obj<size>`), all on the process's one tier loop
 thread. The sizes in `object_bytes` open with the adapter; another opens the first
 time an object of its size is stored or loaded, or a lookup's layout hint names it.
+
+`capacity_bytes` is what the chains hold when full, for LMCache's usage fraction:
+per size, its largest tier (every tier is written every object, so a chain holds no
+more distinct objects than its largest tier; the tiers do not add up), summed over
+the sizes open (each size's tiers have the whole configured capacity, in their own
+namespace). Before any size is open, the largest tier's configured `capacity`.
+0 (unknown) when a tier names no bound of its own (redis, s3: their server or bucket
+decides), as LMCache reads 0: no global eviction.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from tierkv.driver.guarded import GuardedTier
 from tierkv.driver.sync_chain import SyncChain
 from tierkv.integrations.lmcache.objects import LentSlots
 from tierkv.integrations.lmcache.settings import AdapterSettings
+from tierkv.registry import get_tier_class
 
 __all__ = ["SizeChain", "SizeChains"]
 
@@ -35,6 +44,8 @@ class SizeChain:
     size: int
     slots: LentSlots
     chain: SyncChain
+    capacity_blocks: int | None = None
+    """Objects the chain holds when full (its largest tier); None: unbounded."""
 
 
 class SizeChains:
@@ -52,6 +63,19 @@ class SizeChains:
 
     def all(self) -> list[SizeChain]:
         return list(self._chains.values())
+
+    def capacity_bytes(self) -> int:
+        """What the chains hold when full, in object bytes; 0 when unknown (see the
+        module docstring)."""
+        chains = self.all()
+        if not chains:
+            return configured_capacity(self.settings)
+        total = 0
+        for one in chains:
+            if one.capacity_blocks is None:
+                return 0
+            total += one.capacity_blocks * one.size
+        return total
 
     def get(self, size: int) -> SizeChain:
         """The chain for `size`, opened now if it is new (`TierUnavailable` when a
@@ -85,7 +109,12 @@ class SizeChains:
             size,
             slots.namespace,
         )
-        return SizeChain(size, slots, chain)
+        try:
+            blocks = chain.capacity_blocks()
+        except Exception as exc:  # a tier that cannot say: no usage fraction
+            logger.warning("tierkv below LMCache's L1: %d-byte objects: no capacity: %s", size, exc)
+            blocks = None
+        return SizeChain(size, slots, chain, blocks)
 
     def close(self) -> None:
         with self._lock:
@@ -94,3 +123,16 @@ class SizeChains:
         for chain in chains:
             chain.chain.close()
             chain.slots.release()
+
+
+def configured_capacity(settings: AdapterSettings) -> int:
+    """The largest tier's configured `capacity` in bytes, 0 when some tier has no
+    bound it can name (its type does not report its evictions and room)."""
+    largest = 0
+    for config in settings.tiers:
+        cls = get_tier_class(config.type)
+        capacity = int(getattr(config, "capacity", 0) or 0)
+        if not (cls.names_eviction_candidates and cls.reports_evictions) or capacity <= 0:
+            return 0
+        largest = max(largest, capacity)
+    return largest

@@ -8,10 +8,12 @@
 or `"chain": "/etc/tierkv/chain.yaml"` in place of `tiers`. Optional: `namespace`
 (default `lmcache`, or the chain file's), `lookup_timeout` (default 1s),
 `object_bytes` (the sizes of LMCache's objects, whose tiers open with the adapter;
-others open when an object of that size first comes). Each tier section goes through
-`tierkv.config.parse_config`, so a mistake reads as `tierkv validate` says it, at the
-path where it was written (`adapter_params.tiers[0].capacity: ...`). Nothing here
-imports LMCache or torch: `tierkv lmcache check` runs where LMCache is not installed.
+others open when an object of that size first comes), `record_keys` (the most keys
+the adapter remembers for `list_l2_keys` and its usage, default 1,048,576). Each tier
+section goes through `tierkv.config.parse_config`, so a mistake reads as `tierkv
+validate` says it, at the path where it was written (`adapter_params.tiers[0].capacity:
+...`). Nothing here imports LMCache or torch: `tierkv lmcache check` runs where LMCache
+is not installed.
 """
 
 from __future__ import annotations
@@ -28,11 +30,14 @@ from tierkv.contract.units import parse_duration, parse_size
 __all__ = ["SOURCE", "AdapterSettings", "resolve"]
 
 SOURCE = "--l2-adapter adapter_params"
-KEYS = ("tiers", "chain", "namespace", "lookup_timeout", "object_bytes")
+KEYS = ("tiers", "chain", "namespace", "lookup_timeout", "object_bytes", "record_keys")
 """The keys tierkv reads from `adapter_params`."""
 LOOKUP_TIMEOUT = 1.0
 """Seconds a lookup-and-lock waits for the tiers by default: LMCache's prefetch
 controller asks ahead of the load, off the request's critical path."""
+RECORD_KEYS = 1 << 20
+"""Keys the adapter's key record holds by default (a few hundred bytes each: about
+0.5 GB at the default; 1 TiB of 1 MiB objects)."""
 VALIDATION_BLOCK = 1 << 20
 """The block size tier sections are validated with (a tier's settings do not depend
 on it; each object size gets its own tiers, built for that size)."""
@@ -47,6 +52,7 @@ class AdapterSettings:
     namespace: str
     lookup_timeout: float
     object_bytes: tuple[int, ...]
+    record_keys: int = RECORD_KEYS
 
     def namespace_for(self, size: int) -> str:
         """The namespace of the tiers holding objects of `size` bytes (an nvme tier
@@ -83,6 +89,11 @@ def resolve(
         raise _problem("adapter_params.namespace", f": {namespace!r} must be a non-empty string")
     lookup = _duration(params.get("lookup_timeout"))
     sizes = _sizes(params.get("object_bytes"))
+    record = params.get("record_keys", RECORD_KEYS)
+    if isinstance(record, bool) or not isinstance(record, int) or record <= 0:
+        raise _problem(
+            "adapter_params.record_keys", f": {record!r} must be a positive whole number of keys"
+        )
     if inline is not None:
         if not isinstance(inline, list) or not inline:
             raise _problem("adapter_params.tiers", f": expected a non-empty list, got {inline!r}")
@@ -110,6 +121,7 @@ def resolve(
         namespace=namespace or default,
         lookup_timeout=LOOKUP_TIMEOUT if lookup is None else lookup,
         object_bytes=sizes,
+        record_keys=record,
     )
 
 
