@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tierkv.contract.slab import PrimaryView
+from tierkv.contract.slab import PrimaryView, StridedView
 
 
 def test_rows_are_writable_zero_copy_views_of_the_buffer() -> None:
@@ -72,3 +72,50 @@ def test_a_released_view_lets_the_owner_free_the_slab_and_refuses_later_use() ->
     region.close()  # nothing of ours holds it any more
     with pytest.raises(ValueError, match="released"):
         view.block(0)
+
+
+# -- blocks of several regions (StridedView) -------------------------------------------
+def test_a_strided_block_is_its_regions_stride_apart_without_a_copy() -> None:
+    """A page's K and V in the two halves of one buffer: slot s is region s of each half."""
+    buffer = bytearray(range(256)) * 4  # 1,024 bytes: halves of 512, regions of 64
+    view = StridedView(buffer, 64, 2, 512, "ns")
+    assert (view.num_blocks, view.block_bytes, view.region_count) == (8, 128, 2)
+    k, v = view.regions(3)
+    assert bytes(k) == bytes(buffer[192:256]) and bytes(v) == bytes(buffer[704:768])
+    k[:] = b"\xaa" * 64
+    v[:] = b"\xbb" * 64
+    assert buffer[192:256] == b"\xaa" * 64 and buffer[704:768] == b"\xbb" * 64
+    assert view.regions(7)[1].nbytes == 64 and bytes(view.regions(7)[1]) == bytes(buffer[960:])
+
+
+def test_a_strided_view_refuses_block_and_slots_past_its_last_whole_block() -> None:
+    view = StridedView(bytearray(1000), 64, 3, 300, "ns")  # last region ends by 1000
+    assert view.num_blocks == (1000 - 600) // 64
+    with pytest.raises(IndexError):
+        view.regions(view.num_blocks)
+    with pytest.raises(TypeError, match="accepts_regions"):
+        view.block(0)
+
+
+@pytest.mark.parametrize(
+    ("region_bytes", "count", "stride", "match"),
+    [
+        (0, 2, 64, "region_bytes"),
+        (64, 0, 64, "region_count"),
+        (64, 2, 32, "must not overlap"),
+        (64, 2, 4096, "holds no block"),
+    ],
+)
+def test_bad_strided_views_are_refused_with_a_reason(
+    region_bytes: int, count: int, stride: int, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        StridedView(bytearray(1024), region_bytes, count, stride, "ns")
+
+
+def test_a_plain_view_is_one_region() -> None:
+    buffer = bytearray(b"0123456789abcdef")
+    view = PrimaryView(buffer, 8, "ns")
+    assert view.region_count == 1
+    (only,) = view.regions(1)
+    assert bytes(only) == b"89abcdef"

@@ -53,6 +53,7 @@ import xxhash
 from tierkv.contract.errors import CorruptBlock, ForeignBlock
 from tierkv.contract.keys import OffloadKey
 from tierkv.contract.mac import KEY_ID_BYTES, MAC_BYTES, MacKey
+from tierkv.contract.slab import Regions
 
 MAGIC = b"TKVB"
 FORMAT_VERSION = 1
@@ -65,6 +66,16 @@ FIXED_HEADER_BYTES = _FIXED.size
 MAX_KEY_BYTES = 2**16 - 1
 
 Buffer = bytes | bytearray | memoryview
+Payload = bytes | bytearray | memoryview | Regions
+"""A block's bytes: one buffer, or the regions of a `StridedView` block in order (the
+frame is the same as for those regions joined; nothing here joins them)."""
+
+
+def payload_length(payload: Payload) -> int:
+    """Bytes of `payload` (all its regions)."""
+    if isinstance(payload, tuple):
+        return sum(len(region) for region in payload)
+    return len(payload)
 
 
 def namespace_hash(namespace: str) -> int:
@@ -72,9 +83,21 @@ def namespace_hash(namespace: str) -> int:
     return int(xxhash.xxh3_64_intdigest(namespace.encode()))
 
 
-def checksum(payload: Buffer) -> int:
-    """xxh3_64 of the payload (~12 GB/s; sha256 would be ~8x slower)."""
+def checksum(payload: Payload) -> int:
+    """xxh3_64 of the payload (~12 GB/s; sha256 would be ~8x slower); of regions, the
+    xxh3_64 of their concatenation, hashed in place."""
+    if isinstance(payload, tuple):
+        if len(payload) == 1:
+            return int(xxhash.xxh3_64_intdigest(payload[0]))
+        hasher = xxhash.xxh3_64()
+        for region in payload:
+            hasher.update(region)
+        return int(hasher.intdigest())
     return int(xxhash.xxh3_64_intdigest(payload))
+
+
+def _parts(payload: Payload) -> tuple[Buffer, ...]:
+    return payload if isinstance(payload, tuple) else (payload,)
 
 
 def header_bytes(key: OffloadKey, *, mac: bool = False) -> int:
@@ -141,8 +164,9 @@ class Framer:
         return self.header_bytes(key) + block_bytes
 
     # -- writing --------------------------------------------------------------------
-    def encode_header(self, key: OffloadKey, payload: Buffer) -> bytes:
-        """The header to write before `payload`; the caller writes both back to back."""
+    def encode_header(self, key: OffloadKey, payload: Payload) -> bytes:
+        """The header to write before `payload` (one buffer or regions); the caller
+        writes both back to back."""
         if len(key) > MAX_KEY_BYTES:
             raise ValueError(f"key of {len(key)} bytes is longer than {MAX_KEY_BYTES}")
         mac = self._mac
@@ -151,17 +175,17 @@ class Framer:
             FORMAT_VERSION,
             FLAG_MAC | FLAG_KEY_ID if mac is not None else 0,
             self._ns_hash,
-            len(payload),
+            payload_length(payload),
             checksum(payload),
             len(key),
         )
         if mac is None:
             return fixed + key
-        return fixed + key + mac.key_id + mac.tag(fixed, key, mac.key_id, payload)
+        return fixed + key + mac.key_id + mac.tag(fixed, key, mac.key_id, *_parts(payload))
 
-    def encode(self, key: OffloadKey, payload: Buffer) -> bytes:
+    def encode(self, key: OffloadKey, payload: Payload) -> bytes:
         """Header and payload as one `bytes` (one copy of the payload)."""
-        return b"".join((self.encode_header(key, payload), payload))
+        return b"".join((self.encode_header(key, payload), *_parts(payload)))
 
     # -- reading --------------------------------------------------------------------
     def parse_header(self, data: Buffer) -> Header:
@@ -221,12 +245,13 @@ class Framer:
         """The header names `key` and a payload of exactly `block_bytes`."""
         check_header(header, key, block_bytes)
 
-    def verify(self, header: Header, payload: Buffer) -> None:
-        """The payload has the header's length and checksum, and the MAC checks."""
+    def verify(self, header: Header, payload: Payload) -> None:
+        """The payload (one buffer or regions) has the header's length and checksum,
+        and the MAC checks."""
         verify_payload(header, payload)
         mac = self._mac
         if mac is not None and (
-            header.mac is None or not mac.verify(header.mac, header.signed, payload)
+            header.mac is None or not mac.verify(header.mac, header.signed, *_parts(payload))
         ):
             raise CorruptBlock(
                 "MAC mismatch: claims this tier's key but was written without it, or altered"
@@ -234,7 +259,7 @@ class Framer:
                 else "MAC mismatch: written without this tier's key, or altered"
             )
 
-    def check_frame(self, head: Buffer, key: OffloadKey, payload: Buffer) -> None:
+    def check_frame(self, head: Buffer, key: OffloadKey, payload: Payload) -> None:
         """`parse_header(head)`, `check(header, key, len(payload))` and
         `verify(header, payload)` in one call, for a tier that read the header
         (exactly `header_bytes(key)` bytes) and the payload apart.
@@ -251,25 +276,32 @@ class Framer:
                 and fields[1] == FORMAT_VERSION
                 and fields[2] == 0
                 and fields[3] == self._ns_hash
-                and fields[4] == len(payload)
+                and fields[4] == payload_length(payload)
                 and fields[6] == len(key)
                 and head[FIXED_HEADER_BYTES:] == key
                 and fields[5] == checksum(payload)
             ):
                 return
         header = self.parse_header(head)
-        check_header(header, key, len(payload))
+        check_header(header, key, payload_length(payload))
         self.verify(header, payload)
 
-    def decode_into(self, key: OffloadKey, frame: Buffer, dest: memoryview) -> None:
-        """Check a whole frame read back for `key` and copy its payload into `dest`.
+    def decode_into(self, key: OffloadKey, frame: Buffer, dest: memoryview | Regions) -> None:
+        """Check a whole frame read back for `key` and copy its payload into `dest`
+        (one buffer, or regions filled in order).
 
         `dest` is written only after every check passes."""
         header = self.parse_header(frame)
-        check_header(header, key, len(dest))
+        check_header(header, key, payload_length(dest))
         view = memoryview(frame)[header.size :]
         self.verify(header, view)
-        dest[:] = view
+        if isinstance(dest, tuple):
+            at = 0
+            for region in dest:
+                region[:] = view[at : at + len(region)]
+                at += len(region)
+        else:
+            dest[:] = view
 
     def decode_parts_into(self, key: OffloadKey, parts: Sequence[Buffer], dest: memoryview) -> None:
         """Like `decode_into` for a frame stored in pieces (`parts` joined in order are
@@ -307,10 +339,11 @@ def check_header(header: Header, key: OffloadKey, block_bytes: int) -> None:
         raise CorruptBlock(f"payload length {header.payload_length} != block size {block_bytes}")
 
 
-def verify_payload(header: Header, payload: Buffer) -> None:
-    """The payload has the header's length and checksum."""
-    if len(payload) != header.payload_length:
-        raise CorruptBlock(f"payload is {len(payload)} bytes, header says {header.payload_length}")
+def verify_payload(header: Header, payload: Payload) -> None:
+    """The payload (one buffer or regions) has the header's length and checksum."""
+    length = payload_length(payload)
+    if length != header.payload_length:
+        raise CorruptBlock(f"payload is {length} bytes, header says {header.payload_length}")
     if checksum(payload) != header.payload_checksum:
         raise CorruptBlock("payload checksum mismatch")
 

@@ -4,13 +4,24 @@ Part of the plugin contract, so it imports nothing heavy: a `PrimaryView` is bui
 any writable, C-contiguous buffer (a `bytearray`, an `mmap`, a numpy array, the
 `memoryview` vLLM hands its secondary tiers, the core's pinned torch slab). A tier
 reads `block(slot)` on store and writes it on load; both are zero-copy views.
+
+A block may also be made of several equal regions of one buffer at a fixed stride
+(`StridedView`): SGLang's host pool keeps a page's K and its V in the two halves of one
+buffer, and storing the page as one block (one file, one header, one checksum) halves a
+tier's work per page against two blocks of half the size. A tier that handles such
+blocks declares `accepts_regions` and moves `regions(slot)` (the block's bytes are
+those regions joined, in order: the frame is the same as for one contiguous block of
+those bytes); every view answers `regions`, a plain one with its single region.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PrimaryView"]
+__all__ = ["PrimaryView", "Regions", "StridedView"]
+
+Regions = tuple[memoryview, ...]
+"""A block's bytes as the writable regions they lie in, in order."""
 
 
 class PrimaryView:
@@ -54,10 +65,22 @@ class PrimaryView:
     def block_bytes(self) -> int:
         return self._block_bytes
 
-    def block(self, slot: int) -> memoryview:
-        """The bytes of `slot`, writable, without a copy."""
+    @property
+    def region_count(self) -> int:
+        """Regions a block is made of: 1 here (`block` is the whole block)."""
+        return 1
+
+    def regions(self, slot: int) -> Regions:
+        """The block at `slot` as its regions, writable, without a copy (here one)."""
+        return (self.block(slot),)
+
+    def _check_slot(self, slot: int) -> None:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self._num_blocks:
             raise IndexError(f"slot {slot!r} is out of range 0..{self._num_blocks - 1}")
+
+    def block(self, slot: int) -> memoryview:
+        """The bytes of `slot`, writable, without a copy."""
+        self._check_slot(slot)
         start = slot * self._block_bytes
         try:
             return self._bytes[start : start + self._block_bytes]
@@ -82,3 +105,77 @@ class PrimaryView:
             raise BufferError(
                 f"the primary slab cannot be released while a buffer taken from it is in use: {exc}"
             ) from None
+
+
+class StridedView(PrimaryView):
+    """Blocks of `region_count` regions of `region_bytes` each, `stride` bytes apart in
+    `buffer`: the block at slot `s` is the regions starting at `s * region_bytes + j *
+    stride` for `j` in `0..region_count - 1` (so `block_bytes` is `region_count *
+    region_bytes`). Slots run while every region of the block lies in the buffer.
+    `block(slot)` refuses (the bytes are not contiguous): only a tier that declares
+    `accepts_regions` is given such a view, and it reads `regions(slot)`."""
+
+    def __init__(
+        self, buffer: Any, region_bytes: int, region_count: int, stride: int, namespace: str
+    ) -> None:
+        for name, value in (("region_bytes", region_bytes), ("region_count", region_count)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(stride, bool) or not isinstance(stride, int) or stride < region_bytes:
+            raise ValueError(
+                f"stride must be an int of at least region_bytes={region_bytes} "
+                f"(regions of one block must not overlap), got {stride!r}"
+            )
+        whole = memoryview(buffer)
+        if whole.format != "B" or whole.ndim != 1:
+            whole = whole.cast("B")
+        span = (region_count - 1) * stride  # from a block's first region to its last
+        usable = (whole.nbytes - span) // region_bytes * region_bytes
+        if usable <= 0:
+            raise ValueError(
+                f"a buffer of {whole.nbytes} bytes holds no block of {region_count} regions "
+                f"of {region_bytes} bytes {stride} bytes apart"
+            )
+        # every check of a plain slab, over the whole regions of the buffer
+        whole = whole[: whole.nbytes - whole.nbytes % region_bytes]
+        super().__init__(whole, region_bytes, namespace)
+        self._region_bytes = region_bytes
+        self._region_count = region_count
+        self._stride = stride
+        self._block_bytes = region_count * region_bytes
+        self._num_blocks = usable // region_bytes
+
+    @property
+    def region_count(self) -> int:
+        return self._region_count
+
+    @property
+    def region_bytes(self) -> int:
+        return self._region_bytes
+
+    @property
+    def stride(self) -> int:
+        return self._stride
+
+    def regions(self, slot: int) -> Regions:
+        self._check_slot(slot)
+        size, stride = self._region_bytes, self._stride
+        start = slot * size
+        try:
+            data = self._bytes
+            return tuple(
+                data[start + j * stride : start + j * stride + size]
+                for j in range(self._region_count)
+            )
+        except ValueError:
+            raise ValueError(
+                "the primary slab was released (its tier was shut down); "
+                "no block of it can be read or written any more"
+            ) from None
+
+    def block(self, slot: int) -> memoryview:
+        raise TypeError(
+            f"a block of this view is {self._region_count} regions {self._stride} bytes "
+            "apart, not one run of bytes: a tier reads it with regions(slot) and declares "
+            "accepts_regions"
+        )

@@ -269,10 +269,23 @@ class SecondaryTierManager(ABC):
     Redis evicting under maxmemory, a bucket with no bound): `tinylfu` falls back to
     the `reuse` rule there."""
 
+    accepts_regions: ClassVar[bool] = False
+    """True when the tier moves a block through `primary.regions(slot)` (one or more
+    writable regions, whose joined bytes are the block: `tierkv.contract.slab`), so it
+    may be given a `StridedView`, whose blocks are several regions of one buffer.
+    False (the default): the tier reads and writes `primary.block(slot)`, and is only
+    ever given views whose blocks are one run of bytes."""
+
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
         if not isinstance(config, self.Config):
             raise TypeError(
                 f"{type(self).__name__} needs a {self.Config.__name__}, got {type(config).__name__}"
+            )
+        if primary.region_count > 1 and not self.accepts_regions:
+            raise TypeError(
+                f"tier {self.get_tier_type()!r} moves a block as one run of bytes; this "
+                f"primary's blocks are {primary.region_count} regions each (StridedView): "
+                "give it a plain PrimaryView, or use a tier that accepts_regions"
             )
         self.config = config
         self.primary = primary
