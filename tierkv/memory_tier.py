@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 import anyio
 from pydantic import ByteSize, Field
 
+from tierkv.contract.slab import Regions
 from tierkv.contract.tier import (
     NO_ROOM,
     CorruptBlock,
@@ -57,6 +58,7 @@ class MemoryTier(SecondaryTierManager):
     reports_evictions = True
     protects_claims = True
     names_eviction_candidates = True
+    accepts_regions = True  # a block of several regions is framed from them in place
 
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
         super().__init__(config, primary)
@@ -136,11 +138,16 @@ class MemoryTier(SecondaryTierManager):
         self._frame_bytes = len(frame)
         return victims
 
+    def _slot(self, slot: int) -> memoryview | Regions:
+        """The bytes of `slot`: one view, or its regions (a `StridedView` block)."""
+        primary = self.primary
+        return primary.block(slot) if primary.region_count == 1 else primary.regions(slot)
+
     async def store(self, job: JobMetadata) -> JobResult:
         failed: dict[OffloadKey, str] = {}
         async with self._inflight.job():
             for i, (key, slot) in enumerate(zip(job.keys, job.slots)):
-                frame = self.framer.encode(key, self.primary.block(slot))
+                frame = self.framer.encode(key, self._slot(slot))
                 if len(frame) > self.config.capacity:
                     failed[key] = (
                         f"block frame of {len(frame)} bytes exceeds the memory tier "
@@ -169,7 +176,7 @@ class MemoryTier(SecondaryTierManager):
                     failed[key] = "not in the memory tier"
                     continue
                 try:
-                    self.framer.decode_into(key, frame, self.primary.block(slot))
+                    self.framer.decode_into(key, frame, self._slot(slot))
                 except CorruptBlock as exc:
                     failed[key] = f"corrupt block deleted: {exc}"
                     self._bytes -= len(self._frames.pop(key))

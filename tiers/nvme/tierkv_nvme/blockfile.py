@@ -47,7 +47,14 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from tierkv.contract.framing import FIXED_HEADER_BYTES, MAX_KEY_BYTES, Framer, Header
+from tierkv.contract.framing import (
+    FIXED_HEADER_BYTES,
+    MAX_KEY_BYTES,
+    Framer,
+    Header,
+    payload_length,
+)
+from tierkv.contract.slab import Regions
 from tierkv.tier import CorruptBlock, OffloadKey, detached
 from tierkv_nvme.dirs import Leaves, no_link
 from tierkv_nvme.layout import TEMP_SUFFIX, temp_name
@@ -55,7 +62,11 @@ from tierkv_nvme.layout import TEMP_SUFFIX, temp_name
 RelPath = tuple[str, ...]
 """(fan-out directory, ..., file name) of a block: `layout.block_relpath`, or
 `layout.legacy_relpath` for the two levels older tiers wrote."""
-ReadItem = tuple[RelPath, OffloadKey, memoryview, bool]
+Slot = memoryview | Regions
+"""Where a block's payload lives: its slot, or the slot's regions in order (a block of
+a `StridedView`: written with one `writev` of header and regions, read with one
+`preadv` into them)."""
+ReadItem = tuple[RelPath, OffloadKey, Slot, bool]
 """A block `read_blocks` reads: where, its key, its slot, whether to refresh its mtime."""
 
 logger = logging.getLogger(__name__)
@@ -122,7 +133,7 @@ def write_block(
     leaves: Leaves,
     rel: RelPath,
     key: OffloadKey,
-    payload: memoryview,
+    payload: Slot,
     framer: Framer,
     *,
     fsync: bool,
@@ -137,7 +148,7 @@ def write_block(
     fd = os.open(tmp, flags, 0o644, dir_fd=leaf)
     try:
         try:
-            _write_all(fd, (header, payload))
+            _write_all(fd, (header, *payload) if isinstance(payload, tuple) else (header, payload))
             if fsync:
                 os.fdatasync(fd)
         finally:
@@ -249,21 +260,28 @@ class _Scratch:
         self.spare = bytearray(1)
         self._map: mmap.mmap | None = None
 
-    def frame(self, dest: memoryview, head_bytes: int) -> memoryview | None:
-        """Where to read the frame of `head_bytes` + `len(dest)` bytes and a spare
-        byte, so that both the kernel's copy into it and the copy of its payload into
-        `dest` are at a distance of 0 or SHORT_DISTANCE or more; None when reading
-        straight into `dest` is not slow (or `dest` is over SCRATCH_MAX_BYTES)."""
-        if len(dest) > SCRATCH_MAX_BYTES:
+    def frame(self, dest: Slot, head_bytes: int) -> memoryview | None:
+        """Where to read the frame of `head_bytes` + `payload_length(dest)` bytes and a
+        spare byte, so that both the kernel's copy into it and the copy of its payload
+        into `dest` (each region) are at a distance of 0 or SHORT_DISTANCE or more;
+        None when reading straight into `dest` is not slow (or `dest` is over
+        SCRATCH_MAX_BYTES)."""
+        regions = dest if isinstance(dest, tuple) else (dest,)
+        length = payload_length(regions)
+        if length > SCRATCH_MAX_BYTES or not regions:
             return None
-        try:
-            distance = (_address(dest) - head_bytes) % _PAGE
+        try:  # each region's distance from where the file's bytes for it lie
+            offset, short = head_bytes, False
+            for region in regions:
+                short |= 0 < (_address(region) - offset) % _PAGE < SHORT_DISTANCE
+                offset += len(region)
+            distance = (_address(regions[0]) - head_bytes) % _PAGE
         except (TypeError, ValueError):  # not a plain writable buffer: read straight in
             return None
-        if not 0 < distance < SHORT_DISTANCE:
+        if not short:
             return None
         start = SHORT_DISTANCE + distance  # the frame's payload then sits level with dest
-        size = start + head_bytes + len(dest) + 1
+        size = start + head_bytes + length + 1
         if self._map is None or len(self._map) < size:
             self.close()
             self._map = mmap.mmap(-1, -(-size // _PAGE) * _PAGE)
@@ -281,7 +299,7 @@ def read_opened(
     rel: RelPath,
     fd: int,
     key: OffloadKey,
-    dest: memoryview,
+    dest: Slot,
     framer: Framer,
     *,
     touch: bool = False,
@@ -310,14 +328,15 @@ def read_opened(
     TOUCH_AFTER_NS): mtimes are the recency a restart rebuilds the LRU order from."""
     try:
         head_bytes = framer.header_bytes(key)
-        expected = head_bytes + len(dest)
+        regions = dest if isinstance(dest, tuple) else (dest,)
+        expected = head_bytes + payload_length(regions)
         frame = scratch.frame(dest, head_bytes) if scratch is not None else None
         head: bytearray | memoryview
         buffers: tuple[bytearray | memoryview, ...]
         if frame is None:
             head = bytearray(head_bytes)
             spare = scratch.spare if scratch is not None else bytearray(1)
-            buffers = (head, dest, spare)
+            buffers = (head, *regions, spare)
         else:
             head = frame[:head_bytes]
             buffers = (frame,)
@@ -342,7 +361,10 @@ def read_opened(
                 raise CorruptBlock(f"file is longer than a frame of this block ({expected} bytes)")
             raise CorruptBlock(f"file ended after {got} of {expected} bytes")
         if frame is not None:
-            dest[:] = frame[head_bytes:expected]
+            at = head_bytes
+            for region in regions:
+                region[:] = frame[at : at + len(region)]
+                at += len(region)
         framer.check_frame(head, key, dest)
     except CorruptBlock:
         _discard_corrupt(leaves, rel, fd)
@@ -352,9 +374,7 @@ def read_opened(
     return True
 
 
-def read_block(
-    leaves: Leaves, rel: RelPath, key: OffloadKey, dest: memoryview, framer: Framer
-) -> None:
+def read_block(leaves: Leaves, rel: RelPath, key: OffloadKey, dest: Slot, framer: Framer) -> None:
     """Read `key`'s frame from `rel`, payload straight into `dest`,
     and check it (`read_opened`); its mtime is refreshed when older than
     TOUCH_AFTER_NS.
@@ -473,6 +493,7 @@ def read_header(path: Path, framer: Framer, size: int) -> Header:
 __all__ = [
     "ReadItem",
     "RelPath",
+    "Slot",
     "TEMP_SUFFIX",
     "delete_files",
     "open_block",

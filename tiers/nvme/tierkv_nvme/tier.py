@@ -160,9 +160,11 @@ class NvmeTier(SecondaryTierManager):
     reports_evictions = True
     protects_claims = True
     names_eviction_candidates = True
+    accepts_regions = True  # a block of several regions is one file (header, regions)
 
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
         super().__init__(config, primary)
+        self._one_region = primary.region_count == 1
         self.directory = namespace_dir(self.config.path, primary.namespace)
         self._index: OrderedDict[OffloadKey, _Entry] = OrderedDict()
         self._used = 0  # footprint of indexed blocks
@@ -607,7 +609,7 @@ class NvmeTier(SecondaryTierManager):
                 try:
                     outcomes = await in_thread(
                         self._write_files,
-                        [(self.rel_of(k), k, self.primary.block(s)) for k, s, _ in writes],
+                        [(self.rel_of(k), k, self._slot(s)) for k, s, _ in writes],
                         [self.rel_of(v) for v in victims],
                         limiter=self._threads,
                         shield=True,
@@ -633,8 +635,13 @@ class NvmeTier(SecondaryTierManager):
                 if waited is not None:
                     waited.set()
 
+    def _slot(self, slot: int) -> blockfile.Slot:
+        """The bytes of `slot`: one view, or its regions (a `StridedView` block, one
+        file all the same)."""
+        return self.primary.block(slot) if self._one_region else self.primary.regions(slot)
+
     def _write_files(
-        self, items: list[tuple[RelPath, OffloadKey, memoryview]], victims: list[RelPath]
+        self, items: list[tuple[RelPath, OffloadKey, blockfile.Slot]], victims: list[RelPath]
     ) -> list[Exception | None]:
         """Worker thread: delete `victims`, then write each block; one outcome each."""
         fsync = self.config.fsync == "always"
@@ -716,7 +723,7 @@ class NvmeTier(SecondaryTierManager):
                 outcomes = await in_thread(
                     self._read_files,
                     [
-                        (self.rel_of(k), k, self.primary.block(s), e.touched_ns < stale)
+                        (self.rel_of(k), k, self._slot(s), e.touched_ns < stale)
                         for k, s, e in reads
                     ],
                     limiter=self._threads,
