@@ -27,7 +27,9 @@ def extra(tmp_path: Path, **fields: Any) -> str:
 def test_a_good_config(tmp_path: Path, capsys: pytest.CaptureFixture[str], rig: Any) -> None:
     assert main(["sglang", "check", extra(tmp_path), "--model", "org/m", "--layers", "4"]) == 0
     out = capsys.readouterr().out
-    assert "2 regions of 524288 bytes" in out  # 64 tokens x 8 heads x 128 x 2 B x 4 layers
+    # 64 tokens x 8 heads x 128 x 2 B x 4 layers; K and V half a buffer apart, and nvme
+    # accepts regions: a page is one block
+    assert "2 regions of 524288 bytes, one tierkv block of them all" in out
     assert "namespace: sglang:org/m:bfloat16:64t:page_first:tp0of1:" in out
     assert "get/set answer within 3s" in out
     assert "SGLang loads tierkv.integrations.sglang.TierkvHiCacheStorage: yes" in out
@@ -40,6 +42,7 @@ def test_json_and_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str], rig
     assert main(["sglang", "check", f"@{path}", "--json", "--layout", "layer_first"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["parts_per_page"] == 64 and report["tiers"][0]["type"] == "nvme"
+    assert report["whole_pages"] is False  # K and V of each layer: not evenly spaced
     assert any("page_first" in w for w in report["warnings"])
 
 
@@ -82,3 +85,13 @@ def test_sglang_own_fields_may_stand_beside(tmp_path: Path, rig: Any) -> None:
     fields = {"prefetch_threshold": 128, "hicache_storage_pass_prefix_keys": True,
               "allocator": "default", "file_storage_path": "/tmp/x"}
     assert main(["sglang", "check", extra(tmp_path, **fields)]) == 0
+
+
+def test_a_tier_that_moves_one_run_of_bytes_keeps_regions_apart(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], rig: Any
+) -> None:
+    nvme = {"type": "nvme", "path": str(tmp_path / "kv"), "capacity": "1GiB"}
+    tiers = [nvme, {"type": "redis", "url": "redis://127.0.0.1:1"}]
+    config = json.dumps({**BACKEND, "tiers": tiers})
+    assert main(["sglang", "check", config, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["whole_pages"] is False

@@ -44,6 +44,13 @@ def test_round_trip_over_sglang_host_pools(
     first = build(real_pools, mla, layout)
     rig.fill(first, [0, 1, 2, 3], f"real-{layout}")  # through SGLang's set_from_flat_data_page
     writer = rig.backend(first, [rig.nvme()], mla=mla)
+    # a page whose regions lie evenly spaced in one buffer is one block of them all
+    # (one file): K and V one half-buffer apart (MHA page_first), one region per layer
+    # (MLA layer_first); an MLA page_first page is one region anyway; MHA layer_first
+    # regions (K and V of each layer) are not evenly spaced, so stay apart
+    whole = {(False, "layer_first"): False, (True, "page_first"): False}.get((mla, layout), True)
+    assert (writer.kv.stride is not None) == whole
+    assert writer.kv.key_parts == (4 if (mla, layout) == (False, "layer_first") else 1)
     assert writer.batch_set_v1(hashes, indices([0, 1, 2, 3])) == [True] * 4
     writer.close()
     second = build(real_pools, mla, layout)

@@ -20,6 +20,7 @@ from typing import Any
 from tierkv.contract.errors import ConfigError
 from tierkv.driver.checks import backstop_after
 from tierkv.integrations.sglang.settings import SOURCE, PoolGeometry, rank_suffix, resolve
+from tierkv.registry import get_tier_class
 
 MODULE = "tierkv.integrations.sglang"
 CLASS = "TierkvHiCacheStorage"
@@ -78,6 +79,9 @@ class CheckReport:
     call_deadline_s: float
     lookup_timeout_s: float
     tiers: list[dict[str, Any]] = field(default_factory=list)
+    whole_pages: bool = False
+    """A page is one block of all its regions (`regions.RegionPool`): several regions,
+    evenly spaced in one buffer, and every tier `accepts_regions`."""
     class_loaded: bool | None = None  # None: SGLang is not installed here
     warnings: list[str] = field(default_factory=list)
 
@@ -140,6 +144,11 @@ def check(value: str, model: Model) -> CheckReport:
             {"name": name, "type": t.type, "job_timeout_s": float(t.job_timeout)}
             for name, t in zip(settings.names, settings.tiers)
         ],
+        # evenly spaced regions: K and V half a buffer apart (MHA page_first and
+        # page_first_direct), one per layer (MLA layer_first); not MHA layer_first
+        whole_pages=geometry.parts_per_page > 1
+        and (model.mla or model.layout != "layer_first")
+        and all(get_tier_class(t.type).accepts_regions for t in settings.tiers),
         class_loaded=_load_class(extra),
     )
     if report.call_deadline_s > SLOW_CALL:
@@ -190,7 +199,12 @@ def render(report: CheckReport, model: Model) -> str:
         f"ok: tierkv below SGLang's host pool for {model.name} ({model.dtype}, "
         f"{'MLA' if model.mla else 'MHA'}, TP {model.tp}, layout {model.layout})",
         f"  page: {model.page_size} tokens, {report.parts_per_page} regions of "
-        f"{report.part_bytes} bytes, each a tierkv block",
+        f"{report.part_bytes} bytes, "
+        + (
+            "one tierkv block of them all (every tier accepts regions)"
+            if report.whole_pages
+            else "each a tierkv block"
+        ),
         f"  namespace: {report.namespace}",
         f"  keys: SGLang's page hash + rank suffix {report.rank_suffix!r} (rank 0) + region",
         f"  calls: get/set answer within {report.call_deadline_s:g}s, "

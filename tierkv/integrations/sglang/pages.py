@@ -5,7 +5,10 @@ A page's region `j` (as `host_pool.get_page_buffer_meta` lists them) is the tier
 block `make_offload_key(H(rank suffix, page hash), j)`: SGLang's page hash (which
 carries its own seed and the request's `cache_salt`), the suffix SGLang's file
 backend gives this rank's pages, and the region's index; the namespace is mixed in by
-every tier from the view (`regions.RegionPool` builds the views).
+every tier from the view (`regions.RegionPool` builds the views). A page stored whole,
+as one block of all its regions (`regions.RegionPool` with `whole_pages`), is the
+block `make_offload_key(H(...), WHOLE_PAGE)`: a group no region has, so a page stored
+whole and one stored region by region never answer for each other.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from tierkv.contract.keys import OffloadKey, make_offload_key
 from tierkv.integrations.sglang.settings import PoolGeometry
 
 _DOMAIN = b"tierkv/sglang-page/v1\0"
+WHOLE_PAGE = 0xFFFF_FFFF
+"""The group index of a page stored as one block of all its regions."""
 
 
 def host_bytes(buffer: Any) -> memoryview:
@@ -69,11 +74,15 @@ def read_geometry(
     )
 
 
-def page_keys(page_hashes: Sequence[str], suffix: str, parts: int) -> list[list[OffloadKey]]:
-    """Per page, the keys of its `parts` regions (see the module docstring)."""
+def page_keys(
+    page_hashes: Sequence[str], suffix: str, parts: int, *, whole: bool = False
+) -> list[list[OffloadKey]]:
+    """Per page, the keys of its `parts` regions, or with `whole` its one key (see the
+    module docstring)."""
     tail = suffix.encode()
     prefix = _DOMAIN + len(tail).to_bytes(4, "little") + tail
-    groups = [make_offload_key(b"\0", j)[1:] for j in range(parts)]  # each region's tail
+    indices = [WHOLE_PAGE] if whole else range(parts)
+    groups = [make_offload_key(b"\0", j)[1:] for j in indices]  # each key's tail
     blake2b = hashlib.blake2b
     keys = []
     for page_hash in page_hashes:

@@ -15,6 +15,13 @@ with several components each gets `|<name>:<index>` after it.
 A page's region `j` is the block `make_offload_key(H(suffix, page hash), j)`
 (`pages.page_keys`); a page is present, read or written when all its regions are.
 
+**Whole pages.** Where every region of a page lies in one buffer at one stride (an MHA
+pool laid out page_first: the page's K in the first half of `kv_buffer`, its V at the
+same place in the second) and every tier of the chain `accepts_regions`, the pool is
+one component over a `StridedView` and a page is one block of all its regions, under
+one key (`pages.WHOLE_PAGE`): one file, one header, one checksum, one index entry per
+page instead of one per region, still read and written in place.
+
 The rules for which pages a v2 hit needs follow SGLang (`PoolHitPolicy`): a pool of
 `ALL_PAGES` needs every page of the prefix, `TRAILING_PAGES` the last
 `len(transfer.keys)` pages before each possible end (so `restorable_prefix_pages`
@@ -33,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from tierkv.contract.keys import OffloadKey
-from tierkv.contract.slab import PrimaryView
+from tierkv.contract.slab import PrimaryView, StridedView
 from tierkv.driver.sync_chain import SyncChain
 from tierkv.integrations.sglang.claims import ExistsClaims
 from tierkv.integrations.sglang.pages import host_bytes, page_keys
@@ -86,6 +93,8 @@ class RegionPool:
         namespace: str,
         make_chain: ChainFactory,
         name: str = "kv",
+        *,
+        whole_pages: bool = False,
     ) -> None:
         import torch
 
@@ -100,13 +109,24 @@ class RegionPool:
         self.parts = len(ptrs)
         self.region_bytes = tuple(int(size) for size in sizes)
         groups = self._components(pool, ptrs, sizes)
+        self.stride: int | None = None
+        """Bytes between the regions of a page stored whole; None: region by region."""
+        if whole_pages and len(groups) == 1 and self.parts > 1:
+            self.stride = _page_stride(pool, self.page_size, ptrs, sizes)
+        self.key_parts = 1 if self.stride is not None else self.parts
+        """Keys (blocks) per page: 1 for a page stored whole, else one per region."""
         self.components: list[Component] = []
         self.component_of: dict[int, int] = {}
         try:
             for c, (tensor, size, regions) in enumerate(groups):
                 data = host_bytes(tensor)
                 space = namespace if len(groups) == 1 else f"{namespace}|{name}:{c}"
-                view = PrimaryView(data[: data.nbytes - data.nbytes % size], size, space)
+                view: PrimaryView
+                if self.stride is not None:
+                    view = StridedView(data, size, self.parts, self.stride, space)
+                    regions = [0]  # the page's one key
+                else:
+                    view = PrimaryView(data[: data.nbytes - data.nbytes % size], size, space)
                 chain = make_chain(view)
                 self.components.append(
                     Component(view, int(tensor.data_ptr()), size, tuple(regions), chain)
@@ -114,7 +134,7 @@ class RegionPool:
                 for j in regions:
                     self.component_of[j] = c
             self._region_components = np.array(
-                [self.component_of[j] for j in range(self.parts)], dtype=np.int64
+                [self.component_of[j] for j in range(self.key_parts)], dtype=np.int64
             )
             self._bases = np.array([c.base for c in self.components], dtype=np.int64)
             self._sizes = np.array([c.size for c in self.components], dtype=np.int64)
@@ -154,7 +174,7 @@ class RegionPool:
         return not self.components or any(c.chain.closed for c in self.components)
 
     def keys(self, page_hashes: Sequence[str]) -> list[list[OffloadKey]]:
-        return page_keys(page_hashes, self.suffix, self.parts)
+        return page_keys(page_hashes, self.suffix, self.parts, whole=self.stride is not None)
 
     def _split(self, per_page: list[list[OffloadKey]]) -> list[list[OffloadKey]]:
         """The keys of `per_page` by component."""
@@ -197,8 +217,9 @@ class RegionPool:
         return max((c.job_deadline for c in chains), default=0.0)
 
     def _slots(self, host_indices: Any) -> list[int]:
-        """The slot (in its component) of every region of the pages at `host_indices`,
-        page by page; ValueError for a region that is not a slot of its component.
+        """The slot (in its component) of every key of the pages at `host_indices`,
+        page by page; ValueError for a region that is not a slot of its component (or,
+        for a page stored whole, not at its place after the page's first region).
         Array arithmetic over the call's regions (256 per 128-page MHA call)."""
         ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
         pages = len(host_indices) // self.page_size
@@ -209,11 +230,22 @@ class RegionPool:
             )
         if not pages:
             return []
-        # per region of the call: its component's base, slot size and slot count
+        starts = np.asarray(ptrs, dtype=np.int64)
+        region_sizes = np.asarray(sizes, dtype=np.int64)
+        misplaced = np.zeros(pages * self.key_parts, dtype=bool)
+        if self.stride is not None:  # a page's regions must lie `stride` apart
+            grid = starts.reshape(pages, self.parts)
+            offsets = np.arange(self.parts, dtype=np.int64) * self.stride
+            misplaced = (grid != grid[:, :1] + offsets).any(axis=1)
+            misplaced |= (region_sizes.reshape(pages, self.parts) != self.region_bytes[0]).any(
+                axis=1
+            )
+            starts, region_sizes = grid[:, 0], region_sizes[:: self.parts]
+        # per key of the call: its component's base, slot size and slot count
         which = np.tile(self._region_components, pages)
         base, size, count = self._bases[which], self._sizes[which], self._counts[which]
-        slot, rest = np.divmod(np.asarray(ptrs, dtype=np.int64) - base, size)
-        bad = (np.asarray(sizes, dtype=np.int64) != size) | (rest != 0)
+        slot, rest = np.divmod(starts - base, size)
+        bad = misplaced | (region_sizes != size) | (rest != 0)
         bad |= (slot < 0) | (slot >= count)
         if bad.any():
             i = int(np.argmax(bad))
@@ -237,9 +269,10 @@ class RegionPool:
         slots = self._slots(host_indices)
         per_page = self.keys(page_hashes)
         work: list[dict[OffloadKey, int]] = [{} for _ in self.components]
+        parts = self.key_parts
         for i, page in enumerate(per_page):
             for j, key in enumerate(page):
-                work[self.component_of[j]].setdefault(key, slots[i * self.parts + j])
+                work[self.component_of[j]].setdefault(key, slots[i * parts + j])
         done: set[OffloadKey] = set()
         end = time.monotonic() + self._deadline("job")
         for component, pairs in zip(self.components, work):
@@ -260,6 +293,33 @@ class RegionPool:
         """Ask every tier to drop these pages (a hint)."""
         for component, keys in zip(self.components, self._split(self.keys(page_hashes))):
             component.chain.remove_all(keys)
+
+
+def _page_stride(
+    pool: Any, page_size: int, ptrs: Sequence[int], sizes: Sequence[int]
+) -> int | None:
+    """The stride between a page's regions when they lie evenly spaced, apart and in
+    order (the same for the first two pages: the pool's layout, not a coincidence of
+    page 0); None when they do not, and the pool is stored region by region."""
+    import torch
+
+    def spacing(starts: Sequence[int]) -> int | None:
+        first = int(starts[0])
+        gap = int(starts[1]) - first
+        if gap < int(sizes[0]) or any(int(p) - first != j * gap for j, p in enumerate(starts)):
+            return None
+        return gap
+
+    try:
+        second, _ = pool.get_page_buffer_meta(
+            torch.arange(page_size, 2 * page_size, dtype=torch.int64)
+        )
+    except Exception:  # a pool of one page, or one that refuses: region by region
+        return None
+    stride = spacing(ptrs)
+    if stride is None or len(second) != len(ptrs) or spacing(second) != stride:
+        return None
+    return stride
 
 
 def restorable_ends(

@@ -43,6 +43,7 @@ from tierkv.integrations.sglang.metrics import CallMetrics
 from tierkv.integrations.sglang.pages import read_geometry
 from tierkv.integrations.sglang.regions import ChainFactory, RegionPool, restorable_ends
 from tierkv.integrations.sglang.settings import ChainSettings, check_keys, rank_suffix, resolve
+from tierkv.registry import get_tier_class
 
 __all__ = ["TierkvHiCacheStorage"]
 
@@ -148,7 +149,11 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if self.kv is not None:
             self.kv.close()
         self.kv = RegionPool(
-            mem_pool_host, self.suffix, settings.namespace, self._chain_maker("kv")
+            mem_pool_host,
+            self.suffix,
+            settings.namespace,
+            self._chain_maker("kv"),
+            whole_pages=all(get_tier_class(t.type).accepts_regions for t in settings.tiers),
         )
         self.page_bytes = sum(self.kv.region_bytes)
         for name, pool in getattr(self, "registered_pools", {}).items():

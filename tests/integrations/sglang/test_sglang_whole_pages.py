@@ -1,0 +1,83 @@
+"""A page whose regions lie evenly spaced in one buffer (an MHA pool laid out
+page_first: K in the first half of `kv_buffer`, V in the second) is one block of all
+its regions when every tier accepts regions: one key, one nvme file per page, read and
+written in place; with a tier that does not (redis), region by region as before."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tierkv.integrations.sglang.pages import WHOLE_PAGE, page_keys
+
+PAGES = 6
+
+
+def nvme_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*.blk") if p.is_file()]
+
+
+def round_trip(rig: Any, pool: Any, backend: Any) -> None:
+    hashes = rig.page_hashes(PAGES, "whole")
+    rig.fill(pool, list(range(PAGES)), "whole")
+    assert backend.batch_set_v1(hashes, pool.indices(list(range(PAGES)))) == [True] * PAGES
+    assert backend.batch_exists(hashes) == PAGES
+    targets = list(range(PAGES, 2 * PAGES))[::-1]
+    assert backend.batch_get_v1(hashes, pool.indices(targets)) == [True] * PAGES
+    for src, dst in zip(range(PAGES), targets):
+        assert pool.page_bytes(dst) == pool.page_bytes(src)
+
+
+def test_a_page_first_mha_page_is_one_nvme_file(rig: Any) -> None:
+    pool = rig.pool(pages=2 * PAGES, layout="page_first")
+    backend = rig.backend(pool, [rig.nvme("whole")])
+    kv = backend.kv
+    assert kv.parts == 2 and kv.key_parts == 1
+    assert kv.stride == pool.kv_buffer[1].data_ptr() - pool.kv_buffer[0].data_ptr()
+    round_trip(rig, pool, backend)
+    assert len(nvme_files(rig.tmp_path / "whole")) == PAGES  # not 2 x PAGES
+
+
+def test_the_whole_page_key_is_no_region_key() -> None:
+    (whole,) = page_keys(["h"], "|rank0", 2, whole=True)
+    regions = page_keys(["h"], "|rank0", 2)[0]
+    assert len(whole) == 1 and whole[0] not in regions
+    assert whole[0][:-4] == regions[0][:-4] and whole[0][-4:] == WHOLE_PAGE.to_bytes(4, "big")
+
+
+def test_a_tier_that_moves_one_run_of_bytes_keeps_regions_apart(
+    rig: Any, redis_url: str
+) -> None:
+    pool = rig.pool(pages=2 * PAGES, layout="page_first")
+    backend = rig.backend(pool, [rig.nvme("mixed"), {"type": "redis", "url": redis_url}])
+    assert backend.kv.stride is None and backend.kv.key_parts == 2
+    round_trip(rig, pool, backend)
+    assert len(nvme_files(rig.tmp_path / "mixed")) == 2 * PAGES
+
+
+@pytest.mark.parametrize(("layout", "mla"), [("layer_first", False), ("page_first", True)])
+def test_pools_of_one_region_or_uneven_regions_stay_region_by_region(
+    rig: Any, layout: str, mla: bool
+) -> None:
+    pool = rig.pool(pages=2 * PAGES, layout=layout, mla=mla)
+    backend = rig.backend(pool, [rig.nvme(f"{layout}-{mla}")], mla=mla)
+    assert backend.kv.key_parts == backend.kv.parts
+    round_trip(rig, pool, backend)
+
+
+def test_a_page_stored_region_by_region_is_not_read_as_a_whole_page(
+    rig: Any, redis_url: str
+) -> None:
+    """An nvme tier written by a chain with redis (regions apart) and then read by a
+    chain of nvme alone (whole pages): different keys, so a miss, never wrong bytes."""
+    pool = rig.pool(pages=2 * PAGES, layout="page_first")
+    hashes = rig.page_hashes(PAGES, "apart")
+    rig.fill(pool, list(range(PAGES)), "apart")
+    apart = rig.backend(pool, [rig.nvme("shared"), {"type": "redis", "url": redis_url}])
+    assert apart.batch_set_v1(hashes, pool.indices(list(range(PAGES)))) == [True] * PAGES
+    apart.close()
+    whole = rig.backend(pool, [rig.nvme("shared")])
+    assert whole.kv.key_parts == 1
+    assert whole.batch_exists(hashes) == 0
