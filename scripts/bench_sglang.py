@@ -21,8 +21,15 @@ nvme tier checks a checksum on every read and writes a header per block, with
 `fsync: never` (SGLang's file backend never syncs either; `--fsync always` for the
 durable setting). Prints pages/s per operation, the median over rounds, and the ratio.
 
+An MHA page (page_first) is two regions, its K and its V across all layers, so tierkv
+moves two blocks per page. `--regions 1` gives tierkv a pool of the same page size
+whose pages are one region each (MLA-shaped: one buffer, no K/V split; same tokens per
+page and layers), to measure what one block per page would give; the `file` backend
+keeps the MHA pool and does exactly the work it does by default (its file per page is
+the whole page either way).
+
     python scripts/bench_sglang.py [--pages-kib 64,1024] [--batches 8] [--rounds 5]
-        [--io-concurrency 8] [--fsync never]
+        [--io-concurrency 8] [--fsync never] [--regions 2]
 """
 
 from __future__ import annotations
@@ -48,12 +55,12 @@ TIERKV = {
 }
 
 
-def storage_config(extra: dict[str, Any]) -> Any:
+def storage_config(extra: dict[str, Any], mla: bool = False) -> Any:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
     return HiCacheStorageConfig(
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+        is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=True,
         model_name="bench/model", extra_config=extra,
     )
 
@@ -61,21 +68,31 @@ def storage_config(extra: dict[str, Any]) -> Any:
 def build(name: str, extra: dict[str, Any], pool: Any) -> Any:
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-    backend = StorageBackendFactory.create_backend(name, storage_config(extra), pool)
+    config = storage_config(extra, mla=pool.mla)
+    backend = StorageBackendFactory.create_backend(name, config, pool)
     backend.register_mem_pool_host(pool)
     backend.on_host_pools_registered()
     return backend
 
 
-def pool_of(page_kib: int, pages: int) -> Any:
-    """A page_first MHA pool whose pages are `page_kib` KiB (4 layers, 128-dim heads)."""
+def pool_of(page_kib: int, pages: int, regions: int = 2) -> Any:
+    """A page_first pool whose pages are `page_kib` KiB (4 layers): MHA with 128-dim
+    heads (two regions a page, K and V), or with `regions=1` MLA-shaped, one region a
+    page of the same tokens, its dim the MHA page's K and V heads side by side."""
     from tierkv.integrations.sglang.stand_in import HostPoolStandIn
 
     tokens, heads = (16, 2) if page_kib == 64 else (page_kib // 16, 8)
-    pool = HostPoolStandIn(pages=pages, page_size=tokens, layer_num=4, head_num=heads,
-                           head_dim=128, dtype=torch.bfloat16)
+    if regions == 2:
+        pool = HostPoolStandIn(pages=pages, page_size=tokens, layer_num=4, head_num=heads,
+                               head_dim=128, dtype=torch.bfloat16)
+    elif regions == 1:
+        pool = HostPoolStandIn(pages=pages, page_size=tokens, layer_num=4,
+                               head_dim=2 * heads * 128, dtype=torch.bfloat16, mla=True)
+    else:
+        raise ValueError(f"regions must be 1 or 2, got {regions}")
     page = 2 * 4 * tokens * heads * 128 * 2
     assert page == page_kib << 10, (page, page_kib)
+    assert pool.get_data_page(0).numel() * 2 == page, (pool.get_data_page(0).shape, page)
     return pool
 
 
@@ -146,10 +163,17 @@ def fill(pool: Any, pages: list[int], seed: int) -> None:
 
 
 def bench(
-    page_kib: int, batches: int, rounds: int, root: Path, fsync: str, io_concurrency: int
+    page_kib: int,
+    batches: int,
+    rounds: int,
+    root: Path,
+    fsync: str,
+    io_concurrency: int,
+    regions: int = 2,
 ) -> dict[str, Any]:
+    """`regions` per page on tierkv's side; the `file` backend's pool is always MHA."""
     pages = 2 * batches * BATCH
-    pools = {"tierkv": pool_of(page_kib, pages), "file": pool_of(page_kib, pages)}
+    pools = {"tierkv": pool_of(page_kib, pages, regions), "file": pool_of(page_kib, pages)}
     tierkv_dir, file_dir = root / f"tierkv-{page_kib}", root / f"file-{page_kib}"
     capacity = f"{4 * rounds * batches * BATCH * page_kib}KiB"
     runs = [
@@ -166,7 +190,9 @@ def bench(
                 run.round(r, batches)
     finally:
         runs[0].backend.close()
-    row: dict[str, Any] = {"page_kib": page_kib, "pages_per_round": batches * BATCH}
+    row: dict[str, Any] = {
+        "page_kib": page_kib, "pages_per_round": batches * BATCH, "regions": regions
+    }
     for run in runs:
         row[f"{run.name}_set"] = statistics.median(run.set_rate)
         row[f"{run.name}_get"] = statistics.median(run.get_rate)
@@ -183,6 +209,9 @@ def main() -> int:
     parser.add_argument("--fsync", default="never", choices=("never", "always"))
     parser.add_argument("--io-concurrency", type=int, default=8,
                         help="the nvme tier's io_concurrency (its default: 8)")
+    parser.add_argument("--regions", type=int, default=2, choices=(1, 2),
+                        help="regions per page on tierkv's side: 2 (MHA, K and V; the "
+                        "default) or 1 (an MLA-shaped pool of the same page size)")
     parser.add_argument("--dir", default=None, help="where both write (default: a temp dir)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -191,7 +220,8 @@ def main() -> int:
     try:
         for kib in (int(k) for k in args.pages_kib.split(",")):
             rows.append(
-                bench(kib, args.batches, args.rounds, root, args.fsync, args.io_concurrency)
+                bench(kib, args.batches, args.rounds, root, args.fsync, args.io_concurrency,
+                      args.regions)
             )
     finally:
         if args.dir is None:
@@ -200,7 +230,8 @@ def main() -> int:
         print(json.dumps(rows, indent=2))
         return 0
     print(f"128-page batches, {args.rounds} interleaved rounds, median pages/s; tierkv nvme "
-          f"fsync={args.fsync}, io_concurrency={args.io_concurrency}, checksums on")
+          f"fsync={args.fsync}, io_concurrency={args.io_concurrency}, checksums on, "
+          f"{args.regions} region(s) per tierkv page")
     print("| page | tierkv set | file set | set ratio | tierkv get | file get | get ratio |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for row in rows:
