@@ -50,7 +50,7 @@ from tierkv.contract.runner import (
     per_key,
     run_job,
 )
-from tierkv.contract.slab import PrimaryView
+from tierkv.contract.slab import PrimaryView, Regions, StridedView
 from tierkv.contract.units import Duration, Size
 
 __all__ = [
@@ -70,6 +70,8 @@ __all__ = [
     "NO_ROOM",
     "OffloadKey",
     "PrimaryView",
+    "Regions",
+    "StridedView",
     "RemovalListener",
     "ReqContext",
     "SecondaryTierManager",

@@ -54,7 +54,7 @@ from tierkv.contract.framing import FIXED_HEADER_BYTES, Framer
 from tierkv.contract.jobs import JobMetadata, JobResult, ReqContext
 from tierkv.contract.keys import OffloadKey, make_offload_key
 from tierkv.contract.mac import KEY_ID_BYTES, MacKey
-from tierkv.contract.slab import PrimaryView
+from tierkv.contract.slab import PrimaryView, StridedView
 from tierkv.contract.tier import SecondaryTierManager
 from tierkv.testing.candidates import CandidateConformance
 from tierkv.testing.claims import ClaimConformance
@@ -184,6 +184,36 @@ class TierConformanceSuite(ClaimConformance, CandidateConformance):
             assert result.ok, result.error
             for key, slot in zip(keys, dest):
                 assert bytes(view.block(slot)) == stored[key]
+
+    async def test_blocks_of_regions_round_trip_in_place(self) -> None:
+        """A tier that `accepts_regions` moves a `StridedView` block (two regions, half
+        a buffer apart, as SGLang keeps a page's K and V) in place, byte-exact; any
+        other tier refuses such a view when it is built."""
+        half = self.num_slots * self.block_bytes // 2
+        view = StridedView(bytearray(2 * half), self.block_bytes // 2, 2, half, self.namespace)
+        try:
+            tier = self.make_tier(view, capacity_blocks=None)
+        except TypeError as exc:
+            assert "accepts_regions" in str(exc)
+            return
+        assert tier.accepts_regions
+        rng = random.Random(11)
+        keys = random_keys(4, rng)
+        await tier.open()
+        try:
+            stored: dict[OffloadKey, bytes] = {}
+            for key, slot in zip(keys, range(4)):
+                for region in view.regions(slot):
+                    region[:] = rng.randbytes(len(region))
+                stored[key] = b"".join(bytes(r) for r in view.regions(slot))
+            result = await tier.store(self.job(keys, range(4)))
+            assert result.ok, result.error
+            result = await tier.load(self.job(keys, range(8, 12)))
+            assert result.ok, result.error
+            for key, slot in zip(keys, range(8, 12)):
+                assert b"".join(bytes(r) for r in view.regions(slot)) == stored[key]
+        finally:
+            await tier.close()
 
     async def test_lookup_is_batched_and_ordered(self) -> None:
         rng = random.Random(2)
