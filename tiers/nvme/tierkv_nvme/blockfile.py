@@ -266,20 +266,40 @@ class _Scratch:
         into `dest` (each region) are at a distance of 0 or SHORT_DISTANCE or more;
         None when reading straight into `dest` is not slow (or `dest` is over
         SCRATCH_MAX_BYTES)."""
-        regions = dest if isinstance(dest, tuple) else (dest,)
+        if isinstance(dest, tuple):
+            return self._frame_of_regions(dest, head_bytes)
+        if len(dest) > SCRATCH_MAX_BYTES:
+            return None
+        try:
+            distance = (_address(dest) - head_bytes) % _PAGE
+        except (TypeError, ValueError):  # not a plain writable buffer: read straight in
+            return None
+        if not 0 < distance < SHORT_DISTANCE:
+            return None
+        return self._place(distance, head_bytes, len(dest))
+
+    def _frame_of_regions(self, regions: Regions, head_bytes: int) -> memoryview | None:
+        """`frame` for a block of regions: through scratch when any region lies at a
+        short distance from where the file's bytes for it are."""
         length = payload_length(regions)
         if length > SCRATCH_MAX_BYTES or not regions:
             return None
-        try:  # each region's distance from where the file's bytes for it lie
-            offset, short = head_bytes, False
+        try:
+            offset, short, distance = head_bytes, False, -1
             for region in regions:
-                short |= 0 < (_address(region) - offset) % _PAGE < SHORT_DISTANCE
+                here = (_address(region) - offset) % _PAGE
+                distance = here if distance < 0 else distance  # the first region's
+                short |= 0 < here < SHORT_DISTANCE
                 offset += len(region)
-            distance = (_address(regions[0]) - head_bytes) % _PAGE
-        except (TypeError, ValueError):  # not a plain writable buffer: read straight in
+        except (TypeError, ValueError):  # not plain writable buffers: read straight in
             return None
         if not short:
             return None
+        return self._place(distance, head_bytes, length)
+
+    def _place(self, distance: int, head_bytes: int, length: int) -> memoryview:
+        """The scratch bytes a frame of `head_bytes` + `length` (and a spare byte) is
+        read into, its payload level with a destination `distance` past a page."""
         start = SHORT_DISTANCE + distance  # the frame's payload then sits level with dest
         size = start + head_bytes + length + 1
         if self._map is None or len(self._map) < size:
@@ -328,15 +348,18 @@ def read_opened(
     TOUCH_AFTER_NS): mtimes are the recency a restart rebuilds the LRU order from."""
     try:
         head_bytes = framer.header_bytes(key)
-        regions = dest if isinstance(dest, tuple) else (dest,)
-        expected = head_bytes + payload_length(regions)
+        one: memoryview | None  # the slot, when it is one region (the common case)
+        if isinstance(dest, tuple):
+            one, regions, expected = None, dest, head_bytes + payload_length(dest)
+        else:
+            one, regions, expected = dest, (), head_bytes + len(dest)
         frame = scratch.frame(dest, head_bytes) if scratch is not None else None
         head: bytearray | memoryview
         buffers: tuple[bytearray | memoryview, ...]
         if frame is None:
             head = bytearray(head_bytes)
             spare = scratch.spare if scratch is not None else bytearray(1)
-            buffers = (head, *regions, spare)
+            buffers = (head, one, spare) if one is not None else (head, *regions, spare)
         else:
             head = frame[:head_bytes]
             buffers = (frame,)
@@ -361,10 +384,13 @@ def read_opened(
                 raise CorruptBlock(f"file is longer than a frame of this block ({expected} bytes)")
             raise CorruptBlock(f"file ended after {got} of {expected} bytes")
         if frame is not None:
-            at = head_bytes
-            for region in regions:
-                region[:] = frame[at : at + len(region)]
-                at += len(region)
+            if one is not None:
+                one[:] = frame[head_bytes:expected]
+            else:
+                at = head_bytes
+                for region in regions:
+                    region[:] = frame[at : at + len(region)]
+                    at += len(region)
         framer.check_frame(head, key, dest)
     except CorruptBlock:
         _discard_corrupt(leaves, rel, fd)
