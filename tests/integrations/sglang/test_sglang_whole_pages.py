@@ -81,3 +81,26 @@ def test_a_page_stored_region_by_region_is_not_read_as_a_whole_page(
     whole = rig.backend(pool, [rig.nvme("shared")])
     assert whole.kv.key_parts == 1
     assert whole.batch_exists(hashes) == 0
+
+
+def test_a_page_whose_regions_moved_is_refused_not_misread(
+    rig: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A host pool that names a page's V somewhere else than a half-buffer after its K
+    (its layout changed under the backend): the call answers False and writes nothing,
+    and the log says why."""
+    pool = rig.pool(pages=2 * PAGES, layout="page_first")
+    backend = rig.backend(pool, [rig.nvme("moved")])
+    assert backend.kv.key_parts == 1
+    real = pool.get_page_buffer_meta
+
+    def moved(indices: Any) -> Any:
+        ptrs, sizes = real(indices)
+        return [p + (sizes[0] if j % 2 else 0) for j, p in enumerate(ptrs)], sizes
+
+    monkeypatch.setattr(pool, "get_page_buffer_meta", moved)
+    hashes = rig.page_hashes(2, "moved")
+    assert backend.batch_set_v1(hashes, pool.indices([0, 1])) == [False, False]
+    assert "not" in caplog.text and "apart" in caplog.text
+    monkeypatch.setattr(pool, "get_page_buffer_meta", real)
+    assert backend.batch_exists(hashes) == 0

@@ -249,8 +249,13 @@ class RegionPool:
         bad |= (slot < 0) | (slot >= count)
         if bad.any():
             i = int(np.argmax(bad))
+            if misplaced[i]:
+                raise ValueError(
+                    f"pool {self.name}: the regions of a page are not {self.stride} bytes "
+                    "apart, as this pool's first pages were (a page is stored whole)"
+                )
             raise ValueError(
-                f"pool {self.name}: a page region ({sizes[i]} bytes) is not a "
+                f"pool {self.name}: a page region ({int(region_sizes[i])} bytes) is not a "
                 f"{int(size[i])}-byte slot of its buffer"
             )
         return slot.tolist()  # type: ignore[no-any-return]
