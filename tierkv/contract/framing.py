@@ -74,7 +74,7 @@ frame is the same as for those regions joined; nothing here joins them)."""
 def payload_length(payload: Payload) -> int:
     """Bytes of `payload` (all its regions)."""
     if isinstance(payload, tuple):
-        return sum(len(region) for region in payload)
+        return sum(map(len, payload))
     return len(payload)
 
 

@@ -163,10 +163,10 @@ class StridedView(PrimaryView):
         start = slot * size
         try:
             data = self._bytes
-            return tuple(
-                data[start + j * stride : start + j * stride + size]
-                for j in range(self._region_count)
-            )
+            if self._region_count == 2:  # a page's K and V: the common case, on every job
+                return (data[start : start + size], data[start + stride : start + stride + size])
+            starts = range(start, start + self._region_count * stride, stride)
+            return tuple([data[at : at + size] for at in starts])
         except ValueError:
             raise ValueError(
                 "the primary slab was released (its tier was shut down); "

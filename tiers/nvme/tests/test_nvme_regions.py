@@ -53,15 +53,15 @@ async def test_a_two_region_block_is_one_file_and_reads_back_byte_identical(
     """Offsets put the regions at distances from their file offsets (a 54-byte header
     here) that are read straight in, or through the scratch buffer (64: 10 bytes,
     a slow-copy distance, `blockfile.SHORT_DISTANCE`)."""
-    scratch_frames: list[object] = []
-    real_frame = blockfile._Scratch.frame
+    scratch_frames: list[object] = []  # frames placed in the scratch buffer
+    real_place = blockfile._Scratch._place
 
-    def frame(self: blockfile._Scratch, dest: blockfile.Slot, head_bytes: int) -> object:
-        got = real_frame(self, dest, head_bytes)
+    def place(self: blockfile._Scratch, distance: int, head_bytes: int, length: int) -> object:
+        got = real_place(self, distance, head_bytes, length)
         scratch_frames.append(got)
         return got
 
-    monkeypatch.setattr(blockfile._Scratch, "frame", frame)
+    monkeypatch.setattr(blockfile._Scratch, "_place", place)
     buffer = mmap.mmap(-1, 2 * PAGES * REGION + 4096)
     view = strided(buffer, offset)
     rng = random.Random(offset)
@@ -80,7 +80,7 @@ async def test_a_two_region_block_is_one_file_and_reads_back_byte_identical(
         result = await tier.load(JobMetadata(2, tuple(keys), tuple(range(8, 14))))
         assert set(result.ok_keys) == set(keys)
         assert read_back(view, list(range(8, 14))) == joined
-        assert any(f is not None for f in scratch_frames) == through_scratch
+        assert bool(scratch_frames) == through_scratch
     finally:
         await tier.close()
         view.release()

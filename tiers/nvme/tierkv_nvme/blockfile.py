@@ -267,7 +267,7 @@ class _Scratch:
         None when reading straight into `dest` is not slow (or `dest` is over
         SCRATCH_MAX_BYTES)."""
         if isinstance(dest, tuple):
-            return self._frame_of_regions(dest, head_bytes)
+            return self._frame_of_regions(dest, head_bytes, payload_length(dest))
         if len(dest) > SCRATCH_MAX_BYTES:
             return None
         try:
@@ -278,10 +278,11 @@ class _Scratch:
             return None
         return self._place(distance, head_bytes, len(dest))
 
-    def _frame_of_regions(self, regions: Regions, head_bytes: int) -> memoryview | None:
-        """`frame` for a block of regions: through scratch when any region lies at a
-        short distance from where the file's bytes for it are."""
-        length = payload_length(regions)
+    def _frame_of_regions(
+        self, regions: Regions, head_bytes: int, length: int
+    ) -> memoryview | None:
+        """`frame` for a block of regions (`length` bytes in all): through scratch when
+        any region lies at a short distance from where the file's bytes for it are."""
         if length > SCRATCH_MAX_BYTES or not regions:
             return None
         try:
@@ -353,7 +354,13 @@ def read_opened(
             one, regions, expected = None, dest, head_bytes + payload_length(dest)
         else:
             one, regions, expected = dest, (), head_bytes + len(dest)
-        frame = scratch.frame(dest, head_bytes) if scratch is not None else None
+        frame = None
+        if scratch is not None:
+            frame = (
+                scratch.frame(one, head_bytes)
+                if one is not None
+                else scratch._frame_of_regions(regions, head_bytes, expected - head_bytes)
+            )
         head: bytearray | memoryview
         buffers: tuple[bytearray | memoryview, ...]
         if frame is None:
