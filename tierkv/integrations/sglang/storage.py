@@ -153,7 +153,7 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             self.suffix,
             settings.namespace,
             self._chain_maker("kv"),
-            whole_pages=all(get_tier_class(t.type).accepts_regions for t in settings.tiers),
+            whole_pages=self._whole_pages(),
         )
         self.page_bytes = sum(self.kv.region_bytes)
         for name, pool in getattr(self, "registered_pools", {}).items():
@@ -241,6 +241,13 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         kv = self.kv
         return None if kv is None or kv.closed else kv
 
+    def _whole_pages(self) -> bool:
+        """Whether a page may be one block of its regions: every tier accepts regions
+        (`regions.RegionPool` still checks the pool lays them out evenly)."""
+        settings = self._settings
+        assert settings is not None
+        return all(get_tier_class(t.type).accepts_regions for t in settings.tiers)
+
     def _chain_maker(self, pool: str) -> ChainFactory:
         """Builds the tier chain of one component of a pool (`regions.RegionPool`)."""
         settings = self._settings
@@ -282,6 +289,7 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             f"{settings.namespace}|tp{config.tp_rank}of{config.tp_size}|{name}",
             self._chain_maker(name),
             name=name,
+            whole_pages=self._whole_pages(),
         )
 
     @_never_raises(lambda keys: PoolTransferResult(0, {}, []))
