@@ -14,11 +14,13 @@ from tierkv.contract.errors import CorruptBlock
 from tierkv.contract.framing import (
     FIXED_HEADER_BYTES,
     Framer,
+    copy_into,
     decode_into,
     encode_block,
     encode_header,
     header_bytes,
     parse_header,
+    slice_payload,
 )
 from tierkv.contract.keys import make_offload_key
 from tierkv.contract.mac import MacKey
@@ -202,3 +204,39 @@ def test_a_changed_region_fails_its_check() -> None:
         framer.check_frame(head, KEY, regions)
     with pytest.raises(CorruptBlock, match="payload length"):
         framer.check_frame(head, KEY, regions[:1])
+
+
+@given(
+    # the first part holds the whole header, as redis's parts of 1 KiB and more do
+    part_cuts=st.lists(st.integers(min_value=54, max_value=1077), max_size=4, unique=True),
+    region_cuts=st.lists(
+        st.integers(min_value=1, max_value=len(PAYLOAD) - 1), max_size=3, unique=True
+    ),
+    start=st.integers(min_value=0, max_value=len(PAYLOAD)),
+    length=st.integers(min_value=0, max_value=len(PAYLOAD)),
+)
+def test_a_frame_in_parts_lands_in_regions_and_regions_slice_as_joined(
+    part_cuts: list[int], region_cuts: list[int], start: int, length: int
+) -> None:
+    """A split frame (redis parts) copied into regions, and any slice of regions,
+    are the bytes of the joined payload."""
+    framer = Framer("ns")
+    frame = framer.encode(KEY, PAYLOAD)
+    bounds = [0, *sorted(c for c in part_cuts if c < len(frame)), len(frame)]
+    parts = [frame[a:b] for a, b in itertools.pairwise(bounds)]
+    cuts = [0, *sorted(region_cuts), len(PAYLOAD)]
+    regions = tuple(memoryview(bytearray(b - a)) for a, b in itertools.pairwise(cuts))
+    framer.decode_parts_into(KEY, parts, regions)
+    assert b"".join(bytes(r) for r in regions) == PAYLOAD
+    end = min(len(PAYLOAD), start + length)
+    sliced = slice_payload(regions, start, end)
+    assert isinstance(sliced, tuple)
+    assert b"".join(bytes(r) for r in sliced) == PAYLOAD[start:end]
+
+
+def test_copy_into_refuses_more_bytes_than_the_regions_hold() -> None:
+    regions = (memoryview(bytearray(4)), memoryview(bytearray(4)))
+    copy_into(regions, [b"abcdef", b"gh"])
+    assert bytes(regions[0]) + bytes(regions[1]) == b"abcdefgh"
+    with pytest.raises(ValueError, match="more bytes"):
+        copy_into(regions, [b"abcdefghi"])

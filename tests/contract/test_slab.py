@@ -119,3 +119,32 @@ def test_a_plain_view_is_one_region() -> None:
     assert view.region_count == 1
     (only,) = view.regions(1)
     assert bytes(only) == b"89abcdef"
+
+
+def test_a_tier_that_moves_one_run_of_bytes_refuses_a_strided_view() -> None:
+    """A tier that does not declare `accepts_regions` would read `block(slot)`: it is
+    refused a `StridedView` when built, never half a block later."""
+    from tierkv.contract.jobs import JobMetadata, JobResult
+    from tierkv.contract.tier import SecondaryTierManager, TierConfig
+
+    class OneRun(SecondaryTierManager):
+        @staticmethod
+        def get_tier_type() -> str:
+            return "one-run"
+
+        async def lookup(self, keys: object, ctx: object) -> list[bool]:
+            return []
+
+        async def store(self, job: JobMetadata) -> JobResult:
+            return JobResult.success(job)
+
+        async def load(self, job: JobMetadata) -> JobResult:
+            return JobResult.success(job)
+
+        async def remove(self, keys: object) -> None:
+            pass
+
+    view = StridedView(bytearray(1024), 64, 2, 512, "ns")
+    with pytest.raises(TypeError, match="'one-run' moves a block as one run of bytes"):
+        OneRun(TierConfig(type="one-run"), view)
+    OneRun(TierConfig(type="one-run"), PrimaryView(bytearray(1024), 128, "ns"))  # fine

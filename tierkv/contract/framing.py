@@ -303,7 +303,9 @@ class Framer:
         else:
             dest[:] = view
 
-    def decode_parts_into(self, key: OffloadKey, parts: Sequence[Buffer], dest: memoryview) -> None:
+    def decode_parts_into(
+        self, key: OffloadKey, parts: Sequence[Buffer], dest: memoryview | Regions
+    ) -> None:
         """Like `decode_into` for a frame stored in pieces (`parts` joined in order are
         the frame), without joining them: the payload pieces are copied into `dest`,
         then checked there. Unlike `decode_into`, `dest` may have been written when a
@@ -312,19 +314,57 @@ class Framer:
             raise CorruptBlock("a frame of no parts")
         first = parts[0]
         header = self.parse_header(first)
-        check_header(header, key, len(dest))
+        check_header(header, key, payload_length(dest))
         size = header.size
         total = sum(len(p) for p in parts)
         if total - size != header.payload_length:
             raise CorruptBlock(
                 f"payload is {total - size} bytes, header says {header.payload_length}"
             )
-        at = 0
-        for i, part in enumerate(parts):
-            piece = memoryview(part)[size:] if i == 0 else memoryview(part)
-            dest[at : at + len(piece)] = piece
-            at += len(piece)
+        pieces = [memoryview(part) for part in parts]
+        pieces[0] = pieces[0][size:]
+        if isinstance(dest, tuple):
+            copy_into(dest, pieces)
+        else:
+            at = 0
+            for piece in pieces:
+                dest[at : at + len(piece)] = piece
+                at += len(piece)
         self.verify(header, dest)
+
+
+def copy_into(regions: Regions, pieces: Sequence[Buffer]) -> None:
+    """Copy `pieces`, joined, into `regions`, filled in order (as many bytes in all)."""
+    targets = iter(regions)
+    target = next(targets, None)
+    at = 0
+    for piece in pieces:
+        view = memoryview(piece)
+        while len(view):
+            if target is None:
+                raise ValueError("the pieces hold more bytes than the regions")
+            room = len(target) - at
+            take = min(room, len(view))
+            target[at : at + take] = view[:take]
+            view = view[take:]
+            at += take
+            if at == len(target):
+                target, at = next(targets, None), 0
+
+
+def slice_payload(payload: Payload, start: int, end: int) -> Payload:
+    """Bytes `start:end` of `payload` without a copy: a slice of one buffer, or the
+    slices of the regions they span."""
+    if not isinstance(payload, tuple):
+        return payload[start:end]
+    pieces: list[memoryview] = []
+    offset = 0
+    for region in payload:
+        low, high = max(start, offset), min(end, offset + len(region))
+        if low < high:
+            pieces.append(region[low - offset : high - offset])
+        offset += len(region)
+    return tuple(pieces)
 
 
 def _id(key_id: bytes | None) -> str:

@@ -91,7 +91,7 @@ def test_a_tier_that_moves_one_run_of_bytes_keeps_regions_apart(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], rig: Any
 ) -> None:
     nvme = {"type": "nvme", "path": str(tmp_path / "kv"), "capacity": "1GiB"}
-    tiers = [nvme, {"type": "redis", "url": "redis://127.0.0.1:1"}]
+    tiers = [nvme, {"type": "sqlite", "path": str(tmp_path / "kv.db"), "capacity": "1GiB"}]
     config = json.dumps({**BACKEND, "tiers": tiers})
     assert main(["sglang", "check", config, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["whole_pages"] is False

@@ -1,7 +1,8 @@
 """A page whose regions lie evenly spaced in one buffer (an MHA pool laid out
 page_first: K in the first half of `kv_buffer`, V in the second) is one block of all
 its regions when every tier accepts regions: one key, one nvme file per page, read and
-written in place; with a tier that does not (redis), region by region as before."""
+written in place; with a tier that does not (the sqlite plugin), region by region as
+before."""
 
 from __future__ import annotations
 
@@ -47,11 +48,14 @@ def test_the_whole_page_key_is_no_region_key() -> None:
     assert whole[0][:-4] == regions[0][:-4] and whole[0][-4:] == WHOLE_PAGE.to_bytes(4, "big")
 
 
-def test_a_tier_that_moves_one_run_of_bytes_keeps_regions_apart(
-    rig: Any, redis_url: str
-) -> None:
+def sqlite(rig: Any, name: str) -> dict[str, Any]:
+    """A tier that moves a block as one run of bytes (it does not accept regions)."""
+    return {"type": "sqlite", "path": str(rig.tmp_path / f"{name}.db"), "capacity": "64MiB"}
+
+
+def test_a_tier_that_moves_one_run_of_bytes_keeps_regions_apart(rig: Any) -> None:
     pool = rig.pool(pages=2 * PAGES, layout="page_first")
-    backend = rig.backend(pool, [rig.nvme("mixed"), {"type": "redis", "url": redis_url}])
+    backend = rig.backend(pool, [rig.nvme("mixed"), sqlite(rig, "mixed")])
     assert backend.kv.stride is None and backend.kv.key_parts == 2
     round_trip(rig, pool, backend)
     assert len(nvme_files(rig.tmp_path / "mixed")) == 2 * PAGES
@@ -67,15 +71,13 @@ def test_pools_of_one_region_or_uneven_regions_stay_region_by_region(
     round_trip(rig, pool, backend)
 
 
-def test_a_page_stored_region_by_region_is_not_read_as_a_whole_page(
-    rig: Any, redis_url: str
-) -> None:
-    """An nvme tier written by a chain with redis (regions apart) and then read by a
-    chain of nvme alone (whole pages): different keys, so a miss, never wrong bytes."""
+def test_a_page_stored_region_by_region_is_not_read_as_a_whole_page(rig: Any) -> None:
+    """An nvme tier written by a chain with a tier that keeps regions apart, then read
+    by a chain of nvme alone (whole pages): different keys, a miss, never wrong bytes."""
     pool = rig.pool(pages=2 * PAGES, layout="page_first")
     hashes = rig.page_hashes(PAGES, "apart")
     rig.fill(pool, list(range(PAGES)), "apart")
-    apart = rig.backend(pool, [rig.nvme("shared"), {"type": "redis", "url": redis_url}])
+    apart = rig.backend(pool, [rig.nvme("shared"), sqlite(rig, "shared")])
     assert apart.batch_set_v1(hashes, pool.indices(list(range(PAGES)))) == [True] * PAGES
     apart.close()
     whole = rig.backend(pool, [rig.nvme("shared")])

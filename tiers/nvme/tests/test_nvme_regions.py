@@ -13,7 +13,6 @@ from tierkv_nvme import NvmeTier, NvmeTierConfig, blockfile
 from tierkv.contract.framing import Framer
 from tierkv.contract.jobs import JobMetadata
 from tierkv.contract.slab import StridedView
-from tierkv.memory_tier import MemoryTier, MemoryTierConfig
 from tierkv.testing import random_keys
 
 pytestmark = pytest.mark.anyio
@@ -104,25 +103,3 @@ async def test_a_changed_byte_in_the_second_region_fails_the_block(tmp_path: Pat
         assert not path.exists()  # a corrupt block is deleted
     finally:
         await tier.close()
-
-
-async def test_the_memory_tier_moves_regions_too() -> None:
-    view = strided(bytearray(2 * PAGES * REGION))
-    rng = random.Random(2)
-    keys = random_keys(3, rng)
-    tier = MemoryTier(MemoryTierConfig(type="memory", capacity="1MiB"), view)
-    await tier.open()
-    joined = fill(view, [0, 1, 2], rng)
-    assert not (await tier.store(JobMetadata(1, tuple(keys), (0, 1, 2)))).failed_keys
-    wipe(view, [3, 4, 5])
-    assert not (await tier.load(JobMetadata(2, tuple(keys), (3, 4, 5)))).failed_keys
-    assert read_back(view, [3, 4, 5]) == joined
-    await tier.close()
-
-
-def test_a_tier_that_moves_one_run_of_bytes_refuses_a_strided_view() -> None:
-    from tierkv_redis import RedisTier, RedisTierConfig
-
-    view = strided(bytearray(2 * PAGES * REGION))
-    with pytest.raises(TypeError, match="accepts_regions"):
-        RedisTier(RedisTierConfig(type="redis", url="redis://127.0.0.1:1"), view)

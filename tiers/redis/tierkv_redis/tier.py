@@ -93,6 +93,7 @@ class RedisTier(SecondaryTierManager):
     Config = RedisTierConfig
     config: RedisTierConfig
     shared_storage = True
+    accepts_regions = True  # stores copy a block into its command; regions are joined there
 
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
         super().__init__(config, primary)

@@ -25,6 +25,7 @@ from functools import partial
 
 from redis.client import Redis as SyncRedis
 
+from tierkv.contract.framing import Payload, slice_payload
 from tierkv.tier import (
     Batch,
     CorruptBlock,
@@ -32,6 +33,7 @@ from tierkv.tier import (
     Framer,
     OffloadKey,
     PrimaryView,
+    Regions,
     SlotGuard,
 )
 from tierkv_redis.failures import command_error, is_command_error
@@ -62,6 +64,11 @@ class Transfers:
         self.primary = primary
         self.ttl_ms = ttl_ms
         self.report_foreign = report_foreign
+        self._one_region = primary.region_count == 1
+
+    def _slot(self, slot: int) -> memoryview | Regions:
+        """The bytes of `slot`: one view, or its regions (a `StridedView` block)."""
+        return self.primary.block(slot) if self._one_region else self.primary.regions(slot)
 
     # -- stores ---------------------------------------------------------------------
     def store(self, sync: SyncRedis, batch: Batch, guard: SlotGuard) -> dict[OffloadKey, str]:
@@ -75,7 +82,7 @@ class Transfers:
             with guard.hold() as alive:
                 if not alive:
                     return ended
-                payload = self.primary.block(slot)
+                payload = self._slot(slot)
                 header = self.framer.encode_header(key, payload)
                 block_commands = self.pack_block(key, header, payload, px)
                 # the slot's view must not outlive the guard: the send below may
@@ -94,7 +101,7 @@ class Transfers:
         return refused
 
     def pack_block(
-        self, key: OffloadKey, header: bytes, payload: memoryview, px: int | None
+        self, key: OffloadKey, header: bytes, payload: Payload, px: int | None
     ) -> list[bytes]:
         """The packed SETs of one block: one command, or one per part with the later
         parts first and the main name (header and first bytes) last, so a lookup sees
@@ -106,12 +113,13 @@ class Transfers:
         skip = len(header)  # frame offsets -> payload offsets
         bounds = self.names.part_bounds(key)
         commands = [
-            pack_set(names[i].encode(), b"", payload[start - skip : end - skip], px)
+            pack_set(names[i].encode(), b"", slice_payload(payload, start - skip, end - skip), px)
             for i, (start, end) in enumerate(bounds)
             if i
         ]
         first_end = bounds[0][1]
-        commands.append(pack_set(names[0].encode(), header, payload[: first_end - skip], px))
+        first = slice_payload(payload, 0, first_end - skip)
+        commands.append(pack_set(names[0].encode(), header, first, px))
         return commands
 
     # -- loads ----------------------------------------------------------------------
@@ -121,12 +129,14 @@ class Transfers:
         lives and checked there; otherwise into scratch, then checked and copied."""
         px = self.ttl_ms  # GETEX renews the ttl of a block read
         names = [name for key, _ in batch for name in self.names.all(key)]
-        places = self._places(batch) if isinstance(guard, SocketGuard) else None
+        # a block of regions is read through scratch and copied into them (one copy)
+        direct = isinstance(guard, SocketGuard) and self._one_region
+        places = self._places(batch) if direct else None
         values = read_values(
             sync.connection_pool,
             [pack_get(n.encode(), px) for n in names],
             places=places,
-            guard=guard if isinstance(guard, SocketGuard) else None,
+            guard=guard if direct and isinstance(guard, SocketGuard) else None,
         )
         errors: dict[OffloadKey, str] = {}
         doomed: list[OffloadKey] = []  # keys whose stored values must go
@@ -209,9 +219,9 @@ class Transfers:
                 if placed:  # already in the slot: checked there
                     self.framer.check_frame(placed[0].head, key, self.primary.block(slot))
                 elif len(frames) == 1:
-                    self.framer.decode_into(key, frames[0], self.primary.block(slot))
+                    self.framer.decode_into(key, frames[0], self._slot(slot))
                 else:  # straight from the parts into the slot, no joined copy
-                    self.framer.decode_parts_into(key, frames, self.primary.block(slot))
+                    self.framer.decode_parts_into(key, frames, self._slot(slot))
             except ForeignBlock as exc:  # another trust domain's block: left in place
                 self.report_foreign([key])
                 return f"not this server's block: {exc}"

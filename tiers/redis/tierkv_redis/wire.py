@@ -18,23 +18,27 @@ from collections.abc import Sequence
 from redis.connection import ConnectionPool
 from redis.exceptions import ConnectionError, ResponseError
 
+from tierkv.contract.framing import Payload, payload_length
 from tierkv.tier import detached
 
 
-def pack_set(name: bytes, header: bytes, payload: bytes | memoryview, px: int | None) -> bytes:
-    """The RESP bytes of `SET name <header + payload> [PX px]`."""
+def pack_set(name: bytes, header: bytes, payload: Payload, px: int | None) -> bytes:
+    """The RESP bytes of `SET name <header + payload> [PX px]` (`payload` one buffer or
+    regions, copied once, into the command)."""
     argc = 3 if px is None else 5
     head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
         argc,
         len(name),
         name,
-        len(header) + len(payload),
+        len(header) + payload_length(payload),
     )
     if px is None:
         tail = b"\r\n"
     else:
         ms = str(px).encode()
         tail = b"\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ms), ms)
+    if isinstance(payload, tuple):
+        return b"".join((head, header, *payload, tail))
     return b"".join((head, header, payload, tail))
 
 
