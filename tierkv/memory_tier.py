@@ -23,7 +23,6 @@ from collections.abc import Iterator, Sequence
 import anyio
 from pydantic import ByteSize, Field
 
-from tierkv.contract.slab import Regions
 from tierkv.contract.tier import (
     NO_ROOM,
     CorruptBlock,
@@ -138,16 +137,11 @@ class MemoryTier(SecondaryTierManager):
         self._frame_bytes = len(frame)
         return victims
 
-    def _slot(self, slot: int) -> memoryview | Regions:
-        """The bytes of `slot`: one view, or its regions (a `StridedView` block)."""
-        primary = self.primary
-        return primary.block(slot) if primary.region_count == 1 else primary.regions(slot)
-
     async def store(self, job: JobMetadata) -> JobResult:
         failed: dict[OffloadKey, str] = {}
         async with self._inflight.job():
             for i, (key, slot) in enumerate(zip(job.keys, job.slots)):
-                frame = self.framer.encode(key, self._slot(slot))
+                frame = self.framer.encode(key, self.primary.payload(slot))
                 if len(frame) > self.config.capacity:
                     failed[key] = (
                         f"block frame of {len(frame)} bytes exceeds the memory tier "
@@ -176,7 +170,7 @@ class MemoryTier(SecondaryTierManager):
                     failed[key] = "not in the memory tier"
                     continue
                 try:
-                    self.framer.decode_into(key, frame, self._slot(slot))
+                    self.framer.decode_into(key, frame, self.primary.payload(slot))
                 except CorruptBlock as exc:
                     failed[key] = f"corrupt block deleted: {exc}"
                     self._bytes -= len(self._frames.pop(key))

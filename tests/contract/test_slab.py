@@ -86,6 +86,7 @@ def test_a_strided_block_is_its_regions_stride_apart_without_a_copy() -> None:
     v[:] = b"\xbb" * 64
     assert buffer[192:256] == b"\xaa" * 64 and buffer[704:768] == b"\xbb" * 64
     assert view.regions(7)[1].nbytes == 64 and bytes(view.regions(7)[1]) == bytes(buffer[960:])
+    assert [bytes(r) for r in view.payload(3)] == [b"\xaa" * 64, b"\xbb" * 64]
 
 
 def test_a_strided_view_refuses_block_and_slots_past_its_last_whole_block() -> None:
@@ -119,6 +120,8 @@ def test_a_plain_view_is_one_region() -> None:
     assert view.region_count == 1
     (only,) = view.regions(1)
     assert bytes(only) == b"89abcdef"
+    payload = view.payload(1)
+    assert isinstance(payload, memoryview) and bytes(payload) == b"89abcdef"
 
 
 def test_a_tier_that_moves_one_run_of_bytes_refuses_a_strided_view() -> None:

@@ -296,10 +296,7 @@ class Framer:
         view = memoryview(frame)[header.size :]
         self.verify(header, view)
         if isinstance(dest, tuple):
-            at = 0
-            for region in dest:
-                region[:] = view[at : at + len(region)]
-                at += len(region)
+            copy_into(dest, (view,))
         else:
             dest[:] = view
 
@@ -323,13 +320,7 @@ class Framer:
             )
         pieces = [memoryview(part) for part in parts]
         pieces[0] = pieces[0][size:]
-        if isinstance(dest, tuple):
-            copy_into(dest, pieces)
-        else:
-            at = 0
-            for piece in pieces:
-                dest[at : at + len(piece)] = piece
-                at += len(piece)
+        copy_into(dest if isinstance(dest, tuple) else (dest,), pieces)
         self.verify(header, dest)
 
 

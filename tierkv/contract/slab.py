@@ -74,6 +74,11 @@ class PrimaryView:
         """The block at `slot` as its regions, writable, without a copy (here one)."""
         return (self.block(slot),)
 
+    def payload(self, slot: int) -> memoryview | Regions:
+        """What a tier that `accepts_regions` moves for `slot`: `block(slot)` here, the
+        regions in a `StridedView` (`tierkv.contract.framing` takes either)."""
+        return self.block(slot)
+
     def _check_slot(self, slot: int) -> None:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self._num_blocks:
             raise IndexError(f"slot {slot!r} is out of range 0..{self._num_blocks - 1}")
@@ -172,6 +177,9 @@ class StridedView(PrimaryView):
                 "the primary slab was released (its tier was shut down); "
                 "no block of it can be read or written any more"
             ) from None
+
+    def payload(self, slot: int) -> memoryview | Regions:
+        return self.regions(slot)
 
     def block(self, slot: int) -> memoryview:
         raise TypeError(

@@ -52,6 +52,7 @@ from tierkv.contract.framing import (
     MAX_KEY_BYTES,
     Framer,
     Header,
+    copy_into,
     payload_length,
 )
 from tierkv.contract.slab import Regions
@@ -394,10 +395,7 @@ def read_opened(
             if one is not None:
                 one[:] = frame[head_bytes:expected]
             else:
-                at = head_bytes
-                for region in regions:
-                    region[:] = frame[at : at + len(region)]
-                    at += len(region)
+                copy_into(regions, (frame[head_bytes:expected],))
         framer.check_frame(head, key, dest)
     except CorruptBlock:
         _discard_corrupt(leaves, rel, fd)

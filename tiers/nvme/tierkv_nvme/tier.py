@@ -164,7 +164,6 @@ class NvmeTier(SecondaryTierManager):
 
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
         super().__init__(config, primary)
-        self._one_region = primary.region_count == 1
         self.directory = namespace_dir(self.config.path, primary.namespace)
         self._index: OrderedDict[OffloadKey, _Entry] = OrderedDict()
         self._used = 0  # footprint of indexed blocks
@@ -609,7 +608,7 @@ class NvmeTier(SecondaryTierManager):
                 try:
                     outcomes = await in_thread(
                         self._write_files,
-                        [(self.rel_of(k), k, self._slot(s)) for k, s, _ in writes],
+                        [(self.rel_of(k), k, self.primary.payload(s)) for k, s, _ in writes],
                         [self.rel_of(v) for v in victims],
                         limiter=self._threads,
                         shield=True,
@@ -634,11 +633,6 @@ class NvmeTier(SecondaryTierManager):
                 waited = self._writing.pop(key)
                 if waited is not None:
                     waited.set()
-
-    def _slot(self, slot: int) -> blockfile.Slot:
-        """The bytes of `slot`: one view, or its regions (a `StridedView` block, one
-        file all the same)."""
-        return self.primary.block(slot) if self._one_region else self.primary.regions(slot)
 
     def _write_files(
         self, items: list[tuple[RelPath, OffloadKey, blockfile.Slot]], victims: list[RelPath]
@@ -723,7 +717,7 @@ class NvmeTier(SecondaryTierManager):
                 outcomes = await in_thread(
                     self._read_files,
                     [
-                        (self.rel_of(k), k, self._slot(s), e.touched_ns < stale)
+                        (self.rel_of(k), k, self.primary.payload(s), e.touched_ns < stale)
                         for k, s, e in reads
                     ],
                     limiter=self._threads,

@@ -33,7 +33,6 @@ from tierkv.tier import (
     Framer,
     OffloadKey,
     PrimaryView,
-    Regions,
     SlotGuard,
 )
 from tierkv_redis.failures import command_error, is_command_error
@@ -64,11 +63,6 @@ class Transfers:
         self.primary = primary
         self.ttl_ms = ttl_ms
         self.report_foreign = report_foreign
-        self._one_region = primary.region_count == 1
-
-    def _slot(self, slot: int) -> memoryview | Regions:
-        """The bytes of `slot`: one view, or its regions (a `StridedView` block)."""
-        return self.primary.block(slot) if self._one_region else self.primary.regions(slot)
 
     # -- stores ---------------------------------------------------------------------
     def store(self, sync: SyncRedis, batch: Batch, guard: SlotGuard) -> dict[OffloadKey, str]:
@@ -82,7 +76,7 @@ class Transfers:
             with guard.hold() as alive:
                 if not alive:
                     return ended
-                payload = self._slot(slot)
+                payload = self.primary.payload(slot)
                 header = self.framer.encode_header(key, payload)
                 block_commands = self.pack_block(key, header, payload, px)
                 # the slot's view must not outlive the guard: the send below may
@@ -130,7 +124,7 @@ class Transfers:
         px = self.ttl_ms  # GETEX renews the ttl of a block read
         names = [name for key, _ in batch for name in self.names.all(key)]
         # a block of regions is read through scratch and copied into them (one copy)
-        direct = isinstance(guard, SocketGuard) and self._one_region
+        direct = isinstance(guard, SocketGuard) and self.primary.region_count == 1
         places = self._places(batch) if direct else None
         values = read_values(
             sync.connection_pool,
@@ -219,9 +213,9 @@ class Transfers:
                 if placed:  # already in the slot: checked there
                     self.framer.check_frame(placed[0].head, key, self.primary.block(slot))
                 elif len(frames) == 1:
-                    self.framer.decode_into(key, frames[0], self._slot(slot))
+                    self.framer.decode_into(key, frames[0], self.primary.payload(slot))
                 else:  # straight from the parts into the slot, no joined copy
-                    self.framer.decode_parts_into(key, frames, self._slot(slot))
+                    self.framer.decode_parts_into(key, frames, self.primary.payload(slot))
             except ForeignBlock as exc:  # another trust domain's block: left in place
                 self.report_foreign([key])
                 return f"not this server's block: {exc}"

@@ -62,7 +62,6 @@ from tierkv.tier import (
     JobResult,
     OffloadKey,
     PrimaryView,
-    Regions,
     ReqContext,
     SecondaryTierManager,
     SlotGuard,
@@ -130,7 +129,6 @@ class S3Tier(SecondaryTierManager):
 
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
         super().__init__(config, primary)
-        self._one_region = primary.region_count == 1
         c = self.config
         self._names = ObjectNames(c.bucket, c.prefix, primary.namespace)
         self._endpoint = redact_url(c.endpoint_url) if c.endpoint_url else "AWS S3"
@@ -357,16 +355,12 @@ class S3Tier(SecondaryTierManager):
         async with self._inflight.job():
             return await self._run_job(job, self._store_one, "store")
 
-    def _slot(self, slot: int) -> memoryview | Regions:
-        """The bytes of `slot`: one view, or its regions (a `StridedView` block)."""
-        return self.primary.block(slot) if self._one_region else self.primary.regions(slot)
-
     async def _store_one(
         self, fs: S3FileSystem, key: OffloadKey, slot: int, guard: SlotGuard
     ) -> None:
         if self.framer.frame_bytes(key, self.primary.block_bytes) >= 2 * int(self.config.part_size):
             frame = await in_thread(
-                self.framer.encode, key, self._slot(slot), limiter=self._cpu
+                self.framer.encode, key, self.primary.payload(slot), limiter=self._cpu
             )
             await self._multipart.put(fs, key, frame, self.config.request_timeout)
         else:
@@ -387,7 +381,7 @@ class S3Tier(SecondaryTierManager):
             with guard.hold() as alive:
                 if not alive:
                     raise JobEnded("s3 store: the job ended before this block was read")
-                framed.append(self.framer.encode(key, self._slot(slot)))
+                framed.append(self.framer.encode(key, self.primary.payload(slot)))
         sync.put_object(Bucket=self._names.bucket, Key=self._names.key(key), Body=framed[0])
 
     async def load(self, job: JobMetadata) -> JobResult:
@@ -431,7 +425,7 @@ class S3Tier(SecondaryTierManager):
             if not alive:
                 raise JobEnded("s3 load: the job ended before this block was written")
             try:
-                self.framer.decode_into(key, frame, self._slot(slot))
+                self.framer.decode_into(key, frame, self.primary.payload(slot))
             except CorruptBlock as exc:
                 return detached(exc)
         return None
