@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import subprocess
 import sys
 
@@ -151,3 +153,27 @@ def test_a_tier_that_moves_one_run_of_bytes_refuses_a_strided_view() -> None:
     with pytest.raises(TypeError, match="'one-run' moves a block as one run of bytes"):
         OneRun(TierConfig(type="one-run"), view)
     OneRun(TierConfig(type="one-run"), PrimaryView(bytearray(1024), 128, "ns"))  # fine
+
+
+def test_placement_says_where_every_slot_starts_within_a_page() -> None:
+    """(modulus, residue) per slab: a page-aligned buffer of page-sized blocks, a
+    buffer 64 bytes into a page (torch's CPU tensors), odd block sizes, a strided view
+    whose stride or region size sets the modulus."""
+    area = mmap.mmap(-1, 1 << 20)
+    whole = memoryview(area)
+    assert PrimaryView(whole, 8192, "ns").placement == (4096, 0)
+    assert PrimaryView(whole[64 : 64 + 65536], 4096, "ns").placement == (4096, 64)
+    assert PrimaryView(whole[64 : 64 + 96 * 10], 96, "ns").placement == (32, 0)
+    assert PrimaryView(whole[10 : 10 + 8192], 4096, "ns").placement == (4096, 10)
+    strided = StridedView(whole[64 : 64 + (1 << 19)], 32768, 2, 1 << 18, "ns")
+    assert strided.placement == (4096, 64)
+    assert StridedView(whole, 4096, 2, 4096 + 192, "ns").placement == (64, 0)
+    for view in (strided, PrimaryView(whole[64 : 64 + 96 * 10], 96, "ns")):
+        modulus, residue = view.placement
+        starts = [
+            ctypes.addressof(ctypes.c_char.from_buffer(region))
+            for slot in range(view.num_blocks)
+            for region in view.regions(slot)
+        ]
+        assert {start % modulus for start in starts} == {residue}
+        view.release()

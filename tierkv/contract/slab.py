@@ -16,9 +16,19 @@ those bytes); every view answers `regions`, a plain one with its single region.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 __all__ = ["PrimaryView", "Regions", "StridedView"]
+
+PLACEMENT_PAGE = 4096
+"""The largest modulus `PrimaryView.placement` reports: copies are slow or fast by
+where source and destination lie within a page."""
+
+
+def _low_bit(value: int) -> int:
+    """The largest power of two dividing `value`, at most PLACEMENT_PAGE (0: the cap)."""
+    return min(value & -value, PLACEMENT_PAGE) if value else PLACEMENT_PAGE
 
 Regions = tuple[memoryview, ...]
 """A block's bytes as the writable regions they lie in, in order."""
@@ -56,6 +66,10 @@ class PrimaryView:
         self._block_bytes = block_bytes
         self._num_blocks = view.nbytes // block_bytes
         self.namespace = namespace
+        try:
+            self._address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        except (TypeError, ValueError):  # a buffer ctypes cannot see into
+            self._address = None
 
     @property
     def num_blocks(self) -> int:
@@ -73,6 +87,22 @@ class PrimaryView:
     def regions(self, slot: int) -> Regions:
         """The block at `slot` as its regions, writable, without a copy (here one)."""
         return (self.block(slot),)
+
+    @property
+    def placement(self) -> tuple[int, int]:
+        """(modulus, residue): every region of every slot starts at an address that
+        is `residue` modulo `modulus` (a power of two, at most PLACEMENT_PAGE);
+        (1, 0) when the buffer's address is not known. A tier whose reads are slow at
+        some distances between a file offset and the slot (the nvme tier's
+        `SHORT_DISTANCE`) learns from it whether any slot can be at one."""
+        if self._address is None:
+            return 1, 0
+        modulus = _low_bit(self._spacing())
+        return modulus, self._address % modulus
+
+    def _spacing(self) -> int:
+        """What the addresses of regions differ by: multiples of this."""
+        return self._block_bytes
 
     def payload(self, slot: int) -> memoryview | Regions:
         """What a tier that `accepts_regions` moves for `slot`: `block(slot)` here, the
@@ -180,6 +210,9 @@ class StridedView(PrimaryView):
 
     def payload(self, slot: int) -> memoryview | Regions:
         return self.regions(slot)
+
+    def _spacing(self) -> int:
+        return self._region_bytes | self._stride
 
     def block(self, slot: int) -> memoryview:
         raise TypeError(

@@ -106,3 +106,49 @@ def test_a_page_whose_regions_moved_is_refused_not_misread(
     assert "not" in caplog.text and "apart" in caplog.text
     monkeypatch.setattr(pool, "get_page_buffer_meta", real)
     assert backend.batch_exists(hashes) == 0
+
+
+@pytest.mark.parametrize(("signed", "tiers", "header"), [(0, 1, 64), (0, 3, 64), (1, 2, 64),
+                                                         (1, 1, 128), (2, 3, 128)])
+def test_page_keys_make_frame_headers_a_multiple_of_64_bytes(
+    signed: int, tiers: int, header: int
+) -> None:
+    """SGLang's host pools are 64-byte aligned: a header of a multiple of 64 bytes puts
+    each region's bytes in a file at a distance of 0 or 64 bytes and more from its
+    slot, where the kernel's copy is fast (`framing.aligned_key_bytes`). One length
+    cannot align both signed and unsigned frames: it follows most tiers."""
+    from tierkv.contract.framing import header_bytes
+    from tierkv.integrations.sglang.pages import MIN_KEY_BYTES, key_bytes
+
+    length = key_bytes(signed, tiers)
+    (keys,) = page_keys(["h"], "|rank0", 2, length=length)
+    assert {len(k) for k in keys} == {length} and length >= MIN_KEY_BYTES
+    assert header_bytes(keys[0], mac=2 * signed > tiers) == header
+    with pytest.raises(ValueError, match="page keys are"):
+        page_keys(["h"], "|rank0", 2, length=MIN_KEY_BYTES - 1)
+
+
+def test_the_adapter_reads_whole_pages_straight_into_the_pool(
+    rig: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the adapter, no page of a 64-byte-aligned pool goes through the nvme
+    tier's scratch buffer: every file's payload starts 64 bytes in."""
+    from tierkv_nvme import blockfile
+
+    framed: list[object] = []
+    real = blockfile._Scratch.frame
+
+    def spy(self: Any, dest: Any, head_bytes: int) -> Any:
+        framed.append(head_bytes)
+        return real(self, dest, head_bytes)
+
+    monkeypatch.setattr(blockfile._Scratch, "frame", spy)
+    monkeypatch.setattr(blockfile._Scratch, "_frame_of_regions", spy)
+    pool = rig.pool(pages=2 * PAGES, layout="page_first")
+    assert pool.kv_buffer.data_ptr() % 64 == 0
+    backend = rig.backend(pool, [rig.nvme("aligned")])
+    round_trip(rig, pool, backend)
+    assert framed == []
+    files = nvme_files(rig.tmp_path / "aligned")
+    assert len(files) == PAGES
+    assert {f.stat().st_size - backend.page_bytes for f in files} == {64}

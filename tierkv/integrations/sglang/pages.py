@@ -9,6 +9,12 @@ every tier from the view (`regions.RegionPool` builds the views). A page stored 
 as one block of all its regions (`regions.RegionPool` with `whole_pages`), is the
 block `make_offload_key(H(...), WHOLE_PAGE)`: a group no region has, so a page stored
 whole and one stored region by region never answer for each other.
+
+H is a BLAKE2b digest sized so that a frame's header is a multiple of 64 bytes
+(`key_bytes`, `framing.aligned_key_bytes`): SGLang's host pools are 64-byte aligned
+torch tensors, and a payload at a file offset 1-63 bytes short of its slot (the
+20-byte keys of before made 54-byte headers) is copied several times slower by the
+kernel, or read through a scratch buffer and copied twice.
 """
 
 from __future__ import annotations
@@ -17,12 +23,24 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+from tierkv.contract.framing import aligned_key_bytes
 from tierkv.contract.keys import OffloadKey, make_offload_key
 from tierkv.integrations.sglang.settings import PoolGeometry
 
 _DOMAIN = b"tierkv/sglang-page/v1\0"
 WHOLE_PAGE = 0xFFFF_FFFF
 """The group index of a page stored as one block of all its regions."""
+_GROUP_BYTES = len(make_offload_key(b"\0", 0)) - 1
+MIN_KEY_BYTES = 16 + _GROUP_BYTES
+"""A 128-bit digest and the group: the shortest page key (`key_bytes` pads it)."""
+
+
+def key_bytes(signed_tiers: int, tiers: int) -> int:
+    """The length of this adapter's keys for a chain of `tiers` tiers, `signed_tiers`
+    of which sign their frames (`mac_key_env`): the frame header is a multiple of 64
+    bytes for the unsigned frames, or for the signed ones where most tiers sign (a
+    signature adds 40 bytes, so one length cannot align both)."""
+    return aligned_key_bytes(MIN_KEY_BYTES, mac=2 * signed_tiers > tiers)
 
 
 def host_bytes(buffer: Any) -> memoryview:
@@ -75,10 +93,18 @@ def read_geometry(
 
 
 def page_keys(
-    page_hashes: Sequence[str], suffix: str, parts: int, *, whole: bool = False
+    page_hashes: Sequence[str],
+    suffix: str,
+    parts: int,
+    *,
+    whole: bool = False,
+    length: int = MIN_KEY_BYTES,
 ) -> list[list[OffloadKey]]:
-    """Per page, the keys of its `parts` regions, or with `whole` its one key (see the
-    module docstring)."""
+    """Per page, the keys (`length` bytes each: `key_bytes`) of its `parts` regions, or
+    with `whole` its one key (see the module docstring)."""
+    if not MIN_KEY_BYTES <= length <= 64 + _GROUP_BYTES:
+        raise ValueError(f"page keys are {MIN_KEY_BYTES}-{64 + _GROUP_BYTES} bytes, not {length}")
+    size = length - _GROUP_BYTES
     tail = suffix.encode()
     prefix = _DOMAIN + len(tail).to_bytes(4, "little") + tail
     indices = [WHOLE_PAGE] if whole else range(parts)
@@ -86,6 +112,6 @@ def page_keys(
     blake2b = hashlib.blake2b
     keys = []
     for page_hash in page_hashes:
-        digest = blake2b(prefix + str(page_hash).encode(), digest_size=16).digest()
+        digest = blake2b(prefix + str(page_hash).encode(), digest_size=size).digest()
         keys.append([digest + group for group in groups])
     return keys

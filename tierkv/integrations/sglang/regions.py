@@ -43,7 +43,7 @@ from tierkv.contract.keys import OffloadKey
 from tierkv.contract.slab import PrimaryView, StridedView
 from tierkv.driver.sync_chain import SyncChain
 from tierkv.integrations.sglang.claims import ExistsClaims
-from tierkv.integrations.sglang.pages import host_bytes, page_keys
+from tierkv.integrations.sglang.pages import MIN_KEY_BYTES, host_bytes, page_keys
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +95,12 @@ class RegionPool:
         name: str = "kv",
         *,
         whole_pages: bool = False,
+        key_bytes: int = MIN_KEY_BYTES,
     ) -> None:
         import torch
 
+        self.key_bytes = key_bytes
+        """The length of the pages' keys (`pages.key_bytes`)."""
         self.pool = pool
         self.name = name
         self._claims = ExistsClaims()
@@ -174,7 +177,13 @@ class RegionPool:
         return not self.components or any(c.chain.closed for c in self.components)
 
     def keys(self, page_hashes: Sequence[str]) -> list[list[OffloadKey]]:
-        return page_keys(page_hashes, self.suffix, self.parts, whole=self.stride is not None)
+        return page_keys(
+            page_hashes,
+            self.suffix,
+            self.parts,
+            whole=self.stride is not None,
+            length=self.key_bytes,
+        )
 
     def _split(self, per_page: list[list[OffloadKey]]) -> list[list[OffloadKey]]:
         """The keys of `per_page` by component."""

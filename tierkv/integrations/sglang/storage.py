@@ -40,7 +40,7 @@ from tierkv.contract.slab import PrimaryView
 from tierkv.driver.miss_log import MissLog
 from tierkv.driver.sync_chain import SyncChain
 from tierkv.integrations.sglang.metrics import CallMetrics
-from tierkv.integrations.sglang.pages import read_geometry
+from tierkv.integrations.sglang.pages import key_bytes, read_geometry
 from tierkv.integrations.sglang.regions import ChainFactory, RegionPool, restorable_ends
 from tierkv.integrations.sglang.settings import ChainSettings, check_keys, rank_suffix, resolve
 from tierkv.registry import get_tier_class
@@ -154,6 +154,7 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             settings.namespace,
             self._chain_maker("kv"),
             whole_pages=self._whole_pages(),
+            key_bytes=self._key_bytes(),
         )
         self.page_bytes = sum(self.kv.region_bytes)
         for name, pool in getattr(self, "registered_pools", {}).items():
@@ -248,6 +249,14 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         assert settings is not None
         return all(get_tier_class(t.type).accepts_regions for t in settings.tiers)
 
+    def _key_bytes(self) -> int:
+        """The length of the pages' keys: frame headers a multiple of 64 bytes
+        (`pages.key_bytes`)."""
+        settings = self._settings
+        assert settings is not None
+        signed = sum(1 for t in settings.tiers if t.mac_key_env is not None)
+        return key_bytes(signed, len(settings.tiers))
+
     def _chain_maker(self, pool: str) -> ChainFactory:
         """Builds the tier chain of one component of a pool (`regions.RegionPool`)."""
         settings = self._settings
@@ -290,6 +299,7 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             self._chain_maker(name),
             name=name,
             whole_pages=self._whole_pages(),
+            key_bytes=self._key_bytes(),
         )
 
     @_never_raises(lambda keys: PoolTransferResult(0, {}, []))

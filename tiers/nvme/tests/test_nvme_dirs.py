@@ -149,8 +149,13 @@ def at_distance(rig, tier, key: OffloadKey, distance: int) -> tuple[mmap.mmap, m
     return area, memoryview(area)[start : start + rig.block_bytes]
 
 
-def read(tier, items: list[blockfile.ReadItem]) -> list[Exception | None]:
-    return tier._read_files(items)
+def read(
+    tier, items: list[blockfile.ReadItem], placement: tuple[int, int] = (1, 0)
+) -> list[Exception | None]:
+    """`read_blocks` of `items`, whose slots lie as `placement` says (by default
+    unknown: each slot's distance is tested)."""
+    with tier._dirs.leaves() as leaves:
+        return blockfile.read_blocks(leaves, items, tier.framer, placement)
 
 
 async def test_large_slots_are_read_straight_in_at_any_distance(
@@ -196,6 +201,57 @@ async def test_a_slot_at_any_distance_from_the_payload_reads_whole(
     assert read(tier, [(tier.rel_of(key), key, dest, False)]) == [None]
     assert bytes(dest) == data[key]
     assert through == [0 < distance % mmap.PAGESIZE < blockfile.SHORT_DISTANCE]
+    dest.release()
+    area.close()
+    await tier.close()
+
+
+@pytest.mark.parametrize(
+    ("placement", "head", "short"),
+    [
+        ((4096, 64), 54, True),  # SGLang's 64-byte-aligned pool, 20-byte keys: 10 bytes
+        ((4096, 64), 64, False),  # the same pool, keys padded to a 64-byte header
+        ((4096, 0), 54, False),  # a page-aligned slab: 4,042 bytes
+        ((64, 0), 64, False),  # any 64-byte-aligned slot, a 64-byte header
+        ((64, 0), 128, False),
+        ((64, 0), 70, True),  # some slot is 58 bytes after its payload
+        ((128, 0), 64, False),  # 64 or 4,032 bytes: neither is short
+        ((32, 0), 64, True),  # too coarse to tell
+        ((1, 0), 64, True),  # the address is not known
+    ],
+)
+def test_whether_a_slot_can_lie_at_a_short_distance(
+    placement: tuple[int, int], head: int, short: bool
+) -> None:
+    assert blockfile.short_distance_possible(placement, head) is short
+
+
+@pytest.mark.parametrize("distance", [0, 8, 64])
+async def test_slots_placed_clear_of_short_distances_are_never_tested(
+    rig, distance: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Told where its slots lie, a read that no slot of can be at a short distance
+    tests none; one at such a distance goes through the scratch buffer all the same."""
+    tested: list[bool] = []
+    real = blockfile._Scratch.frame
+
+    def spy(self: Any, dest: memoryview, head_bytes: int) -> Any:
+        frame = real(self, dest, head_bytes)
+        tested.append(frame is not None)
+        return frame
+
+    monkeypatch.setattr(blockfile._Scratch, "frame", spy)
+    tier = rig.tier()
+    await tier.open()
+    [key] = rig.keys(1)
+    stored, data = await rig.store(tier, [key])
+    assert stored.ok
+    head = tier.framer.header_bytes(key)
+    area, dest = at_distance(rig, tier, key, distance)
+    placement = (mmap.PAGESIZE, (head + distance) % mmap.PAGESIZE)
+    assert read(tier, [(tier.rel_of(key), key, dest, False)], placement) == [None]
+    assert bytes(dest) == data[key]
+    assert tested == ([True] if distance == 8 else [])
     dest.release()
     area.close()
     await tier.close()
@@ -306,3 +362,93 @@ def test_leaves_close_what_they_did_not_keep(tmp_path: Path) -> None:
     kept.close()
     assert open_fds() == before and len(kept) == 0
     os.close(root)
+
+
+def counting_stats(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Names `os.stat` is asked for from now on (what `FanoutDirs.checked` checks)."""
+    asked: list[str] = []
+    real = os.stat
+
+    def stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        asked.append(str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    return asked
+
+
+def settled_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`FanoutDirs` sees every timestamp as settled (its clock SETTLED_NS ahead)."""
+    real = dirs.time.time_ns
+    monkeypatch.setattr(dirs.time, "time_ns", lambda: real() + dirs.SETTLED_NS + 10**9)
+
+
+def test_kept_directories_are_checked_each_call_while_the_namespace_changed_lately(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The namespace directory was just changed (a fan-out directory made): a change
+    in the same clock tick could carry the same timestamps, so every call checks."""
+    root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    kept = dirs.FanoutDirs(root)
+    with kept.leaves() as leaves:
+        leaves.get(("ab",), create=True)
+    asked = counting_stats(monkeypatch)
+    for _ in range(3):
+        with kept.leaves() as leaves:
+            leaves.get(("ab",), create=False)
+    assert asked == ["ab", "ab", "ab"]
+    kept.close()
+    os.close(root)
+
+
+def test_a_settled_namespace_spares_the_check_until_it_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Settled and unchanged: a kept directory is checked once, then used as it is;
+    a fan-out directory swapped for a link (an entry of the namespace directory
+    changed) is noticed by the next call all the same."""
+    settled_clock(monkeypatch)
+    root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    kept = dirs.FanoutDirs(root)
+    with kept.leaves() as leaves:
+        first = leaves.get(("ab",), create=True)
+    asked = counting_stats(monkeypatch)
+    for _ in range(3):
+        with kept.leaves() as leaves:
+            assert leaves.get(("ab",), create=False) == first
+    assert asked == ["ab"], "checked more than once in one settled state"
+    (tmp_path / "ab").rename(tmp_path / "old")
+    (tmp_path / "ab").symlink_to(tmp_path / "old", target_is_directory=True)
+    with kept.leaves() as leaves, pytest.raises(OSError) as failed:
+        leaves.get(("ab",), create=False)
+    assert failed.value.errno == errno.ELOOP
+    kept.close()
+    os.close(root)
+
+
+async def test_a_swapped_fanout_directory_is_never_read_through_a_settled_namespace(
+    rig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tier's own loads, with the namespace directory settled: a fan-out
+    directory moved out and replaced by a link fails its key (ELOOP) on the next
+    load, and the block outside is neither read nor deleted."""
+    settled_clock(monkeypatch)
+    tier = rig.tier()
+    await tier.open()
+    [key] = rig.keys(1)
+    stored, _ = await rig.store(tier, [key])
+    assert stored.ok, stored.error
+    loaded, _ = await rig.load(tier, [key])  # the directory is checked in this state
+    assert loaded.ok, loaded.error
+    first, name = block_relpath(key)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tier.directory / first).rename(outside / "moved")
+    (tier.directory / first).symlink_to(outside / "moved", target_is_directory=True)
+    before = (outside / "moved" / name).read_bytes()
+    result, data = await rig.load(tier, [key])
+    assert result.failed_keys == (key,)
+    assert "symlink" in (result.error or "")
+    assert data[key] == bytes(rig.block_bytes), "the load read through the link"
+    assert (outside / "moved" / name).read_bytes() == before
+    await tier.close()

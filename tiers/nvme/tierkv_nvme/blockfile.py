@@ -250,16 +250,42 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
+def short_distance_possible(placement: tuple[int, int], head_bytes: int) -> bool:
+    """Whether a slot placed as `placement` says (`PrimaryView.placement`: every region
+    `residue` modulo `modulus`) can lie at a short distance (1 to SHORT_DISTANCE - 1
+    bytes, modulo a page) after its payload's offset in a file whose frame header is
+    `head_bytes` long. The regions of a block follow one another in the file as they
+    do in the slot, modulo `modulus`, so one test covers them all."""
+    modulus, residue = placement
+    if modulus < SHORT_DISTANCE:
+        return True
+    return 0 < (residue - head_bytes) % modulus < SHORT_DISTANCE
+
+
 class _Scratch:
     """Per thread call: the spare byte every read ends in, and a page-aligned buffer
     (mapped on first need) that frames are read through when the slot is at a short
-    distance from the payload (SHORT_DISTANCE)."""
+    distance from the payload (SHORT_DISTANCE). With the slots' `placement` known, a
+    header length at which no slot can be at such a distance costs no per-block test
+    (`short_distance_possible`: SGLang's keys make every header a multiple of 64, the
+    core's slab is page-aligned)."""
 
-    __slots__ = ("_map", "spare")
+    __slots__ = ("_fine", "_map", "_placement", "spare")
 
-    def __init__(self) -> None:
+    def __init__(self, placement: tuple[int, int] = (1, 0)) -> None:
         self.spare = bytearray(1)
         self._map: mmap.mmap | None = None
+        self._placement = placement
+        self._fine: dict[int, bool] = {}  # header length -> no slot can be short
+
+    def never_short(self, head_bytes: int) -> bool:
+        """No slot is at a short distance from a payload after `head_bytes`."""
+        fine = self._fine.get(head_bytes)
+        if fine is None:
+            fine = self._fine[head_bytes] = not short_distance_possible(
+                self._placement, head_bytes
+            )
+        return fine
 
     def frame(self, dest: Slot, head_bytes: int) -> memoryview | None:
         """Where to read the frame of `head_bytes` + `payload_length(dest)` bytes and a
@@ -356,7 +382,7 @@ def read_opened(
         else:
             one, regions, expected = dest, (), head_bytes + len(dest)
         frame = None
-        if scratch is not None:
+        if scratch is not None and not scratch.never_short(head_bytes):
             frame = (
                 scratch.frame(one, head_bytes)
                 if one is not None
@@ -428,7 +454,10 @@ where it was four calls of 4 at a time."""
 
 
 def read_blocks(
-    leaves: Leaves, items: Sequence[ReadItem], framer: Framer
+    leaves: Leaves,
+    items: Sequence[ReadItem],
+    framer: Framer,
+    placement: tuple[int, int] = (1, 0),
 ) -> list[Exception | None]:
     """`read_opened` for each of `items` (rel, key, slot, touch), one outcome each
     (None: read and checked), in one thread, PREFETCH_BLOCKS files at a time: each
@@ -437,9 +466,11 @@ def read_blocks(
     twice), the rest of the group are `posix_fadvise(WILLNEED)`ed together and read, so
     one thread keeps several disk reads in flight and a job needs fewer thread round
     trips for the same depth of I/O. A block just written or read costs no advice
-    call (a third of a 32 KiB block's system calls were directory opens and advice)."""
+    call (a third of a 32 KiB block's system calls were directory opens and advice).
+    `placement`: where the slots lie (`PrimaryView.placement`; by default unknown, and
+    each slot's distance is tested)."""
     outcomes: list[Exception | None] = [None] * len(items)
-    scratch = _Scratch()
+    scratch = _Scratch(placement)
     try:
         _read_groups(leaves, items, framer, outcomes, scratch)
     finally:
@@ -532,5 +563,6 @@ __all__ = [
     "read_blocks",
     "read_opened",
     "read_header",
+    "short_distance_possible",
     "write_block",
 ]
