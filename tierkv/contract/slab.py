@@ -66,6 +66,7 @@ class PrimaryView:
         self._block_bytes = block_bytes
         self._num_blocks = view.nbytes // block_bytes
         self.namespace = namespace
+        self._address: int | None
         try:
             self._address = ctypes.addressof(ctypes.c_char.from_buffer(view))
         except (TypeError, ValueError):  # a buffer ctypes cannot see into
