@@ -417,11 +417,12 @@ class SyncChain:
                     group.start_soon(self._one_job, tier, kind, keys, slots, done, on_tier)
             return
         for tier in self.tiers:
-            wanted = [(k, s) for k, s in zip(keys, slots) if k not in done]
-            if not wanted:
-                break
-            wanted_keys, wanted_slots = [k for k, _ in wanted], [s for _, s in wanted]
-            await self._one_job(tier, kind, wanted_keys, wanted_slots, done, on_tier)
+            if done:  # what the tiers above did not read
+                wanted = [(k, s) for k, s in zip(keys, slots) if k not in done]
+                if not wanted:
+                    break
+                keys, slots = [k for k, _ in wanted], [s for _, s in wanted]
+            await self._one_job(tier, kind, keys, slots, done, on_tier)
 
     async def _one_job(
         self,

@@ -67,3 +67,7 @@ class ExistsClaims:
 
     def __len__(self) -> int:
         return len(self._owners)
+
+    def __bool__(self) -> bool:
+        """Whether any key is claimed (a load with none skips `ending`)."""
+        return bool(self._owners)

@@ -282,21 +282,28 @@ class RegionPool:
             return []
         slots = self._slots(host_indices)
         per_page = self.keys(page_hashes)
-        work: list[dict[OffloadKey, int]] = [{} for _ in self.components]
-        parts = self.key_parts
-        for i, page in enumerate(per_page):
-            for j, key in enumerate(page):
-                work[self.component_of[j]].setdefault(key, slots[i * parts + j])
+        if self.key_parts == 1 and len(self.components) == 1:  # whole pages: flat lists
+            keys = [page[0] for page in per_page]
+            work = [_first_slots(keys, slots)]
+        else:
+            work = [{} for _ in self.components]
+            parts = self.key_parts
+            for i, page in enumerate(per_page):
+                for j, key in enumerate(page):
+                    work[self.component_of[j]].setdefault(key, slots[i * parts + j])
         done: set[OffloadKey] = set()
         end = time.monotonic() + self._deadline("job")
         for component, pairs in zip(self.components, work):
             move = component.chain.load if kind == "load" else component.chain.store
             done |= move(list(pairs), list(pairs.values()), end - time.monotonic())
-            if kind == "load":  # read or not, the claims that promised these are done
-                for owner, keys in self._claims.ending(list(pairs)).items():
-                    component.chain.let_go(owner, keys)
-        answers = [all(k in done for k in page) for page in per_page]
-        if kind == "load":
+            if kind == "load" and self._claims:  # the claims that promised these are done
+                for owner, claimed in self._claims.ending(list(pairs)).items():
+                    component.chain.let_go(owner, claimed)
+        if self.key_parts == 1:
+            answers = [page[0] in done for page in per_page]
+        else:
+            answers = [all(k in done for k in page) for page in per_page]
+        if kind == "load" and len(set(page_hashes)) < len(page_hashes):
             seen: set[str] = set()
             for i, page_hash in enumerate(page_hashes):
                 answers[i] = answers[i] and page_hash not in seen
@@ -307,6 +314,17 @@ class RegionPool:
         """Ask every tier to drop these pages (a hint)."""
         for component, keys in zip(self.components, self._split(self.keys(page_hashes))):
             component.chain.remove_all(keys)
+
+
+def _first_slots(keys: Sequence[OffloadKey], slots: Sequence[int]) -> dict[OffloadKey, int]:
+    """Key -> slot, the first slot where a key comes twice (a page asked twice in one
+    call is filled once)."""
+    pairs = dict(zip(keys, slots))
+    if len(pairs) < len(keys):
+        pairs = {}
+        for key, slot in zip(keys, slots):
+            pairs.setdefault(key, slot)
+    return pairs
 
 
 def _page_stride(

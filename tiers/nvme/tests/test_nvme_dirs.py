@@ -452,3 +452,46 @@ async def test_a_swapped_fanout_directory_is_never_read_through_a_settled_namesp
     assert data[key] == bytes(rig.block_bytes), "the load read through the link"
     assert (outside / "moved" / name).read_bytes() == before
     await tier.close()
+
+
+async def test_blocks_are_read_without_touching_their_access_time(rig) -> None:
+    """A load leaves a block file's access time as the store left it (`O_NOATIME`):
+    under `relatime` the first read after a write would otherwise write the inode."""
+    tier = rig.tier()
+    await tier.open()
+    [key] = rig.keys(1)
+    stored, data = await rig.store(tier, [key])
+    assert stored.ok
+    path = tier.path_of(key)
+    os.utime(path, ns=(1, os.stat(path).st_mtime_ns))  # long ago: relatime would update it
+    result, got = await rig.load(tier, [key])
+    assert result.ok and got == data
+    assert os.stat(path).st_atime_ns == 1
+    await tier.close()
+
+
+async def test_files_that_refuse_noatime_are_read_all_the_same(
+    rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EPERM for `O_NOATIME` (files another user owns): read without it, from then on."""
+    refused: list[int] = []
+    real_open = os.open
+
+    def fussy(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & getattr(os, "O_NOATIME", 0):
+            refused.append(flags)
+            raise PermissionError(errno.EPERM, "Operation not permitted", path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(blockfile._ReadFlags, "flags", blockfile._ReadFlags.flags)
+    tier = rig.tier()
+    await tier.open()
+    keys = rig.keys(3)
+    stored, data = await rig.store(tier, keys)
+    assert stored.ok
+    monkeypatch.setattr(os, "open", fussy)
+    for _ in range(2):
+        result, got = await rig.load(tier, keys)
+        assert result.ok and got == data
+    assert len(refused) == (1 if hasattr(os, "O_NOATIME") else 0)
+    await tier.close()

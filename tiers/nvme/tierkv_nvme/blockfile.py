@@ -194,13 +194,35 @@ def _discard_if_same(name: str, dir_fd: int, fd: int) -> None:
         _unlink_quietly(name, dir_fd)
 
 
+_O_NOATIME = getattr(os, "O_NOATIME", 0)
+
+
+class _ReadFlags:
+    """How block files are opened for reading: with `O_NOATIME` where the process may
+    (it owns the files, or has CAP_FOWNER), so that a read does not write the inode.
+    Under `relatime` (the usual mount option) the first read of a file written since
+    its last read updates its access time: a metadata write, journalled, for every
+    block read after its store. tierkv never uses access times (an LRU order rebuilt
+    on open comes from the modification time a load refreshes, TOUCH_AFTER_NS). A
+    file that refuses it (EPERM: another user's directory) turns it off for the
+    process."""
+
+    flags = os.O_RDONLY | os.O_NOFOLLOW | _O_CLOEXEC | _O_NOATIME
+
+
 def open_block(leaves: Leaves, rel: RelPath) -> int:
     """A read-only descriptor of the block file at `rel`, opened without following a
-    link at any level. Raises FileNotFoundError when it is gone, OSError(ELOOP) for a
-    link."""
+    link at any level (nor updating its access time, `_ReadFlags`). Raises
+    FileNotFoundError when it is gone, OSError(ELOOP) for a link."""
     leaf = leaves.get(rel[:-1], create=False)
     try:
-        return os.open(rel[-1], os.O_RDONLY | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=leaf)
+        try:
+            return os.open(rel[-1], _ReadFlags.flags, dir_fd=leaf)
+        except PermissionError:
+            if not _ReadFlags.flags & _O_NOATIME:
+                raise
+            _ReadFlags.flags &= ~_O_NOATIME  # not our files: read as anyone may
+            return os.open(rel[-1], _ReadFlags.flags, dir_fd=leaf)
     except OSError as exc:
         raise no_link(exc, "/".join(rel)) from None
 

@@ -699,35 +699,32 @@ class NvmeTier(SecondaryTierManager):
 
     async def _load_chunk(self, chunk: Batch) -> dict[OffloadKey, str]:
         failed: dict[OffloadKey, str] = {}
-        reads: list[tuple[OffloadKey, int, _Entry]] = []
-        for key, slot in chunk:
-            entry = self._index.get(key)
+        reads: list[tuple[OffloadKey, _Entry]] = []
+        items: list[blockfile.ReadItem] = []
+        now = time.time_ns()
+        stale = now - blockfile.TOUCH_AFTER_NS
+        index, pins, payload = self._index, self._pins, self.primary.payload
+        for key, slot in chunk:  # per block: kept short (a 128-page SGLang load is 128)
+            entry = index.get(key)
             if entry is None:
                 failed[key] = "not in the nvme tier"
                 continue
-            self._index.move_to_end(key)
-            self._pins[key] = self._pins.get(key, 0) + 1
-            reads.append((key, slot, entry))
+            index.move_to_end(key)
+            pins[key] = pins.get(key, 0) + 1
+            reads.append((key, entry))
+            items.append((block_relpath(key), key, payload(slot), entry.touched_ns < stale))
         if not reads:
             return failed
-        now = time.time_ns()
-        stale = now - blockfile.TOUCH_AFTER_NS
         try:
             async with self._io_slots:
                 outcomes = await in_thread(
-                    self._read_files,
-                    [
-                        (self.rel_of(k), k, self.primary.payload(s), e.touched_ns < stale)
-                        for k, s, e in reads
-                    ],
-                    limiter=self._threads,
-                    shield=True,
+                    self._read_files, items, limiter=self._threads, shield=True
                 )
         finally:
-            self._unpin([key for key, _slot, _entry in reads])
+            self._unpin([key for key, _entry in reads])
         unreadable: list[OffloadKey] = []
         forgotten: list[OffloadKey] = []
-        for (key, _slot, entry), error in zip(reads, outcomes):
+        for (key, entry), error in zip(reads, outcomes):
             if error is None:
                 if entry.read_errors:
                     entry.read_errors = 0
