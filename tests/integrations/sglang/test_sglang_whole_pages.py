@@ -152,3 +152,21 @@ def test_the_adapter_reads_whole_pages_straight_into_the_pool(
     files = nvme_files(rig.tmp_path / "aligned")
     assert len(files) == PAGES
     assert {f.stat().st_size - backend.page_bytes for f in files} == {64}
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_a_page_asked_twice_in_one_load_fills_its_first_copy_only(
+    rig: Any, layout: str
+) -> None:
+    """SGLang never asks so, but a call that does gets its first copy filled and
+    False for the second (one tier job has each key once), whole pages or not."""
+    pool = rig.pool(pages=2 * PAGES, layout=layout)
+    backend = rig.backend(pool, [rig.nvme(f"twice-{layout}")])
+    assert (backend.kv.stride is not None) == (layout == "page_first")
+    hashes = rig.page_hashes(2, "twice")
+    rig.fill(pool, [0, 1], "twice")
+    assert backend.batch_set_v1(hashes, pool.indices([0, 1])) == [True, True]
+    asked = [hashes[0], hashes[1], hashes[0]]
+    assert backend.batch_get_v1(asked, pool.indices([5, 6, 7])) == [True, True, False]
+    assert pool.page_bytes(5) == pool.page_bytes(0)
+    assert pool.page_bytes(6) == pool.page_bytes(1)

@@ -107,11 +107,27 @@ def page_keys(
     size = length - _GROUP_BYTES
     tail = suffix.encode()
     prefix = _DOMAIN + len(tail).to_bytes(4, "little") + tail
-    indices = [WHOLE_PAGE] if whole else range(parts)
-    groups = [make_offload_key(b"\0", j)[1:] for j in indices]  # each key's tail
+    if whole:
+        return [[key] for key in whole_page_keys(page_hashes, suffix, length)]
+    groups = [make_offload_key(b"\0", j)[1:] for j in range(parts)]  # each key's tail
     blake2b = hashlib.blake2b
     keys = []
     for page_hash in page_hashes:
         digest = blake2b(prefix + str(page_hash).encode(), digest_size=size).digest()
         keys.append([digest + group for group in groups])
     return keys
+
+
+def whole_page_keys(
+    page_hashes: Sequence[str], suffix: str, length: int = MIN_KEY_BYTES
+) -> list[OffloadKey]:
+    """The one key of each page stored whole (`page_keys` with `whole`, flat)."""
+    tail = suffix.encode()
+    prefix = _DOMAIN + len(tail).to_bytes(4, "little") + tail
+    group = make_offload_key(b"\0", WHOLE_PAGE)[1:]
+    size = length - _GROUP_BYTES
+    blake2b = hashlib.blake2b
+    return [
+        blake2b(prefix + str(h).encode(), digest_size=size).digest() + group
+        for h in page_hashes
+    ]

@@ -43,7 +43,12 @@ from tierkv.contract.keys import OffloadKey
 from tierkv.contract.slab import PrimaryView, StridedView
 from tierkv.driver.sync_chain import SyncChain
 from tierkv.integrations.sglang.claims import ExistsClaims
-from tierkv.integrations.sglang.pages import MIN_KEY_BYTES, host_bytes, page_keys
+from tierkv.integrations.sglang.pages import (
+    MIN_KEY_BYTES,
+    host_bytes,
+    page_keys,
+    whole_page_keys,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -281,11 +286,12 @@ class RegionPool:
         if not page_hashes:
             return []
         slots = self._slots(host_indices)
-        per_page = self.keys(page_hashes)
-        if self.key_parts == 1 and len(self.components) == 1:  # whole pages: flat lists
-            keys = [page[0] for page in per_page]
+        per_page: list[list[OffloadKey]] = []
+        if self.stride is not None:  # whole pages (one component): flat lists
+            keys = whole_page_keys(page_hashes, self.suffix, self.key_bytes)
             work = [_first_slots(keys, slots)]
         else:
+            per_page = self.keys(page_hashes)
             work = [{} for _ in self.components]
             parts = self.key_parts
             for i, page in enumerate(per_page):
@@ -299,8 +305,8 @@ class RegionPool:
             if kind == "load" and self._claims:  # the claims that promised these are done
                 for owner, claimed in self._claims.ending(list(pairs)).items():
                     component.chain.let_go(owner, claimed)
-        if self.key_parts == 1:
-            answers = [page[0] in done for page in per_page]
+        if not per_page:
+            answers = [key in done for key in keys]
         else:
             answers = [all(k in done for k in page) for page in per_page]
         if kind == "load" and len(set(page_hashes)) < len(page_hashes):
