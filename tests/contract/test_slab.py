@@ -177,3 +177,14 @@ def test_placement_says_where_every_slot_starts_within_a_page() -> None:
         ]
         assert {start % modulus for start in starts} == {residue}
         view.release()
+
+
+def test_a_view_without_one_slab_has_an_unknown_placement() -> None:
+    """A subclass that lends slots from elsewhere (LMCache's objects) and never calls
+    `PrimaryView.__init__` answers (1, 0): every slot's distance is tested."""
+
+    class Lent(PrimaryView):
+        def __init__(self) -> None:  # no slab
+            self._block_bytes, self._num_blocks, self.namespace = 64, 1, "ns"
+
+    assert Lent().placement == (1, 0)

@@ -41,6 +41,9 @@ class PrimaryView:
     a tier never touches a slot after its job returned or was cancelled.
     """
 
+    _address: int | None = None
+    """Where the buffer starts, when known (a subclass without one slab: unknown)."""
+
     def __init__(self, buffer: Any, block_bytes: int, namespace: str) -> None:
         if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
             raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
@@ -66,7 +69,6 @@ class PrimaryView:
         self._block_bytes = block_bytes
         self._num_blocks = view.nbytes // block_bytes
         self.namespace = namespace
-        self._address: int | None
         try:
             self._address = ctypes.addressof(ctypes.c_char.from_buffer(view))
         except (TypeError, ValueError):  # a buffer ctypes cannot see into
