@@ -390,9 +390,10 @@ async def test_loads_and_unsynced_stores_of_small_blocks_go_in_one_thread_call(
 
 def test_chunk_size_per_direction_fsync_and_block_size(tmp_path: Path) -> None:
     """Small blocks go up to 8 MiB (loads) or 2 MiB (stores) to a call; fsynced stores
-    and large blocks spread over io_concurrency calls, up to MAX_CHUNK blocks a call;
-    large blocks go as many to a call as make 4 MiB (MAX_CHUNK at most)."""
-    from tierkv_nvme.tier import CHUNK_BYTES, MAX_SMALL_CHUNK
+    and large blocks spread over io_concurrency calls, up to MAX_CHUNK blocks a call
+    (stores) or LARGE_LOAD_BYTES (loads); large blocks go as many to a call as make
+    4 MiB (MAX_CHUNK at most), or for a load as its share of io_concurrency calls."""
+    from tierkv_nvme.tier import CHUNK_BYTES, LARGE_LOAD_BYTES, MAX_SMALL_CHUNK
 
     def tier(block_bytes: int, fsync: str) -> NvmeTier:
         primary = PrimaryTier(1, block_bytes, pin_memory=False, namespace="chunks")
@@ -410,17 +411,19 @@ def test_chunk_size_per_direction_fsync_and_block_size(tmp_path: Path) -> None:
         (32, 256, 64),
         (64, 128, 32),
         (256, 32, 8),
-        (512, 4, 4),
-        (1024, 4, 4),
+        (512, 32, 4),  # a load: 256 blocks over 8 calls, 16 MiB each at most
+        (1024, 16, 4),
+        (8192, 4, 4),  # 16 MiB is 2 blocks: MAX_CHUNK, as for stores
     ):
         sized = tier(block_kib << 10, "never")
         assert (sized.chunk_size(256, "load"), sized.chunk_size(256, "store")) == (loads, stores)
     for block_bytes, per_call in ((CHUNK_BYTES // 2, 2), (CHUNK_BYTES, 1), (2 * CHUNK_BYTES, 1)):
         big = tier(block_bytes, "never")
+        most = max(4, LARGE_LOAD_BYTES // block_bytes)
         assert [big.chunk_size(n, "load") for n in (1, 8, 9, 100)] == [
             per_call,
             per_call,
             max(per_call, 2),
-            4,
+            min(most, 13),  # 100 blocks over 8 calls: 13 a call where 16 MiB holds them
         ]
         assert big.chunk_size(8, "store") == per_call
