@@ -427,3 +427,30 @@ def test_chunk_size_per_direction_fsync_and_block_size(tmp_path: Path) -> None:
             min(most, 13),  # 100 blocks over 8 calls: 13 a call where 16 MiB holds them
         ]
         assert big.chunk_size(8, "store") == per_call
+
+
+def test_a_load_of_many_large_blocks_runs_no_more_calls_than_cpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Calls that each read PREFETCH_BLOCKS large blocks keep their own reads in flight:
+    such a load runs at most as many at once as the process has CPUs; any other job
+    keeps `io_concurrency`."""
+    from tierkv_nvme import tier as tier_module
+
+    def tier(block_bytes: int) -> NvmeTier:
+        primary = PrimaryTier(1, block_bytes, pin_memory=False, namespace="calls")
+        config = NvmeTierConfig(
+            type="nvme", path=tmp_path / "kv", capacity="1GiB", io_concurrency=8, fsync="never"
+        )
+        return NvmeTier(config, primary.view)
+
+    monkeypatch.setattr(tier_module, "usable_cpus", lambda: 2)
+    large, small = tier(1 << 20), tier(64 << 10)
+    many = large.chunk_size(128, "load")
+    assert many >= blockfile.PREFETCH_BLOCKS
+    assert large.calls_at_once(many, "load") == 2
+    assert large.calls_at_once(large.chunk_size(8, "load"), "load") == 8  # 1 block a call
+    assert large.calls_at_once(large.chunk_size(128, "store"), "store") == 8
+    assert small.calls_at_once(small.chunk_size(128, "load"), "load") == 8
+    monkeypatch.setattr(tier_module, "usable_cpus", lambda: 64)
+    assert large.calls_at_once(many, "load") == 8

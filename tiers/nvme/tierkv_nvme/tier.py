@@ -88,6 +88,14 @@ from tierkv_nvme.recovery import ScanResult, list_fanout_dirs, scan_fanout_dir
 
 logger = logging.getLogger(__name__)
 
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity where the OS says, else all)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
 DEFAULT_FS_BLOCK = 4096
 MAX_CHUNK = 4
 """Blocks per worker-thread call at most when a job is spread over `io_concurrency`
@@ -528,10 +536,27 @@ class NvmeTier(SecondaryTierManager):
             job,
             run_chunk,
             label=f"nvme {verb}",
-            concurrency=self.config.io_concurrency,
+            concurrency=self.calls_at_once(size, verb),
             timeout=self.config.job_timeout,
             batches=in_batches(job, size),
         )
+
+    def calls_at_once(self, chunk: int, verb: str) -> int:
+        """Thread calls of one job in flight at most: `io_concurrency`, but no more than
+        the CPUs this process may run on for a load whose calls each read
+        PREFETCH_BLOCKS large blocks or more. Such a call keeps its own reads in flight
+        (`posix_fadvise(WILLNEED)` of its group of files), so more calls add no disk
+        depth, only threads taking the GIL and the memory bus from one another when
+        the page cache serves the reads: 128 pages of 1 MiB through SGLang's interface
+        on the 2-core dev VM went 1.48x the `file` backend at 8 calls, 1.79x at 2."""
+        most = self.config.io_concurrency
+        if (
+            verb == "load"
+            and chunk >= blockfile.PREFETCH_BLOCKS
+            and self.primary.block_bytes >= SMALL_BLOCK_BYTES
+        ):
+            return max(1, min(most, usable_cpus()))
+        return most
 
     def chunk_size(self, pairs: int, verb: str) -> int:
         """Blocks per worker-thread call for a job of `pairs` blocks.
