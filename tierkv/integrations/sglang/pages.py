@@ -92,6 +92,12 @@ def read_geometry(
     )
 
 
+def _prefix(suffix: str) -> bytes:
+    """What every page hash of this rank is hashed after: the domain and the suffix."""
+    tail = suffix.encode()
+    return _DOMAIN + len(tail).to_bytes(4, "little") + tail
+
+
 def page_keys(
     page_hashes: Sequence[str],
     suffix: str,
@@ -104,11 +110,9 @@ def page_keys(
     with `whole` its one key (see the module docstring)."""
     if not MIN_KEY_BYTES <= length <= 64 + _GROUP_BYTES:
         raise ValueError(f"page keys are {MIN_KEY_BYTES}-{64 + _GROUP_BYTES} bytes, not {length}")
-    size = length - _GROUP_BYTES
-    tail = suffix.encode()
-    prefix = _DOMAIN + len(tail).to_bytes(4, "little") + tail
     if whole:
         return [[key] for key in whole_page_keys(page_hashes, suffix, length)]
+    size, prefix = length - _GROUP_BYTES, _prefix(suffix)
     groups = [make_offload_key(b"\0", j)[1:] for j in range(parts)]  # each key's tail
     blake2b = hashlib.blake2b
     keys = []
@@ -122,10 +126,8 @@ def whole_page_keys(
     page_hashes: Sequence[str], suffix: str, length: int = MIN_KEY_BYTES
 ) -> list[OffloadKey]:
     """The one key of each page stored whole (`page_keys` with `whole`, flat)."""
-    tail = suffix.encode()
-    prefix = _DOMAIN + len(tail).to_bytes(4, "little") + tail
+    prefix, size = _prefix(suffix), length - _GROUP_BYTES
     group = make_offload_key(b"\0", WHOLE_PAGE)[1:]
-    size = length - _GROUP_BYTES
     blake2b = hashlib.blake2b
     return [
         blake2b(prefix + str(h).encode(), digest_size=size).digest() + group

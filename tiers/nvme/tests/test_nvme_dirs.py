@@ -177,21 +177,28 @@ async def test_large_slots_are_read_straight_in_at_any_distance(
     await tier.close()
 
 
+def scratch_frames(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Per slot the read tests from now on (`_Scratch.frame`): whether it went through
+    the scratch buffer."""
+    tested: list[bool] = []
+    real = blockfile._Scratch.frame
+
+    def spy(self: Any, dest: memoryview, head_bytes: int) -> Any:
+        frame = real(self, dest, head_bytes)
+        tested.append(frame is not None)
+        return frame
+
+    monkeypatch.setattr(blockfile._Scratch, "frame", spy)
+    return tested
+
+
 @pytest.mark.parametrize("distance", [0, 8, 63, 64, -8])
 async def test_a_slot_at_any_distance_from_the_payload_reads_whole(
     rig, distance: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Slots at a short distance after the payload (1-63 bytes) are read through the
     scratch buffer; every distance reads the same bytes."""
-    through: list[bool] = []
-    real = blockfile._Scratch.frame
-
-    def spy(self: Any, dest: memoryview, head_bytes: int) -> Any:
-        frame = real(self, dest, head_bytes)
-        through.append(frame is not None)
-        return frame
-
-    monkeypatch.setattr(blockfile._Scratch, "frame", spy)
+    through = scratch_frames(monkeypatch)
     tier = rig.tier()
     await tier.open()
     [key] = rig.keys(1)
@@ -232,15 +239,7 @@ async def test_slots_placed_clear_of_short_distances_are_never_tested(
 ) -> None:
     """Told where its slots lie, a read that no slot of can be at a short distance
     tests none; one at such a distance goes through the scratch buffer all the same."""
-    tested: list[bool] = []
-    real = blockfile._Scratch.frame
-
-    def spy(self: Any, dest: memoryview, head_bytes: int) -> Any:
-        frame = real(self, dest, head_bytes)
-        tested.append(frame is not None)
-        return frame
-
-    monkeypatch.setattr(blockfile._Scratch, "frame", spy)
+    tested = scratch_frames(monkeypatch)
     tier = rig.tier()
     await tier.open()
     [key] = rig.keys(1)

@@ -146,7 +146,7 @@ class FanoutDirs:
         self._closed = False
         self._root: tuple[int, int, int] | None = None  # the namespace dir's (ino, mtime, ctime)
         self._generation = 0  # bumped whenever those change
-        self._settled = False  # whether they were SETTLED_NS old when first seen
+        self._settled = False  # whether they were SETTLED_NS old at a call since
         self._checked: dict[Dirs, int] = {}  # kept dir -> generation it was checked in
 
     def __len__(self) -> int:
