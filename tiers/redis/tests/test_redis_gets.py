@@ -38,8 +38,9 @@ def _names(prefix: str, n: int) -> list[str]:
 
 @pytest.mark.parametrize("protocol", [2, 3])
 @pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("in_turn", [False, True])  # one pipeline; each GET after the last reply
 def test_values_read_back_byte_identical_with_misses_and_errors_in_place(
-    redis_server: RedisServer, client: redis.Redis, protocol: int, direct: bool
+    redis_server: RedisServer, client: redis.Redis, protocol: int, direct: bool, in_turn: bool
 ) -> None:
     # sizes that fit one read, span many, and outgrow the scratch buffer mid-batch
     sizes = [0, 1, 5, 70_000, 1 << 20, 3 << 20, 17]
@@ -53,13 +54,15 @@ def test_values_read_back_byte_identical_with_misses_and_errors_in_place(
     asked = [*names[:3], missing, wrong_type, *names[3:]]
     pool = _pool(redis_server, protocol=protocol)
     try:
-        replies = read_values(pool, [pack_get(n.encode(), None) for n in asked], direct=direct)
+        commands = [pack_get(n.encode(), None) for n in asked]
+        replies = read_values(pool, commands, direct=direct, in_turn=in_turn)
         assert [bytes(r) for r in replies[:3]] == values[:3]  # type: ignore[arg-type]
         assert replies[3] is None
         assert isinstance(replies[4], ResponseError) and "WRONGTYPE" in str(replies[4])
         assert [bytes(r) for r in replies[5:]] == values[3:]  # type: ignore[arg-type]
         # the connection went back to the pool clean: the next batch reads right
-        again = read_values(pool, [pack_get(names[-1].encode(), None)], direct=direct)
+        last = [pack_get(names[-1].encode(), None)]
+        again = read_values(pool, last, direct=direct, in_turn=in_turn)
         assert [bytes(r) for r in again] == [values[-1]]  # type: ignore[arg-type]
     finally:
         pool.disconnect()

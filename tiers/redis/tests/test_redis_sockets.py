@@ -1,8 +1,9 @@
 """`sockets.py` and the loads that read values straight into their slots: whole reads
 and writes in blocking mode with kernel timeouts, redis-py's timeout mode restored
 after each batch, a job's `SocketGuard` cutting a read into a slot when the job ends
-(nothing reaches the slot afterwards), and byte-identical round trips through the
-tier at the block sizes the README quotes, split blocks included."""
+(nothing reaches the slot afterwards), stores sent straight from their slots cut the
+same way (no view of the slot left), and byte-identical round trips through the tier
+at the block sizes the README quotes, split blocks included."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tierkv_redis import RedisTier, RedisTierConfig
 from tierkv_redis.gets import Place, Placed, _SocketReplies, pack_get, read_values
 from tierkv_redis.sockets import SlotsClosed, SocketGuard, recv_whole, usable, whole_io
 from tierkv_redis.testing import RedisServer
+from tierkv_redis.wire import Pieces, send_straight, set_pieces
 
 from tierkv.contract.jobs import JobMetadata, ReqContext
 from tierkv.contract.keys import OffloadKey
@@ -183,10 +185,11 @@ def _job(keys: list[OffloadKey], slots: range) -> JobMetadata:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("block", [64 << 10, MiB, 8 * MiB])
+@pytest.mark.parametrize("block", [64 << 10, MiB, 2 * MiB, 8 * MiB])
 async def test_round_trips_are_byte_identical(redis_server: RedisServer, block: int) -> None:
     """The sizes the README quotes; 8 MiB blocks are split in two parts (the default
-    `part_size` is 8 MiB and the frame is a little more), each read into its slot."""
+    `part_size` is 8 MiB and the frame is a little more), each read into its slot.
+    MiB-sized blocks are sent in turn, stored straight from their slots."""
     rng = random.Random(block)
     view = PrimaryTier(8, block, pin_memory=False, namespace=f"sockets-{os.urandom(3).hex()}").view
     tier = RedisTier(RedisTierConfig.model_validate({"url": redis_server.url}), view)
@@ -200,5 +203,136 @@ async def test_round_trips_are_byte_identical(redis_server: RedisServer, block: 
         assert result.ok, result.error
         for i in range(4):
             assert bytes(view.block(4 + i)) == data[i]
+    finally:
+        await tier.close()
+
+
+# -- stores sent straight from their slots (`wire.send_straight`) ---------------------
+class _SilentServer:
+    """Answers redis-py's handshake (CLIENT SETINFO: OK), then reads `reads` bytes
+    of what follows (all of it when None) and stops reading: a server that froze
+    mid-command. `received` counts the bytes after the handshake."""
+
+    def __init__(self, reads: int | None = 0) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.reads = reads
+        self.received = 0
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        self.conns.append(conn)
+        while True:  # the handshake's CLIENT SETINFOs: OK, until the SET begins
+            data = conn.recv(65536)
+            if not data:
+                return
+            conn.sendall(b"+OK\r\n" * data.count(b"SETINFO"))
+            begins = data.find(b"$3\r\nSET\r\n")
+            if begins >= 0:
+                self.received = len(data) - begins
+                break
+        while self.reads is None or self.received < self.reads:
+            data = conn.recv(65536)
+            if not data:
+                return
+            self.received += len(data)
+
+    def close(self) -> None:
+        self.listener.close()
+        for conn in self.conns:
+            conn.close()
+
+
+def _straight_store(
+    port: int, guard: SocketGuard, slot: bytearray
+) -> tuple[threading.Thread, list[BaseException | object]]:
+    """A thread SETting `slot` (as one block, straight from it) through `port`."""
+    url = f"redis://127.0.0.1:{port}/0"
+    pool = BlockingConnectionPool.from_url(url, protocol=2, socket_timeout=30)
+    out: list[BaseException | object] = []
+
+    def pieces() -> list[Pieces]:
+        return [set_pieces(b"straight", b"HEAD", memoryview(slot), None)]
+
+    def store() -> None:
+        try:
+            out.append(send_straight(pool, [pieces], guard))
+        except BaseException as exc:
+            out.append(exc)
+        finally:
+            pool.disconnect()
+
+    thread = threading.Thread(target=store)
+    thread.start()
+    return thread, out
+
+
+def test_a_job_ending_mid_send_cuts_it_and_keeps_no_view_of_the_slot() -> None:
+    """A store sent straight from its slot to a server that stopped reading: the job's
+    end cuts the send at once (not after the 30 s socket timeout), and no view of the
+    slot is left (a bytearray with a view exported cannot be resized)."""
+    server = _SilentServer(reads=MiB)
+    slot = bytearray(b"s" * (64 * MiB))  # more than the socket buffers hold
+    guard = SocketGuard()
+    thread, out = _straight_store(server.port, guard, slot)
+    try:
+        deadline = time.monotonic() + 10
+        while server.received < MiB and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.received >= MiB, "the send never started"
+        time.sleep(0.1)  # the send now waits on the full buffers
+        assert thread.is_alive()
+        started = time.monotonic()
+        guard.close()
+        assert time.monotonic() - started < 1.0
+        thread.join(5)
+        assert not thread.is_alive()
+        assert len(out) == 1 and isinstance(out[0], SlotsClosed)
+        slot.extend(b"x")  # raises BufferError while any view of the slot lives
+    finally:
+        guard.close()
+        server.close()
+
+
+def test_a_job_that_ended_before_the_send_sends_nothing() -> None:
+    server = _SilentServer(reads=None)
+    slot = bytearray(b"s" * 1000)
+    guard = SocketGuard()
+    guard.close()
+    thread, out = _straight_store(server.port, guard, slot)
+    try:
+        thread.join(5)
+        assert len(out) == 1 and isinstance(out[0], SlotsClosed)
+        time.sleep(0.1)
+        assert server.received == 0  # not one byte of the SET
+        slot.extend(b"x")
+    finally:
+        server.close()
+
+
+@pytest.mark.anyio
+async def test_split_blocks_share_a_call_sent_in_turn(redis_server: RedisServer) -> None:
+    """1 MiB blocks in 256 KiB parts: 12 blocks go 3 to a call, 15 SETs (or GETs) each
+    sent after the last one's reply; every block reads back byte-identical."""
+    rng = random.Random(31)
+    view = PrimaryTier(24, MiB, pin_memory=False, namespace=f"turn-{os.urandom(3).hex()}").view
+    config = RedisTierConfig.model_validate({"url": redis_server.url, "part_size": "256KiB"})
+    tier = RedisTier(config, view)
+    assert tier._plan.in_turn and tier._plan.batch_size(12) == 3
+    await tier.open()
+    try:
+        keys = random_keys(12, rng)
+        assert len(tier._names.all(keys[0])) == 5
+        data = fill_slots(view, range(12), rng)
+        assert (await tier.store(_job(keys, range(12)))).ok
+        assert await tier.lookup(keys, ReqContext(request_id="t")) == [True] * 12
+        result = await tier.load(_job(keys, range(12, 24)))
+        assert result.ok, result.error
+        assert [bytes(view.block(12 + i)) for i in range(12)] == [data[i] for i in range(12)]
     finally:
         await tier.close()

@@ -22,6 +22,7 @@ import pytest
 from pydantic import ValidationError
 from redis.asyncio import Redis
 from tierkv_redis import RedisTier, RedisTierConfig
+from tierkv_redis.config import LARGE_CALLS, Plan, transfer_plan
 from tierkv_redis.testing import RedisServer
 
 from tierkv.contract.errors import ConfigError, TierUnavailable
@@ -156,9 +157,10 @@ def test_bad_config_is_refused_with_a_clear_message(
         ("auto", 4096, 64),  # capped
         ("auto", 64 << 10, 32),  # about 2 MiB per pipeline
         ("auto", 256 << 10, 8),
-        ("auto", 1 << 20, 1),  # MiB-sized: concurrent single commands
-        ("auto", 8 << 20, 1),
+        ("auto", 1 << 20, 16),  # MiB-sized: up to 16 MiB a call, sent in turn
+        ("auto", 8 << 20, 2),
         (3, 64 << 10, 3),  # a number is taken as it is
+        (1, 1 << 20, 1),
     ],
 )
 def test_pipeline_size_auto_sizes_pipelines_by_bytes(
@@ -168,9 +170,25 @@ def test_pipeline_size_auto_sizes_pipelines_by_bytes(
     config = RedisTierConfig.model_validate({"pipeline_size": setting})
     tier = RedisTier(config, primary.view)
     assert tier.describe()["blocks_per_pipeline"] == per_pipeline
+    in_turn = setting == "auto" and block_bytes >= 1 << 20
+    assert tier.describe()["commands_in_turn"] is in_turn
     keys = random_keys(2 * per_pipeline + 1)
     batches = tier._batches((k, 0) for k in keys)
     assert [len(b) for b in batches] == [per_pipeline, per_pipeline, 1]
+
+
+def test_large_blocks_are_spread_over_a_few_calls_each_sending_in_turn() -> None:
+    plan = transfer_plan("auto", 1 << 20, max_connections=16)
+    assert plan == Plan(blocks=16, calls=LARGE_CALLS, in_turn=True)
+    assert plan.batch_size(16) == 16 // LARGE_CALLS  # one job of 16 blocks: LARGE_CALLS calls
+    assert plan.batch_size(3) == 1
+    assert plan.batch_size(1000) == 16  # never more than 16 MiB a call
+    assert transfer_plan("auto", 8 << 20, max_connections=16).batch_size(1000) == 2
+    assert transfer_plan("auto", 1 << 20, max_connections=2).calls == 2  # the pool's bound
+    small = transfer_plan("auto", 64 << 10, max_connections=16)
+    assert small == Plan(blocks=32, calls=16, in_turn=False)
+    assert small.batch_size(1000) == 32
+    assert transfer_plan(4, 8 << 20, max_connections=16) == Plan(4, 16, in_turn=False)
 
 
 def test_yaml_config_expands_the_password_and_names_bad_paths() -> None:
@@ -424,11 +442,15 @@ async def test_ttl_expires_blocks_and_a_load_renews_it(redis_server: RedisServer
         await tier.close()
 
 
+@pytest.mark.parametrize(
+    ("block", "maxmemory"),
+    [(256 << 10, "3mb"), (1 << 20, "8mb")],  # pipelined, and sent in turn from the slots
+)
 async def test_a_full_redis_fails_keys_with_a_clear_error(
-    start_redis: Callable[..., RedisServer],
+    start_redis: Callable[..., RedisServer], block: int, maxmemory: str
 ) -> None:
-    server = start_redis(extra_args=("--maxmemory", "3mb", "--maxmemory-policy", "noeviction"))
-    primary = make_primary(slots=24, block=256 * 1024)
+    server = start_redis(extra_args=("--maxmemory", maxmemory, "--maxmemory-policy", "noeviction"))
+    primary = make_primary(slots=24, block=block)
     rng = random.Random(15)
     tier = redis_tier(server.url, primary.view)
     await tier.open()
@@ -486,12 +508,13 @@ async def test_a_stopped_server_fails_jobs_fast_and_the_tier_recovers_by_itself(
         await tier.close()
 
 
+@pytest.mark.parametrize("block", [4096, 1 << 20])  # pipelined; in turn from the slots
 async def test_a_frozen_server_fails_a_job_within_the_socket_timeout(
-    start_redis: Callable[..., RedisServer],
+    start_redis: Callable[..., RedisServer], block: int
 ) -> None:
     server = start_redis()
     rng = random.Random(17)
-    view = make_primary().view
+    view = make_primary(block=block).view
     tier = redis_tier(server.url, view, socket_timeout="500ms", max_connections=4)
     await tier.open()
     try:
@@ -607,12 +630,13 @@ async def test_requirepass_wrong_or_missing_password_is_a_clear_auth_error(
             await tier.close()
 
 
+@pytest.mark.parametrize("block", [4096, 1 << 20])  # pipelined; in turn from the slots
 async def test_rediss_with_a_password_round_trips_and_a_bad_certificate_is_refused(
-    start_redis: Callable[..., RedisServer],
+    start_redis: Callable[..., RedisServer], block: int
 ) -> None:
     server = start_redis(tls=True, password="tls-pw")
     rng = random.Random(23)
-    view = make_primary().view
+    view = make_primary(slots=8, block=block).view
     secure = server.url.replace("rediss://", "rediss://:tls-pw@")
     tier = redis_tier(secure, view)
     assert "tls-pw" not in repr(tier.config) and ":***@" in repr(tier.config)

@@ -31,6 +31,7 @@ import threading
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeAlias
 
 from redis.connection import ConnectionPool
@@ -278,29 +279,53 @@ def _read_on(
     direct: bool,
     places: Sequence[Place | None] | None,
     guard: SocketGuard | None,
+    in_turn: bool,
 ) -> list[Reply]:
     """Send `commands` down `conn` (connecting it if it is not) and read their replies
-    (into their places where the socket can be read whole)."""
-    conn.send_packed_command([b"".join(commands)], check_health=False)
-    sock = getattr(conn, "_sock", None)
+    (into their places where the socket can be read whole); `in_turn`: each command
+    sent once the reply to the last one is read."""
+    if not in_turn:
+        conn.send_packed_command([b"".join(commands)], check_health=False)
+    sent = not in_turn
+    sock = getattr(conn, "_sock", None) if sent else _connected(conn)
+    wanted = places if places is not None else [None] * len(commands)
     if direct and isinstance(sock, socket.socket):
         where = f"{getattr(conn, 'host', '?')}:{getattr(conn, 'port', '?')}"
         if not usable(sock):  # TLS, or not Linux: in pieces, in redis-py's mode
             replies = _SocketReplies(sock, where)
-            return [replies.next() for _ in commands]
+            return [_reply(conn, command, sent, replies.next) for command in commands]
         timeout = sock.gettimeout()
         with whole_io(sock, timeout):
             replies = _SocketReplies(sock, where, whole=True, timeout=timeout, guard=guard)
-            if places is None:
+            if places is None and sent:
                 return [replies.next() for _ in commands]
-            return [replies.next(place) for place in places]
+            return [
+                _reply(conn, command, sent, partial(replies.next, place))
+                for command, place in zip(commands, wanted)
+            ]
     out: list[Reply] = []  # the public, slower way
-    for _ in commands:
+    for command in commands:
+        if not sent:
+            conn.send_packed_command([command], check_health=False)
         try:
             out.append(conn.read_response())
         except ResponseError as exc:
             out.append(detached(exc))
     return out
+
+
+def _connected(conn: Any) -> Any:
+    """The socket of `conn`, connecting it first if it is not connected."""
+    if getattr(conn, "_sock", None) is None:
+        conn.connect()
+    return getattr(conn, "_sock", None)
+
+
+def _reply(conn: Any, command: bytes, sent: bool, read: Callable[[], Reply]) -> Reply:
+    """The reply to `command`, sending it first unless it was sent with the others."""
+    if not sent:
+        conn.send_packed_command([command], check_health=False)
+    return read()
 
 
 def read_values(
@@ -310,9 +335,11 @@ def read_values(
     direct: bool = True,
     places: Sequence[Place | None] | None = None,
     guard: SocketGuard | None = None,
+    in_turn: bool = False,
 ) -> list[Reply]:
-    """Worker thread: send packed GETs (`pack_get`) down one pooled connection and read
-    their replies: per command the value, None, or the server's error. A value is a view
+    """Worker thread: send packed GETs (`pack_get`) down one pooled connection, as one
+    pipeline (or `in_turn`: each once the reply to the last is read), and read their
+    replies: per command the value, None, or the server's error. A value is a view
     of this thread's scratch buffer, valid until the thread's next call. Connection
     errors raise, after one retry on a fresh connection (a pooled connection a Redis
     restart closed fails once); a timeout raises at once. `direct=False` reads through
@@ -325,12 +352,12 @@ def read_values(
     conn: Any = pool.get_connection()
     try:
         try:
-            return _read_on(conn, commands, direct, places, guard)
+            return _read_on(conn, commands, direct, places, guard, in_turn)
         except ConnectionError:
             # as redis-py retries: the same connection, reconnected (another pooled one
             # could be just as stale)
             conn.disconnect()
-            return _read_on(conn, commands, direct, places, guard)
+            return _read_on(conn, commands, direct, places, guard, in_turn)
     except BaseException:
         # a connection with replies still unread must never go back to the pool
         conn.disconnect()

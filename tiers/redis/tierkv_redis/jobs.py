@@ -29,6 +29,7 @@ from tierkv.tier import (
     SlotGuard,
     run_job,
 )
+from tierkv_redis.config import Plan
 from tierkv_redis.failures import MOVED_NOTE, UNREACHABLE
 from tierkv_redis.names import BlockNames
 from tierkv_redis.routing import Node, NodeHealth
@@ -62,14 +63,17 @@ def batches_of(
     size: int,
     node: Node | None = None,
     master: Node | None = None,
+    *,
+    in_turn: bool = False,
 ) -> list[NodeBatch]:
     """Group (key, slot) pairs into batches of `size` for `node`, one pipeline (or
-    command) each. A block in several parts always gets a batch of its own, so its
-    parts go down one connection in order."""
+    command) each. A block in several parts gets a batch of its own, so its parts go
+    down one connection in order; where a batch's commands are sent `in_turn` (one
+    after the other on one connection) it may share one."""
     batches: list[NodeBatch] = []
     current = NodeBatch(node, master)
     for key, slot in pairs:
-        if names.parts_of(key) > 1:
+        if not in_turn and names.parts_of(key) > 1:
             alone = NodeBatch(node, master)
             alone.append((key, slot))
             batches.append(alone)
@@ -87,18 +91,26 @@ def _key(pair: Pair) -> OffloadKey:
     return pair[0]
 
 
-def plan(session: Session, job: JobMetadata, size: int, *, from_replicas: bool) -> list[NodeBatch]:
+def plan(
+    session: Session, job: JobMetadata, how: Plan, *, from_replicas: bool
+) -> tuple[list[NodeBatch], int]:
     """A job's batches, each of one node's blocks (read from a replica when
-    `from_replicas`), the nodes' batches interleaved so that every node works at once.
+    `from_replicas`), the nodes' batches interleaved so that every node works at once,
+    and how many may run at once (`how.calls` per node, at most `max_connections`).
     Blocks whose slot no node serves form batches of no node."""
     pairs = zip(job.keys, job.slots)  # not a list: 2048 tuples at once cost GC time
-    per_node = [
-        batches_of(routed, session.names, size, node, master)
-        for node, master, routed in session.nodes.route(pairs, _key, read=from_replicas)
-    ]
+    per_node = []
+    for node, master, routed in session.nodes.route(pairs, _key, read=from_replicas):
+        size = how.blocks
+        if how.in_turn:  # few, large blocks: a list costs nothing here
+            routed = list(routed)
+            size = how.batch_size(len(routed))
+        per_node.append(batches_of(routed, session.names, size, node, master, in_turn=how.in_turn))
+    at_once = min(session.config.max_connections, how.calls * max(1, len(per_node)))
     if len(per_node) == 1:
-        return per_node[0]
-    return [b for turn in itertools.zip_longest(*per_node) for b in turn if b is not None]
+        return per_node[0], at_once
+    interleaved = [b for turn in itertools.zip_longest(*per_node) for b in turn if b is not None]
+    return interleaved, at_once
 
 
 async def _on_node(
@@ -139,17 +151,22 @@ async def _on_node(
 
 
 async def run_on_nodes(
-    session: Session, job: JobMetadata, op: BatchOp, verb: str, batches: list[NodeBatch]
+    session: Session,
+    job: JobMetadata,
+    op: BatchOp,
+    verb: str,
+    batches: list[NodeBatch],
+    at_once: int,
 ) -> JobResult:
-    """`op` over `batches` (from `plan`) by the contract's `run_job`; then the job's
-    slots closed to any thread its deadline left behind."""
+    """`op` over `batches` (from `plan`), `at_once` at a time, by the contract's
+    `run_job`; then the job's slots closed to any thread its deadline left behind."""
     guard = SocketGuard()
     try:
         return await run_job(
             job,
             partial(_on_node, session, session.nodes.health(), op, guard),
             label=f"redis {verb}",
-            concurrency=session.config.max_connections,
+            concurrency=at_once,
             timeout=session.config.job_timeout,
             batches=batches,
         )

@@ -76,7 +76,7 @@ from tierkv.tier import (
 from tierkv_redis import jobs, lookups, removal
 from tierkv_redis.clients import make_client, make_sync_client, with_address
 from tierkv_redis.cluster import ClusterNodes
-from tierkv_redis.config import RedisTierConfig, pipeline_blocks
+from tierkv_redis.config import RedisTierConfig, transfer_plan
 from tierkv_redis.failures import UNREACHABLE, open_error
 from tierkv_redis.names import BlockNames
 from tierkv_redis.routing import Node, NodeMap
@@ -106,9 +106,15 @@ class RedisTier(SecondaryTierManager):
         )
         ttl = self.config.ttl
         self._ttl_ms: int | None = None if ttl is None else max(1, round(ttl * 1000))
-        self._pipeline = pipeline_blocks(self.config.pipeline_size, primary.block_bytes)
+        c = self.config
+        self._plan = transfer_plan(c.pipeline_size, primary.block_bytes, c.max_connections)
         self._transfers = Transfers(
-            self._names, self.framer, primary, self._ttl_ms, self.report_foreign
+            self._names,
+            self.framer,
+            primary,
+            self._ttl_ms,
+            self.report_foreign,
+            in_turn=self._plan.in_turn,
         )
         self._session: Session | None = None  # made by open(), let go by close()
         self._inflight = InFlightJobs(self.name)
@@ -196,7 +202,7 @@ class RedisTier(SecondaryTierManager):
     # -- stores and loads: one worker-thread hop per batch, I/O included ------------
     def _batches(self, pairs: Iterable[jobs.Pair]) -> list[jobs.NodeBatch]:
         """`pairs` in batches of one pipeline (or command) each (`pipeline_size`)."""
-        return jobs.batches_of(pairs, self._names, self._pipeline)
+        return jobs.batches_of(pairs, self._names, self._plan.blocks, in_turn=self._plan.in_turn)
 
     async def store(self, job: JobMetadata) -> JobResult:
         return await self._run_job(job, "store", self._store_batch, from_replicas=False)
@@ -208,9 +214,9 @@ class RedisTier(SecondaryTierManager):
         async with self._inflight.job():
             session = self._require_session()
             await session.nodes.refresh_if_due()
-            batches = jobs.plan(session, job, self._pipeline, from_replicas=from_replicas)
+            batches, at_once = jobs.plan(session, job, self._plan, from_replicas=from_replicas)
             op = partial(batch_op, session)
-            return await jobs.run_on_nodes(session, job, op, verb, batches)
+            return await jobs.run_on_nodes(session, job, op, verb, batches, at_once)
 
     async def _store_batch(
         self, session: Session, target: Node, master: Node, batch: Batch, guard: SlotGuard
@@ -263,7 +269,8 @@ class RedisTier(SecondaryTierManager):
             "ttl": c.ttl,
             "max_connections": c.max_connections,
             "pipeline_size": c.pipeline_size,
-            "blocks_per_pipeline": self._pipeline,
+            "blocks_per_pipeline": self._plan.blocks,
+            "commands_in_turn": self._plan.in_turn,
             "part_size": int(c.part_size),
             "mac": self.framer.mac,
             "open": self._session is not None,

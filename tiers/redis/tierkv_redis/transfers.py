@@ -39,7 +39,7 @@ from tierkv_redis.failures import command_error, is_command_error
 from tierkv_redis.gets import Place, Placed, Reply, pack_get, read_values
 from tierkv_redis.names import BlockNames
 from tierkv_redis.sockets import SocketGuard
-from tierkv_redis.wire import pack_set, send_sets
+from tierkv_redis.wire import Pieces, send_sets, send_straight, set_pieces
 
 Loaded = tuple[dict[OffloadKey, str], list[OffloadKey], list[OffloadKey]]
 """A load's batch: (failed keys with the reason, keys whose stored values must be
@@ -57,8 +57,11 @@ class Transfers:
         primary: PrimaryView,
         ttl_ms: int | None,
         report_foreign: Callable[[Iterable[OffloadKey]], None],
+        *,
+        in_turn: bool = False,
     ) -> None:
         self.names = names
+        self.in_turn = in_turn  # commands sent one at a time, not pipelined
         self.framer = framer
         self.primary = primary
         self.ttl_ms = ttl_ms
@@ -67,11 +70,20 @@ class Transfers:
     # -- stores ---------------------------------------------------------------------
     def store(self, sync: SyncRedis, batch: Batch, guard: SlotGuard) -> dict[OffloadKey, str]:
         """Worker thread: frame each block of `batch` (reading its slot while the job
-        lives) and SET it; the keys Redis refused, with the reason."""
+        lives) and SET it; the keys Redis refused, with the reason. Blocks sent in
+        turn go straight from their slots under the job's `SocketGuard` (`send_straight`:
+        no copy of the block in this process); others are packed into one `bytes`
+        per command first (one copy) and pipelined."""
+        if self.in_turn and isinstance(guard, SocketGuard):
+            owners = [key for key, _ in batch for _ in range(self.names.parts_of(key))]
+            makers = [partial(self._pieces_of, key, slot) for key, slot in batch]
+            outcomes = send_straight(sync.connection_pool, makers, guard)
+            if outcomes is not None:
+                return _refused(owners, outcomes)
         px = self.ttl_ms
         ended = {key: "redis store: the job ended before this block was read" for key, _ in batch}
         packed: list[bytes] = []
-        owners: list[OffloadKey] = []  # which key each packed command belongs to
+        owners = []  # which key each packed command belongs to
         for key, slot in batch:
             with guard.hold() as alive:
                 if not alive:
@@ -85,35 +97,42 @@ class Transfers:
                 del payload
             packed.extend(block_commands)
             owners.extend([key] * len(block_commands))
-        outcomes = send_sets(sync.connection_pool, packed)
-        refused: dict[OffloadKey, str] = {}
-        for key, exc in zip(owners, outcomes):
-            if exc is not None and key not in refused:
-                if not is_command_error(exc):  # CLUSTERDOWN: the node, not this key
-                    raise exc
-                refused[key] = command_error(exc)
-        return refused
+        return _refused(owners, send_sets(sync.connection_pool, packed, in_turn=self.in_turn))
+
+    def _pieces_of(self, key: OffloadKey, slot: int) -> list[Pieces]:
+        """The SETs of the block in `slot` as pieces over its bytes (while the job
+        lives: `send_straight` calls this under the job's guard, and releases the
+        views after: they are this call's own, not the primary's)."""
+        payload = _own_views(self.primary.payload(slot))
+        header = self.framer.encode_header(key, payload)
+        return self.block_pieces(key, header, payload, self.ttl_ms)
 
     def pack_block(
         self, key: OffloadKey, header: bytes, payload: Payload, px: int | None
     ) -> list[bytes]:
-        """The packed SETs of one block: one command, or one per part with the later
-        parts first and the main name (header and first bytes) last, so a lookup sees
-        the block only once all of it is there. Each command is one exact `bytes`: the
+        """The packed SETs of one block (`block_pieces`), each one exact `bytes`: the
         payload is copied once, into it."""
+        return [b"".join(pieces) for pieces in self.block_pieces(key, header, payload, px)]
+
+    def block_pieces(
+        self, key: OffloadKey, header: bytes, payload: Payload, px: int | None
+    ) -> list[Pieces]:
+        """The SETs of one block: one command, or one per part with the later parts
+        first and the main name (header and first bytes) last, so a lookup sees the
+        block only once all of it is there; each as pieces over `payload` (no copy)."""
         names = self.names.all(key)
         if len(names) == 1:
-            return [pack_set(names[0].encode(), header, payload, px)]
+            return [set_pieces(names[0].encode(), header, payload, px)]
         skip = len(header)  # frame offsets -> payload offsets
         bounds = self.names.part_bounds(key)
         commands = [
-            pack_set(names[i].encode(), b"", slice_payload(payload, start - skip, end - skip), px)
+            set_pieces(names[i].encode(), b"", slice_payload(payload, start - skip, end - skip), px)
             for i, (start, end) in enumerate(bounds)
             if i
         ]
         first_end = bounds[0][1]
         first = slice_payload(payload, 0, first_end - skip)
-        commands.append(pack_set(names[0].encode(), header, first, px))
+        commands.append(set_pieces(names[0].encode(), header, first, px))
         return commands
 
     # -- loads ----------------------------------------------------------------------
@@ -131,6 +150,7 @@ class Transfers:
             [pack_get(n.encode(), px) for n in names],
             places=places,
             guard=guard if direct and isinstance(guard, SocketGuard) else None,
+            in_turn=self.in_turn,
         )
         errors: dict[OffloadKey, str] = {}
         doomed: list[OffloadKey] = []  # keys whose stored values must go
@@ -223,3 +243,25 @@ class Transfers:
                 doomed.append(key)
                 return f"corrupt block deleted: {exc}"
         return None
+
+
+def _own_views(payload: Payload) -> Payload:
+    """Fresh views of `payload`'s buffers, which may be released without touching
+    views the primary keeps (LMCache's lent objects are such views)."""
+    if isinstance(payload, tuple):
+        return tuple(memoryview(region) for region in payload)
+    return memoryview(payload)
+
+
+def _refused(
+    owners: Sequence[OffloadKey], outcomes: Sequence[BaseException | None]
+) -> dict[OffloadKey, str]:
+    """The keys whose SETs Redis refused, with the reason (`owners[i]` sent command
+    i); an error that says the node does not serve (CLUSTERDOWN) raises."""
+    refused: dict[OffloadKey, str] = {}
+    for key, exc in zip(owners, outcomes):
+        if exc is not None and key not in refused:
+            if not is_command_error(exc):  # CLUSTERDOWN: the node, not this key
+                raise exc
+            refused[key] = command_error(exc)
+    return refused
