@@ -31,7 +31,6 @@ import threading
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, TypeAlias
 
 from redis.connection import ConnectionPool
@@ -284,48 +283,69 @@ def _read_on(
     """Send `commands` down `conn` (connecting it if it is not) and read their replies
     (into their places where the socket can be read whole); `in_turn`: each command
     sent once the reply to the last one is read."""
-    if not in_turn:
-        conn.send_packed_command([b"".join(commands)], check_health=False)
-    sent = not in_turn
-    sock = getattr(conn, "_sock", None) if sent else _connected(conn)
-    wanted = places if places is not None else [None] * len(commands)
+    if in_turn:
+        return _read_in_turn(conn, commands, direct, places, guard)
+    conn.send_packed_command([b"".join(commands)], check_health=False)
+    sock = getattr(conn, "_sock", None)
     if direct and isinstance(sock, socket.socket):
         where = f"{getattr(conn, 'host', '?')}:{getattr(conn, 'port', '?')}"
         if not usable(sock):  # TLS, or not Linux: in pieces, in redis-py's mode
             replies = _SocketReplies(sock, where)
-            return [_reply(conn, command, sent, replies.next) for command in commands]
+            return [replies.next() for _ in commands]
         timeout = sock.gettimeout()
         with whole_io(sock, timeout):
             replies = _SocketReplies(sock, where, whole=True, timeout=timeout, guard=guard)
-            if places is None and sent:
+            if places is None:
                 return [replies.next() for _ in commands]
-            return [
-                _reply(conn, command, sent, partial(replies.next, place))
-                for command, place in zip(commands, wanted)
-            ]
-    out: list[Reply] = []  # the public, slower way
+            return [replies.next(place) for place in places]
+    return _public_replies(conn, commands, send_each=False)
+
+
+def _read_in_turn(
+    conn: Any,
+    commands: Sequence[bytes],
+    direct: bool,
+    places: Sequence[Place | None] | None,
+    guard: SocketGuard | None,
+) -> list[Reply]:
+    """`_read_on` with each command sent once the last one's reply is read."""
+    if getattr(conn, "_sock", None) is None:
+        conn.connect()
+    sock = getattr(conn, "_sock", None)
+    if not direct or not isinstance(sock, socket.socket):
+        return _public_replies(conn, commands, send_each=True)
+    where = f"{getattr(conn, 'host', '?')}:{getattr(conn, 'port', '?')}"
+    wanted = places if places is not None else [None] * len(commands)
+    out: list[Reply] = []
+    if not usable(sock):  # TLS, or not Linux: in pieces, in redis-py's mode
+        replies = _SocketReplies(sock, where)
+        for command in commands:
+            conn.send_packed_command([command], check_health=False)
+            out.append(replies.next())
+        return out
+    timeout = sock.gettimeout()
+    with whole_io(sock, timeout):
+        # a GET sent here cannot block: the server has read every command before it
+        # (it answered them), so the socket's send buffer is empty
+        replies = _SocketReplies(sock, where, whole=True, timeout=timeout, guard=guard)
+        for command, place in zip(commands, wanted):
+            conn.send_packed_command([command], check_health=False)
+            out.append(replies.next(place))
+    return out
+
+
+def _public_replies(conn: Any, commands: Sequence[bytes], *, send_each: bool) -> list[Reply]:
+    """The replies to `commands` through redis-py's parser (the public, slower way),
+    each command sent first when `send_each`."""
+    out: list[Reply] = []
     for command in commands:
-        if not sent:
+        if send_each:
             conn.send_packed_command([command], check_health=False)
         try:
             out.append(conn.read_response())
         except ResponseError as exc:
             out.append(detached(exc))
     return out
-
-
-def _connected(conn: Any) -> Any:
-    """The socket of `conn`, connecting it first if it is not connected."""
-    if getattr(conn, "_sock", None) is None:
-        conn.connect()
-    return getattr(conn, "_sock", None)
-
-
-def _reply(conn: Any, command: bytes, sent: bool, read: Callable[[], Reply]) -> Reply:
-    """The reply to `command`, sending it first unless it was sent with the others."""
-    if not sent:
-        conn.send_packed_command([command], check_health=False)
-    return read()
 
 
 def read_values(

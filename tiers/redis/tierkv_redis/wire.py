@@ -70,15 +70,21 @@ def _send_once(
 ) -> list[ResponseError | None]:
     conn: Any = pool.get_connection()
     try:
+        outcomes: list[ResponseError | None] = []
         if in_turn:  # each command once the last one's reply is in
-            outcomes: list[ResponseError | None] = []
             for command in commands:
                 conn.send_packed_command([command], check_health=False)
                 outcomes.append(_reply(conn))
             return outcomes
         for command in commands:  # one exact bytes each: written without a join
             conn.send_packed_command([command], check_health=False)
-        return [_reply(conn) for _ in commands]
+        for _ in commands:
+            try:
+                conn.read_response()
+                outcomes.append(None)
+            except ResponseError as exc:  # this command failed; the connection is fine
+                outcomes.append(detached(exc))
+        return outcomes
     except BaseException:
         # a connection with replies still unread must never go back to the pool
         conn.disconnect()
