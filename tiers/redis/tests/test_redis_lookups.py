@@ -87,7 +87,7 @@ async def test_exists_run_off_the_event_loop(
 
     def spy(*args: object) -> lookups.Found:
         ran_on.append(threading.current_thread())
-        return real(*args)  # type: ignore[arg-type]
+        return real(*args)  # type: ignore[arg-type,unused-ignore]
 
     monkeypatch.setattr(lookups, "exists", spy)
     view = PrimaryTier(4, 4096, pin_memory=False, namespace=f"lk-{os.urandom(3).hex()}").view

@@ -26,7 +26,9 @@ MIN_PART_SIZE = 1024
 PIPELINE_BYTES = 2 << 20
 """`pipeline_size: auto`: blocks per pipeline that make about this many bytes."""
 SINGLE_COMMAND_BYTES = 1 << 20
-"""`pipeline_size: auto`: blocks of at least this size go one command each."""
+"""`pipeline_size: auto`: blocks of at least this size are not pipelined: several go
+to one worker-thread call, each command sent once the last one's reply is read
+(`transfer_plan`)."""
 MAX_AUTO_PIPELINE = 64
 """`pipeline_size: auto`: at most this many blocks per pipeline (tiny blocks)."""
 LARGE_CALL_BYTES = 16 << 20
@@ -77,7 +79,8 @@ def pipeline_blocks(pipeline_size: int | Literal["auto"], block_bytes: int) -> i
     """Blocks per pipeline for blocks of `block_bytes`. Measured on loopback (tierkv
     bench, 8-block calls, 8 in flight): pipelines of 8 beat single commands 2.7x for
     64 KiB blocks and 2x for 256 KiB; for 1 MiB blocks pipelines of 4 loaded 19 %
-    slower, so MiB-sized blocks stay single commands, sent concurrently."""
+    slower, so MiB-sized blocks are not pipelined (`transfer_plan` sends them in
+    turn, several to a call)."""
     if pipeline_size != "auto":
         return pipeline_size
     if block_bytes >= SINGLE_COMMAND_BYTES:
@@ -114,8 +117,9 @@ class RedisTierConfig(TierConfig):
     pipeline_size: PositiveInt | Literal["auto"] = Field(
         default="auto",
         description="commands sent per pipeline for stores and loads; 1 sends each "
-        "block as its own command, concurrently (fastest for MiB-sized blocks); auto: "
-        "blocks under 1 MiB go in pipelines of up to 2 MiB, larger ones one by one",
+        "block as its own command, concurrently; auto: blocks under 1 MiB go in "
+        "pipelines of up to 2 MiB, larger ones up to 16 MiB to a call, each command "
+        "sent once the last one's reply is read, 4 calls at once",
     )
     lookup_batch: PositiveInt = Field(
         default=256, description="EXISTS commands per pipeline in a lookup"

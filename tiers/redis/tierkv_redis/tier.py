@@ -26,17 +26,20 @@ it, until a probe finds it back, while the other nodes' keys are served; only wh
 every node is down does a lookup raise `TierUnavailable` and a job abort, so the
 cache's own breaker still sees a dead Redis.
 
-A job's blocks are sent in pipelines of `pipeline_size` commands (`auto`: blocks under
-1 MiB in pipelines of about 2 MiB; MiB-sized blocks as concurrent single commands,
-which beat pipelines for them), at most `max_connections` at a time, by the contract's
-`run_job`. Stores and loads run whole in worker threads, one hop per batch: framing,
-checksums, MACs, the copies that join a frame, and the network I/O itself over
-connections of redis-py's blocking pool of `max_connections` (stores send packed SETs,
-`wire.py`; loads read the values off the socket into a reused buffer, `gets.py`). On
-the event loop they cost ~0.4 ms to frame and ~0.3 ms to check a 2 MiB block, plus the
-asyncio client's own sends and reply parsing: 13-27 ms of stall per 64-block job,
-during which no other request of the server progresses. Lookups and removals are small
-and stay on the asyncio client.
+A job's blocks are sent in pipelines of `pipeline_size` commands, at most
+`max_connections` at a time, by the contract's `run_job` (`config.transfer_plan`;
+`auto`: blocks under 1 MiB in pipelines of about 2 MiB; MiB-sized blocks up to 16 MiB
+to a call, each command sent once the last one's reply is read, at most 4 calls at once
+per node: fewer thread hops for the event loop, and fewer large replies buffered in the
+server at once). Stores and loads run whole in worker threads, one hop per batch:
+framing, checksums, MACs, and the network I/O itself over connections of redis-py's
+blocking pool of `max_connections` (stores send packed SETs, or MiB-sized blocks
+straight from their slots, `wire.py`; loads read the values off the socket into their
+slots, `gets.py`). On the event loop they cost ~0.4 ms to frame and ~0.3 ms to check a
+2 MiB block, plus the asyncio client's own sends and reply parsing: 13-27 ms of stall
+per 64-block job, during which no other request of the server progresses. Lookups run
+their EXISTS in a worker thread too (`lookups.py`); removals are small and stay on the
+asyncio client.
 
 A thread waiting on a frozen Redis cannot be interrupted, so a job at its deadline
 leaves it behind (`IOThreads`): its socket timeout, at most `job_timeout` plus half a
