@@ -361,9 +361,9 @@ async def test_loads_and_unsynced_stores_of_small_blocks_go_in_one_thread_call(
     calls: dict[str, list[int]] = {"read": [], "write": []}
     real_read, real_write = blockfile.read_blocks, NvmeTier._write_files
 
-    def counting_read(leaves: Any, items: Any, *rest: Any, **options: Any) -> Any:
+    def counting_read(leaves: Any, items: Any, *rest: Any) -> Any:
         calls["read"].append(len(items))
-        return real_read(leaves, items, *rest, **options)
+        return real_read(leaves, items, *rest)
 
     def counting_write(self: NvmeTier, items: Any, victims: Any) -> Any:
         calls["write"].append(len(items))

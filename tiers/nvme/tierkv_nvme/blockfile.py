@@ -475,22 +475,11 @@ the thread checks them one by one. 16, since a job of small blocks is one thread
 where it was four calls of 4 at a time."""
 
 
-ADVISE_BELOW_BYTES = 512 << 10
-"""Cold block files smaller than this are `posix_fadvise(WILLNEED)`ed as a group; larger
-ones are read plainly, one after the other. Reading 256 MiB of cold files on the
-2-core dev VM (2-8 threads, each reading groups of 16 MiB of files), plain reads of
-512 KiB-8 MiB files went 1.25-1.59 GB/s against 0.87-1.47 GB/s advised first (a large
-read already reads ahead in large requests; the advice issued the group's reads in
-smaller ones, serially, before the first could be used)."""
-
-
 def read_blocks(
     leaves: Leaves,
     items: Sequence[ReadItem],
     framer: Framer,
     placement: tuple[int, int] = (1, 0),
-    *,
-    advise: bool = True,
 ) -> list[Exception | None]:
     """`read_opened` for each of `items` (rel, key, slot, touch), one outcome each
     (None: read and checked), in one thread, PREFETCH_BLOCKS files at a time: each
@@ -501,12 +490,11 @@ def read_blocks(
     trips for the same depth of I/O. A block just written or read costs no advice
     call (a third of a 32 KiB block's system calls were directory opens and advice).
     `placement`: where the slots lie (`PrimaryView.placement`; by default unknown, and
-    each slot's distance is tested). `advise=False` (blocks of ADVISE_BELOW_BYTES and
-    up): cold files are read plainly, without the advice."""
+    each slot's distance is tested)."""
     outcomes: list[Exception | None] = [None] * len(items)
     scratch = _Scratch(placement)
     try:
-        _read_groups(leaves, items, framer, outcomes, scratch, advise)
+        _read_groups(leaves, items, framer, outcomes, scratch)
     finally:
         scratch.close()
     return outcomes
@@ -518,7 +506,6 @@ def _read_groups(
     framer: Framer,
     outcomes: list[Exception | None],
     scratch: _Scratch,
-    advise: bool,
 ) -> None:
     """`read_blocks`' work, PREFETCH_BLOCKS files at a time, into `outcomes`."""
     for first in range(0, len(items), PREFETCH_BLOCKS):
@@ -552,7 +539,7 @@ def _read_groups(
                 if not done:
                     cold.append((i, fd))
                     cached = False  # the rest is likely cold too: advised and read with it
-            if advise and len(cold) > 1:
+            if len(cold) > 1:
                 for _i, fd in cold:
                     with contextlib.suppress(OSError):
                         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)

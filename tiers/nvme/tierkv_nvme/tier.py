@@ -810,13 +810,7 @@ class NvmeTier(SecondaryTierManager):
     def _read_files(self, items: list[blockfile.ReadItem]) -> list[Exception | None]:
         """Worker thread: read and check each block into its slot; one outcome each."""
         with self._dirs.leaves() as leaves:
-            return blockfile.read_blocks(
-                leaves,
-                items,
-                self.framer,
-                self.primary.placement,
-                advise=self.primary.block_bytes < blockfile.ADVISE_BELOW_BYTES,
-            )
+            return blockfile.read_blocks(leaves, items, self.framer, self.primary.placement)
 
     def _describe_error(self, error: Exception, action: str, key: OffloadKey) -> str:
         if isinstance(error, CorruptBlock):
