@@ -18,7 +18,7 @@ from redis.exceptions import InvalidResponse, MovedError, OutOfMemoryError, Resp
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from tierkv_redis import gets
 from tierkv_redis.gets import KEEP_SCRATCH, _error, pack_get, read_values
-from tierkv_redis.testing import RedisServer
+from tierkv_redis.testing import HandshakePeer, RedisServer
 
 
 def _pool(server: RedisServer, **kwargs: object) -> BlockingConnectionPool:
@@ -198,34 +198,15 @@ def test_the_installed_redis_py_gives_the_socket_the_direct_path_reads(
 def test_a_reply_that_is_no_get_reply_raises_and_drops_the_connection(reply: bytes) -> None:
     """Something on the port that is not Redis (or a broken proxy): a clear
     InvalidResponse naming the address, never a value."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    accepted: list[socket.socket] = []
-
-    def serve() -> None:
-        conn, _ = listener.accept()
-        accepted.append(conn)
-        seen = b""
-        while b"\r\nGET\r\n" not in seen:  # the handshake's CLIENT SETINFOs: OK
-            data = conn.recv(65536)
-            if not data:
-                return
-            conn.sendall(b"+OK\r\n" * data.count(b"SETINFO"))
-            seen += data
-        conn.sendall(reply)
-
-    server = threading.Thread(target=serve, daemon=True)
-    server.start()
-    pool = BlockingConnectionPool.from_url(f"redis://127.0.0.1:{port}/0", protocol=2)
+    peer = HandshakePeer(b"\r\nGET\r\n", lambda conn, _: conn.sendall(reply))
+    pool = BlockingConnectionPool.from_url(peer.url, protocol=2)
     try:
-        with pytest.raises(InvalidResponse, match=f"127.0.0.1:{port}"):
+        with pytest.raises(InvalidResponse, match=f"127.0.0.1:{peer.port}"):
             read_values(pool, [pack_get(b"k", None)])
-        server.join(5)
+        peer.join(5)
     finally:
         pool.disconnect()
-        listener.close()
-        for c in accepted:
-            c.close()
+        peer.close()
 
 
 def test_pooled_connections_a_restart_closed_are_reconnected(

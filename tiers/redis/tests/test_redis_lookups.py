@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import threading
 
 import pytest
@@ -17,7 +16,7 @@ from redis.exceptions import InvalidResponse
 from tierkv_redis import RedisTier, RedisTierConfig, lookups
 from tierkv_redis.lookups import pack_exists
 from tierkv_redis.names import BlockNames
-from tierkv_redis.testing import RedisServer
+from tierkv_redis.testing import HandshakePeer, RedisServer
 
 from tierkv.contract.jobs import JobMetadata, ReqContext
 from tierkv.contract.keys import OffloadKey
@@ -102,30 +101,12 @@ async def test_exists_run_off_the_event_loop(
 
 def test_a_reply_that_is_no_integer_raises_a_clear_error() -> None:
     """Something on the port that answers EXISTS with a string (a broken proxy)."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    accepted: list[socket.socket] = []
-
-    def serve() -> None:
-        conn, _ = listener.accept()
-        accepted.append(conn)
-        while True:
-            data = conn.recv(65536)
-            if not data:
-                return
-            conn.sendall(b"+OK\r\n" * data.count(b"SETINFO"))
-            if b"EXISTS" in data:
-                conn.sendall(b"$3\r\nyes\r\n")
-                return
-
-    threading.Thread(target=serve, daemon=True).start()
-    pool = BlockingConnectionPool.from_url(f"redis://127.0.0.1:{port}/0", protocol=2)
+    peer = HandshakePeer(b"EXISTS", lambda conn, _: conn.sendall(b"$3\r\nyes\r\n"))
+    pool = BlockingConnectionPool.from_url(peer.url, protocol=2)
     names = BlockNames("tierkv:", "ns", 4096, 8 << 20)
     try:
         with pytest.raises(InvalidResponse, match="EXISTS answered b'yes', not an integer"):
             lookups.exists(pool, names, random_keys(1, random.Random(43)))
     finally:
         pool.disconnect()
-        listener.close()
-        for c in accepted:
-            c.close()
+        peer.close()

@@ -20,7 +20,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from tierkv_redis import RedisTier, RedisTierConfig
 from tierkv_redis.gets import Place, Placed, _SocketReplies, pack_get, read_values
 from tierkv_redis.sockets import SlotsClosed, SocketGuard, recv_whole, usable, whole_io
-from tierkv_redis.testing import RedisServer
+from tierkv_redis.testing import HandshakePeer, RedisServer
 from tierkv_redis.wire import Pieces, send_straight, set_pieces
 
 from tierkv.contract.jobs import JobMetadata, ReqContext
@@ -209,33 +209,17 @@ async def test_round_trips_are_byte_identical(redis_server: RedisServer, block: 
 
 # -- stores sent straight from their slots (`wire.send_straight`) ---------------------
 class _SilentServer:
-    """Answers redis-py's handshake (CLIENT SETINFO: OK), then reads `reads` bytes
-    of what follows (all of it when None) and stops reading: a server that froze
-    mid-command. `received` counts the bytes after the handshake."""
+    """A Redis that reads `reads` bytes of a SET (all of it when None) and then stops
+    reading: a server that froze mid-command. `received` counts the SET's bytes."""
 
     def __init__(self, reads: int | None = 0) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
         self.reads = reads
         self.received = 0
-        self.conns: list[socket.socket] = []
-        threading.Thread(target=self._serve, daemon=True).start()
+        self._peer = HandshakePeer(b"$3\r\nSET\r\n", self._take)
+        self.port = self._peer.port
 
-    def _serve(self) -> None:
-        try:
-            conn, _ = self.listener.accept()
-        except OSError:
-            return
-        self.conns.append(conn)
-        while True:  # the handshake's CLIENT SETINFOs: OK, until the SET begins
-            data = conn.recv(65536)
-            if not data:
-                return
-            conn.sendall(b"+OK\r\n" * data.count(b"SETINFO"))
-            begins = data.find(b"$3\r\nSET\r\n")
-            if begins >= 0:
-                self.received = len(data) - begins
-                break
+    def _take(self, conn: socket.socket, first: bytes) -> None:
+        self.received = len(first)
         while self.reads is None or self.received < self.reads:
             data = conn.recv(65536)
             if not data:
@@ -243,9 +227,7 @@ class _SilentServer:
             self.received += len(data)
 
     def close(self) -> None:
-        self.listener.close()
-        for conn in self.conns:
-            conn.close()
+        self._peer.close()
 
 
 def _straight_store(

@@ -38,7 +38,7 @@ from redis.exceptions import ConnectionError, InvalidResponse, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tierkv.tier import detached
-from tierkv_redis.sockets import SocketGuard, recv_whole, usable, whole_io
+from tierkv_redis.sockets import SocketGuard, connected_socket, recv_whole, usable, whole_io
 
 try:  # the parser's table of error codes -> ResponseError subclasses (MOVED, OOM, ...)
     from redis._parsers.base import BaseParser as _Parser
@@ -309,10 +309,8 @@ def _read_in_turn(
     guard: SocketGuard | None,
 ) -> list[Reply]:
     """`_read_on` with each command sent once the last one's reply is read."""
-    if getattr(conn, "_sock", None) is None:
-        conn.connect()
-    sock = getattr(conn, "_sock", None)
-    if not direct or not isinstance(sock, socket.socket):
+    sock = connected_socket(conn)
+    if not direct or sock is None:
         return _public_replies(conn, commands, send_each=True)
     where = f"{getattr(conn, 'host', '?')}:{getattr(conn, 'port', '?')}"
     wanted = places if places is not None else [None] * len(commands)

@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from redis.exceptions import ConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -43,6 +44,16 @@ WAITALL = getattr(socket, "MSG_WAITALL", 0)
 def usable(sock: object) -> bool:
     """Whether `sock` can be read and written whole (a plain socket on Linux)."""
     return _LINUX and WAITALL != 0 and type(sock) is socket.socket
+
+
+def connected_socket(conn: Any) -> socket.socket | None:
+    """The socket of redis-py connection `conn`, connected first if it is not (connect,
+    AUTH, SELECT and TLS stay redis-py's); None where redis-py keeps no plain socket
+    where this reads it (a private attribute: a later redis-py may move it)."""
+    if getattr(conn, "_sock", None) is None:
+        conn.connect()
+    sock = getattr(conn, "_sock", None)
+    return sock if isinstance(sock, socket.socket) else None
 
 
 def _timeval(seconds: float) -> bytes:

@@ -10,6 +10,9 @@ accepts connections but never answers. `cluster=True` makes it a one-node Redis
 Cluster that owns every slot; `tls=True` serves TLS only (`rediss://`), with a
 self-signed certificate for 127.0.0.1 made by the `openssl` command (`ca_file`).
 
+`HandshakePeer` is no Redis at all: a loopback listener that lets redis-py connect and
+then does what a test says (answers a command wrongly, stops reading mid-command).
+
 `RedisClusterServers` starts a real Redis Cluster of several masters (and replicas, if
 asked) sharing the slots, any node of which can be killed and restarted:
 
@@ -28,6 +31,7 @@ import socket
 import ssl
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -401,3 +405,47 @@ def _slot_map_ports(server: RedisServer) -> set[int]:
 def _expect_ok(reply: bytes) -> None:
     if not reply.startswith(b"+OK"):
         raise RuntimeError(f"redis cluster setup: expected OK, got {reply!r}")
+
+
+class HandshakePeer:
+    """A loopback listener standing in for a Redis that misbehaves, for one client
+    connection: it answers redis-py's connection handshake (CLIENT SETINFO: OK; the
+    client must use `protocol=2`) until a chunk the client sends holds `marker` (the
+    command under test), then hands the connection to `then(conn, rest)`, `rest`
+    being that chunk from the marker on. `close()` closes the listener and the
+    connection."""
+
+    def __init__(self, marker: bytes, then: Callable[[socket.socket, bytes], None]) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._marker = marker
+        self._then = then
+        self._conns: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            conn, _ = self._listener.accept()
+        except OSError:  # closed before any client came
+            return
+        self._conns.append(conn)
+        while True:
+            data = conn.recv(65536)
+            if not data:
+                return
+            conn.sendall(b"+OK\r\n" * data.count(b"SETINFO"))
+            at = data.find(self._marker)
+            if at >= 0:
+                self._then(conn, data[at:])
+                return
+
+    def join(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for `then` to return."""
+        self._thread.join(timeout)
+
+    def close(self) -> None:
+        self._listener.close()
+        for conn in self._conns:
+            conn.close()

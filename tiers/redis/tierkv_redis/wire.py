@@ -1,11 +1,14 @@
-"""SETs whose value is a frame, written with one copy of the block, from a worker thread.
+"""SETs whose value is a frame, written from a worker thread with one copy of the block,
+or none.
 
 Through redis-py's command API a framed SET copies the block twice: once to put the
-header in front of it, and again when the packed command's pieces are joined. Here the
-header and the block are assembled straight into the finished RESP command, one exact
-`bytes`, which goes to the socket as it is (`sendall` releases the GIL while it
-writes). It uses only public redis-py calls: the blocking pool's
-`get_connection`/`release` and the connection's `send_packed_command`/`read_response`.
+header in front of it, and again when the packed command's pieces are joined. Here a
+command's pieces (`set_pieces`: its RESP framing, the header, the block's buffers) are
+either joined once into one exact `bytes`, sent as it is (`send_sets`, pipelined or in
+turn), or, for MiB-sized blocks sent in turn, written straight from the slot under the
+job's `SocketGuard` (`send_straight`; `sendall` releases the GIL while it writes). The
+pool's `get_connection`/`release` and the connection's `send_packed_command`/
+`read_response` are redis-py's; `send_straight` writes to the connection's socket.
 
 Every node's blocking client sends stores this way: a single server's, and each cluster
 node's (the tier routes a cluster's commands itself, `cluster.py`).
@@ -25,16 +28,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tierkv.contract.framing import Payload, payload_length
 from tierkv.tier import detached
-from tierkv_redis.sockets import SlotsClosed, SocketGuard
+from tierkv_redis.sockets import SlotsClosed, SocketGuard, connected_socket
 
 Pieces = tuple["bytes | bytearray | memoryview", ...]
 """One command's bytes in order, not joined (the payload's pieces are views of a slot)."""
-
-
-def pack_set(name: bytes, header: bytes, payload: Payload, px: int | None) -> bytes:
-    """The RESP bytes of `SET name <header + payload> [PX px]` (`payload` one buffer or
-    regions, copied once, into the command)."""
-    return b"".join(set_pieces(name, header, payload, px))
 
 
 def set_pieces(name: bytes, header: bytes, payload: Payload, px: int | None) -> Pieces:
@@ -121,10 +118,8 @@ def _straight_once(
 ) -> list[ResponseError | None] | None:
     conn: Any = pool.get_connection()
     try:
-        if getattr(conn, "_sock", None) is None:
-            conn.connect()
-        sock = getattr(conn, "_sock", None)
-        if not isinstance(sock, socket.socket):
+        sock = connected_socket(conn)
+        if sock is None:
             return None
         where = f"{getattr(conn, 'host', '?')}:{getattr(conn, 'port', '?')}"
         outcomes: list[ResponseError | None] = []
