@@ -25,6 +25,12 @@ all keys, drop caches, load all keys), the order alternating per round; `--warmu
 rounds are not counted. Every loaded object is compared with what was stored (outside
 the timing): a wrong byte aborts the run. Prints GB/s (10^9 bytes/s) median (min..max)
 per system, phase and size, and tierkv / LMCache.
+
+The harness's own tensor work (zeroing the targets before each load, comparing them
+after) runs on this thread alone (`torch.set_num_threads(1)`): with torch's default
+pool of 2 threads on the 2-core dev VM, its OpenMP thread spun for about 10 ms of CPU
+after each 16 MiB zeroing, right when the load it preceded ran; that slowed both
+systems' loads by 20-60 % (measured 2026-11-27).
 """
 
 from __future__ import annotations
@@ -185,6 +191,7 @@ def main() -> None:
     parser.add_argument("--fsync", default="never", choices=("never", "always"))
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
+    torch.set_num_threads(1)  # the harness's zeroing and checks: no spinning pool
 
     from tierkv_redis.testing import RedisServer
 

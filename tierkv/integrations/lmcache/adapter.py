@@ -109,7 +109,7 @@ class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         return self._submit("store", self._store, keys, objects)
 
     def _store(self, task_id: int, keys: list[Any], objects: list[Any]) -> None:
-        work = self._by_size(keys, objects)
+        work = self._by_size(keys, [offload_key(k) for k in keys], objects)
         stored: dict[OffloadKey, tuple[Any, int]] = {}
         asked = sum(len(items) for items in work.values())
         self._begin()
@@ -181,9 +181,9 @@ class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         return self._submit("load", self._load, keys, objects)
 
     def _load(self, task_id: int, keys: list[Any], objects: list[Any]) -> None:
-        work = self._by_size(keys, objects)
-        loaded: dict[OffloadKey, tuple[Any, int]] = {}
         okeys = [offload_key(k) for k in keys]
+        work = self._by_size(keys, okeys, objects)
+        loaded: dict[OffloadKey, tuple[Any, int]] = {}
         self._begin()
 
         def finish() -> None:
@@ -228,15 +228,15 @@ class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         return task_id
 
     def _by_size(
-        self, keys: Sequence[Any], objects: Sequence[Any]
+        self, keys: Sequence[Any], okeys: Sequence[OffloadKey], objects: Sequence[Any]
     ) -> dict[int, list[tuple[Any, OffloadKey, memoryview]]]:
-        """The task's keys by object size, each key once (the first of its objects)."""
+        """The task's keys (`okeys`: theirs in tierkv) by object size, each key once
+        (the first of its objects)."""
         if len(keys) != len(objects):
             raise ValueError(f"{len(keys)} keys for {len(objects)} objects")
         work: dict[int, list[tuple[Any, OffloadKey, memoryview]]] = {}
         seen: set[OffloadKey] = set()
-        for key, obj in zip(keys, objects):
-            okey = offload_key(key)
+        for key, okey, obj in zip(keys, okeys, objects):
             if okey in seen:
                 continue
             seen.add(okey)
