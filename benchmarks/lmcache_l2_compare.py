@@ -26,11 +26,14 @@ rounds are not counted. Every loaded object is compared with what was stored (ou
 the timing): a wrong byte aborts the run. Prints GB/s (10^9 bytes/s) median (min..max)
 per system, phase and size, and tierkv / LMCache.
 
-The harness's own tensor work (zeroing the targets before each load, comparing them
-after) runs on this thread alone (`torch.set_num_threads(1)`): with torch's default
-pool of 2 threads on the 2-core dev VM, its OpenMP thread spun for about 10 ms of CPU
-after each 16 MiB zeroing, right when the load it preceded ran; that slowed both
-systems' loads by 20-60 % (measured 2026-11-27).
+The harness's own work on the objects (zeroing the targets before each load, comparing
+them after) goes through NumPy, which runs on the calling thread alone. Through torch
+(`zero_`, `torch.equal`) its OpenMP worker spun for about 10 ms of CPU after each 16 MiB
+zeroing, right when the load it preceded ran: on the 2-core dev VM that slowed both
+systems' loads by 20-60 %. torch's threads are left as they are: LMCache's `fs` adapter
+stored 8 MiB objects at 0.4-0.5 GB/s under `torch.set_num_threads(1)` and at 1.5-1.9
+with the default, so something on its store path depends on them (measured
+2026-11-27).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy
 import torch
 
 from tierkv.bench.raw_files import drop_page_cache
@@ -79,6 +83,8 @@ class L1:
         )
         self.sources = [self._obj(i) for i in range(batch)]
         self.targets = [self._obj(batch + i) for i in range(batch)]
+        # the harness's own zeroing and checks: NumPy, on this thread (module docstring)
+        self.array = self.buffer.numpy()
 
     def _obj(self, i: int) -> Any:
         from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
@@ -94,9 +100,12 @@ class L1:
         )
         return TensorMemoryObj(raw, meta, parent_allocator=None)
 
+    def clear_targets(self) -> None:
+        self.array[self.batch * self.size :] = 0
+
     def check(self) -> None:
         half = self.batch * self.size
-        if not torch.equal(self.buffer[:half], self.buffer[half:]):
+        if not numpy.array_equal(self.array[:half], self.array[half:]):
             raise SystemExit("a load returned wrong bytes")
 
 
@@ -163,7 +172,7 @@ def run_round(
         )
         if found.popcount() != len(batch):
             raise SystemExit(f"{type(adapter).__name__}: a lookup missed")
-        l1.buffer[l1.batch * l1.size :].zero_()
+        l1.clear_targets()
         began = time.perf_counter()
         task = adapter.submit_load_task(batch, l1.targets[: len(batch)])
         got = wait(adapter.get_load_event_fd(), lambda t=task: adapter.query_load_result(t))
@@ -191,7 +200,6 @@ def main() -> None:
     parser.add_argument("--fsync", default="never", choices=("never", "always"))
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
-    torch.set_num_threads(1)  # the harness's zeroing and checks: no spinning pool
 
     from tierkv_redis.testing import RedisServer
 
