@@ -18,6 +18,7 @@ from redis.exceptions import InvalidResponse, MovedError, OutOfMemoryError, Resp
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from tierkv_redis import gets
 from tierkv_redis.gets import KEEP_SCRATCH, _error, pack_get, read_values
+from tierkv_redis.sockets import SocketGuard
 from tierkv_redis.testing import HandshakePeer, RedisServer
 
 
@@ -250,3 +251,58 @@ def test_pooled_connections_a_restart_closed_are_reconnected(
         assert errors == [] and seen == [b"after"] * 4
     finally:
         pool.disconnect()
+
+
+class _CountingConnection(redis.Connection):
+    """A connection that counts its sends (one per round trip the reader waits on)."""
+
+    sends = 0
+
+    def send_packed_command(self, command: object, check_health: bool = True) -> None:
+        type(self).sends += 1
+        super().send_packed_command(command, check_health)  # type: ignore[arg-type]
+
+
+def test_in_turn_a_small_expected_value_rides_with_the_command_before_it(
+    redis_server: RedisServer, client: redis.Redis
+) -> None:
+    """A fitted block's small last part is asked with its large part: 3 blocks of
+    (1 MiB, 100 B) parts are 3 sends, not 6; every value lands in its place; a value
+    with no place (read through scratch) is never sent ahead."""
+    names = _names("ahead", 6)
+    values = [os.urandom(n) for n in (1 << 20, 100) * 3]
+    for name, value in zip(names, values):
+        client.set(name, value)
+    slots = [bytearray(len(v)) for v in values]
+    places = [gets.Place(lambda s=s: memoryview(s), 0, 0, len(s)) for s in slots]
+    guard = SocketGuard()
+    pool = _pool(redis_server, connection_class=_CountingConnection)
+    try:
+        commands = [pack_get(n.encode(), None) for n in names]
+        read_values(pool, commands[:1], in_turn=True)  # connected: the handshake sends too
+        _CountingConnection.sends = 0
+        replies = read_values(pool, commands, places=places, guard=guard, in_turn=True)
+        assert all(isinstance(r, gets.Placed) for r in replies)
+        assert [bytes(s) for s in slots] == values
+        assert _CountingConnection.sends == 3
+        _CountingConnection.sends = 0  # no places: each in turn, as before
+        again = read_values(pool, commands, in_turn=True)
+        assert [bytes(r) for r in again] == values  # type: ignore[arg-type]
+        assert _CountingConnection.sends == 6
+    finally:
+        guard.close()
+        pool.disconnect()
+
+
+def test_turns_end_at_a_large_value_a_value_with_no_place_or_the_ahead_limit() -> None:
+    def place(n: int) -> gets.Place:
+        return gets.Place(lambda: memoryview(b""), 0, 0, n)
+
+    big, small = place(1 << 20), place(200)
+    wanted = [big, small, small, big, small, None, small, big]
+    assert gets._turn_end(wanted, 0) == 3
+    assert gets._turn_end(wanted, 3) == 5  # stops before the value with no place
+    assert gets._turn_end(wanted, 5) == 7
+    assert gets._turn_end(wanted, 7) == 8
+    many = [big] + [place(gets.AHEAD_BYTES // 4)] * 8
+    assert gets._turn_end(many, 0) == 5  # AHEAD_BYTES of values ahead at most

@@ -12,16 +12,18 @@ import random
 import socket
 import threading
 import time
+from typing import Any, ClassVar
 
 import pytest
 import redis
 from redis.connection import BlockingConnectionPool
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from tierkv_redis import RedisTier, RedisTierConfig
+from tierkv_redis import RedisTier, RedisTierConfig, wire
 from tierkv_redis.gets import Place, Placed, _SocketReplies, pack_get, read_values
+from tierkv_redis.names import ALLOC_SLACK, FIT_MAX_TAIL, size_class
 from tierkv_redis.sockets import SlotsClosed, SocketGuard, recv_whole, usable, whole_io
 from tierkv_redis.testing import HandshakePeer, RedisServer
-from tierkv_redis.wire import Pieces, send_straight, set_pieces
+from tierkv_redis.wire import Pieces, send_sets, send_straight, set_pieces
 
 from tierkv.contract.jobs import JobMetadata, ReqContext
 from tierkv.contract.keys import OffloadKey
@@ -188,7 +190,8 @@ def _job(keys: list[OffloadKey], slots: range) -> JobMetadata:
 @pytest.mark.parametrize("block", [64 << 10, MiB, 2 * MiB, 8 * MiB])
 async def test_round_trips_are_byte_identical(redis_server: RedisServer, block: int) -> None:
     """The sizes the README quotes; 8 MiB blocks are split in two parts (the default
-    `part_size` is 8 MiB and the frame is a little more), each read into its slot.
+    `part_size` is 8 MiB and the frame is a little more), each read into its slot, and
+    MiB-sized frames are fitted to Redis's allocator (a small last part, `names`).
     MiB-sized blocks are sent in turn, stored straight from their slots."""
     rng = random.Random(block)
     view = PrimaryTier(8, block, pin_memory=False, namespace=f"sockets-{os.urandom(3).hex()}").view
@@ -198,7 +201,14 @@ async def test_round_trips_are_byte_identical(redis_server: RedisServer, block: 
         keys = random_keys(4, rng)
         data = fill_slots(view, range(4), rng)
         assert (await tier.store(_job(keys, range(4)))).ok
-        assert len(tier._names.all(keys[0])) == (2 if block == 8 * MiB else 1)
+        names = tier._names.all(keys[0])
+        assert len(names) == {64 << 10: 1, MiB: 2, 2 * MiB: 2, 8 * MiB: 3}[block]
+        client = tier._client_for(names[0])
+        lengths = [await client.strlen(name) for name in names]
+        assert sum(lengths) == tier._names.part_bounds(keys[0])[-1][1]
+        if len(names) > 1:  # full parts ALLOC_SLACK short of a size class, a small tail
+            assert all(size_class(n + ALLOC_SLACK) == n + ALLOC_SLACK for n in lengths[:-1])
+            assert 0 < lengths[-1] <= FIT_MAX_TAIL
         result = await tier.load(_job(keys, range(4, 8)))
         assert result.ok, result.error
         for i in range(4):
@@ -298,18 +308,23 @@ def test_a_job_that_ended_before_the_send_sends_nothing() -> None:
 
 
 @pytest.mark.anyio
-async def test_split_blocks_share_a_call_sent_in_turn(redis_server: RedisServer) -> None:
-    """1 MiB blocks in 256 KiB parts: 12 blocks go 3 to a call, 15 SETs (or GETs) each
-    sent after the last one's reply; every block reads back byte-identical."""
+@pytest.mark.parametrize("fit", [True, False])
+async def test_split_blocks_share_a_call_sent_in_turn(redis_server: RedisServer, fit: bool) -> None:
+    """1 MiB blocks in parts of at most 256 KiB (fitted: 8 of 128 KiB less the slack,
+    and the small last part; 5 of ~205 KiB unfitted): 12 blocks go 3 to a call, each
+    SET (or GET) sent after the last one's reply; every block reads back
+    byte-identical."""
     rng = random.Random(31)
     view = PrimaryTier(24, MiB, pin_memory=False, namespace=f"turn-{os.urandom(3).hex()}").view
-    config = RedisTierConfig.model_validate({"url": redis_server.url, "part_size": "256KiB"})
+    config = RedisTierConfig.model_validate(
+        {"url": redis_server.url, "part_size": "256KiB", "fit_values": fit}
+    )
     tier = RedisTier(config, view)
     assert tier._plan.in_turn and tier._plan.batch_size(12) == 3
     await tier.open()
     try:
         keys = random_keys(12, rng)
-        assert len(tier._names.all(keys[0])) == 5
+        assert len(tier._names.all(keys[0])) == (9 if fit else 5)
         data = fill_slots(view, range(12), rng)
         assert (await tier.store(_job(keys, range(12)))).ok
         assert await tier.lookup(keys, ReqContext(request_id="t")) == [True] * 12
@@ -318,3 +333,61 @@ async def test_split_blocks_share_a_call_sent_in_turn(redis_server: RedisServer)
         assert [bytes(view.block(12 + i)) for i in range(12)] == [data[i] for i in range(12)]
     finally:
         await tier.close()
+
+
+class _LoggingConnection(redis.Connection):
+    """A connection that logs its sends and the replies it reads, in order."""
+
+    log: ClassVar[list[str]] = []
+
+    def send_packed_command(self, command: object, check_health: bool = True) -> None:
+        type(self).log.append("send")
+        super().send_packed_command(command, check_health)  # type: ignore[arg-type]
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        type(self).log.append("read")
+        return super().read_response(*args, **kwargs)
+
+
+@pytest.mark.parametrize("straight", [True, False])
+def test_a_small_set_in_turn_is_sent_with_the_next_and_its_reply_read_after(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, straight: bool
+) -> None:
+    """A fitted block's SETs (its small last part first, then its large part) go in
+    one turn: both sent, then both replies read, in order; a large SET waits for its
+    reply before the next is sent. Straight from the slot, or packed (`send_sets`)."""
+    log = _LoggingConnection.log
+    log.clear()
+    sending = wire._send_pieces
+
+    def logged(sock: socket.socket, pieces: Pieces, where: str) -> None:
+        log.append("send")
+        sending(sock, pieces, where)
+
+    monkeypatch.setattr(wire, "_send_pieces", logged)
+    big, small = os.urandom(1 << 20), os.urandom(300)
+    commands = [
+        set_pieces(b"ahead:tail", b"", memoryview(small), None),
+        set_pieces(b"ahead:main", b"", memoryview(big), None),
+        set_pieces(b"ahead:next", b"", memoryview(big), None),
+    ]
+    pool = BlockingConnectionPool.from_url(
+        redis_server.url, connection_class=_LoggingConnection, max_connections=2
+    )
+    guard = SocketGuard()
+    conn = pool.get_connection()
+    conn.connect()  # the handshake's sends and reads, before the log starts
+    pool.release(conn)
+    log.clear()
+    try:
+        if straight:
+            outcomes = send_straight(pool, [lambda: commands[:2], lambda: commands[2:]], guard)
+        else:
+            outcomes = send_sets(pool, [b"".join(c) for c in commands], in_turn=True)
+        assert outcomes == [None, None, None]
+        assert log == ["send", "send", "read", "read", "send", "read"]
+        with redis.Redis.from_url(redis_server.url) as client:
+            assert client.get("ahead:tail") == small and client.get("ahead:main") == big
+    finally:
+        guard.close()
+        pool.disconnect()

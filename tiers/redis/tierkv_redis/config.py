@@ -135,6 +135,14 @@ class RedisTierConfig(TierConfig):
         description="frames larger than this are stored as several values of at most "
         "this size under one logical key",
     )
+    fit_values: bool = Field(
+        default=True,
+        description="cut frames of 256 KiB and up so Redis's allocator wastes nothing on "
+        "them (a 1 MiB block and its header otherwise take a 1.25 MiB allocation): "
+        "full-class parts and one small last part under one logical key; false stores "
+        "them as before (servers sharing a namespace must agree: each misses the "
+        "other's blocks)",
+    )
     cluster: bool = Field(
         default=False,
         description="the url names a node of a Redis Cluster; the tier reads the slot "

@@ -75,6 +75,10 @@ class Placed:
 Reply: TypeAlias = memoryview | bytes | Placed | ResponseError | None
 
 _LINE_BUFFER = 64 * 1024
+AHEAD_BYTES = 64 * 1024
+"""In turn, commands whose replies are expected to be this long together at most (a
+fitted block's small last part) are sent with the command before them: no round trip
+of their own, and never more than one large value in flight on the connection."""
 # A thread keeps a scratch buffer up to this size for its next batch; a batch needing
 # more gets one of its own, freed with it.
 KEEP_SCRATCH = 32 << 20
@@ -308,7 +312,8 @@ def _read_in_turn(
     places: Sequence[Place | None] | None,
     guard: SocketGuard | None,
 ) -> list[Reply]:
-    """`_read_on` with each command sent once the last one's reply is read."""
+    """`_read_on` with each command sent once the last one's reply is read; a command
+    whose place expects a small value (AHEAD_BYTES) goes with the one before it."""
     sock = connected_socket(conn)
     if not direct or sock is None:
         return _public_replies(conn, commands, send_each=True)
@@ -326,10 +331,29 @@ def _read_in_turn(
         # a GET sent here cannot block: the server has read every command before it
         # (it answered them), so the socket's send buffer is empty
         replies = _SocketReplies(sock, where, whole=True, timeout=timeout, guard=guard)
-        for command, place in zip(commands, wanted):
-            conn.send_packed_command([command], check_health=False)
+        sent = 0
+        for i, place in enumerate(wanted):
+            if i == sent:
+                sent = _turn_end(wanted, i)
+                conn.send_packed_command(list(commands[i:sent]), check_health=False)
             out.append(replies.next(place))
     return out
+
+
+def _turn_end(wanted: Sequence[Place | None], first: int) -> int:
+    """The end of the commands sent together from `first`: it and the following ones
+    whose places expect small values, AHEAD_BYTES of them at most (their commands
+    are a few dozen bytes each: the send cannot fill the socket's buffer)."""
+    end, ahead = first + 1, 0
+    while end < len(wanted):
+        place = wanted[end]
+        if place is None:
+            break
+        ahead += place.head + place.end - place.start
+        if ahead > AHEAD_BYTES:
+            break
+        end += 1
+    return end
 
 
 def _public_replies(conn: Any, commands: Sequence[bytes], *, send_each: bool) -> list[Reply]:

@@ -67,13 +67,14 @@ def batches_of(
     in_turn: bool = False,
 ) -> list[NodeBatch]:
     """Group (key, slot) pairs into batches of `size` for `node`, one pipeline (or
-    command) each. A block in several parts gets a batch of its own, so its parts go
-    down one connection in order; where a batch's commands are sent `in_turn` (one
-    after the other on one connection) it may share one."""
+    command) each. A block larger than `part_size` gets a batch of its own, so its
+    full-size parts go down one connection in order and no pipeline holds several;
+    where a batch's commands are sent `in_turn` (one after the other on one
+    connection) it may share one. (A fitted block's small last part shares.)"""
     batches: list[NodeBatch] = []
     current = NodeBatch(node, master)
     for key, slot in pairs:
-        if not in_turn and names.parts_of(key) > 1:
+        if not in_turn and names.split(key):
             alone = NodeBatch(node, master)
             alone.append((key, slot))
             batches.append(alone)

@@ -106,6 +106,7 @@ class RedisTier(SecondaryTierManager):
             primary.block_bytes,
             int(self.config.part_size),
             mac=self.framer.mac,
+            fit=self.config.fit_values,
         )
         ttl = self.config.ttl
         self._ttl_ms: int | None = None if ttl is None else max(1, round(ttl * 1000))
@@ -275,6 +276,7 @@ class RedisTier(SecondaryTierManager):
             "blocks_per_pipeline": self._plan.blocks,
             "commands_in_turn": self._plan.in_turn,
             "part_size": int(c.part_size),
+            "fit_values": c.fit_values,
             "mac": self.framer.mac,
             "open": self._session is not None,
         }

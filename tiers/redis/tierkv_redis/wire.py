@@ -28,6 +28,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tierkv.contract.framing import Payload, payload_length
 from tierkv.tier import detached
+from tierkv_redis.gets import AHEAD_BYTES
 from tierkv_redis.sockets import SlotsClosed, SocketGuard, connected_socket
 
 Pieces = tuple["bytes | bytearray | memoryview", ...]
@@ -68,10 +69,15 @@ def _send_once(
     conn: Any = pool.get_connection()
     try:
         outcomes: list[ResponseError | None] = []
-        if in_turn:  # each command once the last one's reply is in
+        if in_turn:  # each command once the last one's reply is in (a small one: the next's)
+            unread = 0
             for command in commands:
                 conn.send_packed_command([command], check_health=False)
-                outcomes.append(_reply(conn))
+                unread += 1
+                if len(command) > AHEAD_BYTES:
+                    outcomes.extend(_reply(conn) for _ in range(unread))
+                    unread = 0
+            outcomes.extend(_reply(conn) for _ in range(unread))
             return outcomes
         for command in commands:  # one exact bytes each: written without a join
             conn.send_packed_command([command], check_health=False)
@@ -95,7 +101,8 @@ def send_straight(
     blocks: Sequence[Callable[[], list[Pieces]]],
     guard: SocketGuard,
 ) -> list[ResponseError | None] | None:
-    """Worker thread: SET blocks straight from their slots, one command at a time.
+    """Worker thread: SET blocks straight from their slots, one command at a time (a
+    small one, a fitted block's last part, goes with the next: `gets.AHEAD_BYTES`).
 
     `blocks[i]()` gives the commands of block i as pieces (views of its slot, made for
     this call: they are released after it); it is called, and its pieces sent, only
@@ -123,6 +130,7 @@ def _straight_once(
             return None
         where = f"{getattr(conn, 'host', '?')}:{getattr(conn, 'port', '?')}"
         outcomes: list[ResponseError | None] = []
+        unread = 0  # small commands sent whose replies are read after the next one
         for make in blocks:
             with guard.moving(sock) as alive:
                 if not alive:
@@ -131,9 +139,13 @@ def _straight_once(
                 try:
                     for pieces in commands:
                         _send_pieces(sock, pieces, where)
-                        outcomes.append(_reply(conn))
+                        unread += 1
+                        if _length(pieces) > AHEAD_BYTES:
+                            outcomes.extend(_reply(conn) for _ in range(unread))
+                            unread = 0
                 finally:
                     _release(commands)  # no view of a slot outlives the guard
+        outcomes.extend(_reply(conn) for _ in range(unread))
         return outcomes
     except BaseException as exc:
         # no finished frame of the failure may keep a view of a slot alive
@@ -143,6 +155,10 @@ def _straight_once(
         raise
     finally:
         pool.release(conn)
+
+
+def _length(pieces: Pieces) -> int:
+    return sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in pieces)
 
 
 def _release(commands: list[Pieces]) -> None:
