@@ -1,5 +1,5 @@
-"""`names.py`: stored names and how a frame is cut into values. Fitted frames (the
-default for frames of 256 KiB and up) put every full part ALLOC_SLACK short of one of
+"""`names.py`: stored names and how a frame is cut into values. Fitted frames
+(`fit_values`, frames of 256 KiB and up) put every full part ALLOC_SLACK short of one of
 jemalloc's size classes and the rest in one small last part; against a real
 redis-server that holds 1 MiB blocks in about their own size of `used_memory`, where
 whole values took a quarter more. Blocks stored by the other layout are misses, never

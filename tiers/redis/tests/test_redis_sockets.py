@@ -187,26 +187,31 @@ def _job(keys: list[OffloadKey], slots: range) -> JobMetadata:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("fit", [False, True])
 @pytest.mark.parametrize("block", [64 << 10, MiB, 2 * MiB, 8 * MiB])
-async def test_round_trips_are_byte_identical(redis_server: RedisServer, block: int) -> None:
+async def test_round_trips_are_byte_identical(
+    redis_server: RedisServer, block: int, fit: bool
+) -> None:
     """The sizes the README quotes; 8 MiB blocks are split in two parts (the default
-    `part_size` is 8 MiB and the frame is a little more), each read into its slot, and
-    MiB-sized frames are fitted to Redis's allocator (a small last part, `names`).
+    `part_size` is 8 MiB and the frame is a little more), each read into its slot; with
+    `fit_values` MiB-sized frames are fitted to Redis's allocator (a small last part).
     MiB-sized blocks are sent in turn, stored straight from their slots."""
     rng = random.Random(block)
     view = PrimaryTier(8, block, pin_memory=False, namespace=f"sockets-{os.urandom(3).hex()}").view
-    tier = RedisTier(RedisTierConfig.model_validate({"url": redis_server.url}), view)
+    config = {"url": redis_server.url, "fit_values": fit}
+    tier = RedisTier(RedisTierConfig.model_validate(config), view)
     await tier.open()
     try:
         keys = random_keys(4, rng)
         data = fill_slots(view, range(4), rng)
         assert (await tier.store(_job(keys, range(4)))).ok
         names = tier._names.all(keys[0])
-        assert len(names) == {64 << 10: 1, MiB: 2, 2 * MiB: 2, 8 * MiB: 3}[block]
+        split = 2 if block == 8 * MiB else 1
+        assert len(names) == (split + (block >= MiB) if fit else split)
         client = tier._client_for(names[0])
         lengths = [await client.strlen(name) for name in names]
         assert sum(lengths) == tier._names.part_bounds(keys[0])[-1][1]
-        if len(names) > 1:  # full parts ALLOC_SLACK short of a size class, a small tail
+        if fit and len(names) > 1:  # full parts ALLOC_SLACK short of a size class, a tail
             assert all(size_class(n + ALLOC_SLACK) == n + ALLOC_SLACK for n in lengths[:-1])
             assert 0 < lengths[-1] <= FIT_MAX_TAIL
         result = await tier.load(_job(keys, range(4, 8)))
