@@ -11,17 +11,19 @@ ceil(frame / part_size)` parts of `ceil(frame / n)` bytes, so a frame just over 
 part size becomes two halves, not a full part and a sliver. Readers join the parts in
 order, whatever their sizes.
 
-A fitted frame (`fit_values`, frames of FIT_MIN_FRAME and up) is cut so that Redis's
-allocator wastes nothing on it. Redis keeps a string value in one jemalloc allocation
-of the value's length plus ~12 bytes, rounded up to a size class (four per doubling:
-1, 1.25, 1.5, 1.75, 2 MiB...). A block of a power-of-two size plus its header lands
-just past a class: a 1 MiB block took a 1.25 MiB allocation, and Redis's `maxmemory`
-held 20 % fewer blocks than its size (measured, Redis 7.0: 1.25-1.29x `used_memory`
-per byte stored; LMCache's `resp` adapter 1.33x at 1 MiB, 1.88x at 8 MiB). A fitted
-frame's `n` parts are each ALLOC_SLACK short of a size class, and the few bytes left
-(the header's worth, at most FIT_MAX_TAIL) go in one small last part: `used_memory`
-per byte stored 1.00-1.01. The in-turn paths send a small part's command together
-with the one before it (`gets`, `wire`), so the extra value costs no round trip.
+A fitted frame (`fit_values: true`, frames of FIT_MIN_FRAME and up) is cut so that
+Redis's allocator wastes nothing on it. Redis keeps a string value in one jemalloc
+allocation of the value's length plus ~12 bytes, rounded up to a size class (four per
+doubling: 1, 1.25, 1.5, 1.75, 2 MiB...). A block of a power-of-two size plus its header
+lands just past a class: a 1 MiB block took a 1.25 MiB allocation, and Redis's
+`maxmemory` held 20 % fewer blocks than its size (measured, Redis 7.0: 1.25-1.29x
+`used_memory` per byte stored; LMCache's `resp` adapter 1.33x at 1 MiB, 1.88x at
+8 MiB). A fitted frame's `n` parts are each ALLOC_SLACK short of a size class, and the
+few bytes left (the header's worth, at most FIT_MAX_TAIL) go in one small last part:
+1.00-1.03x. The in-turn paths send a small part's command together with the one before
+it (`gets`, `wire`), so the extra value costs no round trip. It is off by default:
+GETs of values just under a size class cost that redis-server more CPU (loads 7-20 %
+slower at 256 KiB-2 MiB, ~38 % at 8 MiB; the tier's README).
 
 The namespace tag is 128 bits of sha256 of the namespace, so two namespaces never name
 the same value (and the frame header checks the namespace again on the way back). The
