@@ -1,8 +1,8 @@
 """`names.py`: stored names and how a frame is cut into values. Fitted frames
 (`fit_values`, frames of 256 KiB and up) put every full part ALLOC_SLACK short of one of
 jemalloc's size classes and the rest in one small last part; against a real
-redis-server that holds 1 MiB blocks in about their own size of `used_memory`, where
-whole values took a quarter more. Blocks stored by the other layout are misses, never
+redis-server a 1 MiB block's values then take about its own size (`MEMORY USAGE`),
+where a whole value took a quarter more. Blocks stored by the other layout are misses, never
 misread or deleted."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import os
 import random
 
 import pytest
+import redis
 from hypothesis import given
 from hypothesis import strategies as st
 from tierkv_redis import RedisTier, RedisTierConfig
@@ -127,8 +128,6 @@ async def test_fitted_blocks_take_their_own_size_of_redis_memory(
     """Blocks of 1 MiB: about 1.0x their size in Redis memory (`MEMORY USAGE` of
     each stored value) fitted, 1.25x whole (the measured figure that motivated fitting:
     it is Redis's allocator, not tierkv)."""
-    import redis
-
     client = redis.Redis(port=redis_server.port)
     if not str(client.info("memory").get("mem_allocator", "")).startswith("jemalloc"):
         pytest.skip("this redis-server does not allocate with jemalloc")
