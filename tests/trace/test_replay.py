@@ -151,7 +151,12 @@ async def test_a_memory_tier_holds_as_many_blocks_as_an_nvme_tier_of_the_same_co
     tmp_path: Path,
 ) -> None:
     """The memory tier counts framed bytes: sized by the block alone, it held ~2 % fewer
-    blocks at 4KiB and served less than an nvme tier of the same `tier_blocks`."""
+    blocks at 4KiB and served less than an nvme tier of the same `tier_blocks`.
+
+    Not asserted equal: the nvme tier writes a job's blocks in concurrent threads, so
+    they enter its LRU in the order the writes finish, and on a loaded machine it
+    served one block more or less (339 against 340, once in CI). One block of
+    capacity less costs this trace 9 blocks served (339 -> 330 at 39 blocks)."""
     trace = keyed(synthetic(200))
     served = {}
     for tier in ("memory", "nvme"):
@@ -161,4 +166,5 @@ async def test_a_memory_tier_holds_as_many_blocks_as_an_nvme_tier_of_the_same_co
         report = await replay(trace, options)
         served[tier] = (report.blocks_served, report.served_by[tier])
         assert sum(report.blocks_written.values()) > 40  # the tier filled and evicted
-    assert served["memory"] == served["nvme"]
+    assert abs(served["memory"][0] - served["nvme"][0]) <= 3, served
+    assert abs(served["memory"][1] - served["nvme"][1]) <= 3, served
