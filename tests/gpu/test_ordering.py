@@ -147,7 +147,9 @@ class FakeStreams:
 
 
 class Rig:
-    def __init__(self, copy_backend: Any, *, worker_ready: str | None = None) -> None:
+    def __init__(
+        self, copy_backend: Any, *, worker_ready: str | None = None, **options: Any
+    ) -> None:
         self.device = FakeDevice()
         self.streams = FakeStreams(self.device)
         self.engine = self.device.stream("engine")
@@ -165,6 +167,7 @@ class Rig:
             copy_backend=copy_backend,
             streams=self.streams,
             ready=self.engine if worker_ready == "engine stream" else None,
+            **options,
         )
 
     @property

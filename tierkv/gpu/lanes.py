@@ -1,8 +1,11 @@
 """Completion lanes: one per direction, each with its stream, its transfers in flight
-(oldest first) and a completion thread that sleeps on the oldest copy's end event and
-then wakes the event loop (`notify`, which the worker turns into
-`loop.call_soon_threadsafe`). Nothing polls: a waiting task sleeps until the thread
-says a copy finished.
+(oldest first) and a completion thread that sleeps on the copies' end events and then
+wakes the event loop (`notify`, which the worker turns into
+`loop.call_soon_threadsafe`). A copy is handed to the thread only when a task is about
+to sleep until it is done (`Lane.watch_all`): waking that thread at every submission
+cost a one-block load ~50 us of its submit (the GIL handed to it and back), and a
+short copy's waiter looks at it from the loop before it sleeps
+(`TransferWorker(..., completion_poll_us=)`).
 
 Copies of one lane run on one stream, so they finish in submission order; the thread
 waits on them in that order. A lane holds `TransferHandle`s: a submitted transfer, as
@@ -110,6 +113,8 @@ class TransferHandle:
     _keepalive: tuple[object, ...] = field(default=(), repr=False)
     _claimed: bool = field(default=False, repr=False)
     _wakeup: anyio.Event | None = field(default=None, repr=False)
+    _watched: bool = field(default=False, repr=False)  # handed to the completion thread
+    _poll: bool = field(default=False, repr=False)  # its waiter looks from the loop first
 
     def done(self) -> bool:
         return self.result is not None
@@ -139,6 +144,16 @@ class Lane:
     # in_flight order agree when the submitter thread and the caller both launch
     launching: threading.Lock = field(default_factory=threading.Lock)
     submitter: Any = None  # anyio.CapacityLimiter(1): this lane's submitter thread
+
+    def watch_all(self) -> None:
+        """Hand every copy in flight that its completion thread does not watch yet to
+        it, oldest first: a task about to sleep until a copy is done needs the thread
+        to wake it. On the event loop thread; the submitter thread may append
+        meanwhile (`list` of a deque is one step under the GIL)."""
+        for handle in list(self.in_flight):
+            if not handle._watched and handle._completion is not None:
+                handle._watched = True
+                self.completions.watch(handle._completion)
 
     def reap(self, unclaimed: Callable[[TransferResult], None]) -> None:
         """Finish, in order, every transfer at the head whose copy is complete (set

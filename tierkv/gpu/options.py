@@ -46,11 +46,23 @@ class WorkerOptions:
     max_copies_per_call: int
     thread_min_pages: int
     bounded_programs: int | None = None
+    completion_poll_us: float = 200.0
 
     def __post_init__(self) -> None:
         check_options(
             self.copy_backend, self.dma_executor, self.max_copies_per_call, self.thread_min_pages
         )
+        poll = self.completion_poll_us
+        if (
+            not isinstance(poll, (int, float))
+            or isinstance(poll, bool)
+            or not 0 <= poll < float("inf")
+        ):
+            raise ConfigError(
+                f"completion_poll_us: {poll!r} must be a number of microseconds >= 0 "
+                "(0: a waiter sleeps until the completion thread wakes it)",
+                source="TransferWorker",
+            )
         if self.bounded_programs is not None and not _positive_int(self.bounded_programs):
             raise ConfigError(
                 f"bounded_programs: {self.bounded_programs!r} must be a positive int "

@@ -17,9 +17,11 @@ gather/scatter kernels, `copy_backend='auto'` picking per transfer. On the CPU d
 own stream; a transfer first waits on the `ready` stream or event the engine gives
 (per worker or per call: never "the current stream"), an event closes it
 (`TransferHandle.done_event`, which the engine's stream may wait on), and transfers in
-one direction complete in submission order. A completion thread per direction sleeps
-on those events and wakes the waiting task through `loop.call_soon_threadsafe`; nothing
-polls, and nothing synchronises on the event loop thread.
+one direction complete in submission order. A task waiting on a short copy looks at
+its event from the loop, between the loop's other tasks, for up to
+`completion_poll_us`; a task that must sleep hands the copies in flight to its
+direction's completion thread, which sleeps on their events and wakes it through
+`loop.call_soon_threadsafe`. Nothing synchronises on the event loop thread.
 
 **Off the loop.** `start` (which `transfer` and `KVCacheBlocks` use) checks a transfer
 and orders it after `ready` on the calling thread, then plans and issues one of at
@@ -38,6 +40,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -75,6 +78,19 @@ loop ~0.6 us per page (a 512-block, 32-layer load: 9.8 ms, mostly driver calls, 
 release the GIL); one block of 32 pages 177 us. Below this, the thread hop (tens of
 us) costs more than it frees."""
 
+COMPLETION_POLL_US = 200.0
+"""How long a waiter on a short copy (fewer than `POLL_MAX_PAGES` pages) looks at it
+from the event loop, once per pass of the loop's other ready tasks, before it hands the
+copy to the completion thread and sleeps. The thread's wake-up (a driver wait, then
+`call_soon_threadsafe`, then the loop resuming the task) cost a one-block load 55-75 us
+after its copy had ended on an H100; a copy of a few blocks takes tens of microseconds.
+A copy that outlasts the window costs the loop's thread this much extra CPU time."""
+
+POLL_MAX_PAGES = 256
+"""Copies of fewer (block, layer) pages are looked at from the loop first
+(`COMPLETION_POLL_US`): 256 pages of 64 KiB take ~300 us on PCIe Gen5, longer than the
+window; larger ones go straight to the completion thread."""
+
 MAX_UNCLAIMED_RESULTS = 4096
 """Results of transfers nobody awaited kept for `get_finished` at most; older ones
 are dropped (`TransferWorker.unclaimed_dropped`)."""
@@ -103,6 +119,9 @@ class TransferWorker:
     batched driver call at most (`tierkv.gpu.cuda_batch.MAX_COPIES_PER_CALL`).
     `thread_min_pages`: `start`, `transfer` and `KVCacheBlocks` issue a transfer of at
     least this many pages from the direction's submitter thread (`THREAD_MIN_PAGES`).
+    `completion_poll_us`: how long a waiter on a short copy looks at it from the event
+    loop before sleeping until the completion thread wakes it (`COMPLETION_POLL_US`;
+    0: sleep at once).
     """
 
     def __init__(
@@ -120,6 +139,7 @@ class TransferWorker:
         max_copies_per_call: int = MAX_COPIES_PER_CALL,
         thread_min_pages: int = THREAD_MIN_PAGES,
         bounded_programs: int | None = None,
+        completion_poll_us: float = COMPLETION_POLL_US,
     ) -> None:
         options = WorkerOptions(
             copy_backend=copy_backend,
@@ -128,8 +148,11 @@ class TransferWorker:
             max_copies_per_call=max_copies_per_call,
             thread_min_pages=thread_min_pages,
             bounded_programs=bounded_programs,
+            completion_poll_us=completion_poll_us,
         )
         self.thread_min_pages = thread_min_pages
+        self._poll_seconds = completion_poll_us / 1e6
+        self._poll_max_pages = POLL_MAX_PAGES if completion_poll_us > 0 else 0
         slab = primary.tensor if isinstance(primary, HostSlab) else primary
         groups, geometry = check_layout(kv_caches, slab, layout, gpu_block_size)
         assert isinstance(slab, torch.Tensor)
@@ -305,7 +328,9 @@ class TransferWorker:
     def _queue(self, mapping: Mapping, lane: Lane, claimed: bool) -> TransferHandle:
         """Plan and issue the copy of `mapping` (on CPU: do it) and put it in flight.
         Runs on the caller's thread or the lane's submitter thread; touches nothing the
-        event loop alone owns (waiters, `_finished`)."""
+        event loop alone owns (waiters, `_finished`). The completion thread is not
+        told: a waiter that must sleep hands the copy to it (`Lane.watch_all`)."""
+        poll = self.geometry.pages(mapping.gpu) < self._poll_max_pages
         with lane.launching:
             launched = self._launch(mapping, lane)
             handle = TransferHandle(
@@ -318,10 +343,9 @@ class TransferWorker:
                 _completion=launched.completion,
                 _keepalive=launched.keepalive,
                 _claimed=claimed,
+                _poll=poll,
             )
             lane.in_flight.append(handle)
-        if not launched.completion.query():
-            lane.completions.watch(launched.completion)
         return handle
 
     # -- completion ---------------------------------------------------------------------
@@ -383,6 +407,7 @@ class TransferWorker:
         lane = self._lanes[handle.direction]
         lane.waiters.append(handle)
         delivered = False
+        polling_until = None
         try:
             await anyio.lowlevel.checkpoint()
             while True:
@@ -391,6 +416,16 @@ class TransferWorker:
                 if handle.done() and first is handle:
                     delivered = True
                     break
+                if handle._poll and not handle.done():
+                    # a short copy: look again after the loop's other ready tasks,
+                    # rather than sleep until the completion thread wakes the loop
+                    now = time.perf_counter()
+                    if polling_until is None:
+                        polling_until = now + self._poll_seconds
+                    if now < polling_until:
+                        await anyio.lowlevel.checkpoint()
+                        continue
+                lane.watch_all()  # the completion thread wakes this task
                 handle._wakeup = anyio.Event()  # set by _reap or by the waiter before
                 await handle._wakeup.wait()
         finally:
@@ -427,6 +462,8 @@ class TransferWorker:
             self._reap()
             if not self.num_in_flight:
                 return
+            for lane in self._lanes.values():
+                lane.watch_all()
             if self._progress is None:
                 self._progress = anyio.Event()
             await self._progress.wait()
