@@ -3,7 +3,7 @@
 # tierkv beside the machine's torch, then the CUDA tests, exact-size pinning, the
 # one-block load's parts, DMA by copies per driver call, the GPU bench, the demo at its
 # CUDA defaults and the core suite with CUDA present (STEPS="cuda_tests one_block" runs
-# those only). Each step has its own time limit, so one hang leaves the others' output;
+# those only; one_block_pairs, not run by default, interleaves .old/ and this tree). Each step has its own time limit, so one hang leaves the others' output;
 # logs go to $OUT (default: ./gpu-proof-out).
 # Run from the project root with .whl/ fetched (bash ../shared/gpu/fetch-wheels.sh).
 set -u
@@ -33,6 +33,12 @@ step pinning 100 python3 benchmarks/gpu_pinning.py
 step one_block 90 python3 benchmarks/gpu_one_block.py
 step one_block_16k 60 python3 benchmarks/gpu_one_block.py --page 16KiB --no-large
 [ -d .old/tierkv ] && step one_block_before 45 env PYTHONPATH="$PWD/.old:$PYTHONPATH" python3 benchmarks/gpu_one_block.py
+# interleaved before/after of a one-block load at 64 and 16 KiB pages (.old: before)
+[ -d .old/tierkv ] && TAIL=60 step one_block_pairs ${PAIRS_LIMIT:-240} bash -c "
+  for i in \$(seq ${PAIRS:-2}); do for page in 64KiB 16KiB; do
+    env PYTHONPATH=$PWD/.old:\$PYTHONPATH python3 benchmarks/gpu_one_block.py --no-large --page \$page | sed \"s/^/before \$page: /\"
+    python3 benchmarks/gpu_one_block.py --no-large --page \$page | sed \"s/^/after  \$page: /\"
+  done; done"
 step dma_calls 90 python3 benchmarks/gpu_dma_calls.py
 (cd /tmp && TAIL=30 step bench_gpu ${BENCH_LIMIT:-150} tierkv bench --gpu ${BENCH_ARGS:-})
 (cd /tmp && TAIL=30 step demo_cuda 180 tierkv demo --device cuda)
