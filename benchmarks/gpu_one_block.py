@@ -7,7 +7,10 @@ A variant beside the backends: `bounded-nograph`, the bounded kernel launched th
 Triton every time, its captured graphs set aside (what the graphs save).
 
     python benchmarks/gpu_one_block.py [--page 64KiB] [--layers 32] [--samples 200]
-        [--no-large]
+        [--no-large] [--steps]
+
+`--steps` also times each step of every backend's `submit` inside real submits (the
+worker's steps and torch's CUDA calls).
 
 Without CUDA it says so and exits 0."""
 
@@ -20,6 +23,7 @@ import pstats
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 import torch
@@ -103,6 +107,72 @@ def cuda_parts(samples: int) -> None:
         print(f"  part: {name}: {median_us(run, samples):.1f} us")
 
 
+def steps(worker: TransferWorker, spec: TransferSpec, samples: int) -> None:
+    """Where a `submit` of `worker` spends its host time: the worker's steps and
+    torch's CUDA calls, each timed inside real submits (wrapped for the measurement,
+    ~0.3 us per wrapper; inclusive: `launch` holds the graph replay, which holds the
+    driver call). Medians per submit, with the calls each step made."""
+    from tierkv.gpu import graphs as graphs_module
+    from tierkv.gpu import streams as streams_module
+    from tierkv.gpu import worker as worker_module
+    from tierkv.gpu.options import Backends
+
+    spent: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    targets: list[tuple[Any, str, str]] = [
+        (worker_module, "map_specs", "check and map the spec"),
+        (streams_module.CudaStreams, "order_after", "order after ready"),
+        (Backends, "pick", "pick the backend"),
+        (streams_module.CudaStreams, "launch", "launch (events, copy)"),
+        (graphs_module.GraphTable, "launch", "  graph slot and replay"),
+        (streams_module, "_timing_event", "  new end event object"),
+        (torch.cuda.Event, "record", "  torch Event.record"),
+        (torch.cuda.Stream, "wait_event", "  torch Stream.wait_event"),
+        (torch.cuda.Event, "query", "torch Event.query"),
+        (TransferWorker, "_reap", "reap finished transfers"),
+    ]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
+
+    def timed(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - start
+                calls[label] = calls.get(label, 0) + 1
+
+        return wrapper
+
+    for owner, name, label in targets:
+        setattr(owner, name, timed(label, getattr(owner, name)))
+    rows: dict[str, list[float]] = {label: [] for _, _, label in targets}
+    totals: list[float] = []
+    counted: dict[str, int] = {}
+    try:
+        for i in range(samples + 20):
+            torch.cuda.synchronize()
+            spent.clear()
+            calls.clear()
+            start = time.perf_counter()
+            worker.submit(spec)
+            total = time.perf_counter() - start
+            if i < 20:  # warm-up
+                continue
+            totals.append(total)
+            for label in rows:
+                rows[label].append(spent.get(label, 0.0))
+            counted = dict(calls)
+    finally:
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
+        worker.get_finished()
+    total_us = statistics.median(totals) * 1e6
+    print(f"  steps of a submit (median of {samples}; total {total_us:.1f} us)")
+    for label, times in rows.items():
+        print(f"    {label}: {statistics.median(times) * 1e6:.1f} us x{counted.get(label, 0)}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--page", type=size, default=64 << 10)
@@ -112,6 +182,9 @@ def main() -> int:
         "--profile", action="store_true", help="also print cProfile's top of DMA submits"
     )
     parser.add_argument("--no-large", action="store_true", help="skip the 512-block rows")
+    parser.add_argument(
+        "--steps", action="store_true", help="also time the steps of each backend's submit"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_one_block: no CUDA device here")
@@ -156,6 +229,8 @@ def main() -> int:
 
         alone = median_us(submit_only, samples)
         worker.get_finished()
+        if args.steps:
+            steps(worker, spec, samples)
         synced = median_us(submit_synced, samples)
         worker.get_finished()
         waited = statistics.median(anyio.run(awaited)) * 1e6

@@ -27,17 +27,11 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-class FakeEvent:
-    """A CUDA event stand-in: recorded on a stream, done when the test says so."""
+class FakeDone:
+    """A transfer's completion stand-in: done when the test says so."""
 
-    def __init__(self, *, immediate: bool = False) -> None:
-        self.done = True
-        self.records = 0
-        self.immediate = immediate  # the CPU replays below: the copy is done at record
-
-    def record(self, stream: Any) -> None:
-        self.records += 1
-        self.done = self.immediate
+    def __init__(self, done: bool = False) -> None:
+        self.done = done
 
     def query(self) -> bool:
         return self.done
@@ -45,7 +39,7 @@ class FakeEvent:
 
 def fake_slot(n: int, replayed: list[tuple[Any, list[int]]]) -> Slot:
     view = np.zeros(2 * n, np.int64)
-    return Slot(view, lambda stream: replayed.append((stream, view.tolist())), FakeEvent())
+    return Slot(view, lambda stream: replayed.append((stream, view.tolist())))
 
 
 def test_a_ring_hands_out_its_slots_in_turn_and_skips_those_in_flight() -> None:
@@ -53,21 +47,16 @@ def test_a_ring_hands_out_its_slots_in_turn_and_skips_those_in_flight() -> None:
     ring = SlotRing(slots)
     first = ring.take()
     assert first is slots[0]
-    assert ring.take() is slots[1], "a taken slot is not handed out again before its replay"
-    first.taken = False
-    first.used = True
-    first.done.record(None)  # type: ignore[attr-defined]  # replayed, not finished
-    slots[1].taken = False
+    assert ring.take() is slots[1], "a taken slot is not handed out before its release"
+    first_done = FakeDone()
+    first.release(first_done)  # replayed, its transfer not finished
+    slots[1].taken = False  # taken, never replayed
     assert ring.take() is slots[2]
-    slots[2].taken = False
-    assert ring.take() is slots[1], "slot 0 is in flight: skipped"
-    slots[1].taken = False
-    slots[1].used = True
-    slots[1].done.record(None)  # type: ignore[attr-defined]
-    slots[2].used = True
-    slots[2].done.record(None)  # type: ignore[attr-defined]
+    assert ring.take() is slots[1], "slot 0 is in flight, slot 2 taken: skipped"
+    slots[1].release(FakeDone())
+    slots[2].release(FakeDone())
     assert ring.take() is None, "all three in flight"
-    first.done.done = True  # type: ignore[attr-defined]
+    first_done.done = True
     assert ring.take() is first
 
 
@@ -81,14 +70,15 @@ def test_a_table_writes_ids_then_rows_replays_and_records() -> None:
     slots = [fake_slot(2, replayed) for _ in range(2)]
     table = GraphTable({(0, False, 2): SlotRing(slots)})
     stream = object()
-    assert table.launch(0, False, np.array([7, 3]), np.array([1, 0]), stream)
+    assert table.launch(0, False, np.array([7, 3]), np.array([1, 0]), stream) is slots[0]
     assert replayed == [(stream, [7, 3, 1, 0])]
-    assert slots[0].used and not slots[0].taken and slots[0].done.records == 1  # type: ignore[attr-defined]
+    assert slots[0].taken, "taken until the worker hands it the transfer's completion"
+    slots[0].release(FakeDone())
     # no graph of that size, or of that direction: the caller launches itself
-    assert not table.launch(0, False, np.array([7]), np.array([1]), stream)
-    assert not table.launch(0, True, np.array([7, 3]), np.array([1, 0]), stream)
-    assert table.launch(0, False, np.array([4, 5]), np.array([2, 3]), stream)
-    assert not table.launch(0, False, np.array([4, 5]), np.array([2, 3]), stream)
+    assert table.launch(0, False, np.array([7]), np.array([1]), stream) is None
+    assert table.launch(0, True, np.array([7, 3]), np.array([1, 0]), stream) is None
+    assert table.launch(0, False, np.array([4, 5]), np.array([2, 3]), stream) is slots[1]
+    assert table.launch(0, False, np.array([4, 5]), np.array([2, 3]), stream) is None
     assert (table.replays, table.busy) == (2, 1), "both slots in flight: the third is busy"
     assert len(replayed) == 2
 
@@ -97,11 +87,11 @@ def test_a_replay_that_fails_leaves_its_slot_free_and_raises() -> None:
     def broken(stream: Any) -> None:
         raise RuntimeError("cuGraphLaunch failed with CUresult 1")
 
-    slot = Slot(np.zeros(2, np.int64), broken, FakeEvent())
+    slot = Slot(np.zeros(2, np.int64), broken)
     table = GraphTable({(0, True, 1): SlotRing([slot])})
     with pytest.raises(RuntimeError, match="CUresult 1"):
         table.launch(0, True, np.array([1]), np.array([0]), None)
-    assert slot.free() and not slot.used
+    assert slot.free() and slot.done is None
 
 
 def bind_slots(backend: BoundedKernelCopy, groups: int, slots: int) -> GraphTable:
@@ -124,9 +114,7 @@ def bind_slots(backend: BoundedKernelCopy, groups: int, slots: int) -> GraphTabl
                     ) -> None:
                         backend._capture(b.data_ptr(), n, g, s)
 
-                    ring.append(
-                        Slot(buffer.numpy(), replay, FakeEvent(immediate=True), keep=(buffer,))
-                    )
+                    ring.append(Slot(buffer.numpy(), replay, keep=(buffer,)))
                 rings[(g, store, n)] = SlotRing(ring)
     return GraphTable(rings)
 
@@ -162,10 +150,53 @@ async def test_a_transfer_larger_than_the_graphs_or_with_every_slot_busy_launche
     assert (graphs.replays, graphs.busy) == (1, 0), "group 1's one block is replayed"
     for ring in graphs.rings.values():  # every slot in flight: launched the usual way
         for slot in ring._slots:
-            slot.used = True
-            slot.done.done = False  # type: ignore[attr-defined]
+            slot.release(FakeDone())
     await run(rig, TransferSpec("store", [[3], [1]], [[2], [5]], [1, 0]))
     assert (graphs.replays, graphs.busy) == (1, 2)
+
+
+class Pending:
+    """The CPU device's streams, but every copy's completion stays pending until the
+    test finishes it: what a queued CUDA kernel looks like to the host."""
+
+    asynchronous = False
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.completions: list[FakeDone] = []
+
+    def new_stream(self) -> Any:
+        return self.inner.new_stream()
+
+    def order_after(self, stream: Any, ready: Any) -> None:
+        return None
+
+    def launch(self, stream: Any, work: Any, *, current: bool = True) -> Any:
+        self.inner.launch(stream, work, current=current)
+        done = FakeDone()
+        done.event = None  # type: ignore[attr-defined]
+        done.seconds = lambda: 0.0  # type: ignore[attr-defined]
+        self.completions.append(done)
+        return done
+
+
+def test_a_replayed_slot_waits_for_its_transfers_completion_not_an_event_of_its_own() -> None:
+    """The worker hands each replayed slot the completion of the transfer that used
+    it: until that copy is done the slot is not reused (the next transfer of the size
+    falls back), and once it is, it is."""
+    rig, _backend, graphs = graph_rig(slots=1)
+    streams = Pending(rig.worker._streams)
+    rig.worker._streams = streams  # type: ignore[assignment]
+    spec = TransferSpec("load", [[5], []], [[3], []], [0, 0])
+    rig.worker.submit(spec)
+    slot = graphs.rings[(0, False, 1)]._slots[0]
+    assert slot.done is streams.completions[0] and not slot.taken
+    rig.worker.submit(spec)
+    assert (graphs.replays, graphs.busy) == (1, 1), "its copy is pending: not reused"
+    streams.completions[0].done = True
+    rig.worker.submit(spec)
+    assert (graphs.replays, graphs.busy) == (2, 1)
+    assert slot.done is streams.completions[2]
 
 
 def test_auto_sends_what_a_graph_replays_to_the_bounded_kernel_and_the_rest_by_size() -> None:

@@ -164,7 +164,9 @@ class BoundedKernelCopy:
             if not ids.size:
                 continue
             if graphs is not None:
-                if graphs.launch(g, store, ids, rows, stream):
+                slot = graphs.launch(g, store, ids, rows, stream)
+                if slot is not None:
+                    keep.append(slot)  # the worker hands it the transfer's completion
                     continue
                 with torch.cuda.stream(stream):  # Triton launches on the current stream
                     keep.append(self._launch_staged(ids, rows, tables, num_layers, word, store))

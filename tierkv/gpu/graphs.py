@@ -10,10 +10,11 @@ captured buffer and makes one driver call, `cuGraphLaunch(exec, stream)`.
 
 One graph per (group, direction, block count up to `GRAPH_MAX_BLOCKS`, slot): each slot
 owns a pinned buffer of its block count's ids and rows, captured into its graph. A
-slot is taken again only when the event recorded after its last replay has completed,
-so the host never overwrites ids a queued kernel has yet to read (`SlotRing`). When
-every slot of a size is still in flight, or a transfer is larger, the caller launches
-the kernel the ordinary way.
+replayed slot stays taken until the worker hands it the completion of the transfer it
+moved (`Slot.release`: the transfer's end event, so no event of its own is recorded),
+and is taken again only once that completion is done, so the host never overwrites
+ids a queued kernel has yet to read (`SlotRing`). When every slot of a size is still
+in flight, or a transfer is larger, the caller launches the kernel the ordinary way.
 
 CUDA only; the ring's bookkeeping is plain Python and tested on CPU with fake events.
 """
@@ -48,10 +49,9 @@ GraphLaunch = Callable[[int, int], int]
 """`cuGraphLaunch(exec, stream) -> CUresult`."""
 
 
-class Recorded(Protocol):
-    """What a slot waits on before its ids may be overwritten (a CUDA event)."""
-
-    def record(self, stream: Any) -> None: ...
+class Done(Protocol):
+    """What a slot waits on before its ids may be overwritten: the completion of the
+    transfer that last replayed it (its end event on CUDA)."""
 
     def query(self) -> bool: ...
 
@@ -59,18 +59,23 @@ class Recorded(Protocol):
 @dataclass(eq=False)
 class Slot:
     """One captured launch: its ids buffer (`view`: block ids then slab rows), how to
-    replay it, and its event, recorded after each replay (`used`: once replayed;
-    `taken`: between `SlotRing.take` and that record)."""
+    replay it, and the completion of its last replay (`done`: None before the first;
+    `taken`: from `SlotRing.take` until `release` hands it that completion)."""
 
     view: np.ndarray
     replay: Callable[[Any], None]
-    done: Recorded
-    used: bool = False
+    done: Done | None = None
     taken: bool = False
     keep: tuple[object, ...] = ()  # the pinned buffer and the graph, alive with the slot
 
     def free(self) -> bool:
-        return not self.taken and (not self.used or self.done.query())
+        return not self.taken and (self.done is None or self.done.query())
+
+    def release(self, done: Done) -> None:
+        """The transfer this slot's last replay belongs to ends with `done`: the slot
+        may be taken again once it is."""
+        self.done = done
+        self.taken = False
 
 
 class SlotRing:
@@ -101,9 +106,10 @@ class SlotRing:
 
 class GraphTable:
     """Every captured small launch of one worker: `launch` replays the one for a
-    group's ids on `stream`, or returns False (no graph of that size, or every slot of
-    it in flight) and the caller launches the kernel itself. `rings[(group, store,
-    n)]` holds the slots; `replays` and `busy` count what happened."""
+    group's ids on `stream` and returns its slot (taken until `Slot.release`), or
+    returns None (no graph of that size, or every slot of it in flight) and the caller
+    launches the kernel itself. `rings[(group, store, n)]` holds the slots; `replays`
+    and `busy` count what happened."""
 
     def __init__(self, rings: dict[tuple[int, bool, int], SlotRing]) -> None:
         self.rings = rings
@@ -115,25 +121,24 @@ class GraphTable:
 
     def launch(
         self, group: int, store: bool, ids: np.ndarray, rows: np.ndarray, stream: Any
-    ) -> bool:
+    ) -> Slot | None:
         n = int(ids.size)
         ring = self.rings.get((group, store, n))
         if ring is None:
-            return False
+            return None
         slot = ring.take()
         if slot is None:
             self.busy += 1
-            return False
+            return None
         try:
             slot.view[:n] = ids
             slot.view[n:] = rows
             slot.replay(stream)
-            slot.done.record(stream)
-            slot.used = True
-        finally:
-            slot.taken = False
+        except BaseException:
+            slot.taken = False  # nothing was queued: the ids may be overwritten
+            raise
         self.replays += 1
-        return True
+        return slot
 
 
 def load_graph_launch() -> GraphLaunch | None:
@@ -237,5 +242,4 @@ def _captured(
             with torch.cuda.stream(stream):
                 graph.replay()
 
-    done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    return Slot(ids.numpy(), replay, done, keep=(ids, graph))
+    return Slot(ids.numpy(), replay, keep=(ids, graph))

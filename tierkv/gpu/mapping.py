@@ -49,16 +49,27 @@ _INT_TENSOR_DTYPES = frozenset(
 )
 
 
+_FEW_IDS = 8
+"""A host tensor of at most this many ids is read through `tolist` (a third of the
+cost of `numpy` plus a cast for the one-block transfers of decode steps)."""
+
+
 def as_ids(what: str, values: BlockIds, limit: int) -> Ids:
     """`values` as a 1-D int64 array of ids in `0..limit-1`, or TransferSpecError."""
     if isinstance(values, torch.Tensor):
-        if values.device.type != "cpu":
+        if not values.is_cpu:
             raise TransferSpecError(f"{what}: pass ids on the host, not on {values.device}")
         if values.dtype not in _INT_TENSOR_DTYPES:
             raise TransferSpecError(
                 f"{what}: expected a 1-D sequence of ints, got dtype {values.dtype} "
                 f"shape {tuple(values.shape)}"
             )
+        if values.dim() == 1 and values.numel() <= _FEW_IDS:
+            few: list[int] = values.tolist()
+            if few and (min(few) < 0 or max(few) >= limit):
+                bad = min(few) if min(few) < 0 else max(few)
+                raise TransferSpecError(f"{what}: {bad} is out of range 0..{limit - 1}")
+            return np.array(few, dtype=np.int64)
         array: npt.NDArray[Any] = values.numpy()  # integer tensors carry no grad
     elif not isinstance(values, np.ndarray) and len(values) == 0:
         return np.empty(0, dtype=np.int64)
@@ -97,13 +108,14 @@ def map_specs(specs: Sequence[TransferSpec], geometry: Geometry) -> Mapping:
         if not isinstance(spec, TransferSpec):
             raise TransferSpecError(f"expected a TransferSpec, got {type(spec).__name__}")
     direction = specs[0].direction
-    if any(spec.direction != direction for spec in specs):
+    if len(specs) > 1 and any(spec.direction != direction for spec in specs):
         raise TransferSpecError("one submission moves one direction; split stores from loads")
     groups = geometry.num_groups
     factor = geometry.block_size_factor
     gpu_parts: list[list[Ids]] = [[] for _ in range(groups)]
     row_parts: list[list[Ids]] = [[] for _ in range(groups)]
     slot_parts: list[Ids] = []
+    num_blocks = num_bytes = 0
     for spec in specs:
         if len(spec.gpu_blocks) != groups:
             raise TransferSpecError(
@@ -125,6 +137,8 @@ def map_specs(specs: Sequence[TransferSpec], geometry: Geometry) -> Mapping:
             gpu_parts[g].append(gpu)
             row_parts[g].append(_rows(slots, head, n, factor))
             slot_parts.append(slots)
+            num_blocks += n
+            num_bytes += n * geometry.group_block_bytes(g)
     gpu_ids = tuple(_cat(parts) for parts in gpu_parts)
     rows = tuple(_cat(parts) for parts in row_parts)
     if direction == "load":
@@ -140,8 +154,6 @@ def map_specs(specs: Sequence[TransferSpec], geometry: Geometry) -> Mapping:
                 "slots: a slot appears twice (within or across groups); a store would "
                 "write it twice"
             )
-    num_blocks = sum(ids.size for ids in gpu_ids)
-    num_bytes = sum(ids.size * geometry.group_block_bytes(g) for g, ids in enumerate(gpu_ids))
     return Mapping(direction, gpu_ids, rows, int(num_blocks), int(num_bytes))
 
 

@@ -151,13 +151,22 @@ class CudaStreams:
         self.device = device
         self._index = device.index if device.index is not None else torch.cuda.current_device()
         self._starts: list[torch.cuda.Event] = []
+        self._marks: dict[int, torch.cuda.Event] = {}  # per ordered stream (its handle)
 
     def new_stream(self) -> torch.cuda.Stream:
         return torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
 
     def order_after(self, stream: Any, ready: Any) -> None:
+        """After a `ready` stream: record one event per ordered stream on it, each time
+        again, and wait on that. A wait holds the event's record as of the call, so
+        re-recording it later orders nothing wrongly; `wait_stream` made a new event
+        every time (a one-block transfer's host time)."""
         if is_stream(ready):
-            stream.wait_stream(ready)
+            mark = self._marks.get(stream.cuda_stream)
+            if mark is None:
+                mark = self._marks[stream.cuda_stream] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            mark.record(ready)
+            stream.wait_event(mark)
         else:
             stream.wait_event(ready)
 
@@ -166,16 +175,21 @@ class CudaStreams:
         # the caching allocator reuses its memory only for later work on that stream.
         # Both context managers cost microseconds of a one-block transfer's host time:
         # entered only where needed.
+        if not current and torch.cuda.current_device() == self._index:
+            return self._launch(stream, work)
         with contextlib.ExitStack() as contexts:
             if torch.cuda.current_device() != self._index:
                 contexts.enter_context(torch.cuda.device(self.device))
             if current:
                 contexts.enter_context(torch.cuda.stream(stream))
-            start = self._pooled_start()
-            end = _timing_event()
-            start.record(stream)
-            work(stream)
-            end.record(stream)
+            return self._launch(stream, work)
+
+    def _launch(self, stream: Any, work: Work) -> CudaCompletion:
+        start = self._pooled_start()
+        end = _timing_event()
+        start.record(stream)
+        work(stream)
+        end.record(stream)
         return CudaCompletion(start, end, self._reuse_start)
 
     def _pooled_start(self) -> torch.cuda.Event:

@@ -55,6 +55,7 @@ from tierkv.gpu.alias import DeviceView, require_pinned, uva_view
 from tierkv.gpu.backends import CopyBackendName, DmaExecutorName
 from tierkv.gpu.cuda_batch import MAX_COPIES_PER_CALL, BatchStats
 from tierkv.gpu.geometry import check_layout
+from tierkv.gpu.graphs import Slot
 from tierkv.gpu.lanes import Lane, Launched, TransferHandle, new_lanes
 from tierkv.gpu.mapping import Mapping, map_specs
 from tierkv.gpu.options import Backends, WorkerOptions
@@ -257,6 +258,9 @@ class TransferWorker:
             keep.extend(backend.enqueue(mapping, stream, plan))
 
         completion = self._streams.launch(lane.stream, work, current=backend.uses_current_stream)
+        for item in keep:
+            if isinstance(item, Slot):  # a replayed graph: its ids are read by this copy
+                item.release(completion)
         return Launched(completion, tuple(keep), backend.name)
 
     def submit(
