@@ -112,6 +112,7 @@ def steps(worker: TransferWorker, spec: TransferSpec, samples: int) -> None:
     torch's CUDA calls, each timed inside real submits (wrapped for the measurement,
     ~0.3 us per wrapper; inclusive: `launch` holds the graph replay, which holds the
     driver call). Medians per submit, with the calls each step made."""
+    from tierkv.gpu import driver_calls
     from tierkv.gpu import graphs as graphs_module
     from tierkv.gpu import streams as streams_module
     from tierkv.gpu import worker as worker_module
@@ -129,6 +130,9 @@ def steps(worker: TransferWorker, spec: TransferSpec, samples: int) -> None:
         (torch.cuda.Event, "record", "  torch Event.record"),
         (torch.cuda.Stream, "wait_event", "  torch Stream.wait_event"),
         (torch.cuda.Event, "query", "torch Event.query"),
+        (driver_calls.DriverEvents, "record", "driver event record"),
+        (driver_calls.DriverEvents, "wait", "driver stream wait"),
+        (driver_calls.DriverEvents, "query", "driver event query"),
         (TransferWorker, "_reap", "reap finished transfers"),
     ]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import importlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -32,6 +31,8 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+
+from tierkv.gpu.driver_calls import driver_entry
 
 logger = logging.getLogger(__name__)
 
@@ -145,18 +146,8 @@ def load_graph_launch() -> GraphLaunch | None:
     """The driver's `cuGraphLaunch` called through ctypes (about a microsecond), or
     None where cuda-bindings or the entry point is missing (then graphs replay through
     torch, inside a stream context)."""
-    try:
-        driver = importlib.import_module("cuda.bindings.driver")
-        status, address, found = driver.cuGetProcAddress(b"cuGraphLaunch", _ABI_GRAPH_LAUNCH, 0)
-    except Exception as exc:  # no cuda-bindings, or an older one
-        logger.info("cuGraphLaunch lookup failed (%s); graphs replay through torch", exc)
-        return None
-    ok = driver.CUdriverProcAddressQueryResult.CU_GET_PROC_ADDRESS_SUCCESS
-    if status != driver.CUresult.CUDA_SUCCESS or found != ok or not int(address):
-        logger.info("cuGraphLaunch not served (%s, %s); graphs replay through torch", status, found)
-        return None
     signature = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
-    function: GraphLaunch = signature(int(address))
+    function: GraphLaunch | None = driver_entry("cuGraphLaunch", signature, _ABI_GRAPH_LAUNCH)
     return function
 
 

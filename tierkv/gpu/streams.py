@@ -12,11 +12,14 @@ event (`Completion.event`) the engine's stream can wait on.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+
+from tierkv.gpu.driver_calls import DriverEvents, load_driver_events
 
 Work = Callable[[Any], None]
 """Enqueues a copy on the given stream (None on the CPU device)."""
@@ -108,10 +111,12 @@ class CudaCompletion:
         start: torch.cuda.Event,
         end: torch.cuda.Event,
         reuse_start: Callable[[torch.cuda.Event], None] | None = None,
+        events: Callable[[], DriverEvents | None] | None = None,
     ) -> None:
         self._start: torch.cuda.Event | None = start
         self._end = end
         self._reuse_start = reuse_start
+        self._events = events  # the driver's event calls, where this thread may use them
         self._seconds: float | None = None
 
     @property
@@ -119,6 +124,9 @@ class CudaCompletion:
         return self._end
 
     def query(self) -> bool:
+        driver = self._events() if self._events is not None else None
+        if driver is not None:
+            return driver.query(self._end)
         return bool(self._end.query())  # type: ignore[no-untyped-call]
 
     def wait(self) -> None:
@@ -147,11 +155,35 @@ class CudaStreams:
 
     asynchronous = True
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, driver: DriverEvents | None = None) -> None:
+        """`driver`: event calls through the CUDA driver (`tierkv.gpu.driver_calls`;
+        default: loaded where cuda-bindings serves them, else torch's calls)."""
         self.device = device
         self._index = device.index if device.index is not None else torch.cuda.current_device()
         self._starts: list[torch.cuda.Event] = []
         self._marks: dict[int, torch.cuda.Event] = {}  # per ordered stream (its handle)
+        self._driver = driver if driver is not None else load_driver_events()
+        self._driver_threads: set[int] = set()
+
+    def _events(self, here: bool | None = None) -> DriverEvents | None:
+        """The driver's event calls where this thread may make them, else None (the
+        caller uses torch's). The driver acts on the thread's current context: only
+        where this device is the thread's current one (`here`, when the caller
+        knows) and torch has made one of these calls on the thread before, which made
+        the device's context current there (the first call on a thread goes through
+        torch)."""
+        driver = self._driver
+        if driver is None:
+            return None
+        if here is None:
+            here = torch.cuda.current_device() == self._index
+        if not here:
+            return None
+        thread = threading.get_ident()
+        if thread in self._driver_threads:
+            return driver
+        self._driver_threads.add(thread)  # after this call's torch call
+        return None
 
     def new_stream(self) -> torch.cuda.Stream:
         return torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
@@ -161,12 +193,19 @@ class CudaStreams:
         again, and wait on that. A wait holds the event's record as of the call, so
         re-recording it later orders nothing wrongly; `wait_stream` made a new event
         every time (a one-block transfer's host time)."""
+        driver = self._events()
         if is_stream(ready):
             mark = self._marks.get(stream.cuda_stream)
             if mark is None:
                 mark = self._marks[stream.cuda_stream] = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            mark.record(ready)
-            stream.wait_event(mark)
+            if driver is None:
+                mark.record(ready)
+                stream.wait_event(mark)
+            else:
+                driver.record(mark, ready)
+                driver.wait(stream, mark)
+        elif driver is not None and isinstance(ready, torch.cuda.Event):
+            driver.wait(stream, ready)
         else:
             stream.wait_event(ready)
 
@@ -175,22 +214,26 @@ class CudaStreams:
         # the caching allocator reuses its memory only for later work on that stream.
         # Both context managers cost microseconds of a one-block transfer's host time:
         # entered only where needed.
-        if not current and torch.cuda.current_device() == self._index:
-            return self._launch(stream, work)
+        here = torch.cuda.current_device() == self._index
+        if not current and here:
+            return self._launch(stream, work, self._events(here))
         with contextlib.ExitStack() as contexts:
-            if torch.cuda.current_device() != self._index:
+            if not here:
                 contexts.enter_context(torch.cuda.device(self.device))
             if current:
                 contexts.enter_context(torch.cuda.stream(stream))
-            return self._launch(stream, work)
+            return self._launch(stream, work, None)
 
-    def _launch(self, stream: Any, work: Work) -> CudaCompletion:
+    def _launch(self, stream: Any, work: Work, driver: DriverEvents | None) -> CudaCompletion:
         start = self._pooled_start()
         end = _timing_event()
-        start.record(stream)
+        if driver is not None:
+            driver.record(start, stream)  # pooled (or new: then through torch)
+        else:
+            start.record(stream)
         work(stream)
-        end.record(stream)
-        return CudaCompletion(start, end, self._reuse_start)
+        end.record(stream)  # new: torch creates it here
+        return CudaCompletion(start, end, self._reuse_start, self._events)
 
     def _pooled_start(self) -> torch.cuda.Event:
         try:
