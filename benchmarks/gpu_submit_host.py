@@ -48,6 +48,9 @@ class _Done:
     def query(self) -> bool:
         return True
 
+    def started(self) -> bool:
+        return True
+
     def wait(self) -> None:
         return None
 
@@ -67,6 +70,9 @@ class _Timed:
 
     def query(self) -> bool:
         return time.perf_counter() >= self._end
+
+    def started(self) -> bool:
+        return True
 
     def wait(self) -> None:
         left = self._end - time.perf_counter()

@@ -1,29 +1,36 @@
-"""How a waiting task learns that its copy is done, driven on CPU by the fake CUDA
-device of test_ordering.py (copies run when the test runs the device):
+"""How a waiting task learns that its copy is done, on CPU: a stand-in device whose
+copies run at launch but report "begun" and "done" only when the test says so (what a
+queued CUDA copy looks like to the host).
 
 - a short copy's waiter looks at it from the event loop, between the loop's other
   tasks, and gets its result without the completion thread ever starting;
-- one that outlasts the window, or any waiter with polling off, hands the copies in
-  flight to the completion thread and sleeps until it wakes the loop;
+- one that outlasts the window, one still queued behind `ready` (not begun), or any
+  waiter with polling off hands the copies in flight to the completion thread and
+  sleeps until it wakes the loop;
 - a long copy goes to the thread at once; `drain` and results nobody awaits need no
-  thread either way;
+  waiter of their own;
 - submitting starts no thread (waking it there cost a one-block submit ~50 us).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 import pytest
+import torch
 
 from tests.gpu.test_bounded import _worker
-from tests.gpu.test_ordering import Rig
 from tierkv.contract.errors import ConfigError
-from tierkv.gpu import TransferSpec
+from tierkv.gpu import TransferSpec, TransferWorker
+from tierkv.layout import GroupSpec, KVLayout
+from tierkv.primary import PrimaryTier
 
 pytestmark = pytest.mark.anyio
+
+PAGE = 64
 
 
 @pytest.fixture
@@ -31,136 +38,220 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def thread_started(rig: Rig, direction: str = "store") -> bool:
-    return rig.worker._lanes[direction].completions._thread is not None  # type: ignore[index]
+class Copy:
+    """A launched copy: begun and done when the test says (`begin`, `finish`)."""
+
+    event = None
+
+    def __init__(self) -> None:
+        self._begun = False
+        self._done = threading.Event()
+
+    def begin(self) -> None:
+        self._begun = True
+
+    def finish(self) -> None:
+        self._begun = True
+        self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def started(self) -> bool:
+        return self._begun
+
+    def wait(self) -> None:
+        self._done.wait()
+
+    def seconds(self) -> float:
+        return 0.0
 
 
-async def run_device_after(rig: Rig, *, turns: int = 0, seconds: float = 0.0) -> None:
-    """Run the fake device after `turns` passes of the loop or `seconds`: the copy
-    ends while its waiter is already waiting."""
-    for _ in range(turns):
-        await anyio.lowlevel.checkpoint()
-    if seconds:
-        await anyio.sleep(seconds)
-    rig.device.run(prefer=rig.streams.lanes)
+class Controlled:
+    """An asynchronous device: the bytes move at launch, completion is the test's."""
+
+    asynchronous = True
+
+    def __init__(self, *, begun: bool = True) -> None:
+        self.copies: list[Copy] = []
+        self.begun = begun
+
+    def new_stream(self) -> None:
+        return None
+
+    def order_after(self, stream: Any, ready: Any) -> None:
+        return None
+
+    def launch(self, stream: Any, work: Any, *, current: bool = True) -> Copy:
+        work(stream)
+        copy = Copy()
+        if self.begun:
+            copy.begin()
+        self.copies.append(copy)
+        return copy
+
+
+def rig(*, begun: bool = True, **options: Any) -> tuple[TransferWorker, Controlled]:
+    device = Controlled(begun=begun)
+    kv = [[torch.zeros(8, PAGE, dtype=torch.uint8), torch.zeros(8, PAGE, dtype=torch.uint8)]]
+    primary = PrimaryTier(4, 2 * PAGE, pin_memory=False)
+    layout = KVLayout(block_bytes=2 * PAGE, groups=(GroupSpec(block_size=4),))
+    worker = TransferWorker(
+        kv, primary.view, layout, gpu_block_size=4, streams=device, ready=object(), **options
+    )
+    return worker, device
+
+
+def thread_started(worker: TransferWorker, direction: str = "store") -> bool:
+    return worker._lanes[direction].completions._thread is not None  # type: ignore[index]
 
 
 def store(block: int = 3, slot: int = 1) -> TransferSpec:
     return TransferSpec("store", [[block]], [[slot]], [0])
 
 
+async def finish_after(copy: Copy, *, turns: int = 0, seconds: float = 0.0) -> None:
+    for _ in range(turns):
+        await anyio.lowlevel.checkpoint()
+    if seconds:
+        await anyio.sleep(seconds)
+    copy.finish()
+
+
 async def test_a_short_copy_is_seen_from_the_loop_without_the_completion_thread() -> None:
-    rig = Rig("dma", worker_ready="engine stream")
-    rig.kv[0][0][3].fill_(4)
-    handle = rig.worker.submit(store())
-    assert handle._poll and not thread_started(rig), "submitting starts no thread"
+    worker, device = rig()
+    handle = worker.submit(store())
+    assert handle._poll and not thread_started(worker), "submitting starts no thread"
     with anyio.fail_after(5):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: run_device_after(rig, turns=3))
-            result = await rig.worker.wait(handle)
-    assert result.num_blocks == 1 and rig.slab[1][:64].tolist() == [4] * 64
-    assert not thread_started(rig), "the waiter saw the copy end from the loop"
+            tg.start_soon(lambda: finish_after(device.copies[0], turns=3))
+            result = await worker.wait(handle)
+    assert result.num_blocks == 1
+    assert not thread_started(worker), "the waiter saw the copy end from the loop"
 
 
 async def test_with_polling_off_the_waiter_sleeps_until_the_completion_thread_wakes_it() -> (
     None
 ):
-    rig = Rig("dma", worker_ready="engine stream", completion_poll_us=0)
-    handle = rig.worker.submit(store())
+    worker, device = rig(completion_poll_us=0)
+    handle = worker.submit(store())
     assert not handle._poll
-    started: list[bool] = []
-
-    async def device() -> None:
-        await anyio.sleep(0.02)
-        started.append(thread_started(rig))  # the waiter is asleep by now
-        rig.device.run(prefer=rig.streams.lanes)
-
-    with anyio.fail_after(5):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(device)
-            await rig.worker.wait(handle)
-    assert started == [True]
-    rig.worker.close()
-
-
-async def test_a_short_copy_that_outlasts_the_window_is_handed_to_the_thread() -> None:
-    rig = Rig("dma", worker_ready="engine stream", completion_poll_us=2000)
-    handle = rig.worker.submit(store())
     seen: list[bool] = []
 
-    async def device() -> None:
-        await anyio.sleep(0.05)  # far past the 2 ms window
-        seen.append(thread_started(rig))
-        rig.device.run(prefer=rig.streams.lanes)
+    async def device_ends() -> None:
+        await anyio.sleep(0.02)
+        seen.append(thread_started(worker))  # the waiter is asleep by now
+        device.copies[0].finish()
 
     with anyio.fail_after(5):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(device)
-            await rig.worker.wait(handle)
+            tg.start_soon(device_ends)
+            await worker.wait(handle)
+    assert seen == [True]
+    worker.close()
+
+
+@pytest.mark.parametrize("begun", [True, False], ids=["running", "queued behind ready"])
+async def test_a_copy_that_outlasts_the_window_or_has_not_begun_goes_to_the_thread(
+    begun: bool,
+) -> None:
+    """Running, the waiter looks for the whole window (here 2 ms) and then sleeps; not
+    begun (waiting behind a model step), it stops looking after 50 us."""
+    worker, device = rig(begun=begun, completion_poll_us=2000 if begun else 10_000_000)
+    handle = worker.submit(store())
+    seen: list[bool] = []
+
+    async def device_ends() -> None:
+        await anyio.sleep(0.05)  # past the window, and far past 50 us
+        seen.append(thread_started(worker))
+        device.copies[0].finish()
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(device_ends)
+            await worker.wait(handle)
     assert seen == [True], "the waiter stopped looking and slept on the thread"
     assert handle.done()
-    rig.worker.close()
+    worker.close()
 
 
 async def test_a_long_copy_goes_to_the_thread_at_once() -> None:
-    rig = Rig("dma", worker_ready="engine stream", completion_poll_us=10_000_000)
-    rig.worker._poll_max_pages = 2  # this rig's one block is 2 pages: "long"
-    handle = rig.worker.submit(store())
+    worker, device = rig(completion_poll_us=10_000_000)
+    worker._poll_max_pages = 2  # this rig's one block is 2 pages: "long"
+    handle = worker.submit(store())
     assert not handle._poll
     seen: list[bool] = []
 
-    async def device() -> None:
+    async def device_ends() -> None:
         await anyio.lowlevel.checkpoint()
         await anyio.lowlevel.checkpoint()
-        seen.append(thread_started(rig))  # with a 10 s window, only if not polled
-        rig.device.run(prefer=rig.streams.lanes)
+        seen.append(thread_started(worker))  # with a 10 s window, only if not polled
+        device.copies[0].finish()
 
     with anyio.fail_after(5):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(device)
-            await rig.worker.wait(handle)
+            tg.start_soon(device_ends)
+            await worker.wait(handle)
     assert seen == [True]
-    rig.worker.close()
+    worker.close()
 
 
-async def test_waits_keep_submission_order_when_the_later_copy_ends_first_in_view() -> None:
-    """Two short copies on one lane, the later one's waiter first in line to look:
-    results still come in submission order, each to its own waiter."""
-    rig = Rig("dma", worker_ready="engine stream")
-    first = rig.worker.submit(store(3, 1))
-    second = rig.worker.submit(store(4, 2))
+@pytest.mark.parametrize("poll_us", [200, 0])
+async def test_a_later_copy_seen_done_first_is_not_finished_before_the_earlier(
+    poll_us: int,
+) -> None:
+    """The device reports the later copy done first: it is not finished (no result)
+    until the earlier one is, and the waiters return in submission order."""
+    worker, device = rig(completion_poll_us=poll_us)
+    first = worker.submit(store(3, 1))
+    second = worker.submit(store(4, 2))
     order: list[int] = []
+    second_early: list[bool] = []
 
     async def waits(handle: Any) -> None:
-        result = await rig.worker.wait(handle)
+        result = await worker.wait(handle)
         order.append(result.transfer_id)
+
+    async def device_ends() -> None:
+        await finish_after(device.copies[1], turns=2)
+        await anyio.sleep(0.01)
+        second_early.append(second.done())
+        device.copies[0].finish()
 
     with anyio.fail_after(5):
         async with anyio.create_task_group() as tg:
             tg.start_soon(waits, first)
             tg.start_soon(waits, second)
-            tg.start_soon(lambda: run_device_after(rig, turns=2))
+            tg.start_soon(device_ends)
+    assert second_early == [False]
     assert order == [first.transfer_id, second.transfer_id]
+    worker.close()
 
 
 async def test_drain_and_unclaimed_results_need_no_waiter_of_their_own() -> None:
-    rig = Rig("dma", worker_ready="engine stream")
-    handles = [rig.worker.submit(store(b, s)) for b, s in ((3, 1), (5, 2))]
-    assert not thread_started(rig)
+    worker, device = rig()
+    handles = [worker.submit(store(b, s)) for b, s in ((3, 1), (5, 2))]
+    assert not thread_started(worker)
+
+    async def device_ends() -> None:
+        await anyio.sleep(0.02)
+        for copy in device.copies:
+            copy.finish()
+
     with anyio.fail_after(5):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: run_device_after(rig, seconds=0.02))
-            await rig.worker.drain()  # sleeps: the copies are handed to the thread
-    assert thread_started(rig) and rig.worker.num_in_flight == 0
-    ids = [r.transfer_id for r in rig.worker.get_finished()]
+            tg.start_soon(device_ends)
+            await worker.drain()  # sleeps: the copies are handed to the thread
+    assert thread_started(worker) and worker.num_in_flight == 0
+    ids = [r.transfer_id for r in worker.get_finished()]
     assert ids == [h.transfer_id for h in handles]
-    rig.worker.close()
+    worker.close()
     # without any waiter or drain: reaped by the next look, no thread needed
-    rig = Rig("dma", worker_ready="engine stream")
-    handle = rig.worker.submit(store())
-    rig.device.run(prefer=rig.streams.lanes)
-    assert [r.transfer_id for r in rig.worker.get_finished()] == [handle.transfer_id]
-    assert not thread_started(rig)
+    worker, device = rig()
+    handle = worker.submit(store())
+    device.copies[0].finish()
+    assert [r.transfer_id for r in worker.get_finished()] == [handle.transfer_id]
+    assert not thread_started(worker)
 
 
 @pytest.mark.parametrize("bad", [-1, True, "200", float("inf"), float("nan"), None])

@@ -176,6 +176,7 @@ class Pending:
         done = FakeDone()
         done.event = None  # type: ignore[attr-defined]
         done.seconds = lambda: 0.0  # type: ignore[attr-defined]
+        done.started = lambda: True  # type: ignore[attr-defined]
         self.completions.append(done)
         return done
 

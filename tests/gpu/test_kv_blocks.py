@@ -177,6 +177,9 @@ class _QueuedCopy:
     def query(self) -> bool:
         return self.done.is_set()
 
+    def started(self) -> bool:
+        return self.done.is_set()  # queued until the completion thread runs it
+
     def wait(self) -> None:
         self.idle.wait()
         self.run()

@@ -105,11 +105,15 @@ class FakeDevice:
 
 
 class FakeCompletion:
-    def __init__(self, end: FakeEvent) -> None:
+    def __init__(self, start: FakeEvent, end: FakeEvent) -> None:
+        self._start = start
         self.event = end
 
     def query(self) -> bool:
         return self.event.query()
+
+    def started(self) -> bool:
+        return self._start.query()
 
     def wait(self) -> None:
         self.event.synchronize()
@@ -142,8 +146,9 @@ class FakeStreams:
         self, stream: FakeStream, work: Callable[[Any], None], *, current: bool = True
     ) -> Completion:
         self.launches += 1
+        start = stream.record_event()
         stream.run_later(lambda: work(stream))
-        return FakeCompletion(stream.record_event())
+        return FakeCompletion(start, stream.record_event())
 
 
 class Rig:

@@ -747,6 +747,9 @@ class Gate:
         self.queries += 1
         return self._open.is_set()
 
+    def started(self) -> bool:
+        return True  # running, until its gate opens
+
     def wait(self) -> None:
         self._open.wait()
 

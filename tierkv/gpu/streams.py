@@ -35,6 +35,11 @@ class Completion(Protocol):
 
     def query(self) -> bool: ...
 
+    def started(self) -> bool:
+        """Whether the copy has begun on its stream (it may still wait behind `ready`
+        or an earlier copy); a waiter stops looking at one that has not."""
+        ...
+
     def wait(self) -> None:
         """Block the calling thread (a completion thread) until the copy is done."""
         ...
@@ -76,6 +81,9 @@ class Finished:
         self._seconds = seconds
 
     def query(self) -> bool:
+        return True
+
+    def started(self) -> bool:
         return True
 
     def wait(self) -> None:
@@ -128,6 +136,16 @@ class CudaCompletion:
         if driver is not None:
             return driver.query(self._end)
         return bool(self._end.query())  # type: ignore[no-untyped-call]
+
+    def started(self) -> bool:
+        """The start event, recorded just before the copy on its stream, is reached."""
+        start = self._start
+        if start is None:  # timed already: the copy is done
+            return True
+        driver = self._events() if self._events is not None else None
+        if driver is not None:
+            return driver.query(start)
+        return bool(start.query())  # type: ignore[no-untyped-call]
 
     def wait(self) -> None:
         self._end.synchronize()

@@ -82,10 +82,17 @@ us) costs more than it frees."""
 COMPLETION_POLL_US = 200.0
 """How long a waiter on a short copy (fewer than `POLL_MAX_PAGES` pages) looks at it
 from the event loop, once per pass of the loop's other ready tasks, before it hands the
-copy to the completion thread and sleeps. The thread's wake-up (a driver wait, then
+copy to the completion thread and sleeps (sooner, after `START_WAIT_SECONDS`, when the
+copy has not begun). The thread's wake-up (a driver wait, then
 `call_soon_threadsafe`, then the loop resuming the task) cost a one-block load 55-75 us
 after its copy had ended on an H100; a copy of a few blocks takes tens of microseconds.
 A copy that outlasts the window costs the loop's thread this much extra CPU time."""
+
+START_WAIT_SECONDS = 50e-6
+"""A waiter looks at a short copy only while it runs: once this long has passed and
+the copy has not begun on its stream (it waits behind `ready`, say a model step of
+milliseconds, or an earlier copy), the waiter sleeps until the completion thread wakes
+it instead of spending the loop's CPU (and the GIL) on looking."""
 
 POLL_MAX_PAGES = 256
 """Copies of fewer (block, layer) pages are looked at from the loop first
@@ -395,8 +402,10 @@ class TransferWorker:
 
     async def wait(self, handle: TransferHandle) -> TransferResult:
         """Wait for `handle`'s copy without blocking the event loop, and return its
-        result. Waits in one direction return in submission order. If the wait is
-        cancelled, the result goes to `get_finished` instead."""
+        result. A transfer is finished only once every earlier one of its direction
+        is (a later copy seen done first waits); waits in one direction return in the
+        order they began. If the wait is cancelled, the result goes to `get_finished`
+        instead."""
         if handle._claimed:
             raise RuntimeError(f"transfer {handle.transfer_id} is already being awaited")
         handle._claimed = True
@@ -411,7 +420,8 @@ class TransferWorker:
         lane = self._lanes[handle.direction]
         lane.waiters.append(handle)
         delivered = False
-        polling_until = None
+        polling_until: float | None = None
+        start_by = 0.0
         try:
             await anyio.lowlevel.checkpoint()
             while True:
@@ -420,13 +430,17 @@ class TransferWorker:
                 if handle.done() and first is handle:
                     delivered = True
                     break
-                if handle._poll and not handle.done():
+                if handle._poll and handle._completion is not None:
                     # a short copy: look again after the loop's other ready tasks,
-                    # rather than sleep until the completion thread wakes the loop
+                    # rather than sleep until the completion thread wakes the loop;
+                    # but not at one still queued behind `ready` (a model step)
                     now = time.perf_counter()
                     if polling_until is None:
                         polling_until = now + self._poll_seconds
-                    if now < polling_until:
+                        start_by = now + START_WAIT_SECONDS
+                    if now < polling_until and (
+                        now < start_by or handle._completion.started()
+                    ):
                         await anyio.lowlevel.checkpoint()
                         continue
                 lane.watch_all()  # the completion thread wakes this task
