@@ -6,13 +6,15 @@ torch's CUDA calls cost on a real device; `benchmarks/gpu_one_block.py` measures
 on one.
 
     python benchmarks/gpu_submit_host.py [--page 64KiB] [--layers 32] [--blocks 1]
-        [--samples 2000] [--copy-us 40]
+        [--samples 2000] [--copy-us 40] [--queued-us 5000]
 
 Prints the median and 10th/90th percentiles of `submit` per copy backend it can drive
 on this machine (DMA through the batched path; the bounded kernel's host side where
 its plan can be built without a GPU). Then the same from an event loop with copies that
 end `--copy-us` after their launch: `submit`, and submit to the awaited result (the
-completion side: the completion thread, or the waiter looking from the loop)."""
+completion side: the completion thread, or the waiter looking from the loop). Last,
+copies queued `--queued-us` behind `ready` before they begin: how often a waiter
+looks at one, with the start check and without it."""
 
 from __future__ import annotations
 
@@ -59,20 +61,23 @@ class _Done:
 
 
 class _Timed:
-    """A copy that ends `seconds` after its launch, as a device's would: `query` looks
-    at the clock, `wait` sleeps (releasing the GIL, like a blocking-sync event)."""
+    """A copy that begins `queued` seconds after its launch (behind `ready`) and ends
+    `seconds` later, as a device's would: `query` and `started` look at the clock,
+    `wait` sleeps (releasing the GIL, like a blocking-sync event)."""
 
     event = None
 
-    def __init__(self, seconds: float) -> None:
-        self._end = time.perf_counter() + seconds
+    def __init__(self, seconds: float, queued: float = 0.0) -> None:
+        now = time.perf_counter()
+        self._begin = now + queued
+        self._end = now + queued + seconds
         self._seconds = seconds
 
     def query(self) -> bool:
         return time.perf_counter() >= self._end
 
     def started(self) -> bool:
-        return True
+        return time.perf_counter() >= self._begin
 
     def wait(self) -> None:
         left = self._end - time.perf_counter()
@@ -99,8 +104,9 @@ class StandInStreams:
 
     asynchronous = True
 
-    def __init__(self, copy_seconds: float = 0.0) -> None:
+    def __init__(self, copy_seconds: float = 0.0, queued_seconds: float = 0.0) -> None:
         self.copy_seconds = copy_seconds
+        self.queued_seconds = queued_seconds
 
     def new_stream(self) -> _Stream:
         return _Stream()
@@ -110,7 +116,9 @@ class StandInStreams:
 
     def launch(self, stream: Any, work: Any, *, current: bool = True) -> _Done | _Timed:
         work(stream)
-        return _Timed(self.copy_seconds) if self.copy_seconds else _Done()
+        if not self.copy_seconds:
+            return _Done()
+        return _Timed(self.copy_seconds, self.queued_seconds)
 
 
 def free_entry_point() -> Any:
@@ -120,7 +128,12 @@ def free_entry_point() -> Any:
 
 
 def build(
-    page: int, layers: int, gpu_blocks: int, backend: str = "dma", copy_seconds: float = 0.0
+    page: int,
+    layers: int,
+    gpu_blocks: int,
+    backend: str = "dma",
+    copy_seconds: float = 0.0,
+    queued_seconds: float = 0.0,
 ) -> tuple[TransferWorker, PrimaryTier]:
     """A worker on the stand-in device: `dma` through the batched path, or `bounded`
     with every small transfer "replayed" from a stand-in graph (a slot whose replay
@@ -135,7 +148,7 @@ def build(
         gpu_block_size=16,
         copy_backend="bounded" if backend == "bounded" else "dma",
         ready=object(),
-        streams=StandInStreams(copy_seconds),
+        streams=StandInStreams(copy_seconds, queued_seconds),
     )
     if backend == "bounded":
         small = worker._backends.small
@@ -179,7 +192,25 @@ def measure_awaited(
 ) -> tuple[list[float], list[float]]:
     """`submit` alone and submit to `await worker.wait(...)`, in seconds, from one
     event loop (the completion side: a copy that ends later is watched and woken)."""
+    submits, awaited, _looks = measure_waits(worker, spec, samples)
+    return submits, awaited
+
+
+def measure_waits(
+    worker: TransferWorker, spec: TransferSpec, samples: int
+) -> tuple[list[float], list[float], float]:
+    """`measure_awaited`, plus how often per wait the worker looked at its copies
+    (its `_reap`: once per pass of the loop while a waiter polls)."""
     submits, awaited = [], []
+    looks = 0
+    reap = worker._reap
+
+    def counted() -> None:
+        nonlocal looks
+        looks += 1
+        reap()
+
+    worker._reap = counted  # type: ignore[method-assign]
 
     async def run() -> None:
         for _ in range(samples):
@@ -189,8 +220,11 @@ def measure_awaited(
             await worker.wait(handle)
             awaited.append(time.perf_counter() - start)
 
-    anyio.run(run)
-    return submits, awaited
+    try:
+        anyio.run(run)
+    finally:
+        worker._reap = reap  # type: ignore[method-assign]
+    return submits, awaited, looks / samples
 
 
 def _us(times: list[float]) -> str:
@@ -207,6 +241,12 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--blocks", type=int, default=1)
     parser.add_argument("--samples", type=int, default=2000)
+    parser.add_argument(
+        "--queued-us",
+        type=float,
+        default=5000.0,
+        help="for the last rows: copies begin this long after launch (behind ready)",
+    )
     parser.add_argument(
         "--copy-us",
         type=float,
@@ -239,7 +279,33 @@ def main() -> int:
             f"submit {_us(submits)}; submit to awaited {_us(awaited)}"
         )
         worker.close()
+    if "bounded" in backends:
+        queued = args.queued_us / 1e6
+        for window in (200.0, None):
+            worker, _primary = build(args.page, args.layers, 1024, "bounded", copy, queued)
+            if window is None:  # the start check defeated: the whole window is looked at
+                worker._streams.launch = _always_started(worker._streams.launch)  # type: ignore[method-assign]
+            _s, awaited, looks = measure_waits(worker, spec, 100)
+            label = "looked at while queued" if window is None else "start check"
+            print(
+                f"awaited, copies queued {args.queued_us:.0f} us then {args.copy_us:.0f} us, "
+                f"bounded, {label}: {looks:.1f} looks per wait, submit to awaited "
+                f"{_us(awaited)}"
+            )
+            worker.close()
     return 0
+
+
+def _always_started(launch: Any) -> Any:
+    """A stand-in launch whose copies say they have begun at once (what a waiter did
+    before it looked at the start event)."""
+
+    def launched(stream: Any, work: Any, *, current: bool = True) -> Any:
+        copy = launch(stream, work, current=current)
+        copy.started = lambda: True
+        return copy
+
+    return launched
 
 
 if __name__ == "__main__":
