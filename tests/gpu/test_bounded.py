@@ -6,6 +6,9 @@ this one included, are in test_worker.py; on a GPU they run compiled (`-m cuda`)
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -61,6 +64,26 @@ def test_bounded_without_triton_says_what_is_missing(monkeypatch: pytest.MonkeyP
     with pytest.raises(ConfigError, match="'bounded' cannot run here: Triton is not installed"):
         _worker(copy_backend="bounded")
     assert _worker(copy_backend="auto").copy_backend == "auto"  # auto still works
+
+
+def test_the_bounded_backend_keeps_the_kv_caches_it_addresses_alive() -> None:
+    """The bounded kernel reaches the KV caches by raw address: a caller that drops its
+    own references (an engine rebuilding its caches, a benchmark's helper returning)
+    must not leave the worker writing into freed memory. Found by a benchmark whose
+    bounded-only worker outlived its KV tensors: its next direct launch segfaulted.
+    (The DMA and kernel backends hold views of the same tensors.)"""
+    need_triton()
+    kv = [[torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, 32, dtype=torch.uint8)]]
+    slab = torch.zeros(2, 96, dtype=torch.uint8)
+    refs = [weakref.ref(t) for t in (*kv[0], slab)]
+    layout = KVLayout(block_bytes=96, groups=(GroupSpec(block_size=4),))
+    worker = TransferWorker(kv, slab, layout, gpu_block_size=4, copy_backend="bounded")
+    del kv, slab
+    gc.collect()
+    assert all(ref() is not None for ref in refs), "freed while the worker lives"
+    refs[2]()[1].fill_(3)  # type: ignore[index]
+    worker.submit(TransferSpec("load", [[2]], [[1]], [0]))
+    assert refs[0]()[2].tolist() == [3] * 64 and refs[1]()[2].tolist() == [3] * 32  # type: ignore[index]
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 2.0])

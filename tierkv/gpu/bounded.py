@@ -91,6 +91,9 @@ class BoundedKernelCopy:
         self._cuda = slab.device.type == "cuda"
         self.graphs: GraphTable | None = None
         self._sub_block_stride = geometry.sub_block_stride
+        # the kernel reaches the KV caches and the slab by raw address: keep them alive
+        # with the backend (the DMA and kernel backends hold theirs through views)
+        self._addressed = (tuple(tuple(layers) for layers in groups), slab)
         base = _address(slab)
         self._tables: list[tuple[Tables, int, int]] = []
         for g, layers in enumerate(groups):
