@@ -118,6 +118,30 @@ async def finish_after(copy: Copy, *, turns: int = 0, seconds: float = 0.0) -> N
     copy.finish()
 
 
+async def thread_seen_while_waiting(
+    worker: TransferWorker, device: Controlled, handle: Any, until: Any
+) -> bool:
+    """Wait on `handle` while another task waits `until()`, notes whether the
+    completion thread has started (the waiter is asleep on it), then ends the copy."""
+    seen: list[bool] = []
+
+    async def device_ends() -> None:
+        await until()
+        seen.append(thread_started(worker))
+        device.copies[0].finish()
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(device_ends)
+            await worker.wait(handle)
+    return seen == [True]
+
+
+async def two_turns() -> None:
+    await anyio.lowlevel.checkpoint()
+    await anyio.lowlevel.checkpoint()
+
+
 async def test_a_short_copy_is_seen_from_the_loop_without_the_completion_thread() -> None:
     worker, device = rig()
     handle = worker.submit(store())
@@ -136,18 +160,7 @@ async def test_with_polling_off_the_waiter_sleeps_until_the_completion_thread_wa
     worker, device = rig(completion_poll_us=0)
     handle = worker.submit(store())
     assert not handle._poll
-    seen: list[bool] = []
-
-    async def device_ends() -> None:
-        await anyio.sleep(0.02)
-        seen.append(thread_started(worker))  # the waiter is asleep by now
-        device.copies[0].finish()
-
-    with anyio.fail_after(5):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(device_ends)
-            await worker.wait(handle)
-    assert seen == [True]
+    assert await thread_seen_while_waiting(worker, device, handle, lambda: anyio.sleep(0.02))
     worker.close()
 
 
@@ -159,18 +172,9 @@ async def test_a_copy_that_outlasts_the_window_or_has_not_begun_goes_to_the_thre
     begun (waiting behind a model step), it stops looking after 50 us."""
     worker, device = rig(begun=begun, completion_poll_us=2000 if begun else 10_000_000)
     handle = worker.submit(store())
-    seen: list[bool] = []
-
-    async def device_ends() -> None:
-        await anyio.sleep(0.05)  # past the window, and far past 50 us
-        seen.append(thread_started(worker))
-        device.copies[0].finish()
-
-    with anyio.fail_after(5):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(device_ends)
-            await worker.wait(handle)
-    assert seen == [True], "the waiter stopped looking and slept on the thread"
+    # 50 ms: past the window, and far past 50 us
+    slept = await thread_seen_while_waiting(worker, device, handle, lambda: anyio.sleep(0.05))
+    assert slept, "the waiter stopped looking and slept on the thread"
     assert handle.done()
     worker.close()
 
@@ -180,19 +184,8 @@ async def test_a_long_copy_goes_to_the_thread_at_once() -> None:
     worker._poll_max_pages = 2  # this rig's one block is 2 pages: "long"
     handle = worker.submit(store())
     assert not handle._poll
-    seen: list[bool] = []
-
-    async def device_ends() -> None:
-        await anyio.lowlevel.checkpoint()
-        await anyio.lowlevel.checkpoint()
-        seen.append(thread_started(worker))  # with a 10 s window, only if not polled
-        device.copies[0].finish()
-
-    with anyio.fail_after(5):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(device_ends)
-            await worker.wait(handle)
-    assert seen == [True]
+    # with a 10 s window the thread runs after two turns only if the copy is not polled
+    assert await thread_seen_while_waiting(worker, device, handle, two_turns)
     worker.close()
 
 
