@@ -95,6 +95,22 @@ def test_collector_takes_any_stats_source() -> None:
     assert states == {"closed": 0, "open": 1, "half_open": 0}
 
 
+def test_each_side_of_a_tier_has_its_breaker_series() -> None:
+    """A full disk: writes open, reads closed; the series say the tier still serves
+    reads, which the combined `tierkv_breaker_state` (the worse side) cannot."""
+    from tierkv.cache import CacheStats
+
+    nvme = {"breaker": "open", "read_breaker": "closed", "write_breaker": "open"}
+    stats = CacheStats({}, {"nvme": nvme})
+    families = {f.name: f for f in TieredCacheCollector(lambda: stats, namespace="n").collect()}
+    on = {
+        (s.labels["side"], s.labels["state"])
+        for s in families["tierkv_breaker_side_state"].samples
+        if s.value == 1
+    }
+    assert on == {("reads", "closed"), ("writes", "open")}
+
+
 def free_port() -> int:
     import socket
 
@@ -187,7 +203,14 @@ def test_every_cache_wide_stat_is_exported() -> None:
 
     fields = anyio.run(primary_fields)
     exported = {*CACHE_COUNTERS, *CACHE_GAUGES, *COUNTERS, *GAUGES, *PRIMARY_GAUGES}
-    per_medium_extras = {"breaker", "job_latency", "lookup_latency"}  # not for the primary
+    per_medium_extras = {  # not for the primary
+        "breaker",
+        "read_breaker",
+        "write_breaker",
+        "serving",
+        "job_latency",
+        "lookup_latency",
+    }
     assert fields - exported - per_medium_extras == set()
 
 

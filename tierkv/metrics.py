@@ -92,6 +92,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "lease_expired_blocks",
         "Claimed blocks whose claim_lease ran out before their load let them go",
     ),
+    "lost_probes": (
+        "lost_probes",
+        "Half-open probes taken and never reported on (each cost one probe lease)",
+    ),
 }
 GAUGES: dict[str, tuple[str, str]] = {
     "inflight_jobs": ("inflight_jobs", "Jobs running against the medium now"),
@@ -103,6 +107,8 @@ SUMMARIES: dict[str, tuple[str, str]] = {
     "lookup_latency": ("lookup_latency_seconds", "Latency of batched lookups"),
 }
 BREAKER_STATES = ("closed", "open", "half_open")
+BREAKER_SIDES = {"reads": "read_breaker", "writes": "write_breaker"}
+"""Each side's breaker (`tierkv_breaker_side_state{side}`) -> its stats field."""
 PRIMARY_GAUGES = ("blocks", "resident", "free", "evictable", "promoting", "write_back_pending")
 CACHE_COUNTERS: dict[str, tuple[str, str]] = {
     # cache-wide fields of stats().primary -> (metric name without prefix/suffix, help):
@@ -172,6 +178,13 @@ class TieredCacheCollector(Collector):
             "Circuit breaker of the tier: 1 for its current state",
             labels=[*labels, "state"],
         )
+        sides = GaugeMetricFamily(
+            f"{PREFIX}_breaker_side_state",
+            "Circuit breaker of each side of the tier (reads: lookups and loads; writes: "
+            "stores): 1 for its current state. A tier whose writes are open and reads "
+            "closed serves what it holds (a full or read-only disk)",
+            labels=[*labels, "side", "state"],
+        )
         for medium, data in media.items():
             values = [medium, self.namespace]
             for f, family in counters.items():
@@ -195,6 +208,11 @@ class TieredCacheCollector(Collector):
                 states = BREAKER_STATES if current in BREAKER_STATES else (*BREAKER_STATES, current)
                 for state in states:
                     breaker.add_metric([*values, state], 1.0 if state == current else 0.0)
+                for side, field in BREAKER_SIDES.items():
+                    now = str(data.get(field, "closed"))
+                    states = BREAKER_STATES if now in BREAKER_STATES else (*BREAKER_STATES, now)
+                    for state in states:
+                        sides.add_metric([*values, side, state], 1.0 if state == now else 0.0)
         primary = GaugeMetricFamily(
             f"{PREFIX}_primary_blocks",
             "Primary slab occupancy by state (blocks = capacity)",
@@ -207,6 +225,7 @@ class TieredCacheCollector(Collector):
         yield from gauges.values()
         yield from summaries.values()
         yield breaker
+        yield sides
         yield primary
         yield from self._cache_wide(stats.primary)
 

@@ -71,7 +71,11 @@ class TierStats:
     claims_held: int = 0  # claims not yet let go
     inflight_jobs: int = 0
     inflight_bytes: int = 0
-    breaker: str = "closed"
+    breaker: str = "closed"  # the worse of the two below (or not_open)
+    read_breaker: str = "closed"  # lookups and loads
+    write_breaker: str = "closed"  # stores
+    serving: str = "read_write"  # read_write, read_only (cannot write), write_only, none
+    lost_probes: int = 0  # half-open probes a caller took and never reported on
     job_latency: LatencySummary = field(default_factory=LatencySummary)
     lookup_latency: LatencySummary = field(default_factory=LatencySummary)
 

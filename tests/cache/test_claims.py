@@ -234,8 +234,8 @@ async def test_claims_end_while_the_breaker_is_open(faulty_tier_type: str) -> No
         hit = await cache.lookup([a], ctx)
         handle = cache.core.tiers[0]
         for _ in range(handle.config.failure_threshold):
-            handle._record(False)
-        assert not handle.usable()
+            handle._record("load", False)
+        assert not handle.usable("load")
         result = await cache.load(hit.keys_to_load, torch.zeros(2, BLOCK, dtype=torch.uint8), ctx)
         assert set(result.failed_keys) == set(a)
         assert claims_in(cache, "faulty") == 0

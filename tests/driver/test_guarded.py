@@ -59,14 +59,14 @@ async def test_keys_stored_by_the_tiers_deadline_are_kept_and_count_as_progress(
     assert tier.stored_keys() == set(j.keys[:3])
     stats = guarded.stats
     assert (stats.blocks_stored, stats.failed_keys, stats.errors) == (3, 3, 0)
-    assert stats.deadline_breaches == 0 and guarded.breaker.state.value == "closed"
+    assert stats.deadline_breaches == 0 and guarded.state == "closed"
 
 
 async def test_a_job_that_moved_nothing_by_its_deadline_counts_against_the_tier() -> None:
     guarded, _ = await opened(job_timeout="100ms", stall_after_keys=0, failure_threshold=1)
     outcome = await guarded.run("load", job(2))
     assert outcome.result.ok_keys == () and outcome.failure == "keys_failed"
-    assert guarded.stats.errors == 1 and guarded.breaker.state.value == "open"
+    assert guarded.stats.errors == 1 and guarded.state == "open"
 
 
 async def test_a_tier_silent_past_the_backstop_breaks_the_contract(
@@ -93,11 +93,13 @@ async def test_a_raising_tier_fails_its_job_and_opens_the_breaker() -> None:
         outcome = await guarded.run("load", job(2, job_id=i))
         assert outcome.failure == "error"
         assert "TierUnavailable: faulty tier is down" in (outcome.result.error or "")
-    assert guarded.breaker.state.value == "open"
+    assert guarded.state == "open" and guarded.serving == "write_only"
     assert guarded.admit("load", 2, 0) == "not_serving"
-    assert guarded.admit("store", 2, 2 * BLOCK) == "not_serving"
-    assert guarded.stats.skipped_unhealthy == 4
+    assert guarded.stats.skipped_unhealthy == 2
     assert await guarded.lookup(random_keys(1), ReqContext(), None) is None
+    # reads and writes are judged apart: failed loads do not keep stores from trying
+    assert guarded.admit("store", 2, 2 * BLOCK) is None
+    guarded.release("store", 2 * BLOCK)
 
 
 async def test_stores_past_max_inflight_bytes_are_refused_until_released() -> None:
@@ -189,7 +191,7 @@ async def test_a_required_tier_that_fails_to_open_raises_with_the_cause() -> Non
 
 async def test_an_optional_tier_is_reopened_until_it_works_and_stops_at_close() -> None:
     guarded = flaky(required=False)
-    assert await guarded.open() is False and not guarded.usable()
+    assert await guarded.open() is False and not guarded.usable("load")
     tier = guarded.tier
     assert isinstance(tier, _Flaky)
     async with anyio.create_task_group() as tg:
@@ -200,7 +202,7 @@ async def test_an_optional_tier_is_reopened_until_it_works_and_stops_at_close() 
         with anyio.fail_after(2):
             while not guarded.opened:
                 await anyio.sleep(0.01)
-    assert guarded.usable()
+    assert guarded.usable("load") and guarded.usable("store")
     await guarded.close()
     assert not guarded.opened and guarded.closed
     never = flaky(required=False)
@@ -228,13 +230,16 @@ async def test_a_refused_or_withdrawn_job_gives_the_half_open_probe_back() -> No
     )
     assert guarded.admit("store", 1, BLOCK) is None  # in flight while the tier fails
     tier.down = True
-    await guarded.run("load", job(1))
-    assert guarded.breaker.state.value == "open"
+    await guarded.run("store", job(1), admitted=True)
+    assert guarded.breaker("store").state.value == "open"
     await anyio.sleep(0.05)
     assert guarded.admit("store", 1, BLOCK) == "max_inflight"  # took the probe, gave it back
-    assert guarded.admit("load", 1, 0) is None  # so this one may probe
-    guarded.withdraw("load", 0)  # ... it did not run after all: the probe is free again
-    assert guarded.usable()
+    assert guarded.usable("store")
+    guarded.release("store", BLOCK)
+    assert guarded.admit("store", 1, BLOCK) is None  # so this one may probe
+    assert not guarded.usable("store")  # ... and while it is out, no other
+    guarded.withdraw("store", BLOCK)  # it did not run after all: the probe is free again
+    assert guarded.usable("store") and guarded.stats.inflight_bytes == 0
 
 
 async def test_an_empty_job_proves_nothing_to_the_breaker() -> None:
@@ -243,6 +248,56 @@ async def test_an_empty_job_proves_nothing_to_the_breaker() -> None:
     await guarded.run("load", job(1))
     await anyio.sleep(0.03)
     guarded.tier.down = False  # type: ignore[attr-defined]
-    assert guarded.usable()  # the probe
-    await guarded.run("store", JobMetadata(9, (), ()))
-    assert guarded.breaker.state.value == "half_open"
+    assert guarded.admit("load", 0, 0) is None  # the probe
+    await guarded.run("load", JobMetadata(9, (), ()), admitted=True)
+    assert guarded.state == "half_open"
+    assert guarded.usable("load")  # given back: the next call may probe
+
+
+async def test_asking_whether_a_tier_serves_takes_no_probe() -> None:
+    """The bug that left tiers dead until restart under SGLang and LMCache: asking
+    `usable` took the half-open probe, the lookup then found it taken and was refused,
+    and nobody ever reported on that probe. Asking takes nothing now: the lookup after
+    it probes and closes the breaker."""
+    guarded, tier = await opened(failure_threshold=1, recovery_after="20ms")
+    tier.down = True
+    assert await guarded.lookup(random_keys(1), ReqContext(), None) is None
+    assert guarded.breaker("load").state.value == "open"
+    assert not guarded.usable("load")
+    tier.down = False
+    await anyio.sleep(0.05)
+    for _ in range(3):
+        assert guarded.usable("load")  # asked again and again: still nothing taken
+    assert await guarded.lookup(random_keys(2), ReqContext(), None) == [False, False]
+    assert guarded.state == "closed" and guarded.serving == "read_write"
+
+
+async def test_a_job_sent_without_admit_takes_its_own_permit() -> None:
+    guarded, tier = await opened(failure_threshold=1, recovery_after="1h")
+    tier.down = True
+    await guarded.run("load", job(1))
+    calls = len(tier.calls)
+    outcome = await guarded.run("load", job(3, job_id=2))  # not admitted, side open
+    assert outcome.failure == "refused" and len(outcome.result.failed_keys) == 3
+    assert len(tier.calls) == calls  # never sent
+    assert guarded.stats.skipped_unhealthy == 3
+    assert "not serving loads" in (outcome.result.error or "")
+
+
+async def test_a_tier_that_cannot_write_keeps_serving_what_it_holds() -> None:
+    """A full or read-only disk fails every store; the write breaker opens, and the
+    blocks the tier holds are still looked up and loaded (`serving: read_only`)."""
+    guarded, tier = await opened(failure_threshold=2, recovery_after="1h")
+    held = job(2)
+    assert (await guarded.run("store", held)).failure is None
+    tier.full = True
+    for i in range(2):
+        assert (await guarded.run("store", job(1, job_id=10 + i))).result.failed_keys
+    assert guarded.serving == "read_only" and guarded.state == "open"
+    assert guarded.admit("store", 1, BLOCK) == "not_serving"
+    assert await guarded.lookup(held.keys, ReqContext(), None) == [True, True]
+    outcome = await guarded.run("load", JobMetadata(20, held.keys, held.slots))
+    assert outcome.failure is None and set(outcome.result.ok_keys) == set(held.keys)
+    stats = guarded.refresh_stats()
+    assert (stats.read_breaker, stats.write_breaker) == ("closed", "open")
+    assert (stats.serving, stats.breaker) == ("read_only", "open")

@@ -188,7 +188,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         )
         tiers = {}
         for handle in core.tiers:
-            handle.stats.breaker = handle.breaker.state.value if handle.opened else "not_open"
+            handle.refresh_stats()
             handle.stats.foreign_blocks = getattr(handle.tier, "foreign_blocks", 0)
             tiers[handle.name] = handle.stats.snapshot()
         return CacheStats(primary, tiers)

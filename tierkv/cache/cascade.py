@@ -188,7 +188,7 @@ class Cascader:
         core = self.core
         ok_keys: Sequence[OffloadKey] = ()
         try:
-            result = await handle.run_job("store", job)
+            result = await handle.run_job("store", job, admitted=True)
             ok_keys = result.ok_keys
         finally:
             handle.release("store", nbytes)

@@ -19,8 +19,9 @@ import anyio
 from tierkv.cache.core import CacheCore
 from tierkv.cache.index import Flight
 from tierkv.cache.lookup import Lookup
-from tierkv.contract.jobs import JobMetadata, JobResult, ReqContext
+from tierkv.contract.jobs import JobMetadata, ReqContext
 from tierkv.contract.keys import OffloadKey
+from tierkv.driver import JobOutcome
 
 
 class FlightRunner:
@@ -81,7 +82,7 @@ class FlightRunner:
         while mask:
             if mask & 1:
                 handle = self.core.tiers[i]
-                if handle.usable():
+                if handle.usable("load"):
                     return i
                 handle.stats.skipped_unhealthy += 1
             mask >>= 1
@@ -100,7 +101,7 @@ class FlightRunner:
             by_tier = await self._route(flight, remaining, tried, last_error, asked_below, ctx)
             if not by_tier:
                 return
-            results: dict[int, JobResult] = {}
+            results: dict[int, JobOutcome] = {}
             if len(by_tier) == 1:
                 ((t, ks),) = by_tier.items()
                 await self._read_from(t, ks, slot_of, ctx, results)
@@ -109,12 +110,15 @@ class FlightRunner:
                     for t, ks in by_tier.items():
                         tg.start_soon(self._read_from, t, ks, slot_of, ctx, results)
             remaining = []
-            for t, result in results.items():
+            for t, outcome in results.items():
                 name = core.tiers[t].name
+                result = outcome.result
                 for key in result.ok_keys:
                     flight.served(key, name)
+                refused = outcome.failure == "refused"  # never asked: its claim stands
                 for key in result.failed_keys:
-                    core.index.note_failed(key, t)
+                    if not refused:
+                        core.index.note_failed(key, t)
                     last_error[key] = result.error or f"tier {name} could not load it"
                     tried[key] = t
                     remaining.append(key)
@@ -165,8 +169,8 @@ class FlightRunner:
         keys: list[OffloadKey],
         slot_of: dict[OffloadKey, int],
         ctx: ReqContext,
-        results: dict[int, JobResult],
+        results: dict[int, JobOutcome],
     ) -> None:
         core = self.core
         job = JobMetadata(core.next_job_id(), tuple(keys), tuple(slot_of[k] for k in keys), ctx)
-        results[t] = await core.tiers[t].run_job("load", job)
+        results[t] = await core.tiers[t].run("load", job)

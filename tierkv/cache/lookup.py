@@ -104,7 +104,7 @@ class Lookup:
                 for k, floor in floors.items()
                 if i > floor and not index.held(k) >> i & 1 and index.believes(k, i)
             ]
-            if ask and handle.usable():
+            if ask and handle.usable("load"):
                 asks.append((handle, ask))
                 handle.stats.fallback_lookups += len(ask)
         found = await self._ask(asks, ctx)

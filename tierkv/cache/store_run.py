@@ -266,7 +266,7 @@ class StoreRun:
                 h.policy == "write_through"
                 and stats.inflight_bytes
                 and stats.inflight_bytes + nbytes > h.config.max_inflight_bytes
-                and h.usable()
+                and h.usable("store")
             ):
                 return True
         return False

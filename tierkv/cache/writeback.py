@@ -62,7 +62,7 @@ class WriteBack:
         if not self.handles:
             return
         index = self.core.index
-        down = [h for h in self.handles if not h.healthy()]
+        down = [h for h in self.handles if not h.healthy("store")]
         for key in keys:
             tiers = self.mask
             if down and index.dirty_count >= self.bound:
@@ -103,7 +103,7 @@ class WriteBack:
             if not force and index.dirty_count <= self.bound:
                 break
             for handle in self.handles:
-                if index.pending_for(key, handle.index) and not handle.healthy():
+                if index.pending_for(key, handle.index) and not handle.healthy("store"):
                     self._drop(key, handle, "tier down and the dirty set is full")
                     dropped += 1
         return dropped
@@ -167,12 +167,15 @@ class WriteBack:
     async def _demote_to(self, handle: GuardedTier, keys: list[OffloadKey]) -> None:
         """One write-back job. A tier that is down costs no attempt."""
         core = self.core
-        if not handle.usable():
+        if not handle.usable("store"):
             handle.stats.skipped_unhealthy += len(keys)
             return
         slots = [core.primary.slot_of(k) for k in keys]
         job = JobMetadata(core.next_job_id(), tuple(keys), tuple(s for s in slots if s is not None))
-        result = await handle.run_job("store", job)
+        outcome = await handle.run("store", job)  # takes the permit (the probe) itself
+        if outcome.failure == "refused":  # another call took the probe first: no attempt
+            return
+        result = outcome.result
         index = core.index
         index.note_held(result.ok_keys, handle.index)
         core.emit_tier(handle, result.ok_keys, removed=False)

@@ -8,8 +8,13 @@ distrust the tier again. One owner per rule:
   keys it has not finished by `job_timeout` and keeps the rest). The driver only
   backstops it at `job_timeout` plus a grace (`checks.backstop_after`): a tier still
   silent then broke the contract; its whole job fails and `deadline_breaches` counts it.
-- **The circuit breaker** (`tierkv.health`): failures open it, a probe closes it;
-  while open the tier is a miss and jobs are refused as `not_serving`.
+- **Two circuit breakers** (`tierkv.health`), one for reads (lookups, loads) and one
+  for writes (stores): failures open one, a probe closes it; while one is open the
+  tier is a miss for its side and its jobs are refused as `not_serving`. A tier that
+  cannot write (a full disk, a read-only directory) keeps serving what it holds
+  (`serving`: `read_only`). Every call that goes to the tier takes its permit here
+  and reports here (`admit`/`run`/`withdraw`, `lookup`); `usable` only asks, so no
+  caller can take a half-open probe that no call then reports on.
 - **The in-flight budget** (`max_inflight_bytes`): stores past it are refused as
   `max_inflight` (`admit`/`release`), so a slow tier is skipped, not queued behind.
 - **Answer checks** (`checks.checked_result`): every key exactly once; a block the
@@ -18,8 +23,8 @@ distrust the tier again. One owner per rule:
   `keep_opening`), `close`.
 - **Statistics** (`TierStats`), read by `TieredCache.stats()` and the adapters' metrics.
 
-Every method runs on the event loop that runs the tier, except `admit` and `release`,
-which any thread may call (an engine refuses a job at once, on its own thread); an
+Every method runs on the event loop that runs the tier, except `admit`, `release` and
+the state queries, which any thread may call (an engine refuses a job at once, on its own thread); an
 adapter whose engine calls from its own threads crosses to that loop for the rest
 (vLLM: `LoopThread`) and only translates. Nothing but cancellation raises out of
 `run_job`, `lookup` and `touch`.
@@ -42,11 +47,11 @@ from tierkv.contract.keys import OffloadKey
 from tierkv.contract.slab import PrimaryView
 from tierkv.contract.tier import NO_ROOM, SecondaryTierManager, TierConfig
 from tierkv.driver.checks import backstop_after, checked_flags, checked_result, without_removed
-from tierkv.health import CircuitBreaker
+from tierkv.health import BreakerState, CircuitBreaker, worst
 from tierkv.registry import create_tier
 from tierkv.stats import TierStats
 
-__all__ = ["Failure", "GuardedTier", "JobKind", "JobOutcome", "Refusal"]
+__all__ = ["Failure", "GuardedTier", "JobKind", "JobOutcome", "Refusal", "Serving"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +59,13 @@ JobKind = Literal["store", "load"]
 Refusal = Literal["not_serving", "max_inflight"]
 """Why `admit` kept a job from the tier: it is not open or its breaker is open; its
 stores in flight would pass `max_inflight_bytes`."""
-Failure = Literal["keys_failed", "timeout", "error"]
-"""Why a job that ran failed keys: the tier reported them failed (late keys
-included); it gave no answer by the backstop; it raised."""
+Failure = Literal["keys_failed", "timeout", "error", "refused"]
+"""Why a job failed keys: the tier reported them failed (late keys included); it gave
+no answer by the backstop; it raised; or it was never sent (`run` without `admit`
+found the tier not serving that side: nothing about its keys is known)."""
+_SIDES: tuple[tuple[JobKind, str], ...] = (("load", "reads"), ("store", "writes"))
+Serving = Literal["read_write", "read_only", "write_only", "none"]
+"""Which sides of a tier its breakers let through now (`GuardedTier.serving`)."""
 
 
 @dataclass(frozen=True)
@@ -82,10 +91,20 @@ class GuardedTier:
         self.config: TierConfig = tier.config
         self.index = index
         self.name = name or tier.name
-        # a monotonic clock any thread may read: `admit` runs on engines' threads
-        self.breaker = CircuitBreaker(
-            self.name, self.config.failure_threshold, self.config.recovery_after, time.monotonic
-        )
+        # a monotonic clock any thread may read: `admit` runs on engines' threads. A
+        # probe out longer than the slowest call it can be (a job's backstop, twice)
+        # was leaked by a caller: the breaker then lets another through
+        lease = 2 * max(backstop_after(self.config.job_timeout), self.config.recovery_after)
+        self.breakers: dict[JobKind, CircuitBreaker] = {
+            kind: CircuitBreaker(
+                f"tier {self.name} ({side})",
+                self.config.failure_threshold,
+                self.config.recovery_after,
+                time.monotonic,
+                probe_lease=lease,
+            )
+            for kind, side in _SIDES
+        }
         self.stats = TierStats()
         self.block_bytes = tier.primary.block_bytes
         self.opened = False
@@ -121,29 +140,69 @@ class GuardedTier:
     def policy(self) -> str:
         return self.config.write_policy
 
-    def usable(self) -> bool:
-        """Open and its breaker lets a request through (a half-open probe counts)."""
-        with self._lock:
-            return self.opened and self.breaker.allow()
+    def breaker(self, kind: JobKind) -> CircuitBreaker:
+        """The breaker of one side: reads (`load`: lookups and loads) or writes
+        (`store`)."""
+        return self.breakers[kind]
 
-    def healthy(self) -> bool:
-        """Open and its breaker closed; asks for no probe. A half-open tier is still
-        proving itself (its one probe may hang): write-back must not count on it."""
-        return self.opened and self.breaker.state.value == "closed"
+    def usable(self, kind: JobKind) -> bool:
+        """Open, and its `kind` side would let a call through now (a half-open probe
+        not yet out counts). Only asks: the call itself takes the permit (`admit`,
+        `run`, `lookup`), and may still be refused if another took the probe first."""
+        return self.opened and self.breakers[kind].may_allow()
+
+    def healthy(self, kind: JobKind) -> bool:
+        """Open and its `kind` breaker closed; asks for no probe. A half-open side is
+        still proving itself (its one probe may hang): write-back must not count on it."""
+        return self.opened and self.breakers[kind].state is BreakerState.CLOSED
+
+    @property
+    def state(self) -> str:
+        """The worse of the two breakers' states (`closed`, `half_open`, `open`), or
+        `not_open` when the tier is not open: what `stats().tiers[name]["breaker"]`
+        and the `tierkv_breaker_state` metric show."""
+        if not self.opened:
+            return "not_open"
+        return worst(*(b.state for b in self.breakers.values())).value
+
+    @property
+    def serving(self) -> Serving:
+        """Which sides serve now: `read_write`; `read_only` (stores fail: a full or
+        read-only disk, and what it holds is still served); `write_only`; `none`."""
+        if not self.opened:
+            return "none"
+        reads = self.breakers["load"].state is not BreakerState.OPEN
+        writes = self.breakers["store"].state is not BreakerState.OPEN
+        if reads:
+            return "read_write" if writes else "read_only"
+        return "write_only" if writes else "none"
+
+    def refresh_stats(self) -> TierStats:
+        """Copy the breakers' states into `stats` (for a snapshot) and return it."""
+        stats = self.stats
+        stats.breaker = self.state
+        stats.read_breaker = self.breakers["load"].state.value if self.opened else "not_open"
+        stats.write_breaker = self.breakers["store"].state.value if self.opened else "not_open"
+        stats.serving = self.serving
+        stats.lost_probes = sum(b.lost_probes for b in self.breakers.values())
+        return stats
 
     def admit(self, kind: JobKind, keys: int, nbytes: int) -> Refusal | None:
         """Whether a job of `keys` blocks (`nbytes`) may go to the tier now: None, and a
-        store's bytes count as in flight until `release`; or why not (counted)."""
+        store's bytes count as in flight until `release`; or why not (counted).
+        Admitted, the job takes its side's permit (the probe, while half-open): pass
+        it to `run(..., admitted=True)`, or give it back with `withdraw`."""
         stats = self.stats
+        breaker = self.breakers[kind]
         with self._lock:
-            if not (self.opened and self.breaker.allow()):
+            if not (self.opened and breaker.allow()):
                 stats.skipped_unhealthy += keys
                 return "not_serving"
             if kind == "load":
                 return None
             in_flight = stats.inflight_bytes
             if in_flight and in_flight + nbytes > self.config.max_inflight_bytes:
-                self.breaker.abandon()  # a half-open probe taken above is not spent
+                breaker.abandon()  # a half-open probe taken above is not spent
                 stats.drops += keys
                 return "max_inflight"
             stats.inflight_bytes += nbytes
@@ -160,27 +219,40 @@ class GuardedTier:
         over): its bytes are released and a half-open probe `admit` took is given
         back, so the next job can probe."""
         self.release(kind, nbytes)
-        self._record(None)
+        self._record(kind, None)
 
-    def _record(self, ok: bool | None) -> None:
-        """Tell the breaker: success, failure, or None (the call was abandoned)."""
+    def _record(self, kind: JobKind, ok: bool | None) -> None:
+        """Tell `kind`'s breaker: success, failure, or None (the call was abandoned)."""
+        breaker = self.breakers[kind]
         with self._lock:
             if ok is None:
-                self.breaker.abandon()
+                breaker.abandon()
             elif ok:
-                self.breaker.record_success()
+                breaker.record_success()
             else:
-                self.breaker.record_failure()
+                breaker.record_failure()
 
     # -- jobs ----------------------------------------------------------------------------
-    async def run_job(self, kind: JobKind, job: JobMetadata) -> JobResult:
+    async def run_job(
+        self, kind: JobKind, job: JobMetadata, *, admitted: bool = False
+    ) -> JobResult:
         """Run one job; every key of the result reported exactly once. Never raises
         (except cancellation)."""
-        return (await self.run(kind, job)).result
+        return (await self.run(kind, job, admitted=admitted)).result
 
-    async def run(self, kind: JobKind, job: JobMetadata) -> JobOutcome:
-        """`run_job`, with why keys failed (for an adapter's metrics)."""
+    async def run(self, kind: JobKind, job: JobMetadata, *, admitted: bool = False) -> JobOutcome:
+        """`run_job`, with why keys failed (for an adapter's metrics). `admitted`:
+        the caller took the job's permit with `admit`; otherwise the job takes it here,
+        and a tier whose `kind` side is not serving fails the job at once, unsent
+        (`refused`, counted in `skipped_unhealthy`)."""
         stats = self.stats
+        if not admitted:
+            with self._lock:
+                allowed = self.opened and self.breakers[kind].allow()
+            if not allowed:
+                stats.skipped_unhealthy += len(job.keys)
+                error = f"tier {self.name} is not serving {kind}s now (breaker open or not open)"
+                return JobOutcome(JobResult.failure(job, error), "refused")
         started = anyio.current_time()
         stats.inflight_jobs += 1
         if kind == "store":
@@ -193,12 +265,12 @@ class GuardedTier:
         result = outcome.result
         elapsed = anyio.current_time() - started
         if not job.keys:
-            self._record(None)  # asked nothing: proves nothing either way
+            self._record(kind, None)  # asked nothing: proves nothing either way
         elif self._failed_whole(kind, job, outcome, elapsed):
             stats.errors += 1
-            self._record(False)
+            self._record(kind, False)
         else:
-            self._record(True)
+            self._record(kind, True)
         if removed:
             result = without_removed(job, result, removed, self.name)
             failure = outcome.failure or ("keys_failed" if result.failed_keys else None)
@@ -215,7 +287,7 @@ class GuardedTier:
             with anyio.move_on_after(limit) as backstop:
                 answer = await op(job)
         except anyio.get_cancelled_exc_class():
-            self._record(None)
+            self._record(kind, None)
             raise
         except Exception as exc:
             error = f"tier {self.name}: {kind} failed: {type(exc).__name__}: {exc}"
@@ -294,19 +366,19 @@ class GuardedTier:
             with anyio.move_on_after(timeout):  # its own scope, as for jobs
                 flags = checked_flags(await self.tier.lookup(keys, ctx), keys)
         except anyio.get_cancelled_exc_class():
-            self._record(None)
+            self._record("load", None)
             raise
         except Exception as exc:
             logger.warning("tier %s lookup failed: %s: %s", self.name, type(exc).__name__, exc)
             stats.errors += 1
-            self._record(False)
+            self._record("load", False)
             return None
         if flags is None:  # past `timeout`
             stats.lookup_timeouts += 1
             stats.errors += 1
-            self._record(False)
+            self._record("load", False)
             return None
-        self._record(True)
+        self._record("load", True)
         stats.lookup_latency.add(anyio.current_time() - started)
         return flags
 
@@ -314,7 +386,7 @@ class GuardedTier:
         """Forward reuse to the tier's eviction order; a hint, so a failure is only
         logged. True when the tier took it. Not sent to a tier whose breaker is not
         closed (a hung tier would gather a touch per scheduler step)."""
-        if not self.healthy():
+        if not self.healthy("load"):
             return False
         try:
             with anyio.fail_after(timeout):

@@ -231,7 +231,7 @@ class SyncChain:
 
         async def remove() -> None:
             for tier in self.tiers:
-                if tier.usable():
+                if tier.opened:  # a hint, not a call the breakers judge
                     try:
                         await tier.tier.remove(keys)
                     except Exception as exc:
@@ -397,7 +397,7 @@ class SyncChain:
         try:
             async with anyio.create_task_group() as group:
                 for tier in self.tiers:
-                    if tier.usable():
+                    if tier.usable("load"):  # asks; `lookup` takes the permit
                         group.start_soon(ask, tier)
         finally:
             if owner is not None:
@@ -440,7 +440,7 @@ class SyncChain:
             return  # down, breaker open or too much in flight: counted by the driver
         try:
             job = JobMetadata(next(self._ids), tuple(keys), tuple(slots), self._ctx)
-            outcome = await tier.run(kind, job)
+            outcome = await tier.run(kind, job, admitted=True)
         finally:
             tier.release(kind, nbytes)
         done.update(outcome.result.ok_keys)

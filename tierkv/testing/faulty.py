@@ -37,7 +37,8 @@ class FaultyTier(MemoryTier):
     Switches (set on the instance, e.g. `cache.tier("faulty").down = True`):
     `down` (every call raises TierUnavailable), `fail_jobs` (the next N jobs raise),
     `hang` (jobs wait until `hang` is cleared... or forever), `gate` (jobs wait for this
-    event), `lie_about` (lookup claims these keys; their loads fail). `calls` logs
+    event), `lie_about` (lookup claims these keys; their loads fail), `full` (stores
+    fail every key as a full disk does, lookups and loads still served). `calls` logs
     (operation, keys) of every call.
     """
 
@@ -51,6 +52,7 @@ class FaultyTier(MemoryTier):
         self.hang = False
         self.gate: anyio.Event | None = None
         self.lie_about: set[OffloadKey] = set()
+        self.full = False
         self.calls: list[tuple[str, tuple[OffloadKey, ...]]] = []
 
     @staticmethod
@@ -81,6 +83,8 @@ class FaultyTier(MemoryTier):
 
     async def store(self, job: JobMetadata) -> JobResult:
         await self._misbehave("store", job.keys)
+        if self.full:
+            return JobResult.failure(job, "faulty tier is full: No space left on device (ENOSPC)")
         if self.config.stall_after_keys is not None:
             return await self._key_by_key(job, super().store)
         return await super().store(job)

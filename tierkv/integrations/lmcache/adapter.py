@@ -385,11 +385,13 @@ class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         healthy = True
         for one in self._chains.all():
             for tier in one.chain.tiers:
-                ok = tier.usable()
+                ok = tier.serving == "read_write"
                 healthy = healthy and ok
-                stats = tier.stats
+                stats = tier.refresh_stats()
                 tiers[f"{tier.name}@{one.size}"] = {
                     "usable": ok,
+                    "serving": stats.serving,
+                    "breaker": stats.breaker,
                     "blocks_stored": stats.blocks_stored,
                     "blocks_loaded": stats.blocks_loaded,
                     "failed_keys": stats.failed_keys,

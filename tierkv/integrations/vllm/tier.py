@@ -182,7 +182,7 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
     def _breaker_open(self) -> bool:
         """The tier failed and waits out `recovery_after`: a miss without asking."""
         driver = self._driver
-        return driver is not None and driver.breaker.state.value == "open"
+        return driver is not None and driver.breaker("load").state.value == "open"
 
     @property
     def _up(self) -> bool:
@@ -354,7 +354,7 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
             assert driver is not None
             with self._jobs.cancellable(job.job_id) as scope:
                 try:
-                    outcome = await driver.run(kind, job)
+                    outcome = await driver.run(kind, job, admitted=True)
                 finally:
                     if kind == "load":  # read, failed or cancelled: its claims are done
                         self._let_go(job.ctx.request_id, job.keys)

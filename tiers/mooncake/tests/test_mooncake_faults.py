@@ -106,8 +106,8 @@ async def test_master_killed_mid_job_misses_opens_the_breaker_and_serves_again(
             # down: lookups fail, the breaker opens, the tier is a miss
             for _ in range(3):
                 assert await guarded.lookup(keys[:4], CTX, timeout=10) is None
-            assert not guarded.healthy()
-            assert guarded.breaker.state.value == "open"
+            assert not guarded.healthy("load")
+            assert guarded.state == "open"
 
             fresh_master.start()  # empty: a master holds the only index
             deadline = time.monotonic() + 30
@@ -116,7 +116,7 @@ async def test_master_killed_mid_job_misses_opens_the_breaker_and_serves_again(
                 await anyio.sleep(1.1)  # past recovery_after: the next call is the probe
                 answer = await guarded.lookup(keys[:4], CTX, timeout=10)
             assert answer == [False] * 4, "what the old master held is gone: misses"
-            assert guarded.healthy(), "a probe that succeeded closes the breaker"
+            assert guarded.healthy("load"), "a probe that succeeded closes the breaker"
 
             # served again: the holder remounted its segment with the new master
             result = JobResult.failure(job([], []), "not tried")
