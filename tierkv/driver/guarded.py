@@ -24,10 +24,10 @@ distrust the tier again. One owner per rule:
 - **Statistics** (`TierStats`), read by `TieredCache.stats()` and the adapters' metrics.
 
 Every method runs on the event loop that runs the tier, except `admit`, `release` and
-the state queries, which any thread may call (an engine refuses a job at once, on its own thread); an
-adapter whose engine calls from its own threads crosses to that loop for the rest
-(vLLM: `LoopThread`) and only translates. Nothing but cancellation raises out of
-`run_job`, `lookup` and `touch`.
+the state queries, which any thread may call (an engine refuses a job at once, on its
+own thread); an adapter whose engine calls from its own threads crosses to that loop
+for the rest (vLLM: `LoopThread`) and only translates. Nothing but cancellation raises
+out of `run_job`, `lookup` and `touch`.
 """
 
 from __future__ import annotations
