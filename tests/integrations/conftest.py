@@ -7,10 +7,12 @@ and under CI=true they fail (`tierkv.testing.missing_server`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -236,3 +238,63 @@ def vllm() -> Iterator[Harness]:
     yield harness
     for engine in harness.engines:
         engine.shutdown()
+
+
+# -- real faults that clear, for the adapters' recovery tests ---------------------------
+RECOVERY = {"job_timeout": "1s", "recovery_after": "0.5s", "failure_threshold": 2}
+"""Breaker settings of the recovery tests: quick to open, quick to probe."""
+
+
+class TierFault:
+    """One real fault under one tier section: `inject`, then `clear`. `keeps_reads`:
+    whether blocks stored before the fault stay readable while it lasts (a full or
+    immutable disk: yes; a redis killed with persistence off: no, they are gone)."""
+
+    def __init__(self, name: str, section: dict[str, Any], keeps_reads: bool) -> None:
+        self.name, self.section, self.keeps_reads = name, section, keeps_reads
+        self._stack = contextlib.ExitStack()
+        self.inject: Callable[[], None] = lambda: None
+        self.clear: Callable[[], None] = lambda: None
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+@pytest.fixture(params=["disk_full", "immutable", "redis_killed"])
+def tier_fault(request: Any, tmp_path: Path) -> Iterator[TierFault]:
+    """Each real fault the recovery promise is tested against: the nvme tier's disk
+    filled then freed, its directories made immutable then writable, redis-server
+    SIGKILLed then restarted (empty)."""
+    from tierkv.testing import DiskFaultUnavailable, immutable, tiny_disk
+
+    where = tmp_path / "tier"
+    nvme = {"type": "nvme", "path": str(where), **RECOVERY}
+    try:
+        if request.param == "disk_full":
+            fault = TierFault("disk_full", {**nvme, "capacity": "4MiB"}, keeps_reads=True)
+            disk = fault._stack.enter_context(tiny_disk(where, 8 << 20))
+            fault.inject, fault.clear = disk.fill, disk.free
+        elif request.param == "immutable":
+            fault = TierFault("immutable", {**nvme, "capacity": "64MiB"}, keeps_reads=True)
+            frozen = contextlib.ExitStack()
+            fault._stack.enter_context(frozen)
+            fault.inject = lambda: frozen.enter_context(immutable(where))
+            fault.clear = frozen.close
+        else:
+            try:
+                from tierkv_redis.testing import RedisServer
+
+                (tmp_path / "redis-data").mkdir()
+                server = RedisServer(tmp_path / "redis-data")
+            except Exception as exc:  # tierkv-cache-redis or redis-server missing
+                missing_server("tierkv-cache-redis and a redis-server", exc)
+            fault = TierFault("redis_killed", {}, keeps_reads=False)
+            fault._stack.enter_context(server)
+            fault.section = {"type": "redis", "url": server.url, **RECOVERY}
+            fault.inject, fault.clear = server.stop, server.start
+    except DiskFaultUnavailable as exc:
+        pytest.skip(f"{request.param}: {exc}")
+    try:
+        yield fault
+    finally:
+        fault.close()

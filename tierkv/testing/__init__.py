@@ -3,6 +3,8 @@
 - `TierConformanceSuite` and its helpers (`tierkv.testing.conformance`): one import
   proves a tier keeps the contract.
 - `FaultyTier` (`tierkv.testing.faulty`): a memory tier that misbehaves on request.
+- `tiny_disk`, `immutable` (`tierkv.testing.disk_faults`): real disk faults (a tmpfs
+  that fills up, `chattr +i`) that clear again, for recovery tests (need root).
 - `LocalServer`, `free_port`, `missing_server` (`tierkv.testing.servers`): what the
   tier packages' test servers (redis-server, moto, a fault proxy) share.
 
@@ -23,6 +25,9 @@ _EXPORTS: dict[str, str] = {
     "random_keys": "tierkv.testing.conformance",
     "FaultyTier": "tierkv.testing.faulty",
     "FaultyTierConfig": "tierkv.testing.faulty",
+    "DiskFaultUnavailable": "tierkv.testing.disk_faults",
+    "immutable": "tierkv.testing.disk_faults",
+    "tiny_disk": "tierkv.testing.disk_faults",
     "LocalServer": "tierkv.testing.servers",
     "free_port": "tierkv.testing.servers",
     "missing_server": "tierkv.testing.servers",
@@ -46,6 +51,9 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from tierkv.testing.conformance import CTX as CTX
+    from tierkv.testing.disk_faults import DiskFaultUnavailable as DiskFaultUnavailable
+    from tierkv.testing.disk_faults import immutable as immutable
+    from tierkv.testing.disk_faults import tiny_disk as tiny_disk
     from tierkv.testing.conformance import TierConformanceSuite as TierConformanceSuite
     from tierkv.testing.conformance import assert_partition as assert_partition
     from tierkv.testing.conformance import fill_slots as fill_slots
