@@ -51,13 +51,13 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from tierkv.testing.conformance import CTX as CTX
-    from tierkv.testing.disk_faults import DiskFaultUnavailable as DiskFaultUnavailable
-    from tierkv.testing.disk_faults import immutable as immutable
-    from tierkv.testing.disk_faults import tiny_disk as tiny_disk
     from tierkv.testing.conformance import TierConformanceSuite as TierConformanceSuite
     from tierkv.testing.conformance import assert_partition as assert_partition
     from tierkv.testing.conformance import fill_slots as fill_slots
     from tierkv.testing.conformance import random_keys as random_keys
+    from tierkv.testing.disk_faults import DiskFaultUnavailable as DiskFaultUnavailable
+    from tierkv.testing.disk_faults import immutable as immutable
+    from tierkv.testing.disk_faults import tiny_disk as tiny_disk
     from tierkv.testing.faulty import FaultyTier as FaultyTier
     from tierkv.testing.faulty import FaultyTierConfig as FaultyTierConfig
     from tierkv.testing.servers import LocalServer as LocalServer
