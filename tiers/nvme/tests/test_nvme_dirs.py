@@ -18,7 +18,7 @@ from tierkv_nvme.layout import block_relpath
 
 from tierkv.contract.jobs import ReqContext
 from tierkv.contract.keys import OffloadKey
-from tierkv.tier import CorruptBlock
+from tierkv.tier import CorruptBlock, TierUnavailable
 
 pytestmark = pytest.mark.anyio
 CTX = ReqContext(request_id="nvme-dirs")
@@ -493,4 +493,90 @@ async def test_files_that_refuse_noatime_are_read_all_the_same(
         result, got = await rig.load(tier, keys)
         assert result.ok and got == data
     assert len(refused) == (1 if hasattr(os, "O_NOATIME") else 0)
+    await tier.close()
+
+
+@pytest.mark.parametrize("removed", ["namespace", "path"])
+async def test_a_directory_removed_under_the_tier_is_made_anew_and_its_blocks_forgotten(
+    rig, removed: str
+) -> None:
+    """The directory gone (an operator's `rm -rf`, a cleanup job): the next lookup
+    answers for none of the blocks that went with it, they are reported removed,
+    and the tier makes its directory again and stores into it."""
+    tier = rig.tier()
+    gone: list[OffloadKey] = []
+    tier.set_removal_listener(gone.extend)
+    await tier.open()
+    keys = rig.keys(4)
+    assert (await rig.store(tier, keys))[0].ok
+    shutil.rmtree(tier.directory if removed == "namespace" else rig.path)
+    assert await tier.lookup(keys, CTX) == [False] * 4
+    assert sorted(gone) == sorted(keys) and len(tier) == 0 and tier.used_bytes == 0
+    assert tier.directory.is_dir()
+    stored, data = await rig.store(tier, keys[:2], first_slot=4)
+    assert stored.ok, stored.error
+    result, got = await rig.load(tier, keys[:2])
+    assert result.ok and got == data
+    assert await tier.lookup(keys, CTX) == [True, True, False, False]
+    await tier.close()
+    reopened = rig.tier()  # the new directory is a tier's like any other
+    await reopened.open()
+    assert len(reopened) == 2
+    await reopened.close()
+
+
+async def test_a_directory_that_cannot_be_made_again_reports_the_tier_down_until_it_can(
+    rig,
+) -> None:
+    tier = rig.tier()
+    await tier.open()
+    keys = rig.keys(2)
+    assert (await rig.store(tier, keys))[0].ok
+    shutil.rmtree(rig.path)
+    rig.path.write_text("not a directory")  # the path is taken by a file now
+    with pytest.raises(TierUnavailable, match="vanished and cannot be made again"):
+        await tier.lookup(keys, CTX)
+    with pytest.raises(TierUnavailable):
+        await tier.store(rig.job(keys, [0, 1]))
+    rig.path.unlink()
+    assert await tier.lookup(keys, CTX) == [False, False]  # made anew: serving, empty
+    assert (await rig.store(tier, keys))[0].ok
+    await tier.close()
+
+
+async def test_a_store_in_flight_when_the_directory_is_made_anew_is_not_counted(rig) -> None:
+    """A write that lands in the old directory while a lookup found it gone and made
+    a new one: its block is not in the new directory, so it is not indexed."""
+    import threading
+
+    import anyio
+
+    tier = rig.tier()
+    await tier.open()
+    [late] = rig.keys(1)
+    real = tier._write_files
+    removed, retaken = threading.Event(), threading.Event()
+
+    def write_meanwhile(items: Any, victims: Any) -> Any:
+        outcomes = real(items, victims)  # into the old directory
+        shutil.rmtree(tier.directory)
+        removed.set()
+        retaken.wait(10)  # the lookup below takes the directory again meanwhile
+        return outcomes
+
+    tier._write_files = write_meanwhile  # type: ignore[method-assign]
+    results: list[Any] = []
+
+    async def store() -> None:
+        results.append((await rig.store(tier, [late]))[0])
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(store)
+        await anyio.to_thread.run_sync(removed.wait, 10)
+        assert await tier.lookup([late], CTX) == [False]
+        retaken.set()
+    tier._write_files = real  # type: ignore[method-assign]
+    assert results[0].failed_keys == (late,)
+    assert await tier.lookup([late], CTX) == [False]
+    assert len(tier) == 0 and tier.used_bytes == 0
     await tier.close()

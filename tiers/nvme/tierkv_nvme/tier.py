@@ -200,6 +200,11 @@ class NvmeTier(SecondaryTierManager):
         self._lock_fd: int | None = None
         self._root_fd = -1  # the namespace directory, opened without following links
         self._dirs = FanoutDirs(-1)  # its fan-out directories' descriptors, kept
+        self._retired: list[tuple[int | None, int, FanoutDirs]] = []
+        """Descriptors of a directory that vanished (`_retake`): other threads may
+        still use them, so they close with the tier, not at once."""
+        self._generation = 0  # one more each time the directory is taken again
+        self._retaking: anyio.Lock | None = None
         self._state = "new"
         self.recovery: RecoveryReport | None = None
 
@@ -380,6 +385,68 @@ class NvmeTier(SecondaryTierManager):
         if self._root_fd >= 0:
             os.close(self._root_fd)
             self._root_fd = -1
+        for lock_fd, root_fd, dirs in self._retired:
+            dirs.close()
+            for fd in (lock_fd, root_fd):
+                if fd is not None and fd >= 0:
+                    os.close(fd)
+        self._retired.clear()
+
+    # -- a directory removed under the tier -----------------------------------------
+    def _vanished(self) -> bool:
+        """Whether the namespace directory the tier holds is gone: removed (no links
+        left), or its path now names another directory, or nothing. Two system calls;
+        every lookup, store and load asks, so a tier never answers for files that
+        went with their directory."""
+        if self._root_fd < 0:
+            return True
+        try:
+            held = os.fstat(self._root_fd)
+            now = os.stat(self.directory, follow_symlinks=False)
+        except OSError:
+            return True
+        return held.st_nlink == 0 or (now.st_ino, now.st_dev) != (held.st_ino, held.st_dev)
+
+    async def _ready(self) -> None:
+        """Open, and its directory still there: else forget every block (they went
+        with it) and take the directory again, made anew. Raises TierUnavailable when
+        it cannot be made (the caller's breaker then counts the tier down, and its
+        probe tries again)."""
+        self._check_open()
+        if not self._vanished():
+            return
+        if self._retaking is None:
+            self._retaking = anyio.Lock()
+        async with self._retaking:
+            if self._vanished():
+                await self._retake()
+
+    async def _retake(self) -> None:
+        lost = list(self._index)
+        logger.warning(
+            "nvme tier: its directory %s was removed or replaced outside tierkv; the %d "
+            "blocks it held are forgotten and the directory is made anew",
+            self.directory,
+            len(lost),
+        )
+        self._index.clear()
+        self._used = 0
+        self._generation += 1  # writes in flight into the old directory are lost too
+        if self._root_fd >= 0:  # retired, not closed: a worker thread may be using them
+            self._retired.append((self._lock_fd, self._root_fd, self._dirs))
+        self._lock_fd, self._root_fd, self._dirs = None, -1, FanoutDirs(-1)
+        try:
+            if lost:
+                self.report_removed(lost)
+        finally:
+            try:
+                self._fs_block = await anyio.to_thread.run_sync(self._take_directory)
+            except (OSError, TierUnavailable) as exc:
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+                raise TierUnavailable(
+                    f"nvme tier directory {self.directory} vanished and cannot be made "
+                    f"again: {reason}; check that `path` exists and tierkv may write it"
+                ) from exc
 
     async def _scan(self) -> ScanResult:
         tops, others = await in_thread(list_fanout_dirs, self.directory)
@@ -455,7 +522,7 @@ class NvmeTier(SecondaryTierManager):
 
     # -- the contract -------------------------------------------------------------
     async def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[bool]:
-        self._check_open()
+        await self._ready()
         index = self._index
         return [key in index for key in keys]
 
@@ -470,7 +537,7 @@ class NvmeTier(SecondaryTierManager):
                 index.move_to_end(key)
 
     async def store(self, job: JobMetadata) -> JobResult:
-        self._check_open()
+        await self._ready()
         written: list[OffloadKey] = []  # pinned until the job ends: never its own victims
 
         async def store_chunk(chunk: Batch) -> dict[OffloadKey, str]:
@@ -492,7 +559,7 @@ class NvmeTier(SecondaryTierManager):
         return result
 
     async def load(self, job: JobMetadata) -> JobResult:
-        self._check_open()
+        await self._ready()
         async with self._inflight.job():
             return await self._in_chunks(job, self._load_chunk, "load")
 
@@ -644,6 +711,7 @@ class NvmeTier(SecondaryTierManager):
                     victims += evicted
                     self._reserved += footprint
                     writes.append((key, slot, footprint))
+                generation = self._generation
                 try:
                     outcomes = await in_thread(
                         self._write_files,
@@ -657,6 +725,9 @@ class NvmeTier(SecondaryTierManager):
                     self._finish_deleting(victims)
                     self.report_removed(victims)
             written_ns = time.time_ns()
+            if generation != self._generation:  # written into a directory now gone
+                gone = FileNotFoundError(errno.ENOENT, "the tier's directory was removed")
+                outcomes = [error or gone for error in outcomes]
             for (key, _slot, footprint), error in zip(writes, outcomes):
                 if error is None:
                     self._index[key] = _Entry(footprint, written_ns)
