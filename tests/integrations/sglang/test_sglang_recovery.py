@@ -76,3 +76,25 @@ def test_a_tier_serves_again_after_its_fault_clears(rig: Any, tier_fault: Any) -
     if tier_fault.keeps_reads:
         assert backend.batch_get_v1(stored, pool.indices(spare)) == [True] * PAGES
         assert [pool.page_bytes(s) for s in spare] == [pool.page_bytes(b) for b in before]
+
+
+def test_a_tier_whose_directory_was_removed_counts_nothing_and_stores_again(rig: Any) -> None:
+    """The nvme directory removed under a running server: the next exists counts none
+    of the vanished pages (it counted 128 of 384 before), and the tier makes its
+    directory again and stores into it."""
+    import shutil
+
+    pool = rig.pool(pages=3 * PAGES)
+    backend = rig.backend(pool, [rig.nvme(job_timeout="1s")])
+    rig.fill(pool, list(range(PAGES)), "gone")
+    stored = rig.page_hashes(PAGES, "gone")
+    assert backend.batch_set_v1(stored, pool.indices(list(range(PAGES)))) == [True] * PAGES
+    shutil.rmtree(rig.tmp_path / "nvme")
+    assert backend.batch_exists(stored) == 0
+    again = list(range(PAGES, 2 * PAGES))
+    rig.fill(pool, again, "again")
+    assert backend.batch_set_v1(stored, pool.indices(again)) == [True] * PAGES
+    target = list(range(2 * PAGES, 3 * PAGES))
+    assert backend.batch_get_v1(stored, pool.indices(target)) == [True] * PAGES
+    assert [pool.page_bytes(t) for t in target] == [pool.page_bytes(a) for a in again]
+    assert chain_tier(backend).serving == "read_write"
