@@ -60,6 +60,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "hits": ("hits", "Looked-up keys the medium held"),
     "misses": ("misses", "Looked-up keys the medium did not hold"),
     "lookup_timeouts": ("lookup_timeouts", "Lookups that did not answer in time"),
+    "abandoned_lookups": (
+        "abandoned_lookups",
+        "Lookups left running in the tier at their timeout (their late answers dropped)",
+    ),
     "store_jobs": ("store_jobs", "Store jobs run against the medium"),
     "blocks_stored": ("stored_blocks", "Blocks written into the medium"),
     "bytes_in": ("stored_bytes", "Bytes written into the medium"),

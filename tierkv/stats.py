@@ -51,6 +51,7 @@ class TierStats:
     hits: int = 0
     misses: int = 0
     lookup_timeouts: int = 0
+    abandoned_lookups: int = 0  # lookups left behind at their timeout, still running then
     store_jobs: int = 0
     blocks_stored: int = 0
     bytes_in: int = 0  # into this medium

@@ -301,3 +301,66 @@ async def test_a_tier_that_cannot_write_keeps_serving_what_it_holds() -> None:
     stats = guarded.refresh_stats()
     assert (stats.read_breaker, stats.write_breaker) == ("closed", "open")
     assert (stats.serving, stats.breaker) == ("read_only", "open")
+
+
+class _Stuck(MemoryTier):
+    """A tier whose lookup blocks in a worker thread (a client library's call to a dead
+    server) until `release` is set; cancelling it waits for the thread."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        import threading
+
+        self.release = threading.Event()
+        self.stuck = True
+
+    async def lookup(self, keys: Any, ctx: ReqContext) -> list[bool]:
+        from tierkv.contract.runner import in_thread
+
+        if self.stuck:
+            await in_thread(self.release.wait)
+        return await super().lookup(keys, ctx)
+
+
+async def test_a_lookup_stuck_in_a_thread_returns_within_its_timeout() -> None:
+    """`lookup_timeout` bounds a lookup whatever the tier does: one stuck in a blocking
+    call is left behind (counted), up to MAX_ABANDONED_LOOKUPS, after which the tier
+    is not asked until one returns; then it serves again without reopening."""
+    from tierkv.driver.guarded import MAX_ABANDONED_LOOKUPS
+
+    tier = _Stuck(MemoryTierConfig(type="memory", failure_threshold=100), view())
+    guarded = GuardedTier(tier, name="stuck")
+    assert await guarded.open()
+    keys = random_keys(2)
+    for _ in range(MAX_ABANDONED_LOOKUPS):
+        started = anyio.current_time()
+        assert await guarded.lookup(keys, ReqContext(), 0.05) is None
+        assert anyio.current_time() - started < 0.05 + 0.02
+    assert guarded.abandoned_now == MAX_ABANDONED_LOOKUPS
+    assert guarded.stats.abandoned_lookups == MAX_ABANDONED_LOOKUPS
+    assert guarded.stats.lookup_timeouts == MAX_ABANDONED_LOOKUPS
+    started = anyio.current_time()
+    assert await guarded.lookup(keys, ReqContext(), 0.05) is None  # not asked at all
+    assert anyio.current_time() - started < 0.01
+    assert guarded.stats.skipped_unhealthy == 1
+    tier.stuck = False
+    tier.release.set()  # the client library finally gives up
+    with anyio.fail_after(5):
+        while guarded.abandoned_now:
+            await anyio.sleep(0.01)
+    assert await guarded.lookup(keys, ReqContext(), 0.05) == [False, False]
+
+
+async def test_a_caller_cancelled_mid_lookup_does_not_wait_for_the_tiers_thread() -> None:
+    tier = _Stuck(MemoryTierConfig(type="memory"), view())
+    guarded = GuardedTier(tier, name="stuck")
+    assert await guarded.open()
+    started = anyio.current_time()
+    with anyio.move_on_after(0.05):
+        await guarded.lookup(random_keys(1), ReqContext(), None)
+    assert anyio.current_time() - started < 0.05 + 0.02
+    assert guarded.abandoned_now == 1
+    tier.release.set()
+    with anyio.fail_after(5):
+        while guarded.abandoned_now:
+            await anyio.sleep(0.01)

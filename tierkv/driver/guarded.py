@@ -32,12 +32,13 @@ out of `run_job`, `lookup` and `touch`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import anyio
 
@@ -63,6 +64,10 @@ Failure = Literal["keys_failed", "timeout", "error", "refused"]
 """Why a job failed keys: the tier reported them failed (late keys included); it gave
 no answer by the backstop; it raised; or it was never sent (`run` without `admit`
 found the tier not serving that side: nothing about its keys is known)."""
+MAX_ABANDONED_LOOKUPS = 4
+"""Lookups a tier may have stuck past their timeout before it is not asked again
+until one of them returns (each may hold a worker thread of the tier's)."""
+_LATE = object()  # `_ask`'s answer when the tier did not answer by the timeout
 _SIDES: tuple[tuple[JobKind, str], ...] = (("load", "reads"), ("store", "writes"))
 Serving = Literal["read_write", "read_only", "write_only", "none"]
 """Which sides of a tier its breakers let through now (`GuardedTier.serving`)."""
@@ -115,6 +120,7 @@ class GuardedTier:
         self._lock = threading.Lock()
         # keys the tier reported removed while a store job runs, per running job
         self._removed_during: dict[int, set[OffloadKey]] = {}
+        self._abandoned: set[asyncio.Task[Any]] = set()
         tier.set_removal_listener(self._removed)
 
     @classmethod
@@ -354,8 +360,18 @@ class GuardedTier:
         self, keys: Sequence[OffloadKey], ctx: ReqContext, timeout: float | None
     ) -> list[bool] | None:
         """The tier's answer, one flag per key; None when it is unusable, slow (past
-        `timeout`) or broken."""
+        `timeout`) or broken.
+
+        `timeout` bounds the answer whatever the tier does: a tier stuck in a blocking
+        client call (a dead Mooncake master takes 4-5 s to fail each call; cancelling
+        a worker thread waits for it) is left behind at `timeout`, still running, its
+        late answer dropped and counted (`abandoned_lookups`). A lookup touches no slot, so
+        nothing is at risk. While MAX_ABANDONED_LOOKUPS of them are still out, the
+        tier is not asked again (counted `skipped_unhealthy`) until one returns."""
         stats = self.stats
+        if len(self._abandoned) >= MAX_ABANDONED_LOOKUPS:
+            stats.skipped_unhealthy += 1
+            return None
         if self.admit("load", 1, 0) is not None:  # down or breaker open: counted skipped
             return None
         started = anyio.current_time()
@@ -363,8 +379,9 @@ class GuardedTier:
         stats.lookup_keys += len(keys)
         flags: list[bool] | None = None
         try:
-            with anyio.move_on_after(timeout):  # its own scope, as for jobs
-                flags = checked_flags(await self.tier.lookup(keys, ctx), keys)
+            answer = await self._ask(keys, ctx, timeout)
+            if answer is not _LATE:
+                flags = checked_flags(answer, keys)
         except anyio.get_cancelled_exc_class():
             self._record("load", None)
             raise
@@ -381,6 +398,61 @@ class GuardedTier:
         self._record("load", True)
         stats.lookup_latency.add(anyio.current_time() - started)
         return flags
+
+    async def _ask(self, keys: Sequence[OffloadKey], ctx: ReqContext, timeout: float | None) -> Any:
+        """The tier's `lookup` by `timeout`, or `_LATE`. On asyncio it runs as a task of
+        its own, so neither the timeout nor the caller's cancellation waits for it: a
+        task still running then is left to end on its own (`_abandon`). Elsewhere the
+        call is awaited under the timeout as before."""
+        call = self.tier.lookup(keys, ctx)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not asyncio: a cancel scope (which waits for threads)
+            with anyio.move_on_after(timeout):
+                return await call
+            return _LATE
+        task = loop.create_task(call)
+        try:
+            done, _ = await asyncio.wait((task,), timeout=timeout)
+        except BaseException:
+            if not task.done():
+                self._abandon(task)
+            raise
+        if not done:
+            self._abandon(task)
+            return _LATE
+        return task.result()
+
+    def _abandon(self, task: asyncio.Task[Any]) -> None:
+        """Leave a lookup the caller stopped waiting for: count it, let it run to its
+        end (so `abandoned_now` counts lookups really still in the tier), drop what it
+        answers; cancelled only if still running a job backstop later (a coroutine
+        that would wait for ever)."""
+        self.stats.abandoned_lookups += 1
+        self._abandoned.add(task)
+        later = asyncio.get_running_loop().call_later(
+            backstop_after(self.config.job_timeout), task.cancel
+        )
+
+        def ended(done: asyncio.Task[Any]) -> None:
+            self._abandoned.discard(done)
+            later.cancel()
+            if not done.cancelled():
+                done.exception()  # retrieved: a late error is not logged as unhandled
+
+        task.add_done_callback(ended)
+        if len(self._abandoned) == MAX_ABANDONED_LOOKUPS:
+            logger.warning(
+                "tier %s: %d lookups are stuck in the tier past lookup_timeout; it is not "
+                "asked again until one returns",
+                self.name,
+                MAX_ABANDONED_LOOKUPS,
+            )
+
+    @property
+    def abandoned_now(self) -> int:
+        """Lookups left behind at their timeout that have not ended yet."""
+        return len(self._abandoned)
 
     async def touch(self, keys: Sequence[OffloadKey], timeout: float | None) -> bool:
         """Forward reuse to the tier's eviction order; a hint, so a failure is only

@@ -7,11 +7,8 @@ skip, and under CI=true they fail (`bash scripts/setup-sglang.sh` installs it).
 
 from __future__ import annotations
 
-import errno
 import hashlib
-import os
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +101,6 @@ class Rig:
         self.page_hashes = page_hashes
         self.fill = fill
         self.pool = make_pool
-        self.unwritable = unwritable
 
     def backend(self, *args: Any, **kwargs: Any) -> Any:
         backend = build(*args, **kwargs)
@@ -129,28 +125,6 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
 
 def nvme(path: Path, **fields: Any) -> dict[str, Any]:
     return {"type": "nvme", "path": str(path), "capacity": "256MiB", **fields}
-
-
-@contextmanager
-def unwritable(root: Path) -> Iterator[None]:
-    """Creating a file under `root` fails with EROFS, as on a disk remounted read-only
-    (root ignores permission bits, so a chmod would not do)."""
-    real_open = os.open
-    prefix = str(root.resolve())
-
-    def fake_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
-        dir_fd = kwargs.get("dir_fd")
-        base = os.readlink(f"/proc/self/fd/{dir_fd}") if dir_fd is not None else ""
-        full = os.path.join(base, os.fsdecode(path))
-        if flags & os.O_CREAT and full.startswith(prefix):
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
-        return real_open(path, flags, *args, **kwargs)
-
-    os.open = fake_open  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        os.open = real_open
 
 
 @pytest.fixture(scope="session")

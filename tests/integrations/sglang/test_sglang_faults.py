@@ -5,9 +5,14 @@ after its call answered."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 JOB_TIMEOUT = 1.0
 FAST = {"job_timeout": f"{JOB_TIMEOUT}s", "recovery_after": "0.2s", "failure_threshold": 1}
@@ -35,12 +40,27 @@ def until(check: Any, seconds: float = 10.0) -> bool:
     return False
 
 
+@contextlib.contextmanager
+def unwritable(root: Path) -> Iterator[None]:
+    """The tier's directories immutable: a real EPERM (the compiled data path makes
+    its system calls where no Python patch reaches); skipped where chattr is not
+    permitted."""
+    from tierkv.testing import DiskFaultUnavailable, immutable
+
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(immutable(root))
+        except DiskFaultUnavailable as exc:
+            pytest.skip(str(exc))
+        yield
+
+
 def test_nvme_unwritable_answers_false_then_serves_again(rig: Any) -> None:
     pool = rig.pool(pages=16)
     backend = rig.backend(pool, [rig.nvme(**FAST)])
     rig.fill(pool, list(range(8)), "nvme")
     hashes = rig.page_hashes(8, "ro")
-    with rig.unwritable(rig.tmp_path / "nvme"):
+    with unwritable(rig.tmp_path / "nvme"):
         answer, took = timed(backend.batch_set_v1, hashes[:4], pool.indices([0, 1, 2, 3]))
         assert answer == [False] * 4 and took < deadline(backend)
         assert backend.batch_exists(hashes[:4]) == 0
