@@ -290,3 +290,64 @@ async def test_a_frozen_segment_holder_ends_the_job_near_its_deadline(
             assert wrong_bytes(view, result, keys, dest, stored) == 0
             assert not result.ok_keys
             assert elapsed < 3 + 8 * 2 + 3, f"the load took {elapsed:.1f}s"
+
+
+@pytest.mark.parametrize("fault", ["killed", "frozen"])
+async def test_a_dead_master_never_holds_a_lookup_past_its_timeout(
+    fresh_master: MooncakeMaster, fault: str
+) -> None:
+    """Mooncake's client takes 4-5 s to fail each call once its master is gone; the
+    driver's `lookup_timeout` (50 ms here) bounds every lookup all the same, and the
+    tier serves again once the master is back, without being reopened."""
+    import signal
+
+    rng = random.Random(47)
+    view = PrimaryView(bytearray(32 * BLOCK), BLOCK, "dead-master")
+    timeout, slack = 0.05, 0.02
+    with SegmentHolder(fresh_master, 64 << 20):
+        async with opened(fresh_master, view, failure_threshold=3, recovery_after="1s") as tier:
+            guarded = GuardedTier(tier)
+            assert await guarded.open()
+            keys = random_keys(4, rng)
+            await store_blocks(tier, view, keys, rng)
+            assert await guarded.lookup(keys, CTX, timeout=5) == [True] * 4
+            process = fresh_master._process
+            assert process is not None
+            if fault == "killed":
+                fresh_master.kill()
+            else:
+                process.send_signal(signal.SIGSTOP)
+            slowest = 0.0
+            try:
+                for _ in range(40):  # a lookup loop: ~2 s of a server's lookups
+                    started = time.monotonic()
+                    await guarded.lookup(keys, CTX, timeout=timeout)
+                    slowest = max(slowest, time.monotonic() - started)
+                    await anyio.sleep(0.05)
+            finally:
+                if fault == "frozen":
+                    process.send_signal(signal.SIGCONT)
+            assert slowest < timeout + slack, f"a lookup took {slowest * 1e3:.0f} ms"
+            assert guarded.stats.abandoned_lookups >= 1
+            if fault == "killed":
+                fresh_master.start()  # empty: a master holds the only index
+            deadline = time.monotonic() + 60
+            answer = None
+            while answer is None and time.monotonic() < deadline:
+                await anyio.sleep(0.5)
+                answer = await guarded.lookup(keys, CTX, timeout=timeout)
+            assert answer is not None, "the tier was not served again"
+            fresh = random_keys(4, rng)
+            fill_slots(view, range(4), rng)
+            result = JobResult.failure(job([], []), "not tried")
+            while time.monotonic() < deadline:
+                result = await guarded.run_job("store", job(fresh, range(4)))
+                if result.ok:
+                    break
+                await anyio.sleep(0.5)
+            assert result.ok, result.error
+            result = await guarded.run_job("load", job(fresh, range(16, 20)))
+            assert result.ok, result.error
+            assert [bytes(view.block(s)) for s in range(16, 20)] == [
+                bytes(view.block(s)) for s in range(4)
+            ]
