@@ -17,6 +17,8 @@ wrong byte, an exception, or a leaked slot. Not a CI test (minutes).
 (its own LRU evicts the rest), and the replay then also counts `claimed_failed`:
 blocks the lookup reported in nvme whose load failed (a cascade's eviction ran between
 lookup and load; claims, `claim_lease`, keep them). `--claim-lease 0` turns claims off.
+`--no-request-ids` calls `lookup` and `load` without a `ReqContext`, as a server that
+passes none does: a lookup's hit must be kept all the same.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ async def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     async with TieredCache(config) as cache:
         for n, keys in enumerate(requests):
-            ctx = ReqContext(request_id=f"r{n}")
+            ctx = None if args.no_request_ids else ReqContext(request_id=f"r{n}")
             try:
                 hit = await cache.lookup([keys], ctx)
                 load = list(hit.keys_to_load)
@@ -140,7 +142,7 @@ async def run(args: argparse.Namespace) -> int:
         f"{len(requests)} requests, {distinct:,} distinct blocks, primary {primary_blocks} "
         f"blocks of {args.block_kib} KiB over nvme, promotion_wait "
         f"{getattr(config, 'promotion_wait', 'n/a')}, "
-        f"{elapsed:.1f} s"
+        f"request ids {'no' if args.no_request_ids else 'yes'}, {elapsed:.1f} s"
     )
     print("counts:", dict(counts))
     print(
@@ -181,6 +183,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--claim-lease", type=float, default=None, help="the nvme tier's claim_lease"
+    )
+    parser.add_argument(
+        "--no-request-ids",
+        action="store_true",
+        help="lookups and loads without a ReqContext (claims taken per lookup)",
     )
     parser.add_argument("--progress", action="store_true")
     args = parser.parse_args()

@@ -9,10 +9,12 @@ the primary's size: the promotion reserve bounds staging in `load`, not the hit.
 
 Tokens the GPU already holds (`gpu_tokens`) count as present and are not asked about.
 
-A lookup with a `request_id` claims the blocks of its hit in the tier each is read from
+A lookup claims the blocks of its hit in the tier each is read from
 (`tierkv.driver.claims`): the claims are taken as each tier answers, with no await in
 between, and those the hit does not need are let go once it is known; the request's
-load (or its end, or the lease) lets the rest go.
+load (or its end, or the lease) lets the rest go. A lookup without a `request_id`
+claims the same way, under an owner of its own: a load without one ends, per key, the
+oldest such claim.
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ class Lookup:
                 return self._all_resident(keys, groups[0].block_size, ctx)
         where, missing = self._in_primary(keys_per_group, gpu_tokens)
         located: dict[OffloadKey, int] = {}
-        taken: list[Taken] | None = [] if ctx.request_id is not None else None
+        taken: list[Taken] = []  # with or without a request id: a hit keeps its claims
         try:
             if missing:
                 tiers = self.core.tiers
@@ -190,9 +192,11 @@ class Lookup:
                 self.core.claims.drop(taken)
             raise
         locations = {k: where[k] for keys in group_keys for k in keys}
-        if ctx.request_id is not None:  # this lookup's claims replace the request's last
-            needed = {k: located[k] for k in locations if k in located}
-            self.core.claims.keep(ctx.request_id, taken or (), needed)
+        # this lookup's claims replace the request's last; without a request id they
+        # are the lookup's own, ended by the loads of their keys (or their lease)
+        owner = ctx.request_id if ctx.request_id is not None else self.core.claims.anonymous()
+        needed = {k: located[k] for k in locations if k in located}
+        self.core.claims.keep(owner, taken, needed)
         if missing:
             self.core.primary.touch([k for k, m in locations.items() if m == PRIMARY_MEDIUM])
         else:

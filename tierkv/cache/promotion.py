@@ -207,7 +207,10 @@ class Promoter:
         the claims its request's lookup took on these keys (read or not: the load
         is over)."""
         primary = self.core.primary
-        self.core.claims.let_go(s.ctx.request_id, s.first)
+        if s.ctx.request_id is None:  # the claims of the lookup this load serves
+            self.core.claims.let_go_loaded(s.first)
+        else:
+            self.core.claims.let_go(s.ctx.request_id, s.first)
         if s.holding:
             primary.complete_load(list(s.holding))
             s.holding.clear()

@@ -11,6 +11,11 @@ between). Whatever happens, a claim ends exactly once: let go while its lease la
 or counted `lease_expired` (the tier has dropped or will drop it itself: no call is
 needed, and none could reach a claim that is gone).
 
+A lookup without a request id is as safe (`anonymous`): its claims are kept under an
+owner of their own, and a load without a request id ends, for each key it loads, the
+oldest such claim on that key (the lookup whose hit it is serving); the lease bounds
+the rest. A server that passes no request ids keeps every hit it was told of.
+
 Lives in the driver, beside `GuardedTier`, so an engine adapter's lookup-and-lock
 (LMCache's L2) keeps claims by the same rules as the cache. Not thread-safe: call it
 from the loop that runs the tiers.
@@ -18,15 +23,19 @@ from the loop that runs the tiers.
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tierkv.contract.keys import OffloadKey
 from tierkv.driver.guarded import GuardedTier
 
-__all__ = ["ClaimLedger", "Taken"]
+__all__ = ["ANONYMOUS", "ClaimLedger", "Taken"]
+
+ANONYMOUS = "\0lookup:"
+"""Prefix of the owners of lookups without a request id (no request id starts so)."""
 
 
 @dataclass
@@ -53,6 +62,31 @@ class ClaimLedger:
         self._clock = clock
         # owner -> tier index -> its claims there; oldest owner first (swept from there)
         self._owners: OrderedDict[str, dict[int, Taken]] = OrderedDict()
+        # key -> anonymous owners that kept a claim on it, oldest first
+        self._anonymous: dict[OffloadKey, deque[str]] = {}
+        self._lookups = itertools.count(1)
+
+    def anonymous(self) -> str:
+        """A fresh owner for one lookup without a request id (see the module
+        docstring): its claims end with the loads of their keys, or their lease."""
+        return f"{ANONYMOUS}{next(self._lookups)}"
+
+    def let_go_loaded(self, keys: Iterable[OffloadKey]) -> int:
+        """A load without a request id read (or tried) `keys`: end, per key, the
+        oldest anonymous claim on it. How many claims ended."""
+        ended = 0
+        anonymous = self._anonymous
+        for key in keys:
+            owners = anonymous.get(key)
+            while owners:
+                owner = owners.popleft()
+                held = self._owners.get(owner)
+                if held is not None and any(key in c.keys for c in held.values()):
+                    ended += self.let_go(owner, (key,))
+                    break
+            if owners is not None and not owners:
+                del anonymous[key]
+        return ended
 
     def __len__(self) -> int:
         """Owners holding claims."""
@@ -95,6 +129,10 @@ class ClaimLedger:
         before = self._owners.pop(owner, None)
         if kept:
             self._owners[owner] = kept
+            if owner.startswith(ANONYMOUS):
+                for claim in kept.values():
+                    for key in claim.keys:
+                        self._anonymous.setdefault(key, deque()).append(owner)
         if before:
             self._end(before.values(), None)
         self.sweep()
@@ -124,6 +162,7 @@ class ClaimLedger:
         while self._owners:
             _, claims = self._owners.popitem(last=False)
             self._end(claims.values(), None)
+        self._anonymous.clear()
 
     def sweep(self) -> None:
         """Count and forget the owners whose every claim ran out, oldest first, up to
@@ -136,7 +175,26 @@ class ClaimLedger:
             if any(c.deadline > now for c in claims.values()):
                 return
             del owners[owner]
+            self._forget_anonymous(owner, claims.values())  # before _end empties them
             self._end(claims.values(), None)
+
+    def _forget_anonymous(self, owner: str, claims: Iterable[Taken]) -> None:
+        """An anonymous owner swept out: drop it from the per-key queues (bounded
+        memory however many lookups never load)."""
+        if not owner.startswith(ANONYMOUS):
+            return
+        anonymous = self._anonymous
+        for claim in claims:
+            for key in claim.keys:
+                owners = anonymous.get(key)
+                if owners is None:
+                    continue
+                try:
+                    owners.remove(owner)
+                except ValueError:
+                    pass
+                if not owners:
+                    del anonymous[key]
 
     def _end(self, claims: Iterable[Taken], keys: set[OffloadKey] | None) -> int:
         """End the claims on `keys` (all when None) among `claims`, removing them from
