@@ -23,6 +23,7 @@ from the loop that runs the tiers.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections import OrderedDict, deque
@@ -189,10 +190,8 @@ class ClaimLedger:
                 owners = anonymous.get(key)
                 if owners is None:
                     continue
-                try:
+                with contextlib.suppress(ValueError):
                     owners.remove(owner)
-                except ValueError:
-                    pass
                 if not owners:
                     del anonymous[key]
 
