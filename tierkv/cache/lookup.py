@@ -128,11 +128,13 @@ class Lookup:
         claims = self.core.claims
 
         async def ask_one(n: int, handle: GuardedTier, keys: list[OffloadKey]) -> None:
-            answers[n] = flags = await handle.lookup(keys, ctx, timeout)
-            if taken is not None and flags is not None and handle.claim_lease:
-                claim = claims.take(handle, [k for k, f in zip(keys, flags) if f])
-                if claim is not None:
-                    taken.append(claim)
+            def claim(flags: list[bool]) -> None:  # the moment the tier answers
+                taking = claims.take(handle, [k for k, f in zip(keys, flags) if f])
+                if taking is not None and taken is not None:
+                    taken.append(taking)
+
+            wants = taken is not None and handle.claim_lease
+            answers[n] = await handle.lookup(keys, ctx, timeout, claim if wants else None)
 
         if len(asks) == 1:
             await ask_one(0, *asks[0])

@@ -357,10 +357,16 @@ class GuardedTier:
 
     # -- lookups and hints -------------------------------------------------------------
     async def lookup(
-        self, keys: Sequence[OffloadKey], ctx: ReqContext, timeout: float | None
+        self,
+        keys: Sequence[OffloadKey],
+        ctx: ReqContext,
+        timeout: float | None,
+        on_answer: Callable[[list[bool]], None] | None = None,
     ) -> list[bool] | None:
         """The tier's answer, one flag per key; None when it is unusable, slow (past
-        `timeout`) or broken.
+        `timeout`) or broken. `on_answer(flags)` runs the moment the tier answers in
+        time, before anything else runs on the loop: where a caller claims the hits
+        (a cascade's eviction must not come between the answer and the claim).
 
         `timeout` bounds the answer whatever the tier does: a tier stuck in a blocking
         client call (a dead Mooncake master takes 4-5 s to fail each call; cancelling
@@ -379,9 +385,9 @@ class GuardedTier:
         stats.lookup_keys += len(keys)
         flags: list[bool] | None = None
         try:
-            answer = await self._ask(keys, ctx, timeout)
+            answer = await self._ask(keys, ctx, timeout, on_answer)
             if answer is not _LATE:
-                flags = checked_flags(answer, keys)
+                flags = answer
         except anyio.get_cancelled_exc_class():
             self._record("load", None)
             raise
@@ -399,26 +405,42 @@ class GuardedTier:
         stats.lookup_latency.add(anyio.current_time() - started)
         return flags
 
-    async def _ask(self, keys: Sequence[OffloadKey], ctx: ReqContext, timeout: float | None) -> Any:
-        """The tier's `lookup` by `timeout`, or `_LATE`. On asyncio it runs as a task of
-        its own, so neither the timeout nor the caller's cancellation waits for it: a
-        task still running then is left to end on its own (`_abandon`). Elsewhere the
-        call is awaited under the timeout as before."""
-        call = self.tier.lookup(keys, ctx)
+    async def _ask(
+        self,
+        keys: Sequence[OffloadKey],
+        ctx: ReqContext,
+        timeout: float | None,
+        on_answer: Callable[[list[bool]], None] | None,
+    ) -> Any:
+        """The tier's checked flags by `timeout`, or `_LATE`. On asyncio the lookup runs
+        as a task of its own, so neither the timeout nor the caller's cancellation
+        waits for it: a task still running then is left to end on its own
+        (`_abandon`), and its answer reaches no one. Elsewhere the call is awaited
+        under the timeout as before."""
+        left = False  # the caller stopped waiting: a late answer claims nothing
+
+        async def asked() -> list[bool]:
+            flags = checked_flags(await self.tier.lookup(keys, ctx), keys)
+            if on_answer is not None and not left:
+                on_answer(flags)  # in the tier's answer's own step
+            return flags
+
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # not asyncio: a cancel scope (which waits for threads)
             with anyio.move_on_after(timeout):
-                return await call
+                return await asked()
             return _LATE
-        task = loop.create_task(call)
+        task = loop.create_task(asked())
         try:
             done, _ = await asyncio.wait((task,), timeout=timeout)
         except BaseException:
+            left = True
             if not task.done():
                 self._abandon(task)
             raise
         if not done:
+            left = True
             self._abandon(task)
             return _LATE
         return task.result()

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import threading
@@ -379,15 +380,19 @@ class SyncChain:
         taken: list[Taken] = []
         holder: dict[OffloadKey, int] = {}
 
+        def claim(tier: GuardedTier, flags: list[bool]) -> None:  # as the tier answers
+            hits = [k for k, flag in zip(keys, flags) if flag]
+            if hits:
+                taking = self.claims.take(tier, hits)
+                if taking is not None:
+                    taken.append(taking)
+
         async def ask(tier: GuardedTier) -> None:
-            flags = await tier.lookup(keys, self._ctx, self.lookup_timeout)
+            on_answer = None if owner is None else functools.partial(claim, tier)
+            flags = await tier.lookup(keys, self._ctx, self.lookup_timeout, on_answer)
             if flags is None:
                 return
             hits = [k for k, flag in zip(keys, flags) if flag]
-            if owner is not None and hits:
-                claim = self.claims.take(tier, hits)
-                if claim is not None:
-                    taken.append(claim)
             for i, flag in enumerate(flags):
                 found[i] = found[i] or flag
             for key in hits:

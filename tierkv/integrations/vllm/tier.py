@@ -425,11 +425,14 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
         async def one(request_id: str, pairs: list[tuple[OffloadKey, object]]) -> None:
             keys = [k for k, _ in pairs]
             found = None
-            if self._driver is not None:
+            driver = self._driver
+            if driver is not None:
                 ctx = ReqContext(request_id=request_id)
-                found = await self._driver.lookup(keys, ctx, self._timeout)
-                if found is not None:  # no await since the answer: nothing evicted yet
-                    self._claim(self._driver, request_id, keys, found)
+
+                def claim(flags: list[bool]) -> None:  # as the tier answers: nothing
+                    self._claim(driver, request_id, keys, flags)  # evicted yet
+
+                found = await driver.lookup(keys, ctx, self._timeout, claim)
             if found is None:  # down, slow or broken: a miss (the driver logged why)
                 found = [False] * len(keys)
                 self._metrics.count(metrics.LOOKUP_ERRORS, len(keys))
