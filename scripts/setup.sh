@@ -13,7 +13,8 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 
-stamp_inputs=$(cat requirements-dev.txt requirements-docs.txt $(git ls-files '*pyproject.toml' 2>/dev/null || ls pyproject.toml) | sha256sum | cut -d' ' -f1)
+# the nvme tier's compiled core (setup.py, *.c) is built at install: a change to it reinstalls
+stamp_inputs=$(cat requirements-dev.txt requirements-docs.txt $(git ls-files '*pyproject.toml' 2>/dev/null || ls pyproject.toml) tiers/nvme/setup.py tiers/nvme/tierkv_nvme/*.c | sha256sum | cut -d' ' -f1)
 if [ ! -f .venv/.setup-stamp ] || [ "$(cat .venv/.setup-stamp)" != "$stamp_inputs" ]; then
     echo "setup: installing Python requirements into .venv (one line per package; ~2 min the first time)"
     started=$SECONDS

@@ -54,6 +54,7 @@ async def bench_medium(
         (side, phase): [] for side in ("tierkv", "raw") for phase in ("store", "load")
     }
     run_tag = f"{os.getpid()}-{time.time_ns()}"
+    described: dict[str, Any] = {}  # the tier's `describe()`, from its first run
     if raw is not None:
         await raw.open()
     try:
@@ -70,7 +71,7 @@ async def bench_medium(
                     config = bench_config(chain, tier, options, f"tierkv-bench-{run_tag}")
                     keys = bench_keys(n, f"{rep}-{run_tag}")
                     store, load = await _tierkv_rep(
-                        config, medium, raw, keys, data, out, batches, options
+                        config, medium, raw, keys, data, out, batches, options, described
                     )
                 if not torch.equal(out, data):
                     raise BenchFailure(f"{medium} ({side}): blocks read back differ")
@@ -86,6 +87,7 @@ async def bench_medium(
         "medium": medium,
         "type": "primary" if tier is None else tier.type,
         "baseline": raw.description if raw is not None else None,
+        "io_engine": described.get("io_engine"),  # what moved a file tier's bytes
     }
     for phase in ("store", "load"):
         mine = summarize(nbytes, timings["tierkv", phase])
@@ -123,12 +125,16 @@ async def _tierkv_rep(
     out: torch.Tensor,
     batches: list[Batch],
     options: BenchOptions,
+    described: dict[str, Any],
 ) -> tuple[Timing, Timing]:
-    """Store then load every block through a freshly opened cache."""
+    """Store then load every block through a freshly opened cache; the tier's
+    `describe()` into `described`."""
     n = options.num_blocks
     async with TieredCache(config) as cache:
         cache.primary.view.tensor.zero_()  # fault the slab's pages in before timing
         tier_name = cache.tier_names[0] if cache.tier_names else None
+        if tier_name is not None:
+            described.update(cache.tier(tier_name).describe())
         rejected = 0
 
         async def store_batch(a: int, b: int) -> None:

@@ -39,6 +39,11 @@ def _header(report: dict[str, Any]) -> str:
         f"({format_size(report['total_bytes'])}) per medium, {report['batch']} blocks per "
         f"call, {report['concurrency']} calls in flight, median of {report['repeat']} "
         f"(min..max); MB/s = 10^6 bytes/s; latency per batch"
+        + "".join(
+            f"; {m['medium']} io engine: {m['io_engine']}"
+            for m in report["media"]
+            if m.get("io_engine")
+        )
     )
 
 

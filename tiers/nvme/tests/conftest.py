@@ -1,5 +1,11 @@
 """Fixtures for the nvme tier tests: a primary slab and nvme tiers on a real directory,
-and a fault injector for the few errors a test machine cannot produce on demand."""
+and a fault injector for the few errors a test machine cannot produce on demand.
+
+Every test that takes `rig` runs once per I/O engine (`io_engine`: the Python path and
+the compiled core), so both stay tested. A test that hooks the Python path's own
+functions (`blockfile`, `os.*` in worker threads) is marked `python_io` and runs on it
+only; so do the tests of the fault injector. The native runs are skipped when the core
+is not built, except under CI=true, where that fails them (CI installs libxxhash-dev)."""
 
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tierkv_nvme import NvmeTier, NvmeTierConfig, disk_footprint
+from tierkv_nvme import NvmeTier, NvmeTierConfig, disk_footprint, native
 
 from tierkv.contract.framing import header_bytes
 from tierkv.contract.jobs import JobMetadata, JobResult
@@ -23,6 +29,32 @@ from tierkv.primary import PrimaryTier
 from tierkv.testing import random_keys
 
 KEY_BYTES = 20  # what tierkv.testing.random_keys makes: a 16-byte hash + 4 group bytes
+IO_ENGINES = ("python", "native")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "python_io: hooks the Python I/O path's functions; runs on it only"
+    )
+
+
+def need_native() -> None:
+    """Skip a test of the compiled core where it is not built; fail it under CI."""
+    if not native.AVAILABLE:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true and {native.reason}")
+        pytest.skip(native.reason)
+
+
+@pytest.fixture(params=IO_ENGINES)
+def io_engine(request: pytest.FixtureRequest) -> str:
+    """The nvme tier's `io_engine` a test runs with (each test once per engine)."""
+    engine: str = request.param
+    if engine == "native":
+        if request.node.get_closest_marker("python_io"):
+            pytest.skip("hooks the Python I/O path")
+        need_native()
+    return engine
 
 
 @pytest.fixture
@@ -36,9 +68,16 @@ class Rig:
     _job_ids = itertools.count(1)
 
     def __init__(
-        self, path: Path, *, block_bytes: int = 4096, slots: int = 32, namespace: str = "nvme-test"
+        self,
+        path: Path,
+        *,
+        block_bytes: int = 4096,
+        slots: int = 32,
+        namespace: str = "nvme-test",
+        io_engine: str = "python",
     ) -> None:
         self.path = path
+        self.io_engine = io_engine
         self.primary = PrimaryTier(slots, block_bytes, pin_memory=False, namespace=namespace)
         self.view = self.primary.view
         self.rng = random.Random(0)
@@ -52,6 +91,7 @@ class Rig:
 
     def tier(self, capacity_blocks: int = 1024, **fields: Any) -> NvmeTier:
         fields.setdefault("capacity", capacity_blocks * self.footprint())
+        fields.setdefault("io_engine", self.io_engine)
         config = NvmeTierConfig(type="nvme", path=self.path, **fields)
         return NvmeTier(config, self.view)
 
@@ -92,8 +132,20 @@ class Rig:
 
 
 @pytest.fixture
-def rig(tmp_path: Path) -> Rig:
-    return Rig(tmp_path / "nvme")
+def rig(tmp_path: Path, io_engine: str) -> Rig:
+    return Rig(tmp_path / "nvme", io_engine=io_engine)
+
+
+@pytest.fixture
+def native_core() -> None:
+    """For a test of the compiled core: skipped where it is not built (failed under CI)."""
+    need_native()
+
+
+@pytest.fixture
+def native_rig(tmp_path: Path, native_core: None) -> Rig:
+    """A rig whose tiers use the compiled core."""
+    return Rig(tmp_path / "nvme", io_engine="native")
 
 
 class FaultInjector:
@@ -103,9 +155,12 @@ class FaultInjector:
     Global while active (worker threads call `os.*`), so tests use it as a context
     manager around the few calls that should fail."""
 
-    def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(
+        self, root: Path, monkeypatch: pytest.MonkeyPatch, io_engine: str = "python"
+    ) -> None:
         self.root = str(root.resolve())
         self.monkeypatch = monkeypatch
+        self.io_engine = io_engine
         self.hits = 0
         self._lock = threading.Lock()
 
@@ -114,6 +169,12 @@ class FaultInjector:
             return os.readlink(f"/proc/self/fd/{fd}").startswith(self.root)
         except OSError:
             return False
+
+    def _python_only(self) -> None:
+        """The faults are injected into Python's `os` calls: the compiled core makes
+        its own system calls, so a test that injects one runs on the Python path only."""
+        if self.io_engine != "python":
+            pytest.skip("faults are injected into the Python I/O path's os calls")
 
     def _hit(self) -> None:
         with self._lock:
@@ -137,6 +198,7 @@ class FaultInjector:
         """Writes under root behave as on a filesystem of `size` bytes: the write that
         crosses it stores part of its bytes, the next one fails with ENOSPC; deleting
         files makes room again."""
+        self._python_only()
         real_writev = os.writev
 
         def writev(fd: int, buffers: Sequence[Any]) -> int:
@@ -162,6 +224,7 @@ class FaultInjector:
     @contextmanager
     def fail_create(self, code: int) -> Iterator[None]:
         """Creating a file under root fails with `code` (EACCES, EROFS, ...)."""
+        self._python_only()
         real_open = os.open
 
         def fake_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
@@ -180,6 +243,7 @@ class FaultInjector:
     @contextmanager
     def fail_read(self, code: int) -> Iterator[None]:
         """Reading a block file under root fails with `code` (EIO, ...)."""
+        self._python_only()
         real_preadv = os.preadv
 
         def preadv(fd: int, buffers: Sequence[Any], offset: int, *args: Any) -> int:
@@ -196,4 +260,4 @@ class FaultInjector:
 @pytest.fixture
 def faults(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> FaultInjector:
     rig.path.mkdir(parents=True, exist_ok=True)
-    return FaultInjector(rig.path, monkeypatch)
+    return FaultInjector(rig.path, monkeypatch, rig.io_engine)

@@ -21,11 +21,13 @@ _dirs = itertools.count()
 
 class TestNvmeTierConformance(TierConformanceSuite):
     """Every tier the suite makes gets a directory of its own: the property-based test
-    opens many tiers in one test, and each must start empty."""
+    opens many tiers in one test, and each must start empty. Run once per I/O engine
+    (the conftest's `io_engine`)."""
 
     @pytest.fixture(autouse=True)
-    def _root(self, tmp_path: Path) -> None:
+    def _root(self, tmp_path: Path, io_engine: str) -> None:
         self.root = tmp_path
+        self.io_engine = io_engine
 
     def make_tier(
         self, primary: PrimaryView, *, capacity_blocks: int | None, **fields: Any
@@ -36,9 +38,13 @@ class TestNvmeTierConformance(TierConformanceSuite):
             path=self.root / f"tier{next(_dirs)}",
             capacity=(capacity_blocks or 1024) * block,
             io_concurrency=4,
-            **fields,
+            **{"io_engine": self._engine(fields), **fields},
         )
         return NvmeTier(config, primary)
+
+    def _engine(self, fields: dict[str, Any]) -> str:
+        """The test's engine, but `auto` for signed frames (the core does not sign)."""
+        return "auto" if fields.get("mac_key_env") else self.io_engine
 
     async def corrupt(self, tier: SecondaryTierManager, key: OffloadKey) -> None:
         assert isinstance(tier, NvmeTier)

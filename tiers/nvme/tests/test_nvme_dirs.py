@@ -318,6 +318,7 @@ async def test_blocks_not_in_the_page_cache_are_read_after_advice(
     await tier.close()
 
 
+@pytest.mark.python_io
 async def test_a_filesystem_that_refuses_cache_only_reads_is_read_as_before(
     rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -469,6 +470,7 @@ async def test_blocks_are_read_without_touching_their_access_time(rig) -> None:
     await tier.close()
 
 
+@pytest.mark.python_io
 async def test_files_that_refuse_noatime_are_read_all_the_same(
     rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -213,6 +213,7 @@ class _Gate:
                 self.inside -= 1
 
 
+@pytest.mark.python_io
 async def test_a_block_being_read_is_not_evicted(rig, monkeypatch: pytest.MonkeyPatch) -> None:
     tier = rig.tier(capacity_blocks=2)
     await tier.open()
@@ -239,6 +240,7 @@ async def test_a_block_being_read_is_not_evicted(rig, monkeypatch: pytest.Monkey
     await tier.close()
 
 
+@pytest.mark.python_io
 async def test_no_more_than_io_concurrency_block_operations_run_at_once(
     rig,
     monkeypatch: pytest.MonkeyPatch,
@@ -269,6 +271,7 @@ async def test_no_more_than_io_concurrency_block_operations_run_at_once(
     await tier.close()
 
 
+@pytest.mark.python_io
 async def test_a_cancelled_store_leaves_disk_and_index_in_agreement(
     rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -359,17 +362,17 @@ async def test_loads_and_unsynced_stores_of_small_blocks_go_in_one_thread_call(
     the page cache): 16 small blocks go in one call; fsynced stores spread over
     io_concurrency calls so their fdatasyncs overlap. Every block still arrives whole."""
     calls: dict[str, list[int]] = {"read": [], "write": []}
-    real_read, real_write = blockfile.read_blocks, NvmeTier._write_files
+    real_read, real_write = NvmeTier._read_files, NvmeTier._write_files
 
-    def counting_read(leaves: Any, items: Any, *rest: Any) -> Any:
+    def counting_read(self: NvmeTier, items: Any) -> Any:
         calls["read"].append(len(items))
-        return real_read(leaves, items, *rest)
+        return real_read(self, items)
 
     def counting_write(self: NvmeTier, items: Any, victims: Any) -> Any:
         calls["write"].append(len(items))
         return real_write(self, items, victims)
 
-    monkeypatch.setattr(blockfile, "read_blocks", counting_read)
+    monkeypatch.setattr(NvmeTier, "_read_files", counting_read)
     monkeypatch.setattr(NvmeTier, "_write_files", counting_write)
     for fsync, writes in (("never", [16]), ("always", [1] * 16)):
         calls["read"].clear()

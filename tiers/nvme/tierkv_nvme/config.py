@@ -19,6 +19,7 @@ from tierkv.contract.units import Size
 from tierkv.tier import TierConfig
 
 FsyncMode = Literal["always", "never"]
+IoEngine = Literal["auto", "native", "python"]
 
 
 class NvmeTierConfig(TierConfig):
@@ -50,6 +51,14 @@ class NvmeTierConfig(TierConfig):
         "into place and its store reports ok; never: the kernel flushes when it likes. "
         "Either way a power loss costs at most recent blocks, which then read as misses "
         "(checksums and the rebuild on open see to that), never as wrong data",
+    )
+    io_engine: IoEngine = Field(
+        default="auto",
+        description="what moves the blocks' bytes: native, the compiled core (a whole "
+        "batch per call, GIL released; built when the package is installed with a C "
+        "compiler and libxxhash-dev); python, the pure-Python path; auto, native when "
+        "it is built and the frames carry no MAC (mac_key_env), else python. The same "
+        "files either way",
     )
 
     @field_validator("path", mode="before")

@@ -73,7 +73,7 @@ from tierkv.tier import (
     in_thread,
     run_job,
 )
-from tierkv_nvme import blockfile
+from tierkv_nvme import blockfile, native
 from tierkv_nvme.blockfile import RelPath
 from tierkv_nvme.config import NvmeTierConfig
 from tierkv_nvme.dirs import FanoutDirs
@@ -178,6 +178,7 @@ class NvmeTier(SecondaryTierManager):
     protects_claims = True
     names_eviction_candidates = True
     accepts_regions = True  # a block of several regions is one file (header, regions)
+    _io_engine = "python"  # what moves the bytes: set by `open` (`native.choose`)
 
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
         super().__init__(config, primary)
@@ -270,6 +271,7 @@ class NvmeTier(SecondaryTierManager):
             "fsync": self.config.fsync,
             "io_concurrency": self.config.io_concurrency,
             "mac": self.framer.mac,
+            "io_engine": self._io_engine,
         }
 
     # -- life cycle ---------------------------------------------------------------
@@ -280,6 +282,8 @@ class NvmeTier(SecondaryTierManager):
         tier instance, in this or another process, already uses it)."""
         if self._state != "new":
             raise TierUnavailable(f"nvme tier at {self.directory} was already opened")
+        self._io_engine, why = native.choose(self.config.io_engine, self.framer)
+        logger.info("nvme tier %s: io engine %s (%s)", self.directory, self._io_engine, why)
         try:
             self._fs_block = await anyio.to_thread.run_sync(self._take_directory)
         except OSError as exc:
@@ -747,12 +751,15 @@ class NvmeTier(SecondaryTierManager):
     def _write_files(
         self, items: list[tuple[RelPath, OffloadKey, blockfile.Slot]], victims: list[RelPath]
     ) -> list[Exception | None]:
-        """Worker thread: delete `victims`, then write each block; one outcome each."""
+        """Worker thread: delete `victims`, then write each block; one outcome each
+        (the whole chunk in one call of the compiled core when it is the engine)."""
         fsync = self.config.fsync == "always"
         outcomes: list[Exception | None] = []
         with self._dirs.leaves() as leaves:
             if victims:
                 blockfile.delete_files(leaves, victims)
+            if self._io_engine == "native":
+                return native.write_blocks(leaves, items, self.framer, fsync=fsync)
             for rel, key, payload in items:
                 try:
                     blockfile.write_block(leaves, rel, key, payload, self.framer, fsync=fsync)
@@ -879,9 +886,11 @@ class NvmeTier(SecondaryTierManager):
         return failed
 
     def _read_files(self, items: list[blockfile.ReadItem]) -> list[Exception | None]:
-        """Worker thread: read and check each block into its slot; one outcome each."""
+        """Worker thread: read and check each block into its slot; one outcome each
+        (the whole chunk in one call of the compiled core when it is the engine)."""
+        read = native.read_blocks if self._io_engine == "native" else blockfile.read_blocks
         with self._dirs.leaves() as leaves:
-            return blockfile.read_blocks(leaves, items, self.framer, self.primary.placement)
+            return read(leaves, items, self.framer, self.primary.placement)
 
     def _describe_error(self, error: Exception, action: str, key: OffloadKey) -> str:
         if isinstance(error, CorruptBlock):

@@ -1,0 +1,22 @@
+"""Builds the optional C core of the nvme tier (`tierkv_nvme/_batchio.c`).
+
+Optional: a machine without a C compiler or the xxhash headers (Debian/Ubuntu:
+`apt-get install libxxhash-dev`) still installs the tier, which then moves blocks on
+its Python path (`tierkv_nvme.native.reason` says why). Everything else about the
+distribution is in pyproject.toml.
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "tierkv_nvme._batchio",
+            sources=["tierkv_nvme/_batchio.c"],
+            libraries=["xxhash"],
+            extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+            extra_link_args=["-pthread"],
+            optional=True,
+        )
+    ]
+)

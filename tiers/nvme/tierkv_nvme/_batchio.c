@@ -1,0 +1,744 @@
+/* _batchio: the nvme tier's block files, a whole batch per call, in C.
+ *
+ * What `blockfile.write_block` and `blockfile.read_blocks` do per block in Python, done
+ * for a whole batch with the GIL released, spread over a few pthreads: the Python path
+ * spent ~73 us of CPU per 64 KiB block (the interpreter around a handful of system
+ * calls, the checksum, the frame), where the system calls themselves cost a few.
+ *
+ * The frame is `tierkv.contract.framing.Framer`'s without a MAC, byte for byte:
+ *     magic "TKVB" | version u16 | flags u16 | namespace hash u64 | payload length u64
+ *     | payload checksum u64 (xxh3_64) | key length u16 | key | payload
+ * (little-endian). Signed frames (a Framer with a MAC key) stay on the Python path.
+ *
+ * Python (`native.py`) resolves every block's fan-out directory descriptor (`Leaves`,
+ * which owns the O_NOFOLLOW checks of directories) and names; this module only opens,
+ * reads, writes, renames and deletes relative to those descriptors, never by path, and
+ * never follows a link (O_NOFOLLOW on every open, renameat replaces the name itself).
+ *
+ * Outcome per block: 0 ok, -errno for a system call that failed, or a positive
+ * CORRUPT_* code for a frame that fails a check (the file is then deleted if its name
+ * still holds it, as `blockfile._discard_corrupt` does).
+ */
+#define PY_SSIZE_T_CLEAN
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
+#include <xxhash.h>
+/* The library's plain XXH3 entry points are built for the baseline CPU (SSE2: ~17 GB/s
+ * on the dev VM); its x86 dispatch ones pick AVX2/AVX-512 at run time (~30 GB/s), as
+ * python-xxhash does. The header renames XXH3_64bits* to them. */
+#if defined(__x86_64__) && defined(__has_include)
+#if __has_include(<xxh_x86dispatch.h>)
+#include <xxh_x86dispatch.h>
+#endif
+#endif
+
+#define FIXED_HEADER_BYTES 34
+#define FORMAT_VERSION 1
+#define MAX_KEY_BYTES 65535
+#define MAX_THREADS 16
+#define PREFETCH_BLOCKS 16   /* blockfile.PREFETCH_BLOCKS */
+#define SHORT_DISTANCE 64    /* blockfile.SHORT_DISTANCE */
+#define SCRATCH_MAX_BYTES (256 << 10) /* blockfile.SCRATCH_MAX_BYTES */
+#define PAGE 4096
+
+/* Frame check failures, one per kind (`native.CORRUPT_KINDS` names them). */
+enum {
+    CORRUPT_SHORT = 1,     /* the file ended before the frame did */
+    CORRUPT_LONG = 2,      /* the file is longer than the frame */
+    CORRUPT_MAGIC = 3,
+    CORRUPT_VERSION = 4,
+    CORRUPT_FLAGS = 5,
+    CORRUPT_NAMESPACE = 6,
+    CORRUPT_KEY_LENGTH = 7,
+    CORRUPT_KEY = 8,
+    CORRUPT_PAYLOAD_LENGTH = 9,
+    CORRUPT_CHECKSUM = 10,
+};
+#define NOT_CACHED 100 /* internal: a RWF_NOWAIT read that decided nothing */
+
+static const unsigned char MAGIC[4] = {'T', 'K', 'V', 'B'};
+
+/* Read flags, process-wide as in blockfile._ReadFlags: O_NOATIME until a file refuses
+ * it (EPERM: not our file), then without for good. RWF_NOWAIT likewise (_Cached). */
+static atomic_int read_noatime = 1;
+static atomic_int nowait_works = 1;
+
+/* One block of a batch. */
+typedef struct {
+    int dir_fd;
+    const char *name;      /* final file name in dir_fd */
+    const char *tmp;       /* temporary name (writes) */
+    const unsigned char *key;
+    size_t key_len;
+    struct iovec *regions; /* payload, in order (into the batch's iovec array) */
+    int nregions;
+    size_t payload_len;
+    int touch;             /* reads: refresh the mtime once read and checked */
+    unsigned char *head;   /* header: built (writes) or read (reads); head_bytes long */
+    long code;             /* outcome */
+    ssize_t got;           /* reads: bytes the file gave (for CORRUPT_SHORT/LONG) */
+} Item;
+
+typedef struct {
+    Item *items;
+    size_t n;
+    atomic_size_t next;    /* the next block (writes) or group (reads) to take */
+    uint64_t ns_hash;
+    int fsync;
+    size_t group;          /* reads: blocks per group, PREFETCH_BLOCKS at most */
+} Batch;
+
+/* -- the frame ------------------------------------------------------------------- */
+
+static void put_le(unsigned char *at, uint64_t value, int bytes) {
+    for (int i = 0; i < bytes; i++)
+        at[i] = (unsigned char)(value >> (8 * i));
+}
+
+static uint64_t get_le(const unsigned char *at, int bytes) {
+    uint64_t value = 0;
+    for (int i = bytes - 1; i >= 0; i--)
+        value = (value << 8) | at[i];
+    return value;
+}
+
+/* xxh3_64 of the regions joined (== xxhash.xxh3_64_intdigest of their concatenation). */
+static int checksum(const struct iovec *regions, int n, uint64_t *out) {
+    if (n == 1) {
+        *out = XXH3_64bits(regions[0].iov_base, regions[0].iov_len);
+        return 0;
+    }
+    XXH3_state_t *state = XXH3_createState();
+    if (state == NULL)
+        return -ENOMEM;
+    XXH3_64bits_reset(state);
+    for (int i = 0; i < n; i++)
+        XXH3_64bits_update(state, regions[i].iov_base, regions[i].iov_len);
+    *out = XXH3_64bits_digest(state);
+    XXH3_freeState(state);
+    return 0;
+}
+
+/* The header of `item`'s frame into item->head (Framer.encode_header, no MAC). */
+static int build_header(const Batch *batch, Item *item) {
+    uint64_t sum;
+    int err = checksum(item->regions, item->nregions, &sum);
+    if (err)
+        return err;
+    unsigned char *h = item->head;
+    memcpy(h, MAGIC, 4);
+    put_le(h + 4, FORMAT_VERSION, 2);
+    put_le(h + 6, 0, 2); /* flags: no MAC */
+    put_le(h + 8, batch->ns_hash, 8);
+    put_le(h + 16, item->payload_len, 8);
+    put_le(h + 24, sum, 8);
+    put_le(h + 32, item->key_len, 2);
+    memcpy(h + FIXED_HEADER_BYTES, item->key, item->key_len);
+    return 0;
+}
+
+/* Every field of the header read for `item`, in the order Framer.check_frame reports
+ * them; the checksum last, over the payload where it now lies. */
+static long check_frame(const Batch *batch, const Item *item) {
+    const unsigned char *h = item->head;
+    if (memcmp(h, MAGIC, 4) != 0)
+        return CORRUPT_MAGIC;
+    if (get_le(h + 4, 2) != FORMAT_VERSION)
+        return CORRUPT_VERSION;
+    if (get_le(h + 6, 2) != 0)
+        return CORRUPT_FLAGS;
+    if (get_le(h + 8, 8) != batch->ns_hash)
+        return CORRUPT_NAMESPACE;
+    if (get_le(h + 32, 2) != item->key_len)
+        return CORRUPT_KEY_LENGTH;
+    if (memcmp(h + FIXED_HEADER_BYTES, item->key, item->key_len) != 0)
+        return CORRUPT_KEY;
+    if (get_le(h + 16, 8) != item->payload_len)
+        return CORRUPT_PAYLOAD_LENGTH;
+    uint64_t sum;
+    int err = checksum(item->regions, item->nregions, &sum);
+    if (err)
+        return err;
+    return get_le(h + 24, 8) == sum ? 0 : CORRUPT_CHECKSUM;
+}
+
+/* -- vectored I/O to the end ------------------------------------------------------ */
+
+/* Skip `done` bytes of iov[0..*n), adjusting the first remaining entry in place. */
+static struct iovec *advance(struct iovec *iov, int *n, size_t done) {
+    while (*n && done >= iov->iov_len) {
+        done -= iov->iov_len;
+        iov++;
+        (*n)--;
+    }
+    if (*n) {
+        iov->iov_base = (char *)iov->iov_base + done;
+        iov->iov_len -= done;
+    }
+    return iov;
+}
+
+/* pwritev all of iov (consumed) at offset 0, continuing after short writes. */
+static int write_all(int fd, struct iovec *iov, int n) {
+    off_t offset = 0;
+    while (n) {
+        ssize_t put = pwritev(fd, iov, n < IOV_MAX ? n : IOV_MAX, offset);
+        if (put < 0) {
+            if (errno == EINTR)
+                continue;
+            return -errno;
+        }
+        if (put == 0)
+            return -EIO; /* "write made no progress", as blockfile._write_all */
+        offset += put;
+        iov = advance(iov, &n, (size_t)put);
+    }
+    return 0;
+}
+
+/* preadv into iov (consumed) from `offset` until full or end of file; bytes read
+ * (from `offset`) or -errno. `flags` as preadv2's (RWF_NOWAIT: one call only). */
+static ssize_t read_all(int fd, struct iovec *iov, int n, off_t offset, int flags) {
+    ssize_t total = 0;
+    while (n) {
+        ssize_t got = preadv2(fd, iov, n < IOV_MAX ? n : IOV_MAX, offset + total, flags);
+        if (got < 0) {
+            if (errno == EINTR)
+                continue;
+            return -errno;
+        }
+        if (got == 0)
+            break;
+        total += got;
+        iov = advance(iov, &n, (size_t)got);
+        if (flags)
+            break; /* a cache-only read decides from its one call */
+    }
+    return total;
+}
+
+/* -- writes ----------------------------------------------------------------------- */
+
+/* blockfile.write_block for one block: temp file, header + payload, fdatasync, rename
+ * onto the final name; the temp file is deleted on any failure. */
+static long write_one(const Batch *batch, Item *item) {
+    int err = build_header(batch, item);
+    if (err)
+        return err;
+    int fd = openat(item->dir_fd, item->tmp,
+                    O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return -errno;
+    /* header + regions; write_all consumes the array, so a copy on the stack when small */
+    int n = item->nregions + 1;
+    struct iovec local[16];
+    struct iovec *iov = n <= 16 ? local : malloc(sizeof *iov * (size_t)n);
+    if (iov == NULL) {
+        err = -ENOMEM;
+    } else {
+        iov[0].iov_base = item->head;
+        iov[0].iov_len = FIXED_HEADER_BYTES + item->key_len;
+        memcpy(iov + 1, item->regions, sizeof *iov * (size_t)item->nregions);
+        err = write_all(fd, iov, n);
+        if (iov != local)
+            free(iov);
+    }
+    if (!err && batch->fsync && fdatasync(fd) != 0)
+        err = -errno;
+    if (close(fd) != 0 && !err && errno != EINTR)
+        err = -errno;
+    /* renameat never follows a link at the target: it replaces the name itself */
+    if (!err && renameat(item->dir_fd, item->tmp, item->dir_fd, item->name) != 0)
+        err = -errno;
+    if (err)
+        unlinkat(item->dir_fd, item->tmp, 0);
+    return err;
+}
+
+static void *write_worker(void *arg) {
+    Batch *batch = arg;
+    size_t i;
+    while ((i = atomic_fetch_add(&batch->next, 1)) < batch->n)
+        batch->items[i].code = write_one(batch, &batch->items[i]);
+    return NULL;
+}
+
+/* -- reads ------------------------------------------------------------------------ */
+
+/* Per thread: a page-aligned buffer frames at a short distance are read through
+ * (blockfile._Scratch), mapped on first need, and the spare byte every read ends in. */
+typedef struct {
+    unsigned char *map;
+    size_t size;
+    unsigned char spare;
+} Scratch;
+
+static void scratch_close(Scratch *s) {
+    if (s->map)
+        munmap(s->map, s->size);
+    s->map = NULL;
+    s->size = 0;
+}
+
+/* Where to read `item`'s frame (header, payload, spare byte) when copying it straight
+ * into the regions would be slow (a region 1..SHORT_DISTANCE-1 bytes past its payload's
+ * file offset, modulo a page: blockfile.SHORT_DISTANCE), placed as _Scratch._place
+ * does so that neither the kernel's copy nor ours is short; NULL to read straight in. */
+static unsigned char *scratch_frame(Scratch *s, const Item *item, size_t head_bytes) {
+    if (item->payload_len > SCRATCH_MAX_BYTES || item->nregions == 0)
+        return NULL;
+    size_t offset = head_bytes, first = 0;
+    int is_short = 0;
+    for (int i = 0; i < item->nregions; i++) {
+        size_t here = ((uintptr_t)item->regions[i].iov_base - offset) % PAGE;
+        if (i == 0)
+            first = here;
+        is_short |= here > 0 && here < SHORT_DISTANCE;
+        offset += item->regions[i].iov_len;
+    }
+    if (!is_short)
+        return NULL;
+    size_t start = SHORT_DISTANCE + first;
+    size_t size = start + head_bytes + item->payload_len + 1;
+    if (s->size < size) {
+        scratch_close(s);
+        size_t rounded = (size + PAGE - 1) / PAGE * PAGE;
+        void *map = mmap(NULL, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (map == MAP_FAILED)
+            return NULL; /* read straight in: slow, not wrong */
+        s->map = map;
+        s->size = rounded;
+    }
+    return s->map + start;
+}
+
+/* A read-only descriptor of `item`'s file, opened without following a link (nor
+ * updating its access time while files allow it). */
+static int open_block(const Item *item) {
+    int base = O_RDONLY | O_NOFOLLOW | O_CLOEXEC;
+    if (atomic_load(&read_noatime)) {
+        int fd = openat(item->dir_fd, item->name, base | O_NOATIME);
+        if (fd >= 0 || errno != EPERM)
+            return fd < 0 ? -errno : fd;
+        atomic_store(&read_noatime, 0); /* not our files: read as anyone may */
+    }
+    int fd = openat(item->dir_fd, item->name, base);
+    return fd < 0 ? -errno : fd;
+}
+
+/* Delete `item`'s file if its name still holds the file open as `fd`: a corrupt file
+ * goes, never a good block that replaced it meanwhile (blockfile._discard_if_same). */
+static void discard_if_same(const Item *item, int fd) {
+    struct stat opened, current;
+    if (fstat(fd, &opened) != 0)
+        return;
+    if (fstatat(item->dir_fd, item->name, &current, AT_SYMLINK_NOFOLLOW) != 0)
+        return;
+    if (opened.st_dev == current.st_dev && opened.st_ino == current.st_ino)
+        unlinkat(item->dir_fd, item->name, 0);
+}
+
+/* blockfile.read_opened for one block open as `fd`: header, payload straight into the
+ * regions (or through scratch) and a spare byte in one preadv, then the length and every
+ * header field and the checksum. With `nowait`, the page cache only: NOT_CACHED when
+ * that decides nothing (then nothing is decided and the caller reads again without). */
+static long read_one(const Batch *batch, Item *item, int fd, Scratch *s, int nowait) {
+    size_t head_bytes = FIXED_HEADER_BYTES + item->key_len;
+    size_t expected = head_bytes + item->payload_len;
+    unsigned char *frame = scratch_frame(s, item, head_bytes);
+    int n = frame ? 1 : item->nregions + 2;
+    struct iovec local[18];
+    struct iovec *iov = n <= 18 ? local : malloc(sizeof *iov * (size_t)n);
+    if (iov == NULL)
+        return -ENOMEM;
+    if (frame) {
+        iov[0].iov_base = frame;
+        iov[0].iov_len = expected + 1;
+    } else {
+        iov[0].iov_base = item->head;
+        iov[0].iov_len = head_bytes;
+        memcpy(iov + 1, item->regions, sizeof *iov * (size_t)item->nregions);
+        iov[n - 1].iov_base = &s->spare;
+        iov[n - 1].iov_len = 1;
+    }
+    ssize_t got;
+    if (nowait) {
+        got = read_all(fd, iov, n, 0, RWF_NOWAIT);
+        if (got == -EAGAIN) {
+            got = NOT_CACHED;
+        } else if (got == -EOPNOTSUPP || got == -EINVAL || got == -ENOSYS) {
+            atomic_store(&nowait_works, 0);
+            got = NOT_CACHED;
+        } else if (got >= 0 && ((size_t)got < expected ||
+                                ((size_t)got == expected && expected % PAGE == 0))) {
+            got = NOT_CACHED; /* not all there, or its length not decided by a read page */
+        }
+        if (got == NOT_CACHED) {
+            if (iov != local)
+                free(iov);
+            return NOT_CACHED;
+        }
+    } else {
+        got = read_all(fd, iov, n, 0, 0);
+    }
+    if (iov != local)
+        free(iov);
+    if (got < 0)
+        return (long)got;
+    item->got = got;
+    long code = 0;
+    if ((size_t)got != expected) {
+        code = (size_t)got > expected ? CORRUPT_LONG : CORRUPT_SHORT;
+    } else {
+        if (frame) { /* header out of scratch, payload into the regions in order */
+            memcpy(item->head, frame, head_bytes);
+            const unsigned char *from = frame + head_bytes;
+            for (int i = 0; i < item->nregions; i++) {
+                memcpy(item->regions[i].iov_base, from, item->regions[i].iov_len);
+                from += item->regions[i].iov_len;
+            }
+        }
+        code = check_frame(batch, item);
+    }
+    if (code > 0) {
+        discard_if_same(item, fd);
+        return code;
+    }
+    if (code == 0 && item->touch && futimens(fd, NULL) != 0)
+        return -errno;
+    return code;
+}
+
+/* blockfile._read_groups for one group of PREFETCH_BLOCKS blocks: open each, read it
+ * at once if the page cache holds it whole; from the first it does not, advise the rest
+ * together (POSIX_FADV_WILLNEED) and read them, so the disk works on all at once. */
+static void read_group(const Batch *batch, size_t first, size_t end, Scratch *s) {
+    int fds[PREFETCH_BLOCKS];
+    size_t cold[PREFETCH_BLOCKS];
+    size_t ncold = 0;
+    int cached = atomic_load(&nowait_works);
+    for (size_t i = first; i < end; i++) {
+        Item *item = &batch->items[i];
+        int fd = fds[i - first] = open_block(item);
+        if (fd < 0) {
+            item->code = fd;
+            continue;
+        }
+        long code = cached ? read_one(batch, item, fd, s, 1) : NOT_CACHED;
+        if (code == NOT_CACHED) {
+            cold[ncold++] = i;
+            cached = 0; /* the rest is likely cold too: advised and read with it */
+        } else {
+            item->code = code;
+        }
+    }
+    if (ncold > 1)
+        for (size_t c = 0; c < ncold; c++)
+            posix_fadvise(fds[cold[c] - first], 0, 0, POSIX_FADV_WILLNEED);
+    for (size_t c = 0; c < ncold; c++)
+        batch->items[cold[c]].code = read_one(batch, &batch->items[cold[c]], fds[cold[c] - first], s, 0);
+    for (size_t i = first; i < end; i++)
+        if (fds[i - first] >= 0)
+            close(fds[i - first]);
+}
+
+static void *read_worker(void *arg) {
+    Batch *batch = arg;
+    Scratch scratch = {NULL, 0, 0};
+    size_t group;
+    while ((group = atomic_fetch_add(&batch->next, 1)) * batch->group < batch->n) {
+        size_t first = group * batch->group;
+        size_t end = first + batch->group < batch->n ? first + batch->group : batch->n;
+        read_group(batch, first, end, &scratch);
+    }
+    scratch_close(&scratch);
+    return NULL;
+}
+
+/* Run `worker` on `threads` threads (this one among them); GIL released by the caller.
+ * A thread that cannot be started leaves its share to the others. */
+static void run_threads(void *(*worker)(void *), Batch *batch, int threads) {
+    pthread_t ids[MAX_THREADS];
+    int started = 0;
+    for (int t = 1; t < threads; t++)
+        if (pthread_create(&ids[started], NULL, worker, batch) == 0)
+            started++;
+    worker(batch);
+    for (int t = 0; t < started; t++)
+        pthread_join(ids[t], NULL);
+}
+
+/* -- from Python ------------------------------------------------------------------ */
+
+/* Everything a call holds while the GIL is released: items, their iovecs and headers,
+ * and the Py_buffers that keep the payload memory alive. */
+typedef struct {
+    Item *items;
+    struct iovec *iovs;
+    Py_buffer *views;
+    Py_ssize_t nviews;
+    unsigned char *heads;
+} Held;
+
+static void held_release(Held *held) {
+    for (Py_ssize_t i = 0; i < held->nviews; i++)
+        PyBuffer_Release(&held->views[i]);
+    PyMem_Free(held->items);
+    PyMem_Free(held->iovs);
+    PyMem_Free(held->views);
+    PyMem_Free(held->heads);
+}
+
+/* Regions of a slot: one buffer, or a tuple of buffers (blockfile.Slot). */
+static Py_ssize_t count_regions(PyObject *slot) {
+    return PyTuple_Check(slot) ? PyTuple_GET_SIZE(slot) : 1;
+}
+
+/* Take the buffers of `slot` (writable for reads) into item->regions. */
+static int take_regions(Held *held, Item *item, PyObject *slot, int writable) {
+    Py_ssize_t n = count_regions(slot);
+    item->payload_len = 0;
+    item->nregions = (int)n;
+    for (Py_ssize_t r = 0; r < n; r++) {
+        PyObject *region = PyTuple_Check(slot) ? PyTuple_GET_ITEM(slot, r) : slot;
+        Py_buffer *view = &held->views[held->nviews];
+        if (PyObject_GetBuffer(region, view, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) != 0)
+            return -1;
+        held->nviews++;
+        item->regions[r].iov_base = view->buf;
+        item->regions[r].iov_len = (size_t)view->len;
+        item->payload_len += (size_t)view->len;
+    }
+    return 0;
+}
+
+/* Parse `items` (a list of tuples: dir_fd, name, [tmp,] key, slot[, touch]) into
+ * held->items; with the GIL held. */
+static int parse_items(PyObject *items, Held *held, int reads) {
+    Py_ssize_t n = PyList_GET_SIZE(items), nregions = 0, nhead = 0;
+    Py_ssize_t width = 5; /* (dir_fd, name, tmp|key, key|slot, slot|touch) */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = PyList_GET_ITEM(items, i);
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != width) {
+            PyErr_Format(PyExc_TypeError, "item %zd: a tuple of %zd fields expected", i, width);
+            return -1;
+        }
+        PyObject *key = PyTuple_GET_ITEM(t, reads ? 2 : 3);
+        PyObject *slot = PyTuple_GET_ITEM(t, reads ? 3 : 4);
+        if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) > MAX_KEY_BYTES) {
+            PyErr_Format(PyExc_ValueError, "item %zd: key must be bytes of at most %d", i,
+                         MAX_KEY_BYTES);
+            return -1;
+        }
+        nregions += count_regions(slot);
+        nhead += FIXED_HEADER_BYTES + PyBytes_GET_SIZE(key);
+    }
+    held->items = PyMem_Calloc((size_t)n + 1, sizeof(Item));
+    held->iovs = PyMem_Calloc((size_t)nregions + 1, sizeof(struct iovec));
+    held->views = PyMem_Calloc((size_t)nregions + 1, sizeof(Py_buffer));
+    held->heads = PyMem_Malloc((size_t)nhead + 1);
+    if (!held->items || !held->iovs || !held->views || !held->heads) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    struct iovec *iov = held->iovs;
+    unsigned char *head = held->heads;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = PyList_GET_ITEM(items, i);
+        Item *item = &held->items[i];
+        item->dir_fd = PyLong_AsLong(PyTuple_GET_ITEM(t, 0));
+        if (item->dir_fd == -1 && PyErr_Occurred())
+            return -1;
+        item->name = PyBytes_AsString(PyTuple_GET_ITEM(t, 1));
+        if (item->name == NULL)
+            return -1;
+        if (!reads && (item->tmp = PyBytes_AsString(PyTuple_GET_ITEM(t, 2))) == NULL)
+            return -1;
+        PyObject *key = PyTuple_GET_ITEM(t, reads ? 2 : 3);
+        item->key = (const unsigned char *)PyBytes_AS_STRING(key);
+        item->key_len = (size_t)PyBytes_GET_SIZE(key);
+        item->regions = iov;
+        if (take_regions(held, item, PyTuple_GET_ITEM(t, reads ? 3 : 4), reads) != 0)
+            return -1;
+        iov += item->nregions;
+        item->touch = reads ? PyObject_IsTrue(PyTuple_GET_ITEM(t, 4)) : 0;
+        if (item->touch < 0)
+            return -1;
+        item->head = head;
+        head += FIXED_HEADER_BYTES + item->key_len;
+    }
+    return 0;
+}
+
+static int clamp_threads(int threads, size_t units) {
+    if (threads < 1)
+        threads = 1;
+    if (threads > MAX_THREADS)
+        threads = MAX_THREADS;
+    if ((size_t)threads > units)
+        threads = units ? (int)units : 1;
+    return threads;
+}
+
+PyDoc_STRVAR(write_blocks_doc,
+"write_blocks(items, ns_hash, fsync, threads) -> list[int]\n\n"
+"items: list of (dir_fd, name: bytes, tmp: bytes, key: bytes, payload) where payload is\n"
+"a buffer or a tuple of buffers. Each block: openat(tmp, O_EXCL|O_NOFOLLOW, 0600),\n"
+"pwritev(header, payload), fdatasync if fsync, renameat(tmp, name); tmp unlinked on\n"
+"failure. One outcome per block: 0 or -errno.");
+
+static PyObject *py_write_blocks(PyObject *self, PyObject *args) {
+    PyObject *items;
+    unsigned long long ns_hash;
+    int fsync, threads;
+    if (!PyArg_ParseTuple(args, "O!Kpi", &PyList_Type, &items, &ns_hash, &fsync, &threads))
+        return NULL;
+    Held held = {0};
+    PyObject *result = NULL;
+    if (parse_items(items, &held, 0) == 0) {
+        Batch batch = {held.items, (size_t)PyList_GET_SIZE(items), 0, ns_hash, fsync, 1};
+        threads = clamp_threads(threads, batch.n);
+        Py_BEGIN_ALLOW_THREADS
+        run_threads(write_worker, &batch, threads);
+        Py_END_ALLOW_THREADS
+        result = PyList_New((Py_ssize_t)batch.n);
+        for (size_t i = 0; result && i < batch.n; i++) {
+            PyObject *code = PyLong_FromLong(held.items[i].code);
+            if (code == NULL)
+                Py_CLEAR(result);
+            else
+                PyList_SET_ITEM(result, (Py_ssize_t)i, code);
+        }
+    }
+    held_release(&held);
+    return result;
+}
+
+PyDoc_STRVAR(read_blocks_doc,
+"read_blocks(items, ns_hash, threads) -> (list[int], dict[int, tuple[int, bytes]])\n\n"
+"items: list of (dir_fd, name: bytes, key: bytes, slot, touch) where slot is a writable\n"
+"buffer or a tuple of them. Each block: openat(name, O_NOFOLLOW), one preadv of header,\n"
+"payload into the slot and a spare byte, the frame checked, the mtime refreshed if\n"
+"touch. One outcome per block: 0, -errno, or a CORRUPT_* code (the file deleted if its\n"
+"name still holds it); for those, {index: (bytes the file gave, header read)}.");
+
+static PyObject *py_read_blocks(PyObject *self, PyObject *args) {
+    PyObject *items;
+    unsigned long long ns_hash;
+    int threads;
+    if (!PyArg_ParseTuple(args, "O!Ki", &PyList_Type, &items, &ns_hash, &threads))
+        return NULL;
+    Held held = {0};
+    PyObject *codes = NULL, *details = NULL, *result = NULL;
+    if (parse_items(items, &held, 1) == 0) {
+        Batch batch = {held.items, (size_t)PyList_GET_SIZE(items), 0, ns_hash, 0, 1};
+        /* groups of PREFETCH_BLOCKS, smaller when that gives each thread one */
+        threads = clamp_threads(threads, batch.n);
+        size_t share = (batch.n + (size_t)threads - 1) / (size_t)threads;
+        batch.group = share < PREFETCH_BLOCKS ? (share ? share : 1) : PREFETCH_BLOCKS;
+        Py_BEGIN_ALLOW_THREADS
+        run_threads(read_worker, &batch, threads);
+        Py_END_ALLOW_THREADS
+        codes = PyList_New((Py_ssize_t)batch.n);
+        details = PyDict_New();
+        for (size_t i = 0; codes && details && i < batch.n; i++) {
+            Item *item = &held.items[i];
+            PyObject *code = PyLong_FromLong(item->code);
+            if (code == NULL)
+                goto fail;
+            PyList_SET_ITEM(codes, (Py_ssize_t)i, code);
+            if (item->code <= 0)
+                continue;
+            PyObject *detail = Py_BuildValue(
+                "(ny#)", (Py_ssize_t)item->got, (const char *)item->head,
+                (Py_ssize_t)(FIXED_HEADER_BYTES + item->key_len));
+            PyObject *index = PyLong_FromSize_t(i);
+            int bad = !detail || !index || PyDict_SetItem(details, index, detail) != 0;
+            Py_XDECREF(detail);
+            Py_XDECREF(index);
+            if (bad)
+                goto fail;
+        }
+        if (codes && details)
+            result = PyTuple_Pack(2, codes, details);
+    }
+fail:
+    Py_XDECREF(codes);
+    Py_XDECREF(details);
+    held_release(&held);
+    return result;
+}
+
+PyDoc_STRVAR(encode_header_doc,
+"encode_header(ns_hash, key, payload) -> bytes\n\n"
+"The frame header the writes put before `payload` (a buffer or tuple of buffers):\n"
+"Framer.encode_header without a MAC, for tests that it is byte-identical.");
+
+static PyObject *py_encode_header(PyObject *self, PyObject *args) {
+    unsigned long long ns_hash;
+    PyObject *key, *payload;
+    if (!PyArg_ParseTuple(args, "KSO", &ns_hash, &key, &payload))
+        return NULL;
+    PyObject *one = Py_BuildValue("[(iyyOO)]", -1, "", "", key, payload);
+    if (one == NULL)
+        return NULL;
+    Held held = {0};
+    PyObject *result = NULL;
+    if (parse_items(one, &held, 0) == 0) {
+        Batch batch = {held.items, 1, 0, ns_hash, 0, 1};
+        int err = build_header(&batch, &held.items[0]);
+        if (err)
+            PyErr_SetFromErrno(PyExc_OSError);
+        else
+            result = PyBytes_FromStringAndSize(
+                (const char *)held.items[0].head,
+                (Py_ssize_t)(FIXED_HEADER_BYTES + held.items[0].key_len));
+    }
+    held_release(&held);
+    Py_DECREF(one);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"write_blocks", py_write_blocks, METH_VARARGS, write_blocks_doc},
+    {"read_blocks", py_read_blocks, METH_VARARGS, read_blocks_doc},
+    {"encode_header", py_encode_header, METH_VARARGS, encode_header_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_batchio",
+    .m_doc = "The nvme tier's block files, a whole batch per call, in C (see native.py).",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__batchio(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddIntConstant(m, "PREFETCH_BLOCKS", PREFETCH_BLOCKS) ||
+        PyModule_AddIntConstant(m, "CORRUPT_SHORT", CORRUPT_SHORT) ||
+        PyModule_AddIntConstant(m, "CORRUPT_LONG", CORRUPT_LONG) ||
+        PyModule_AddIntConstant(m, "CORRUPT_CHECKSUM", CORRUPT_CHECKSUM) ||
+        PyModule_AddIntConstant(m, "XXHASH_VERSION", (long)XXH_versionNumber())) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,230 @@
+"""The door to the nvme tier's compiled batch I/O core (`_batchio.c`).
+
+Why: on the Python path (`blockfile`) a block costs ~73 us of CPU for a handful of
+system calls, the checksum and the frame, most of it the interpreter; moving 64 KiB
+blocks it reached 0.7-0.9 GB/s where the same files in plain C went 3.4 GB/s. The core
+does a whole batch per call with the GIL released, on a few threads of its own:
+opens, one vectored read or write per block, fdatasync, rename, frame headers and
+checksums, and hands back one outcome per block.
+
+`write_blocks` and `read_blocks` are `blockfile.write_block` (per block, as
+`NvmeTier._write_files` calls it) and `blockfile.read_blocks` with the same outcomes:
+FileNotFoundError, OSError with the errno (ELOOP for a link, with `dirs.no_link`'s
+message), `CorruptBlock` with the same message as the Python path (the frame checks
+are the core's; the message of a failed header is the `Framer`'s own, asked again
+for that block only), the same frames byte for byte, the same crash safety
+(temporary file, rename; unlinked on failure), the same `O_NOFOLLOW` rule (every
+file opened relative to its fan-out directory's descriptor from `leaves`), a corrupt
+file deleted when its name still holds it, and the mtime refreshed when asked. New
+files are created 0600.
+
+Frames with a MAC (a `Framer` with a key) are not the core's: the MAC (keyed BLAKE3)
+is per block Python work either way, so such tiers stay on the Python path (`choose`).
+
+Not built (no compiler or no `libxxhash-dev` when the package was installed):
+`AVAILABLE` is False and `reason` says why and how to fix it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Sequence
+from types import ModuleType
+
+from tierkv.contract.framing import MAX_KEY_BYTES, Framer, payload_length
+from tierkv.tier import CorruptBlock, OffloadKey, TierUnavailable, detached
+from tierkv_nvme.blockfile import ReadItem, RelPath, Slot
+from tierkv_nvme.dirs import Leaves, no_link
+from tierkv_nvme.layout import temp_name
+
+_core: ModuleType | None
+try:  # by name: "No module named ..." rather than a "partially initialized" package
+    _core = importlib.import_module("tierkv_nvme._batchio")
+except ImportError as exc:
+    _core = None
+    AVAILABLE = False
+    reason = (
+        f"the nvme tier's compiled core (tierkv_nvme._batchio) is not built ({exc}); "
+        "install a C compiler and the xxhash headers (Debian/Ubuntu: `apt-get install "
+        "gcc libxxhash-dev`), then reinstall the package (`pip install -e tiers/nvme`)"
+    )
+else:
+    AVAILABLE = True
+    reason = "the compiled core (tierkv_nvme._batchio) is built"
+
+ENGINES = ("auto", "native", "python")
+CORRUPT_KINDS = {
+    1: "short file",
+    2: "long file",
+    3: "magic",
+    4: "version",
+    5: "flags",
+    6: "namespace",
+    7: "key length",
+    8: "key",
+    9: "payload length",
+    10: "checksum",
+}
+"""The core's outcome codes for a frame that fails a check, by what failed."""
+MAX_DEFAULT_THREADS = 2
+"""Threads one call uses by default: the tier already runs `io_concurrency` calls at
+once, so a call that spreads over more threads than this mostly takes CPUs from the
+others (and a thread costs ~20 us to start)."""
+MIN_BLOCKS_PER_THREAD = 4
+"""Blocks a call gives each thread at least (fewer: fewer threads)."""
+
+
+def choose(wanted: str, framer: Framer) -> tuple[str, str]:
+    """The engine a tier configured with `io_engine: wanted` uses, and why.
+
+    `auto`: native when built and the frames carry no MAC, else python. `native` that
+    cannot be had raises TierUnavailable naming the reason and the fix."""
+    if wanted == "python":
+        return "python", "io_engine: python"
+    if framer.mac:
+        why = "frames carry a MAC (mac_key_env), which the compiled core does not sign"
+        if wanted == "native":
+            raise TierUnavailable(f"nvme io_engine: native, but {why}; use io_engine: auto")
+        return "python", why
+    if not AVAILABLE:
+        if wanted == "native":
+            raise TierUnavailable(f"nvme io_engine: native, but {reason}")
+        return "python", reason
+    return "native", f"io_engine: {wanted}; {reason}"
+
+
+def default_threads(blocks: int) -> int:
+    """Threads for a call of `blocks` blocks: MAX_DEFAULT_THREADS at most, one per
+    MIN_BLOCKS_PER_THREAD blocks, no more than the CPUs this process may use."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(MAX_DEFAULT_THREADS, cpus, blocks // MIN_BLOCKS_PER_THREAD))
+
+
+def _core_or_raise() -> ModuleType:
+    if _core is None:
+        raise RuntimeError(reason)
+    return _core
+
+
+def _os_error(code: int, rel: RelPath) -> OSError:
+    """The OSError (FileNotFoundError, ... by errno) for the core's outcome -`code`."""
+    where = "/".join(rel)
+    return no_link(OSError(code, os.strerror(code), where), where)
+
+
+def write_blocks(
+    leaves: Leaves,
+    items: Sequence[tuple[RelPath, OffloadKey, Slot]],
+    framer: Framer,
+    *,
+    fsync: bool,
+    threads: int | None = None,
+) -> list[Exception | None]:
+    """`blockfile.write_block` for each of `items` (rel, key, payload), one outcome
+    each (None: published), the blocks spread over `threads` threads of the core."""
+    if framer.mac:
+        raise ValueError("frames with a MAC are written by blockfile.write_block")
+    core = _core_or_raise()
+    outcomes: list[Exception | None] = [None] * len(items)
+    batch: list[tuple[int, bytes, bytes, bytes, Slot]] = []
+    where: list[int] = []
+    for i, (rel, key, payload) in enumerate(items):
+        if len(key) > MAX_KEY_BYTES:
+            outcomes[i] = ValueError(f"key of {len(key)} bytes is longer than {MAX_KEY_BYTES}")
+            continue
+        try:
+            leaf = leaves.get(rel[:-1], create=True)
+        except OSError as exc:
+            outcomes[i] = detached(exc)
+            continue
+        name = rel[-1]
+        batch.append((leaf, os.fsencode(name), os.fsencode(temp_name(name)), bytes(key), payload))
+        where.append(i)
+    if batch:
+        wanted = default_threads(len(batch)) if threads is None else threads
+        codes = core.write_blocks(batch, framer.namespace_tag, fsync, wanted)
+        for i, code in zip(where, codes):
+            if code:
+                outcomes[i] = _os_error(-code, items[i][0])
+    return outcomes
+
+
+def read_blocks(
+    leaves: Leaves,
+    items: Sequence[ReadItem],
+    framer: Framer,
+    placement: tuple[int, int] = (1, 0),
+    *,
+    threads: int | None = None,
+) -> list[Exception | None]:
+    """`blockfile.read_blocks` for `items` (rel, key, slot, touch): one outcome each
+    (None: read and checked), the blocks spread over `threads` threads of the core.
+    `placement` is accepted for the same signature: the core tests each slot's
+    distance (`blockfile.SHORT_DISTANCE`) itself, which costs it nothing."""
+    if framer.mac:
+        raise ValueError("frames with a MAC are read by blockfile.read_blocks")
+    core = _core_or_raise()
+    outcomes: list[Exception | None] = [None] * len(items)
+    batch: list[tuple[int, bytes, bytes, Slot, bool]] = []
+    where: list[int] = []
+    for i, (rel, key, dest, touch) in enumerate(items):
+        try:
+            leaf = leaves.get(rel[:-1], create=False)
+        except OSError as exc:
+            outcomes[i] = detached(no_link(exc, "/".join(rel)))
+            continue
+        batch.append((leaf, os.fsencode(rel[-1]), bytes(key), dest, touch))
+        where.append(i)
+    if not batch:
+        return outcomes
+    wanted = default_threads(len(batch)) if threads is None else threads
+    codes, details = core.read_blocks(batch, framer.namespace_tag, wanted)
+    for j, (i, code) in enumerate(zip(where, codes)):
+        if code < 0:
+            outcomes[i] = _os_error(-code, items[i][0])
+        elif code > 0:
+            got, head = details[j]
+            _rel, key, dest, _touch = items[i]
+            outcomes[i] = _corrupt(code, got, head, key, dest, framer)
+    return outcomes
+
+
+def _corrupt(
+    code: int, got: int, head: bytes, key: OffloadKey, dest: Slot, framer: Framer
+) -> CorruptBlock:
+    """The CorruptBlock the Python path raises for a frame the core found bad (`code`):
+    its length message, or for a header or checksum the `Framer`'s own message."""
+    expected = framer.header_bytes(key) + payload_length(dest)
+    if code == 1:
+        return CorruptBlock(f"file ended after {got} of {expected} bytes")
+    if code == 2:
+        return CorruptBlock(f"file is longer than a frame of this block ({expected} bytes)")
+    try:
+        framer.check_frame(head, key, dest)
+    except CorruptBlock as exc:
+        return detached(exc)
+    kind = CORRUPT_KINDS.get(code, f"code {code}")  # the slot changed since: still failed
+    return CorruptBlock(f"frame check failed ({kind})")
+
+
+def encode_header(framer: Framer, key: OffloadKey, payload: Slot) -> bytes:
+    """The header the core writes before `payload` (for tests: byte-identical to
+    `framer.encode_header`)."""
+    return bytes(_core_or_raise().encode_header(framer.namespace_tag, bytes(key), payload))
+
+
+__all__ = [
+    "AVAILABLE",
+    "CORRUPT_KINDS",
+    "ENGINES",
+    "choose",
+    "default_threads",
+    "encode_header",
+    "read_blocks",
+    "reason",
+    "write_blocks",
+]
