@@ -111,6 +111,15 @@ def test_each_side_of_a_tier_has_its_breaker_series() -> None:
     assert on == {("reads", "closed"), ("writes", "open")}
 
 
+def test_a_tiers_data_path_is_a_series() -> None:
+    from tierkv.cache import CacheStats
+
+    stats = CacheStats({}, {"nvme": {"data_path": "native"}, "redis": {"data_path": None}})
+    families = {f.name: f for f in TieredCacheCollector(lambda: stats, namespace="n").collect()}
+    got = {(s.labels["tier"], s.labels["path"]) for s in families["tierkv_data_path"].samples}
+    assert got == {("nvme", "native")}
+
+
 def free_port() -> int:
     import socket
 
@@ -208,6 +217,7 @@ def test_every_cache_wide_stat_is_exported() -> None:
         "read_breaker",
         "write_breaker",
         "serving",
+        "data_path",
         "job_latency",
         "lookup_latency",
     }

@@ -189,8 +189,16 @@ class TieredCacheCollector(Collector):
             "closed serves what it holds (a full or read-only disk)",
             labels=[*labels, "side", "state"],
         )
+        paths = GaugeMetricFamily(
+            f"{PREFIX}_data_path",
+            "What moves the tier's bytes, where it has a choice (nvme: native, its "
+            "compiled core, or python): 1 for the path in use",
+            labels=[*labels, "path"],
+        )
         for medium, data in media.items():
             values = [medium, self.namespace]
+            if data.get("data_path"):
+                paths.add_metric([*values, str(data["data_path"])], 1.0)
             for f, family in counters.items():
                 if f in data:
                     family.add_metric(values, float(data[f]))
@@ -230,6 +238,7 @@ class TieredCacheCollector(Collector):
         yield from summaries.values()
         yield breaker
         yield sides
+        yield paths
         yield primary
         yield from self._cache_wide(stats.primary)
 

@@ -77,6 +77,7 @@ class TierStats:
     write_breaker: str = "closed"  # stores
     serving: str = "read_write"  # read_write, read_only (cannot write), write_only, none
     lost_probes: int = 0  # half-open probes a caller took and never reported on
+    data_path: str | None = None  # what moves the tier's bytes, where it has a choice
     job_latency: LatencySummary = field(default_factory=LatencySummary)
     lookup_latency: LatencySummary = field(default_factory=LatencySummary)
 

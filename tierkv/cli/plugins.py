@@ -129,7 +129,9 @@ def _plugins_report() -> tuple[dict[str, Any], list[str]]:
             "target": info.target,
         }
         try:
-            entry["fields"] = _fields(get_tier_class(name).Config, common)
+            cls = get_tier_class(name)
+            entry["fields"] = _fields(cls.Config, common)
+            entry["installation"] = cls.installation()
         except ConfigError as exc:
             entry["error"] = exc.problems[0]
             broken.append(name)
@@ -163,6 +165,8 @@ def _text_blocks(report: dict[str, Any]) -> list[Any]:
             blocks.append(f"{name}: no fields of its own")
         else:
             blocks.append(_fields_table(entry["fields"], f"{name}: its own fields"))
+        for fact, value in entry.get("installation", {}).items():
+            blocks.append(f"{name}: {fact}: {value}")
     blocks.append("")
     blocks.append(_fields_table(report["common_fields"], "every tier also takes"))
     return blocks

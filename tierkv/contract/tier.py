@@ -395,6 +395,18 @@ class SecondaryTierManager(ABC):
         """A JSON-able summary for `tierkv plugins` and logs (no secrets)."""
         return {"type": self.get_tier_type()}
 
+    data_path: str | None = None
+    """What moves this tier's bytes, where a tier has more than one way (the nvme
+    tier: `native`, its compiled core, or `python`); set by `open`. Shown in
+    `stats()` and as the `tierkv_data_path{path}` metric. None: the one way there is."""
+
+    @classmethod
+    def installation(cls) -> dict[str, str]:
+        """Facts about how this tier type is installed that a user should see in
+        `tierkv plugins` (e.g. whether a compiled core was built, and if not why).
+        Nothing by default."""
+        return {}
+
 
 class InFlightJobs:
     """Counts a tier's running jobs so `close` can wait for them to finish.

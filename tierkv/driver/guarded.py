@@ -191,6 +191,7 @@ class GuardedTier:
         stats.write_breaker = self.breakers["store"].state.value if self.opened else "not_open"
         stats.serving = self.serving
         stats.lost_probes = sum(b.lost_probes for b in self.breakers.values())
+        stats.data_path = self.tier.data_path
         return stats
 
     def admit(self, kind: JobKind, keys: int, nbytes: int) -> Refusal | None:

@@ -482,3 +482,18 @@ async def test_native_when_not_built_fails_open_naming_the_fix(
 def test_a_bad_io_engine_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="io_engine"):
         NvmeTierConfig(type="nvme", path=tmp_path, capacity="1MiB", io_engine="fast")
+
+
+async def test_the_data_path_in_use_is_reported(rig) -> None:
+    """The engine a tier opened with is in `data_path` (stats, `tierkv_data_path`),
+    and `installation()` (`tierkv plugins`) says whether the core is built."""
+    from tierkv_nvme import NvmeTier, native
+
+    tier = rig.tier()
+    await tier.open()
+    try:
+        assert tier.data_path == rig.io_engine == tier.describe()["io_engine"]
+    finally:
+        await tier.close()
+    fact = NvmeTier.installation()["io engine"]
+    assert fact.startswith("native") if native.AVAILABLE else fact.startswith("python only")

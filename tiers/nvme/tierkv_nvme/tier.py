@@ -213,6 +213,13 @@ class NvmeTier(SecondaryTierManager):
     def get_tier_type() -> str:
         return "nvme"
 
+    @classmethod
+    def installation(cls) -> dict[str, str]:
+        """Whether the compiled core is built here (`io_engine: auto` uses it then)."""
+        if native.AVAILABLE:
+            return {"io engine": "native: the compiled core is built (auto uses it)"}
+        return {"io engine": f"python only: {native.reason}"}
+
     # -- introspection ------------------------------------------------------------
     @property
     def used_bytes(self) -> int:
@@ -283,6 +290,7 @@ class NvmeTier(SecondaryTierManager):
         if self._state != "new":
             raise TierUnavailable(f"nvme tier at {self.directory} was already opened")
         self._io_engine, why = native.choose(self.config.io_engine, self.framer)
+        self.data_path = self._io_engine
         logger.info("nvme tier %s: io engine %s (%s)", self.directory, self._io_engine, why)
         try:
             self._fs_block = await anyio.to_thread.run_sync(self._take_directory)
