@@ -497,3 +497,22 @@ async def test_the_data_path_in_use_is_reported(rig) -> None:
         await tier.close()
     fact = NvmeTier.installation()["io engine"]
     assert fact.startswith("native") if native.AVAILABLE else fact.startswith("python only")
+
+
+async def test_blocks_and_directories_are_private_under_any_umask(rig) -> None:
+    """KV blocks encode prompts: block files 0600, the tier's directories 0700, on
+    either engine, even under a permissive umask (0000)."""
+    old = os.umask(0)
+    try:
+        tier = rig.tier()
+        await tier.open()
+        keys = rig.keys(3)
+        assert (await rig.store(tier, keys))[0].ok
+        await tier.close()
+    finally:
+        os.umask(old)
+    for key in keys:
+        path = tier.path_of(key)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(tier.directory.stat().st_mode) == 0o700

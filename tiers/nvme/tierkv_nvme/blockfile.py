@@ -146,7 +146,7 @@ def write_block(
     leaf = leaves.get(rel[:-1], create=True)
     tmp = temp_name(rel[-1])
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _O_CLOEXEC
-    fd = os.open(tmp, flags, 0o644, dir_fd=leaf)
+    fd = os.open(tmp, flags, 0o600, dir_fd=leaf)
     try:
         try:
             _write_all(fd, (header, *payload) if isinstance(payload, tuple) else (header, payload))

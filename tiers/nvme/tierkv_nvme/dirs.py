@@ -90,7 +90,7 @@ def open_dirs(root_fd: int, dirs: Dirs, *, create: bool) -> int:
                 if not create:
                     raise
                 with contextlib.suppress(FileExistsError):
-                    os.mkdir(name, 0o755, dir_fd=fd)
+                    os.mkdir(name, 0o700, dir_fd=fd)
                 child = os.open(name, DIR_FLAGS, dir_fd=fd)
             if fd != root_fd:
                 os.close(fd)

@@ -339,7 +339,7 @@ class NvmeTier(SecondaryTierManager):
         The lock (flock on `lock`, released when its descriptor closes, even by a
         crash) keeps a second tier from rebuilding this index meanwhile and deleting
         the temporary files of writes still in flight."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         try:
             root = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         except OSError as exc:
@@ -355,7 +355,7 @@ class NvmeTier(SecondaryTierManager):
             fd = os.open(
                 LOCK_NAME,
                 os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
-                0o644,
+                0o600,
                 dir_fd=root,
             )
         except BaseException:
