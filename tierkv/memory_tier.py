@@ -56,6 +56,7 @@ class MemoryTier(SecondaryTierManager):
     config: MemoryTierConfig
     reports_evictions = True
     protects_claims = True
+    lookup_answers_from_memory = True  # a dict probe
     names_eviction_candidates = True
     accepts_regions = True  # a block of several regions is framed from them in place
 

@@ -307,6 +307,8 @@ class _Stuck(MemoryTier):
     """A tier whose lookup blocks in a worker thread (a client library's call to a dead
     server) until `release` is set; cancelling it waits for the thread."""
 
+    lookup_answers_from_memory = False  # it waits on a thread
+
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         import threading
@@ -364,3 +366,26 @@ async def test_a_caller_cancelled_mid_lookup_does_not_wait_for_the_tiers_thread(
     with anyio.fail_after(5):
         while guarded.abandoned_now:
             await anyio.sleep(0.01)
+
+
+@pytest.mark.parametrize("from_memory", [True, False])
+async def test_a_tier_that_answers_from_memory_is_asked_in_the_callers_task(
+    from_memory: bool,
+) -> None:
+    """An in-memory index is asked directly (no task, one loop step less); any other
+    tier's lookup runs in a task of its own, which lookup_timeout can leave behind."""
+    import asyncio
+
+    seen: list[object] = []
+
+    class Probe(MemoryTier):
+        lookup_answers_from_memory = from_memory
+
+        async def lookup(self, keys: Any, ctx: ReqContext) -> list[bool]:
+            seen.append(asyncio.current_task())
+            return await super().lookup(keys, ctx)
+
+    guarded = GuardedTier(Probe(MemoryTierConfig(type="memory"), view()), name="probe")
+    assert await guarded.open()
+    assert await guarded.lookup(random_keys(1), ReqContext(), 1.0) == [False]
+    assert (seen[0] is asyncio.current_task()) is from_memory

@@ -278,6 +278,13 @@ class SecondaryTierManager(ABC):
     False (the default): the tier reads and writes `primary.block(slot)`, and is only
     ever given views whose blocks are one run of bytes."""
 
+    lookup_answers_from_memory: ClassVar[bool] = False
+    """True when `lookup` answers from an index in memory and never waits on I/O, a
+    server or a thread (the memory and nvme tiers): the driver then awaits it directly.
+    False (the default, right for any tier that asks a server or a client library):
+    the driver runs it as a task of its own, so `lookup_timeout` bounds it whatever it
+    does (`tierkv.driver.GuardedTier.lookup`)."""
+
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
         if not isinstance(config, self.Config):
             raise TypeError(

@@ -416,8 +416,9 @@ class GuardedTier:
         """The tier's checked flags by `timeout`, or `_LATE`. On asyncio the lookup runs
         as a task of its own, so neither the timeout nor the caller's cancellation
         waits for it: a task still running then is left to end on its own
-        (`_abandon`), and its answer reaches no one. Elsewhere the call is awaited
-        under the timeout as before."""
+        (`_abandon`), and its answer reaches no one. A tier that answers from memory
+        (`lookup_answers_from_memory`), or another event loop, is awaited under the
+        timeout directly (one loop step less)."""
         left = False  # the caller stopped waiting: a late answer claims nothing
 
         async def asked() -> list[bool]:
@@ -429,7 +430,9 @@ class GuardedTier:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # not asyncio: a cancel scope (which waits for threads)
-            with anyio.move_on_after(timeout):
+            loop = None
+        if loop is None or self.tier.lookup_answers_from_memory:
+            with anyio.move_on_after(timeout):  # nothing to wait for but the tier's index
                 return await asked()
             return _LATE
         task = loop.create_task(asked())

@@ -44,6 +44,7 @@ class FaultyTier(MemoryTier):
 
     Config = FaultyTierConfig
     config: FaultyTierConfig
+    lookup_answers_from_memory = False  # it plays a remote tier: it may hang or sleep
 
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
         super().__init__(config, primary)

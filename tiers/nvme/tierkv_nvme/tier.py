@@ -176,6 +176,7 @@ class NvmeTier(SecondaryTierManager):
     config: NvmeTierConfig
     reports_evictions = True
     protects_claims = True
+    lookup_answers_from_memory = True  # its index (and two system calls: `_ready`)
     names_eviction_candidates = True
     accepts_regions = True  # a block of several regions is one file (header, regions)
     _io_engine = "python"  # what moves the bytes: set by `open` (`native.choose`)
