@@ -8,7 +8,8 @@ l1_memory_desc=...)`. LMCache's L1 (host memory) is the primary: each task's mem
 objects are lent to the tiers as slots (`objects.LentSlots`) and read or written in
 place; the tiers run on the process's one event-loop thread through the shared
 guarded-tier driver (`SyncChain`: breaker, in-flight budget, answer checks,
-deadline, reopen), one chain per object size (`chains.SizeChains`).
+deadline, reopen), one chain per object size (`chains.SizeChains`), whose instances
+of a bounded tier share that tier's one `capacity` (`budget.SharedBudget`).
 
 The calls come from LMCache's two controller threads (store, prefetch) and return at
 once: each submit starts the work on the loop and answers with a task id; the
@@ -24,8 +25,9 @@ The optional calls: `delete` removes keys from every tier; `list_l2_keys` pages
 through the keys some tier holds, from the adapter's own record of them
 (`record.KeyRecord`: tierkv's keys are hashed, a tier cannot give LMCache's keys
 back), which also keeps LMCache's byte accounting; `get_usage` reports those bytes
-against what the chains hold when full (`SizeChains.capacity_bytes`), so LMCache's
-L2 eviction controller gets a usage fraction where every tier bounds itself.
+against what the chains hold when full (`SizeChains.capacity_bytes`: the largest
+tier's shared capacity, counted once whatever the sizes), so LMCache's L2 eviction
+controller gets a usage fraction where every tier bounds itself.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from lmcache.v1.platform import create_event_notifier
 from tierkv.contract.keys import OffloadKey
 from tierkv.driver.guarded import GuardedTier
 from tierkv.driver.miss_log import MissLog
-from tierkv.integrations.lmcache.chains import SizeChain, SizeChains
+from tierkv.integrations.lmcache.chains import SizeChain, SizeChains, sizes_on_disk
 from tierkv.integrations.lmcache.keys import offload_key
 from tierkv.integrations.lmcache.locks import LockBook
 from tierkv.integrations.lmcache.objects import object_bytes
@@ -83,7 +85,9 @@ class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._closed = False
         self._misses = MissLog(logger)
         try:
-            for size in self.settings.object_bytes:
+            # sizes an nvme tier holds from an earlier process open too: the shared
+            # capacity counts their blocks from the start
+            for size in dict.fromkeys([*self.settings.object_bytes, *sizes_on_disk(self.settings)]):
                 self._chains.get(size)
             # read once by LMCache's storage manager (`supports_global_eviction`),
             # right after it builds the adapter; `get_usage` keeps it current
@@ -346,6 +350,7 @@ class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             okeys = [offload_key(k) for k in keys]
             for one in self._chains.all():
                 one.chain.remove_all(okeys)
+            self._chains.forget(okeys)
             self._account(self._record.forget(okeys), stored=False)
         except Exception as exc:
             self._warn("delete", exc)
@@ -371,8 +376,9 @@ class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
 
     def get_usage(self) -> AdapterUsage:
         """Bytes of the recorded keys (per cache salt too) and what the chains hold
-        when full: the largest tier of each object size's chain, or 0 (no usage
-        fraction, no global eviction) where a tier names no bound (redis, s3)."""
+        when full: the largest tier's capacity, which every object size shares (so
+        counted once), in object bytes; or 0 (no usage fraction, no global eviction)
+        where a tier names no bound (redis, s3)."""
         capacity = self._chains.capacity_bytes()
         with self._usage_lock:
             self._max_capacity_bytes = capacity

@@ -1,36 +1,46 @@
 """One tier chain per object size, opened when first needed.
 
 A tier's blocks are all one size (`PrimaryView.block_bytes`), while LMCache's objects
-come in a size per object group (a hybrid model's attention and state groups differ).
-`SizeChains` keeps, per size, a `LentSlots` view and a `SyncChain` of the configured
-tiers over it (namespace `<namespace>|obj<size>`), all on the process's one tier loop
-thread. The sizes in `object_bytes` open with the adapter; another opens the first
-time an object of its size is stored or loaded, or a lookup's layout hint names it.
+come in a size per object group (a hybrid model's attention and state groups differ)
+and, with `save_unfull_chunk: true`, a size per partial-chunk length. `SizeChains`
+keeps, per size, a `LentSlots` view and a `SyncChain` of the configured tiers over it
+(namespace `<namespace>|obj<size>`), all on the process's one tier loop thread. The
+sizes in `object_bytes`, and those an nvme tier's path holds from an earlier process,
+open with the adapter; another opens the first time an object of its size is stored
+or loaded, or a lookup's layout hint names it.
+
+Each size has its own instance of every tier, but a bounded tier section (memory,
+nvme) keeps ONE `capacity` for all of them: its instances answer to one
+`budget.SharedBudget`, which evicts across sizes before a store would take the section
+past it. So a `capacity` a user writes bounds the bytes of that tier however many
+sizes come.
 
 `capacity_bytes` is what the chains hold when full, for LMCache's usage fraction:
-per size, its largest tier (every tier is written every object, so a chain holds no
-more distinct objects than its largest tier; the tiers do not add up), summed over
-the sizes open (each size's tiers have the whole configured capacity, in their own
-namespace). Before any size is open, the largest tier's configured `capacity`.
-0 (unknown) when a tier names no bound of its own (redis, s3: their server or bucket
-decides), as LMCache reads 0: no global eviction.
+every tier is written every object, so the chains hold no more distinct objects than
+their largest section (the tiers do not add up, nor do the sizes: they share it), in
+object bytes (`SharedBudget.object_capacity`). Before any size is open, the largest
+tier's configured `capacity`. 0 (unknown) when a tier names no bound of its own (redis,
+s3: their server or bucket decides), as LMCache reads 0: no global eviction.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from tierkv.contract.keys import OffloadKey
 from tierkv.driver.guarded import GuardedTier
-from tierkv.driver.sync_chain import SyncChain
+from tierkv.driver.sync_chain import SyncChain, release_shared_loop, shared_loop
+from tierkv.integrations.lmcache.budget import SharedBudget, shared_capacity
 from tierkv.integrations.lmcache.objects import LentSlots
 from tierkv.integrations.lmcache.settings import AdapterSettings
 from tierkv.registry import get_tier_class
 
-__all__ = ["SizeChain", "SizeChains"]
+__all__ = ["SizeChain", "SizeChains", "sizes_on_disk"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +70,14 @@ class SizeChains:
         self._chains: dict[int, SizeChain] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self.budgets: dict[int, SharedBudget] = {}
+        """Per bounded tier section (its index in the chain), the capacity its
+        instances of every size share."""
+        for i, (config, name) in enumerate(zip(settings.tiers, settings.names)):
+            capacity = shared_capacity(config)
+            if capacity > 0:
+                self.budgets[i] = SharedBudget(name, capacity)
+        self._loop = shared_loop()  # where the budgets live; released by `close`
 
     def all(self) -> list[SizeChain]:
         return list(self._chains.values())
@@ -70,12 +88,20 @@ class SizeChains:
         chains = self.all()
         if not chains:
             return configured_capacity(self.settings)
-        total = 0
-        for one in chains:
-            if one.capacity_blocks is None:
-                return 0
-            total += one.capacity_blocks * one.size
-        return total
+        if any(one.capacity_blocks is None for one in chains):
+            return 0
+        if len(self.budgets) == len(self.settings.tiers):  # every section shared
+            return max(b.object_capacity() for b in self.budgets.values())
+        # a bounded section without a shared budget: its own capacity per size
+        return sum((one.capacity_blocks or 0) * one.size for one in chains)
+
+    def forget(self, okeys: Iterable[OffloadKey]) -> None:
+        """Keys deleted from every tier (LMCache's `delete`): the budgets' recency
+        stamps go too (on the loop, soon)."""
+        if self.budgets and not self._closed:
+            keys = list(okeys)
+            for budget in self.budgets.values():
+                self._loop.loop.call_soon_threadsafe(budget.forget, keys)
 
     def get(self, size: int) -> SizeChain:
         """The chain for `size`, opened now if it is new (`TierUnavailable` when a
@@ -101,7 +127,7 @@ class SizeChains:
             slots,
             lookup_timeout=settings.lookup_timeout,
             tags=dict(self._tags, object_bytes=str(size)),
-            on_removed=self._on_removed,
+            on_removed=self._removed,
         )
         logger.info(
             "tierkv below LMCache's L1: tiers %s for %d-byte objects (namespace %r)",
@@ -110,19 +136,42 @@ class SizeChains:
             slots.namespace,
         )
         try:
+            self._loop.run(self._adopt(chain), timeout=max(60.0, chain.job_deadline))
+        except BaseException:
+            chain.close()
+            raise
+        try:
             blocks = chain.capacity_blocks()
         except Exception as exc:  # a tier that cannot say: no usage fraction
             logger.warning("tierkv below LMCache's L1: %d-byte objects: no capacity: %s", size, exc)
             blocks = None
         return SizeChain(size, slots, chain, blocks)
 
+    async def _adopt(self, chain: SyncChain) -> None:
+        """The new size's instances of the shared sections join their budgets (which
+        evict across sizes if what they recovered takes a section past `capacity`)."""
+        for tier in chain.tiers:
+            budget = self.budgets.get(tier.index)
+            if budget is not None:
+                await budget.adopt(tier)
+
+    def _removed(self, tier: GuardedTier, okeys: tuple[OffloadKey, ...]) -> None:
+        """A tier reported keys removed (on the loop): its budget forgets their
+        recency, the adapter its record of them."""
+        budget = self.budgets.get(tier.index)
+        if budget is not None:
+            budget.forget(okeys)
+        self._on_removed(tier, okeys)
+
     def close(self) -> None:
         with self._lock:
-            self._closed = True
+            already, self._closed = self._closed, True
             chains, self._chains = list(self._chains.values()), {}
         for chain in chains:
             chain.chain.close()
             chain.slots.release()
+        if not already:
+            release_shared_loop(self._loop)
 
 
 def configured_capacity(settings: AdapterSettings) -> int:
@@ -136,3 +185,33 @@ def configured_capacity(settings: AdapterSettings) -> int:
             return 0
         largest = max(largest, capacity)
     return largest
+
+
+_SIZE_NOTE = "namespace.txt"
+"""The file an nvme tier writes in each namespace directory with the namespace's name
+(`tierkv_nvme.layout.NAMESPACE_NOTE`)."""
+
+
+def sizes_on_disk(settings: AdapterSettings) -> list[int]:
+    """Object sizes whose nvme directories an earlier process left under a tier's
+    `path` (by the namespace each directory's note names): they open with the adapter,
+    so the shared capacity counts what they hold from the start."""
+    pattern = re.compile(re.escape(settings.namespace) + r"\|obj([1-9][0-9]{0,15})")
+    found: set[int] = set()
+    for config in settings.tiers:
+        if config.type != "nvme":
+            continue
+        root = Path(str(getattr(config, "path", "")))
+        try:
+            notes = list(root.glob(f"ns-*/{_SIZE_NOTE}"))
+        except OSError:
+            continue
+        for note in notes:
+            try:
+                name = note.read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeError):
+                continue
+            match = pattern.fullmatch(name)
+            if match:
+                found.add(int(match.group(1)))
+    return sorted(found)

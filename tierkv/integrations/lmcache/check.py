@@ -101,7 +101,8 @@ def check(value: str) -> CheckReport:
     if not settings.object_bytes:
         report.warnings.append(
             "no object_bytes: the tiers of each object size open when LMCache first stores "
-            "or loads such an object, so after a restart lookups miss until then (give the "
+            "or loads such an object (or with the server, for sizes an nvme tier's path "
+            "holds), so after a restart lookups of other sizes miss until then (give the "
             "sizes, e.g. \"object_bytes\": [\"2MiB\"], to open them with the server)"
         )
     return report
