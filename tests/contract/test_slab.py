@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
-from tierkv.contract.slab import PrimaryView, StridedView
+from tierkv.contract.slab import GatherView, PrimaryView, StridedView
 
 
 def test_rows_are_writable_zero_copy_views_of_the_buffer() -> None:
@@ -188,3 +190,112 @@ def test_a_view_without_one_slab_has_an_unknown_placement() -> None:
             self._block_bytes, self._num_blocks, self.namespace = 64, 1, "ns"
 
     assert Lent().placement == (1, 0)
+
+
+# -- blocks of regions at any places (GatherView) --------------------------------------
+def test_a_gather_block_is_one_region_per_lane_without_a_copy() -> None:
+    """Lanes of three sizes in two buffers, one lane sharing a buffer with another at its
+    own stride: slot s is each lane's region s, in lane order."""
+    one = bytearray(range(256)) * 4  # 1,024 bytes
+    two = bytearray(b"\x00" * 300)
+    view = GatherView([(one, 0, 64, 64), (one, 512, 32, 16), (two, 10, 30, 24)], "ns")
+    # lane 0: (1024 - 64) // 64 + 1 = 16; lane 1: (512 - 16) // 32 + 1 = 16;
+    # lane 2: (300 - 10 - 24) // 30 + 1 = 9
+    assert (view.num_blocks, view.block_bytes, view.region_count) == (9, 104, 3)
+    assert view.region_sizes == (64, 16, 24) and view.strides == (64, 32, 30)
+    a, b, c = view.regions(3)
+    assert bytes(a) == bytes(one[192:256]) and bytes(b) == bytes(one[608:624])
+    c[:] = b"\xcc" * 24
+    assert two[100:124] == b"\xcc" * 24 and two[99] == 0 and two[124] == 0
+    assert [bytes(r) for r in view.payload(3)] == [bytes(a), bytes(b), b"\xcc" * 24]
+    last = view.regions(8)
+    assert bytes(last[2]) == bytes(two[250:274])
+    with pytest.raises(IndexError):
+        view.regions(9)
+    with pytest.raises(TypeError, match="accepts_regions"):
+        view.block(0)
+    view.release()
+    with pytest.raises(ValueError, match="released"):
+        view.regions(0)
+
+
+def test_a_gather_block_frames_as_its_joined_bytes() -> None:
+    """A frame of a gather block is the frame of one run of the same bytes, and decodes
+    back into the lanes in place."""
+    from tierkv.contract.framing import Framer
+
+    buffer = bytearray(os.urandom(4096))
+    view = GatherView([(buffer, 2048, 512, 100), (buffer, 0, 256, 200)], "ns")
+    framer = Framer("ns", None)
+    joined = b"".join(bytes(r) for r in view.regions(2))
+    frame = framer.encode(b"k" * 20, view.payload(2))
+    assert bytes(frame) == bytes(framer.encode(b"k" * 20, bytearray(joined)))
+    for region in view.regions(2):
+        region[:] = b"\x00" * len(region)
+    framer.decode_into(b"k" * 20, frame, view.payload(2))
+    assert b"".join(bytes(r) for r in view.regions(2)) == joined
+
+
+@pytest.mark.parametrize(
+    ("lanes", "match"),
+    [
+        ([], "at least one lane"),
+        ([(bytearray(64), 0, 64)], "must be \\(buffer"),
+        ([(bytearray(64), 0, 64, 0)], "size must be a positive"),
+        ([(bytearray(64), 0, 16, 32)], "must not overlap"),
+        ([(bytearray(64), -1, 64, 32)], "offset"),
+        ([(bytearray(64), 48, 64, 32)], "holds no region"),
+        ([(bytes(64), 0, 64, 32)], "writable"),
+        ([(object(), 0, 64, 32)], "must be a buffer"),
+    ],
+)
+def test_bad_gather_views_are_refused_with_a_reason(lanes: list[Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        GatherView(lanes, "ns")
+
+
+def test_a_tier_that_moves_one_run_of_bytes_refuses_a_gather_view() -> None:
+    from tierkv.contract.jobs import JobMetadata, JobResult
+    from tierkv.contract.tier import SecondaryTierManager, TierConfig
+
+    class OneRun(SecondaryTierManager):
+        @staticmethod
+        def get_tier_type() -> str:
+            return "one-run-gather"
+
+        async def lookup(self, keys: object, ctx: object) -> list[bool]:
+            return []
+
+        async def store(self, job: JobMetadata) -> JobResult:
+            return JobResult.success(job)
+
+        async def load(self, job: JobMetadata) -> JobResult:
+            return JobResult.success(job)
+
+        async def remove(self, keys: object) -> None:
+            pass
+
+    buffer = bytearray(1024)
+    with pytest.raises(TypeError, match="moves a block as one run of bytes"):
+        OneRun(TierConfig(type="one-run-gather"), GatherView([(buffer, 0, 64, 64),
+                                                              (buffer, 512, 64, 64)], "ns"))
+
+
+def test_gather_placement_says_where_every_region_starts_within_a_page() -> None:
+    area = mmap.mmap(-1, 1 << 20)
+    whole = memoryview(area)
+    # SGLang layer_first at 64 bytes into a page: K and V of two layers
+    lanes = [(whole[64:], off, 4096, 4096) for off in (0, 1 << 16, 1 << 17, 3 << 16)]
+    view = GatherView(lanes, "ns")
+    assert view.placement == (4096, 64)
+    odd = GatherView([(whole, 0, 4096, 4096), (whole, 1 << 19, 96, 96)], "ns")
+    assert odd.placement == (32, 0)
+    for v in (view, odd):
+        modulus, residue = v.placement
+        starts = [
+            ctypes.addressof(ctypes.c_char.from_buffer(region))
+            for slot in range(0, v.num_blocks, 7)
+            for region in v.regions(slot)
+        ]
+        assert {start % modulus for start in starts} == {residue}
+        v.release()

@@ -9,6 +9,10 @@ from typing import Any
 
 from tierkv.cli.common import positive
 
+LAYOUTS = ("page_first", "page_first_direct", "layer_first", "page_head", "page_first_kv_split")
+"""SGLang 0.5.23's --hicache-mem-layout values (`tierkv.integrations.sglang.check.LAYOUTS`,
+not imported here: the parser stays light)."""
+
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     sg = sub.add_parser(
@@ -38,8 +42,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                     help="KV heads on one TP rank (8)")
     sc.add_argument("--head-dim", type=positive, default=128, metavar="N",
                     help="(128; MLA: kv_lora_rank + qk_rope_head_dim, e.g. 576)")
-    sc.add_argument("--layout", default="page_first",
-                    choices=("page_first", "page_first_direct", "layer_first"),
+    sc.add_argument("--layout", default="page_first", choices=LAYOUTS,  # every one of 0.5.23
                     help="SGLang's --hicache-mem-layout (page_first)")
     sc.add_argument("--mla", action="store_true", help="an MLA model (DeepSeek)")
     sc.add_argument("--tp", type=positive, default=1, metavar="N", help="tensor parallel size")

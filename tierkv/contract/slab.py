@@ -12,6 +12,14 @@ tier's work per page against two blocks of half the size. A tier that handles su
 blocks declares `accepts_regions` and moves `regions(slot)` (the block's bytes are
 those regions joined, in order: the frame is the same as for one contiguous block of
 those bytes); every view answers `regions`, a plain one with its single region.
+
+More generally a block may be any set of regions at any addresses (`GatherView`): a
+list of *lanes*, each a buffer, where its slot 0 starts, the bytes between one slot and
+the next, and the bytes of its region, so that block `s` is lane 0's region of slot
+`s`, then lane 1's, and so on. SGLang's `layer_first` host pool (a page's K and V of
+each layer: 2 x layers lanes in one buffer), its split MLA pool (K and V in two
+buffers) and a hybrid model's Mamba pool (three buffers, three region sizes) each keep
+a page as one block that way.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-__all__ = ["PrimaryView", "Regions", "StridedView"]
+__all__ = ["GatherView", "Lane", "PrimaryView", "Regions", "StridedView"]
 
 PLACEMENT_PAGE = 4096
 """The largest modulus `PrimaryView.placement` reports: copies are slow or fast by
@@ -223,3 +231,167 @@ class StridedView(PrimaryView):
             "apart, not one run of bytes: a tier reads it with regions(slot) and declares "
             "accepts_regions"
         )
+
+
+
+Lane = tuple[Any, int, int, int]
+"""One region of every block of a `GatherView`: (buffer, offset of slot 0's region in
+it, bytes from one slot's region to the next, bytes of the region)."""
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class GatherView(PrimaryView):
+    """Blocks of one region per *lane*, each at its own place (see the module
+    docstring): the block at slot `s` is, for each lane `(buffer, offset, stride,
+    size)` in order, `buffer[offset + s * stride : offset + s * stride + size]`, so
+    `block_bytes` is the sum of the lanes' sizes and `region_count` their number.
+    Lanes may share a buffer; slots run while every lane's region lies in its buffer,
+    and (with `num_blocks`) no further than that many.
+    Regions are views of the buffers (no copy). `block(slot)` refuses (the bytes are
+    not contiguous): only a tier that declares `accepts_regions` is given such a view,
+    and it moves `regions(slot)`."""
+
+    def __init__(self, lanes: Any, namespace: str, *, num_blocks: int | None = None) -> None:
+        lanes = list(lanes)
+        if not lanes:
+            raise ValueError("a GatherView needs at least one lane")
+        views: list[memoryview] = []
+        wholes: list[memoryview] = []
+        sizes: list[int] = []
+        strides: list[int] = []
+        starts: list[int | None] = []
+        count: int | None = None
+        for i, lane in enumerate(lanes):
+            try:
+                buffer, offset, stride, size = lane
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"lane {i} must be (buffer, offset, stride, size), got {lane!r}"
+                ) from None
+            size = _positive(f"lane {i}'s size", size)
+            stride = _positive(f"lane {i}'s stride", stride)
+            if stride < size:
+                raise ValueError(
+                    f"lane {i}'s stride must be at least its size={size} (the regions of "
+                    f"two blocks must not overlap), got {stride!r}"
+                )
+            if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+                raise ValueError(f"lane {i}'s offset must be an int >= 0, got {offset!r}")
+            whole = _writable_bytes(buffer, f"lane {i}'s buffer")
+            room = whole.nbytes - offset - size
+            fits = room // stride + 1 if room >= 0 else 0
+            if fits <= 0:
+                raise ValueError(
+                    f"lane {i}: a buffer of {whole.nbytes} bytes holds no region of {size} "
+                    f"bytes at offset {offset}"
+                )
+            count = fits if count is None else min(count, fits)
+            wholes.append(whole)
+            views.append(whole[offset:])
+            sizes.append(size)
+            strides.append(stride)
+            starts.append(None if (at := _address_of(whole)) is None else at + offset)
+        assert count is not None
+        if num_blocks is not None:
+            count = min(count, _positive("num_blocks", num_blocks))
+        self._bytes = wholes[0]
+        self._wholes = wholes
+        self._lanes = views
+        self._sizes = tuple(sizes)
+        self._strides = tuple(strides)
+        self._starts = starts
+        self._block_bytes = sum(sizes)
+        self._num_blocks = count
+        self.namespace = namespace
+        self._address = starts[0]
+        self._lane_table = list(zip(views, strides, sizes))
+
+    @property
+    def region_count(self) -> int:
+        return len(self._sizes)
+
+    @property
+    def region_sizes(self) -> tuple[int, ...]:
+        """Bytes of each lane's region, in order."""
+        return self._sizes
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        return self._strides
+
+    def regions(self, slot: int) -> Regions:
+        self._check_slot(slot)
+        try:
+            return tuple([
+                view[slot * stride : slot * stride + size]
+                for view, stride, size in self._lane_table
+            ])
+        except ValueError:
+            raise ValueError(
+                "the primary slab was released (its tier was shut down); "
+                "no block of it can be read or written any more"
+            ) from None
+
+    def payload(self, slot: int) -> memoryview | Regions:
+        return self.regions(slot)
+
+    @property
+    def placement(self) -> tuple[int, int]:
+        if any(start is None for start in self._starts):
+            return 1, 0
+        first = self._starts[0]
+        assert first is not None
+        spacing = 0
+        for start, stride, size in zip(self._starts, self._strides, self._sizes):
+            assert start is not None
+            spacing |= (start - first) | stride | size
+        modulus = _low_bit(spacing)
+        return modulus, first % modulus
+
+    def block(self, slot: int) -> memoryview:
+        raise TypeError(
+            f"a block of this view is {len(self._sizes)} regions at their own places, not "
+            "one run of bytes: a tier reads it with regions(slot) and declares "
+            "accepts_regions"
+        )
+
+    def release(self) -> None:
+        """As `PrimaryView.release`, for every lane's buffer."""
+        for view in (*self._lanes, *self._wholes):
+            try:
+                view.release()
+            except BufferError as exc:
+                raise BufferError(
+                    "the primary slab cannot be released while a buffer taken from it is "
+                    f"in use: {exc}"
+                ) from None
+
+
+def _writable_bytes(buffer: Any, what: str) -> memoryview:
+    """`buffer` as a flat, writable memoryview of bytes; ValueError saying why not."""
+    try:
+        view = memoryview(buffer)
+    except TypeError as exc:
+        raise ValueError(
+            f"{what} must be a buffer (bytearray, memoryview, array), "
+            f"not {type(buffer).__name__}"
+        ) from exc
+    if view.readonly:
+        raise ValueError(f"{what} must be writable")
+    if not view.c_contiguous:
+        raise ValueError(f"{what} must be C-contiguous")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def _address_of(view: memoryview) -> int | None:
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except (TypeError, ValueError):
+        return None

@@ -50,7 +50,7 @@ from tierkv.contract.runner import (
     per_key,
     run_job,
 )
-from tierkv.contract.slab import PrimaryView, Regions, StridedView
+from tierkv.contract.slab import GatherView, PrimaryView, Regions, StridedView
 from tierkv.contract.units import Duration, Size
 
 __all__ = [
@@ -69,6 +69,7 @@ __all__ = [
     "JobResult",
     "NO_ROOM",
     "OffloadKey",
+    "GatherView",
     "PrimaryView",
     "Regions",
     "StridedView",

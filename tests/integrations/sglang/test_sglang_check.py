@@ -42,8 +42,9 @@ def test_json_and_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str], rig
     assert main(["sglang", "check", f"@{path}", "--json", "--layout", "layer_first"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["parts_per_page"] == 64 and report["tiers"][0]["type"] == "nvme"
-    assert report["whole_pages"] is False  # K and V of each layer: not evenly spaced
-    assert any("page_first" in w for w in report["warnings"])
+    # K and V of each layer, 64 regions: one block of them all (nvme accepts regions)
+    assert report["whole_pages"] is True and report["page_bytes"] == 64 * 131072
+    assert not any("regions" in w for w in report["warnings"])
 
 
 @pytest.mark.parametrize(
@@ -64,17 +65,25 @@ def test_problems_exit_2_with_their_path(
     assert said in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "layer_first"])
-@pytest.mark.parametrize("mla", [False, True])
+LAYOUT_CASES = [
+    (layout, mla)
+    for layout in ("page_first", "page_first_direct", "layer_first", "page_head",
+                   "page_first_kv_split")
+    for mla in (False, True)
+    if not (layout == "page_head" and mla) and not (layout == "page_first_kv_split" and not mla)
+]
+
+
+@pytest.mark.parametrize(("layout", "mla"), LAYOUT_CASES)
 def test_the_geometry_is_the_host_pools(rig: Any, layout: str, mla: bool) -> None:
     """What the check computes is what the pool reports at start-up."""
     from tierkv.integrations.sglang.check import Model
     from tierkv.integrations.sglang.pages import read_geometry
 
     pool = rig.pool(pages=2, page_size=16, layer_num=3, head_num=2, head_dim=64,
-                    layout=layout, mla=mla)
+                    layout=layout, mla=mla, rope_dim=16)
     model = Model(name="m", page_size=16, layers=3, kv_heads=2, head_dim=64,
-                  layout=layout, mla=mla)
+                  layout=layout, mla=mla, rope_dim=16)
     read = read_geometry(pool, model="m", tp_rank=0, tp_size=1, is_mla=mla)
     assert read == model.geometry()
 
@@ -95,3 +104,46 @@ def test_a_tier_that_moves_one_run_of_bytes_keeps_regions_apart(
     config = json.dumps({**BACKEND, "tiers": tiers})
     assert main(["sglang", "check", config, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["whole_pages"] is False
+
+
+@pytest.mark.parametrize(("layout", "mla"), LAYOUT_CASES)
+@pytest.mark.parametrize("regions", [True, False])
+def test_the_check_says_which_layouts_are_one_block_a_page(
+    tmp_path: Path, layout: str, mla: bool, regions: bool
+) -> None:
+    """Every layout SGLang 0.5.23 offers: a page of several regions is one block where
+    every tier accepts regions, a block a region otherwise; an MLA page_first page is
+    one region anyway."""
+    from tierkv.integrations.sglang.check import Model, check, render
+
+    tiers: list[dict[str, Any]] = [{"type": "nvme", "path": str(tmp_path / "kv"),
+                                    "capacity": "1GiB", "job_timeout": "2s"}]
+    if not regions:
+        tiers.append({"type": "sqlite", "path": str(tmp_path / "kv.db"), "capacity": "1GiB"})
+    model = Model(name="m", layers=4, layout=layout, mla=mla, head_dim=576 if mla else 128)
+    report = check(json.dumps({**BACKEND, "tiers": tiers}), model)
+    several = report.parts_per_page > 1
+    assert several == (not mla or layout in ("layer_first", "page_first_kv_split"))
+    assert report.whole_pages == (several and regions)
+    text = render(report, model)
+    said = "one tierkv block of them all" if report.whole_pages else "each a tierkv block"
+    assert said in text
+    if layout == "page_first_kv_split":  # K: 512 wide, V: 64 (rope)
+        assert report.region_bytes == [64 * 512 * 2 * 4, 64 * 64 * 2 * 4]
+        assert "2 regions of 262144 + 32768 bytes" in text
+
+
+def test_a_layout_of_the_other_kind_of_model_is_refused(tmp_path: Path) -> None:
+    from tierkv.contract.errors import ConfigError
+    from tierkv.integrations.sglang.check import Model, check
+
+    for model in (Model(layout="page_head", mla=True), Model(layout="page_first_kv_split")):
+        with pytest.raises(ConfigError, match="only"):
+            check(extra(tmp_path), model)
+
+
+def test_the_command_line_offers_every_layout_the_check_knows() -> None:
+    from tierkv.cli import sglang as cli
+    from tierkv.integrations.sglang import check
+
+    assert cli.LAYOUTS == check.LAYOUTS

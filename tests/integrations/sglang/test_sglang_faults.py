@@ -159,12 +159,18 @@ def test_redis_stopped_then_restarted(rig: Any, redis_server: Any) -> None:
     assert reader.slowest < deadline(backend)
 
 
-def test_a_pool_of_several_buffers_keeps_one_deadline(rig: Any, faulty_tier_type: str) -> None:
-    """A Mamba pool's page is three regions in three buffers, each with its own tiers:
+def test_a_pool_of_several_buffers_keeps_one_deadline(
+    rig: Any, faulty_tier_type: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Mamba pool's page is three regions in three buffers; stored region by region
+    (a chain with a tier that does not accept regions) each buffer has its own tiers:
     when all of them hang, a v2 call still answers within one deadline, not three."""
     from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
     from tierkv.integrations.sglang.stand_in import MambaPoolStandIn
+    from tierkv.integrations.sglang.storage import TierkvHiCacheStorage
+
+    monkeypatch.setattr(TierkvHiCacheStorage, "_whole_pages", lambda self: False)
 
     tier = {"type": faulty_tier_type, "job_timeout": "0.5s", "failure_threshold": 10}
     backend = rig.backend(rig.pool(pages=4), [tier])

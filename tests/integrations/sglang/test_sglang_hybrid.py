@@ -45,9 +45,10 @@ def test_v2_pools_round_trip(rig: Any, hybrid: Any) -> None:
     ]
     assert backend.batch_set_v2(put) == {"mamba": [True] * 4, "swa": [True] * 4}
     # the sliding-window pool lays K and V out as the KV pool does: a page is one block;
-    # the Mamba pool's regions are of three sizes in three buffers: one block each
+    # the Mamba pool's regions are of three sizes in three buffers: one block too
     assert backend.sidecars["swa"].key_parts == 1
-    assert backend.sidecars["mamba"].key_parts == backend.sidecars["mamba"].parts > 1
+    assert backend.sidecars["mamba"].key_parts == 1 and backend.sidecars["mamba"].parts == 3
+    assert len(backend.sidecars["mamba"].components) == 1
     get = [
         PoolTransfer(name=PoolName.MAMBA, host_indices=mamba.indices([7, 6, 5, 4]), keys=hashes),
         PoolTransfer(name=PoolName.SWA, host_indices=swa.indices([4, 5, 6, 7]), keys=hashes),

@@ -44,14 +44,14 @@ def test_round_trip_over_sglang_host_pools(
     first = build(real_pools, mla, layout)
     rig.fill(first, [0, 1, 2, 3], f"real-{layout}")  # through SGLang's set_from_flat_data_page
     writer = rig.backend(first, [rig.nvme()], mla=mla)
-    # a page whose regions lie evenly spaced in one buffer is one block of them all
-    # (one file): K and V one half-buffer apart (MHA page_first), one region per layer
-    # (MLA layer_first); an MLA page_first page is one region anyway; MHA layer_first
-    # regions (K and V of each layer) are not evenly spaced, so stay apart
-    whole = {(False, "layer_first"): False, (True, "page_first"): False}.get((mla, layout), True)
-    assert (writer.kv.stride is not None) == whole
-    assert writer.kv.key_parts == (4 if (mla, layout) == (False, "layer_first") else 1)
+    # a page of several regions is one block of them all (one file), in every layout:
+    # K and V one half-buffer apart (MHA page_first), K and V of each layer (MHA
+    # layer_first: 4 regions here), one region per layer (MLA layer_first); an MLA
+    # page_first page is one region anyway
+    assert writer.kv.whole == ((mla, layout) != (True, "page_first"))
+    assert writer.kv.key_parts == 1
     assert writer.batch_set_v1(hashes, indices([0, 1, 2, 3])) == [True] * 4
+    assert len([p for p in rig.tmp_path.joinpath("nvme").rglob("*.blk")]) == 4
     writer.close()
     second = build(real_pools, mla, layout)
     reader = rig.backend(second, [rig.nvme()], mla=mla)
@@ -100,6 +100,11 @@ def test_mamba_state_over_sglang_mamba_pool(rig: Any, real_pools: Any) -> None:
     hashes = rig.page_hashes(3, "state")
     put = PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([0, 1, 2]), keys=hashes)
     assert backend.batch_set_v2([put]) == {"mamba": [True] * 3}
+    # three buffers, three region sizes: one block (one nvme file) a slot
+    assert backend.sidecars["mamba"].key_parts == 1
+    mamba_files = [p for p in rig.tmp_path.joinpath("nvme").rglob("*.blk")
+                   if p.stat().st_size == 64 + backend.sidecars["mamba"].page_bytes]
+    assert len(mamba_files) == 3
     get = PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([7, 6, 5]), keys=hashes)
     assert backend.batch_get_v2([get]) == {"mamba": [True] * 3}
     assert [slot_bytes(7 - i) for i in range(3)] == [slot_bytes(i) for i in range(3)]

@@ -1,8 +1,9 @@
-"""A page whose regions lie evenly spaced in one buffer (an MHA pool laid out
-page_first: K in the first half of `kv_buffer`, V in the second) is one block of all
-its regions when every tier accepts regions: one key, one nvme file per page, read and
-written in place; with a tier that does not (the sqlite plugin), region by region as
-before."""
+"""A page of several regions is one block of all its regions when every tier accepts
+regions (`GatherView`), whatever the layout: an MHA pool laid out page_first (K in the
+first half of `kv_buffer`, V in the second), layer_first (K and V of each layer: 2 x
+layers regions), page_first_direct, a split MLA pool (K and V in two buffers, two
+sizes): one key, one nvme file per page, read and written in place; with a tier that
+does not (the sqlite plugin), region by region as before."""
 
 from __future__ import annotations
 
@@ -35,10 +36,28 @@ def test_a_page_first_mha_page_is_one_nvme_file(rig: Any) -> None:
     pool = rig.pool(pages=2 * PAGES, layout="page_first")
     backend = rig.backend(pool, [rig.nvme("whole")])
     kv = backend.kv
-    assert kv.parts == 2 and kv.key_parts == 1
-    assert kv.stride == pool.kv_buffer[1].data_ptr() - pool.kv_buffer[0].data_ptr()
+    assert kv.parts == 2 and kv.key_parts == 1 and kv.whole
+    assert kv.lanes is not None
+    (_, k_at, _, _), (_, v_at, _, _) = kv.lanes
+    assert v_at - k_at == pool.kv_buffer[1].data_ptr() - pool.kv_buffer[0].data_ptr()
     round_trip(rig, pool, backend)
     assert len(nvme_files(rig.tmp_path / "whole")) == PAGES  # not 2 x PAGES
+
+
+@pytest.mark.parametrize("layers", [1, 3, 8])
+def test_a_layer_first_mha_page_is_one_nvme_file(rig: Any, layers: int) -> None:
+    """SGLang's layer_first (its disaggregated decode's layout): a page is K and V of
+    each layer, 2 x layers regions in one buffer; one block, one file of one frame
+    (header + the page's bytes), read back byte for byte, in place."""
+    pool = rig.pool(pages=2 * PAGES, layout="layer_first", layer_num=layers)
+    backend = rig.backend(pool, [rig.nvme(f"layers{layers}")])
+    kv = backend.kv
+    assert kv.parts == 2 * layers and kv.key_parts == 1 and len(kv.components) == 1
+    assert kv.components[0].view.region_count == 2 * layers
+    round_trip(rig, pool, backend)
+    files = nvme_files(rig.tmp_path / f"layers{layers}")
+    assert len(files) == PAGES  # not 2 x layers x PAGES
+    assert {f.stat().st_size - backend.page_bytes for f in files} == {64}
 
 
 def test_the_whole_page_key_is_no_region_key() -> None:
@@ -56,19 +75,34 @@ def sqlite(rig: Any, name: str) -> dict[str, Any]:
 def test_a_tier_that_moves_one_run_of_bytes_keeps_regions_apart(rig: Any) -> None:
     pool = rig.pool(pages=2 * PAGES, layout="page_first")
     backend = rig.backend(pool, [rig.nvme("mixed"), sqlite(rig, "mixed")])
-    assert backend.kv.stride is None and backend.kv.key_parts == 2
+    assert not backend.kv.whole and backend.kv.key_parts == 2
     round_trip(rig, pool, backend)
     assert len(nvme_files(rig.tmp_path / "mixed")) == 2 * PAGES
 
 
-@pytest.mark.parametrize(("layout", "mla"), [("layer_first", False), ("page_first", True)])
-def test_pools_of_one_region_or_uneven_regions_stay_region_by_region(
-    rig: Any, layout: str, mla: bool
+@pytest.mark.parametrize(
+    ("layout", "mla"),
+    [("page_first", False), ("page_first_direct", False), ("layer_first", False),
+     ("page_head", False), ("page_first", True), ("layer_first", True),
+     ("page_first_direct", True), ("page_first_kv_split", True)],
+)
+@pytest.mark.parametrize("whole", [True, False])
+def test_every_layout_round_trips_one_block_a_page_or_region_by_region(
+    rig: Any, layout: str, mla: bool, whole: bool
 ) -> None:
-    pool = rig.pool(pages=2 * PAGES, layout=layout, mla=mla)
-    backend = rig.backend(pool, [rig.nvme(f"{layout}-{mla}")], mla=mla)
-    assert backend.kv.key_parts == backend.kv.parts
+    """Every layout of the stand-in, byte for byte: one block (one file) a page where
+    every tier accepts regions; one block a region next to a tier that does not. An
+    MLA page_first page is one region anyway (its region's own key)."""
+    pool = rig.pool(pages=2 * PAGES, layout=layout, mla=mla, layer_num=3)
+    name = f"{layout}-{mla}-{whole}"
+    tiers = [rig.nvme(name)] if whole else [rig.nvme(name), sqlite(rig, name)]
+    backend = rig.backend(pool, tiers, mla=mla)
+    kv = backend.kv
+    one_region = kv.parts == 1
+    assert kv.whole == (whole and not one_region)
+    assert kv.key_parts == (1 if kv.whole or one_region else kv.parts)
     round_trip(rig, pool, backend)
+    assert len(nvme_files(rig.tmp_path / name)) == PAGES * kv.key_parts
 
 
 def test_a_page_stored_region_by_region_is_not_read_as_a_whole_page(rig: Any) -> None:
@@ -103,7 +137,7 @@ def test_a_page_whose_regions_moved_is_refused_not_misread(
     monkeypatch.setattr(pool, "get_page_buffer_meta", moved)
     hashes = rig.page_hashes(2, "moved")
     assert backend.batch_set_v1(hashes, pool.indices([0, 1])) == [False, False]
-    assert "not" in caplog.text and "apart" in caplog.text
+    assert "not where" in caplog.text
     monkeypatch.setattr(pool, "get_page_buffer_meta", real)
     assert backend.batch_exists(hashes) == 0
 
@@ -162,7 +196,7 @@ def test_a_page_asked_twice_in_one_load_fills_its_first_copy_only(
     False for the second (one tier job has each key once), whole pages or not."""
     pool = rig.pool(pages=2 * PAGES, layout=layout)
     backend = rig.backend(pool, [rig.nvme(f"twice-{layout}")])
-    assert (backend.kv.stride is not None) == (layout == "page_first")
+    assert backend.kv.whole
     hashes = rig.page_hashes(2, "twice")
     rig.fill(pool, [0, 1], "twice")
     assert backend.batch_set_v1(hashes, pool.indices([0, 1])) == [True, True]

@@ -24,7 +24,9 @@ from tierkv.registry import get_tier_class
 
 MODULE = "tierkv.integrations.sglang"
 CLASS = "TierkvHiCacheStorage"
-LAYOUTS = ("page_first", "page_first_direct", "layer_first")
+LAYOUTS = ("page_first", "page_first_direct", "layer_first", "page_head", "page_first_kv_split")
+"""Every `--hicache-mem-layout` of SGLang 0.5.23 (page_head: MHA only;
+page_first_kv_split: MLA only, SGLang's NPU pools)."""
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
 SLOW_CALL = 5.0
 """Seconds past which a warning says SGLang's threads may wait that long per call."""
@@ -40,6 +42,7 @@ class Model:
     layers: int = 32
     kv_heads: int = 8  # per TP rank (MHA)
     head_dim: int = 128  # MHA; for MLA, kv_lora_rank + qk_rope_head_dim (576)
+    rope_dim: int = 64  # MLA's qk_rope_head_dim: V's width in page_first_kv_split
     layout: str = "page_first"
     mla: bool = False
     tp: int = 1
@@ -51,11 +54,20 @@ class Model:
         item = DTYPE_BYTES.get(self.dtype)
         if item is None:
             raise ConfigError([f"--dtype: {self.dtype!r} is not one of {', '.join(DTYPE_BYTES)}"])
+        if self.layout == "page_first_kv_split" and not self.mla:
+            raise ConfigError(["--layout: page_first_kv_split is SGLang's for MLA models only"])
+        if self.layout == "page_head" and self.mla:
+            raise ConfigError(["--layout: page_head is SGLang's for MHA models only"])
         heads = 1 if self.mla else self.kv_heads
         per_layer = self.page_size * heads * self.head_dim * item
         kv = 1 if self.mla else 2
+        regions: tuple[int, ...] = ()
         if self.layout == "layer_first":
             part, parts = per_layer, kv * self.layers
+        elif self.layout == "page_first_kv_split":  # K (latent) and V (rope), 2 buffers
+            rope = self.page_size * self.rope_dim * item * self.layers
+            regions = (per_layer * self.layers - rope, rope)
+            part, parts = regions[0], 2
         else:
             part, parts = per_layer * self.layers, kv
         return PoolGeometry(
@@ -67,6 +79,7 @@ class Model:
             parts_per_page=parts,
             is_mla=self.mla,
             tp_size=self.tp,
+            region_bytes=regions,
         )
 
 
@@ -80,8 +93,11 @@ class CheckReport:
     lookup_timeout_s: float
     tiers: list[dict[str, Any]] = field(default_factory=list)
     whole_pages: bool = False
-    """A page is one block of all its regions (`regions.RegionPool`): several regions,
-    evenly spaced in one buffer, and every tier `accepts_regions`."""
+    """A page is one block of all its regions (`regions.RegionPool` over a
+    `GatherView`): several regions (any layout) and every tier `accepts_regions`."""
+    page_bytes: int = 0
+    region_bytes: list[int] = field(default_factory=list)
+    """Each region's bytes where they differ (page_first_kv_split); else empty."""
     class_loaded: bool | None = None  # None: SGLang is not installed here
     warnings: list[str] = field(default_factory=list)
 
@@ -144,11 +160,12 @@ def check(value: str, model: Model) -> CheckReport:
             {"name": name, "type": t.type, "job_timeout_s": float(t.job_timeout)}
             for name, t in zip(settings.names, settings.tiers)
         ],
-        # evenly spaced regions: K and V half a buffer apart (MHA page_first and
-        # page_first_direct), one per layer (MLA layer_first); not MHA layer_first
+        # a page of several regions, in any layout, is one block where every tier
+        # accepts regions (`GatherView`: any regions at any places)
         whole_pages=geometry.parts_per_page > 1
-        and (model.mla or model.layout != "layer_first")
         and all(get_tier_class(t.type).accepts_regions for t in settings.tiers),
+        page_bytes=geometry.page_bytes,
+        region_bytes=list(geometry.region_bytes),
         class_loaded=_load_class(extra),
     )
     if report.call_deadline_s > SLOW_CALL:
@@ -157,11 +174,12 @@ def check(value: str, model: Model) -> CheckReport:
             f"when a tier hangs (job_timeout {slowest:g}s plus the driver's grace); SGLang "
             "never interrupts it. Consider job_timeout: 2s in each tier section"
         )
-    if geometry.parts_per_page > 8:
+    if geometry.parts_per_page > 8 and not report.whole_pages:
         report.warnings.append(
             f"layout {model.layout} gives {geometry.parts_per_page} regions of "
-            f"{geometry.part_bytes} bytes per page, each its own block in every tier; "
-            "page_first (--hicache-mem-layout page_first) gives 2 per page"
+            f"{geometry.part_bytes} bytes per page, each its own block in every tier (a "
+            "tier of the chain does not accept regions); with tiers that all do (nvme, "
+            "memory, redis, s3) a page is one block in every layout"
         )
     return report
 
@@ -199,7 +217,12 @@ def render(report: CheckReport, model: Model) -> str:
         f"ok: tierkv below SGLang's host pool for {model.name} ({model.dtype}, "
         f"{'MLA' if model.mla else 'MHA'}, TP {model.tp}, layout {model.layout})",
         f"  page: {model.page_size} tokens, {report.parts_per_page} regions of "
-        f"{report.part_bytes} bytes, "
+        + (
+            " + ".join(str(b) for b in report.region_bytes)
+            if report.region_bytes
+            else f"{report.part_bytes}"
+        )
+        + " bytes, "
         + (
             "one tierkv block of them all (every tier accepts regions)"
             if report.whole_pages

@@ -65,18 +65,18 @@ def read_geometry(
     pp_size: int = 1,
     is_mla: bool,
 ) -> PoolGeometry:
-    """`pool`'s page geometry, read from its first page; ValueError when its regions
-    do not all have one size."""
+    """`pool`'s page geometry, read from its first page (regions of several sizes, as
+    a split MLA pool's K and V, are listed in `region_bytes`)."""
     import torch  # the engine has it; the settings and the check do not need it
 
     page_size = int(pool.page_size)
     ptrs, sizes = pool.get_page_buffer_meta(torch.arange(page_size, dtype=torch.int64))
-    if not ptrs or len(set(sizes)) != 1:
+    if not ptrs:
         raise ValueError(
             f"tierkv cannot serve SGLang host pool {type(pool).__name__} "
-            f"(layout {pool.layout}): its page regions have sizes {sorted(set(sizes))}; "
-            "tierkv serves pools whose regions all have one size"
+            f"(layout {pool.layout}): it names no region of a page"
         )
+    uneven = len(set(sizes)) > 1
     return PoolGeometry(
         model=model,
         dtype=str(getattr(pool, "dtype", "?")).replace("torch.", ""),
@@ -89,6 +89,7 @@ def read_geometry(
         pp_size=pp_size,
         tp_rank=tp_rank,
         pp_rank=pp_rank,
+        region_bytes=tuple(int(size) for size in sizes) if uneven else (),
     )
 
 

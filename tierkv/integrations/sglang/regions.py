@@ -5,22 +5,29 @@ hybrid model (v2 calls: Mamba state, sliding-window KV, ...).
 and size of each of its regions: two per page for an MHA KV pool laid out page_first
 (the page's K and its V across all layers), 2 x layers for layer_first, one for MLA;
 a Mamba pool's temporal state and one conv state per conv buffer, each its own size.
-Regions of one size in one buffer lie on multiples of that size (SGLang allocates host
-pages whole), so each distinct (buffer, size) is a *component*: a `PrimaryView` of
-region-sized slots over that buffer, read and written in place (no copy), with its own
-instance of every tier in the chain (a `SyncChain`, all on the process's one loop
-thread). A component's namespace is the pool's (its own directory in an nvme tier);
-with several components each gets `|<name>:<index>` after it.
 
-A page's region `j` is the block `make_offload_key(H(suffix, page hash), j)`
+**Whole pages.** Where every tier of the chain `accepts_regions` and a page has
+several regions, the pool is one component over a `GatherView`: one *lane* per region
+of a page (its buffer, where page 0's region lies, the bytes from one page's region to
+the next, its size, read from the pool's first two pages and checked on every call),
+and a page is one block of all its regions, under one key
+(`make_offload_key(H(suffix, page hash), pages.WHOLE_PAGE)`): one file, one header,
+one checksum, one index entry per page, written with one `pwritev` from the regions
+and read with one `preadv` into them, in place. That covers every layout SGLang 0.5.23
+offers: MHA page_first / page_first_direct / page_head (K and V half a buffer apart),
+layer_first (2 x layers lanes: K and V of each layer), MLA layer_first (one lane a
+layer) and page_first_kv_split (K and V in two buffers, of two sizes), a Mamba pool
+(temporal and conv states, three buffers of three sizes).
+
+Otherwise (a tier that moves a block as one run of bytes, or a page of one region)
+each region is a block of its own: regions of one size in one buffer lie on multiples
+of that size (SGLang allocates host pages whole), so each distinct (buffer, size) is a
+*component*: a `PrimaryView` of region-sized slots over that buffer, read and written
+in place (no copy), with its own instance of every tier in the chain (a `SyncChain`,
+all on the process's one loop thread). A component's namespace is the pool's (its own
+directory in an nvme tier); with several components each gets `|<name>:<index>` after
+it. A page's region `j` is then the block `make_offload_key(H(suffix, page hash), j)`
 (`pages.page_keys`); a page is present, read or written when all its regions are.
-
-**Whole pages.** Where every region of a page lies in one buffer at one stride (an MHA
-pool laid out page_first: the page's K in the first half of `kv_buffer`, its V at the
-same place in the second) and every tier of the chain `accepts_regions`, the pool is
-one component over a `StridedView` and a page is one block of all its regions, under
-one key (`pages.WHOLE_PAGE`): one file, one header, one checksum, one index entry per
-page instead of one per region, still read and written in place.
 
 The rules for which pages a v2 hit needs follow SGLang (`PoolHitPolicy`): a pool of
 `ALL_PAGES` needs every page of the prefix, `TRAILING_PAGES` the last
@@ -40,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from tierkv.contract.keys import OffloadKey
-from tierkv.contract.slab import PrimaryView, StridedView
+from tierkv.contract.slab import GatherView, PrimaryView
 from tierkv.driver.sync_chain import SyncChain
 from tierkv.integrations.sglang.claims import ExistsClaims
 from tierkv.integrations.sglang.pages import (
@@ -116,29 +123,32 @@ class RegionPool:
             raise ValueError(f"host pool {type(pool).__name__} names no region of a page")
         self.parts = len(ptrs)
         self.region_bytes = tuple(int(size) for size in sizes)
-        groups = self._components(pool, ptrs, sizes)
-        self.stride: int | None = None
-        """Bytes between the regions of a page stored whole; None: region by region."""
-        if whole_pages and len(groups) == 1 and self.parts > 1:
-            self.stride = _page_stride(pool, self.page_size, ptrs, sizes)
-        self.key_parts = 1 if self.stride is not None else self.parts
+        """Bytes of each region of a page, in order."""
+        self.lanes: list[tuple[Any, int, int, int]] | None = None
+        """Per region of a page stored whole: (buffer, offset of page 0's region in it,
+        bytes from one page's region to the next, bytes); None: region by region."""
+        if whole_pages and self.parts > 1:
+            self.lanes = _page_lanes(pool, self.page_size, ptrs, sizes)
+        groups = (
+            self._components(pool, ptrs, sizes) if self.lanes is None else [(None, 0, [0])]
+        )
+        self.key_parts = 1 if self.lanes is not None else self.parts
         """Keys (blocks) per page: 1 for a page stored whole, else one per region."""
         self.components: list[Component] = []
         self.component_of: dict[int, int] = {}
         try:
             for c, (tensor, size, regions) in enumerate(groups):
-                data = host_bytes(tensor)
                 space = namespace if len(groups) == 1 else f"{namespace}|{name}:{c}"
                 view: PrimaryView
-                if self.stride is not None:
-                    view = StridedView(data, size, self.parts, self.stride, space)
-                    regions = [0]  # the page's one key
+                if self.lanes is not None:
+                    view = self._gather_view(pool, space)
+                    base, size = 0, self.page_bytes
                 else:
+                    data = host_bytes(tensor)
                     view = PrimaryView(data[: data.nbytes - data.nbytes % size], size, space)
+                    base = int(tensor.data_ptr())
                 chain = make_chain(view)
-                self.components.append(
-                    Component(view, int(tensor.data_ptr()), size, tuple(regions), chain)
-                )
+                self.components.append(Component(view, base, size, tuple(regions), chain))
                 for j in regions:
                     self.component_of[j] = c
             self._region_components = np.array(
@@ -151,6 +161,33 @@ class RegionPool:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def whole(self) -> bool:
+        """Whether a page is one block of all its regions (`GatherView`)."""
+        return self.lanes is not None
+
+    @property
+    def page_bytes(self) -> int:
+        return sum(self.region_bytes)
+
+    def _gather_view(self, pool: Any, namespace: str) -> GatherView:
+        """A `GatherView` of the pool's pages: one lane per region of a page."""
+        assert self.lanes is not None
+        buffers: dict[int, memoryview] = {}
+        lanes = []
+        for tensor, offset, stride, size in self.lanes:
+            data = buffers.get(id(tensor))
+            if data is None:
+                data = buffers[id(tensor)] = host_bytes(tensor)
+            lanes.append((data, offset, stride, size))
+        pages = _page_count(pool, self.page_size)
+        view = GatherView(lanes, namespace, num_blocks=pages)
+        starts = [int(t.data_ptr()) + offset for t, offset, _, _ in self.lanes]
+        self._lane_starts = np.array(starts, dtype=np.int64)
+        self._lane_strides = np.array([lane[2] for lane in self.lanes], dtype=np.int64)
+        self._lane_sizes = np.array([lane[3] for lane in self.lanes], dtype=np.int64)
+        return view
 
     @staticmethod
     def _components(pool: Any, ptrs: Sequence[int], sizes: Sequence[int]) -> list[Any]:
@@ -186,7 +223,7 @@ class RegionPool:
             page_hashes,
             self.suffix,
             self.parts,
-            whole=self.stride is not None,
+            whole=self.lanes is not None,
             length=self.key_bytes,
         )
 
@@ -246,31 +283,40 @@ class RegionPool:
             return []
         starts = np.asarray(ptrs, dtype=np.int64)
         region_sizes = np.asarray(sizes, dtype=np.int64)
-        misplaced = np.zeros(pages * self.key_parts, dtype=bool)
-        if self.stride is not None:  # a page's regions must lie `stride` apart
-            grid = starts.reshape(pages, self.parts)
-            offsets = np.arange(self.parts, dtype=np.int64) * self.stride
-            misplaced = (grid != grid[:, :1] + offsets).any(axis=1)
-            misplaced |= (region_sizes.reshape(pages, self.parts) != self.region_bytes[0]).any(
-                axis=1
-            )
-            starts, region_sizes = grid[:, 0], region_sizes[:: self.parts]
+        if self.lanes is not None:
+            return self._page_slots(starts.reshape(pages, self.parts),
+                                    region_sizes.reshape(pages, self.parts))
         # per key of the call: its component's base, slot size and slot count
         which = np.tile(self._region_components, pages)
         base, size, count = self._bases[which], self._sizes[which], self._counts[which]
         slot, rest = np.divmod(starts - base, size)
-        bad = misplaced | (region_sizes != size) | (rest != 0)
+        bad = (region_sizes != size) | (rest != 0)
         bad |= (slot < 0) | (slot >= count)
         if bad.any():
             i = int(np.argmax(bad))
-            if misplaced[i]:
-                raise ValueError(
-                    f"pool {self.name}: the regions of a page are not {self.stride} bytes "
-                    "apart, as this pool's first pages were (a page is stored whole)"
-                )
             raise ValueError(
                 f"pool {self.name}: a page region ({int(region_sizes[i])} bytes) is not a "
                 f"{int(size[i])}-byte slot of its buffer"
+            )
+        return slot.tolist()  # type: ignore[no-any-return]
+
+    def _page_slots(self, grid: Any, sizes: Any) -> list[int]:
+        """The slot of each page stored whole: where its first region lies in the first
+        lane; ValueError when any region of a page is not where that slot's lane has
+        it (the pool's layout changed) or not of its lane's size."""
+        slot, rest = np.divmod(grid[:, 0] - self._lane_starts[0], self._lane_strides[0])
+        count = int(self._counts[0])
+        bad = (rest != 0) | (slot < 0) | (slot >= count)
+        expected = self._lane_starts[None, :] + slot[:, None] * self._lane_strides[None, :]
+        misplaced = (grid != expected).any(axis=1) | (sizes != self._lane_sizes[None, :]).any(
+            axis=1
+        )
+        if (bad | misplaced).any():
+            i = int(np.argmax(bad | misplaced))
+            raise ValueError(
+                f"pool {self.name}: the regions of page {i} of the call are not where this "
+                "pool's first pages put them (a page is stored whole, as one block of its "
+                f"regions; slot {int(slot[i])} of {count})"
             )
         return slot.tolist()  # type: ignore[no-any-return]
 
@@ -287,7 +333,7 @@ class RegionPool:
             return []
         slots = self._slots(host_indices)
         per_page: list[list[OffloadKey]] = []
-        if self.stride is not None:  # whole pages (one component): flat lists
+        if self.lanes is not None:  # whole pages (one component): flat lists
             keys = whole_page_keys(page_hashes, self.suffix, self.key_bytes)
             work = [_first_slots(keys, slots)]
         else:
@@ -333,31 +379,44 @@ def _first_slots(keys: Sequence[OffloadKey], slots: Sequence[int]) -> dict[Offlo
     return pairs
 
 
-def _page_stride(
+def _page_count(pool: Any, page_size: int) -> int | None:
+    """The host pages of `pool`, where it says (`size` tokens or slots)."""
+    size = getattr(pool, "size", None)
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return max(1, size // page_size)
+    return None
+
+
+def _page_lanes(
     pool: Any, page_size: int, ptrs: Sequence[int], sizes: Sequence[int]
-) -> int | None:
-    """The stride between a page's regions when they lie evenly spaced, apart and in
-    order (the same for the first two pages: the pool's layout, not a coincidence of
-    page 0); None when they do not, and the pool is stored region by region."""
+) -> list[tuple[Any, int, int, int]] | None:
+    """Per region of a page: (buffer, offset of page 0's region, bytes between one
+    page's region and the next, bytes), read from the pool's first two pages (the
+    pool's layout, checked again on every call); None when the second page's regions
+    are not the first's shifted (a pool of one page, one that refuses, regions that
+    move otherwise): the pool is stored region by region."""
     import torch
 
-    def spacing(starts: Sequence[int]) -> int | None:
-        first = int(starts[0])
-        gap = int(starts[1]) - first
-        if gap < int(sizes[0]) or any(int(p) - first != j * gap for j, p in enumerate(starts)):
-            return None
-        return gap
-
     try:
-        second, _ = pool.get_page_buffer_meta(
+        second, second_sizes = pool.get_page_buffer_meta(
             torch.arange(page_size, 2 * page_size, dtype=torch.int64)
         )
-    except Exception:  # a pool of one page, or one that refuses: region by region
+    except Exception:
         return None
-    stride = spacing(ptrs)
-    if stride is None or len(second) != len(ptrs) or spacing(second) != stride:
+    if len(second) != len(ptrs) or [int(x) for x in second_sizes] != [int(x) for x in sizes]:
         return None
-    return stride
+    tensors = pool_tensors(pool)
+    lanes = []
+    for first, then, size in zip(ptrs, second, sizes):
+        stride, size = int(then) - int(first), int(size)
+        if stride < size:  # not one region after another, page by page
+            return None
+        try:
+            tensor = _containing(tensors, int(first))
+        except ValueError:
+            return None
+        lanes.append((tensor, int(first) - int(tensor.data_ptr()), stride, size))
+    return lanes
 
 
 def restorable_ends(

@@ -65,6 +65,15 @@ class PoolGeometry:
     pp_size: int = 1
     tp_rank: int = 0
     pp_rank: int = 0
+    region_bytes: tuple[int, ...] = ()
+    """Each region's bytes where a page's regions differ in size (a split MLA pool: K
+    and V; `part_bytes` is then the first's); empty where they are all `part_bytes`."""
+
+    @property
+    def page_bytes(self) -> int:
+        if self.region_bytes:
+            return sum(self.region_bytes)
+        return self.part_bytes * self.parts_per_page
 
     @property
     def shard(self) -> str:
@@ -92,6 +101,8 @@ class PoolGeometry:
                 "mla": self.is_mla,
                 "tp": 1 if self.is_mla else self.tp_size,  # MLA pages are rank-replicated
                 "pp": self.pp_size,
+                # only where regions differ in size: every other namespace is as before
+                **({"region_bytes": list(self.region_bytes)} if self.region_bytes else {}),
             },
             sort_keys=True,
         )

@@ -29,7 +29,9 @@ import torch
 
 __all__ = ["HostPoolStandIn", "MambaPoolStandIn"]
 
-LAYOUTS = ("page_first", "layer_first", "page_first_direct")
+LAYOUTS = ("page_first", "layer_first", "page_first_direct", "page_head", "page_first_kv_split")
+"""Every `--hicache-mem-layout` of SGLang 0.5.23: page_head is MHA's, page_first_kv_split
+MLA's (on NPU in SGLang: K, the latent part, and V, the rope part, in two buffers)."""
 
 
 class HostPoolStandIn:
@@ -46,9 +48,14 @@ class HostPoolStandIn:
         dtype: torch.dtype = torch.bfloat16,
         layout: str = "page_first",
         mla: bool = False,
+        rope_dim: int = 32,
     ) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if layout == "page_first_kv_split" and not mla:
+            raise ValueError("layout page_first_kv_split is SGLang's for MLA only")
+        if layout == "page_head" and mla:
+            raise ValueError("layout page_head is SGLang's for MHA only")
         self.page_size = page_size
         self.page_num = pages
         self.size = pages * page_size
@@ -59,7 +66,14 @@ class HostPoolStandIn:
         self.layout = layout
         self.mla = mla
         self.device = "cpu"
-        self.kv_buffer = torch.zeros(self._dims(), dtype=dtype)
+        self.rope_dim = rope_dim  # page_first_kv_split: V's width (qk_rope_head_dim)
+        if layout == "page_first_kv_split":
+            split = (pages, layer_num, page_size, 1)
+            self.k_buffer = torch.zeros((*split, head_dim - rope_dim), dtype=dtype)
+            self.v_buffer = torch.zeros((*split, rope_dim), dtype=dtype)
+            self.kv_buffer = self.k_buffer  # as SGLang's pool names it
+        else:
+            self.kv_buffer = torch.zeros(self._dims(), dtype=dtype)
 
     def _dims(self) -> tuple[int, ...]:
         L, S, H, D, P = self.layer_num, self.size, self.head_num, self.head_dim, self.page_size
@@ -67,6 +81,8 @@ class HostPoolStandIn:
             dims: tuple[int, ...] = (L, S, H, D)
         elif self.layout == "page_first":
             dims = (S, L, H, D)
+        elif self.layout == "page_head":
+            dims = (self.page_num, H, P, L, D)
         else:
             dims = (self.page_num, L, P, H, D)
         return dims if self.mla else (2, *dims)
@@ -80,6 +96,14 @@ class HostPoolStandIn:
         v_offset = 0 if self.mla else self.layer_num * self.size * token
         starts = indices.tolist()[:: self.page_size]
         ptrs: list[int] = []
+        if self.layout == "page_first_kv_split":
+            k_width, v_width = self.head_dim - self.rope_dim, self.rope_dim
+            sizes: list[int] = []
+            for index in starts:
+                ptrs.append(self.k_buffer.data_ptr() + index * self.layer_num * k_width * item)
+                ptrs.append(self.v_buffer.data_ptr() + index * self.layer_num * v_width * item)
+                sizes.extend(self.layer_num * item * self.page_size * w for w in (k_width, v_width))
+            return ptrs, sizes
         if self.layout == "layer_first":
             for index in starts:
                 for layer in range(self.layer_num):
@@ -98,7 +122,7 @@ class HostPoolStandIn:
         """A view of host page `index` (a token index), as SGLang's pools slice it."""
         p = self.page_size
         lead: tuple[slice, ...] = () if self.mla else (slice(None),)  # MHA: K and V
-        if self.layout == "page_first_direct":
+        if self.layout in ("page_first_direct", "page_head"):
             key = (*lead, slice(index // p, index // p + 1))
         elif self.layout == "layer_first":
             key = (*lead, slice(None), slice(index, index + p))
@@ -106,14 +130,27 @@ class HostPoolStandIn:
             key = (*lead, slice(index, index + p))
         return self.kv_buffer[key]
 
+    def _split_page(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """page_first_kv_split: views of a page's K and its V (two buffers)."""
+        page = index // self.page_size
+        return self.k_buffer[page], self.v_buffer[page]
+
     def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        if self.layout == "page_first_kv_split":  # SGLang has no copying calls here:
+            k, v = self._split_page(int(index))  # the tests' page is K then V (a copy)
+            return torch.cat([k.flatten(), v.flatten()])
         page = self._page(int(index))
         return page.flatten() if flat else page
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
-        return torch.zeros(self._page(0).shape, dtype=self.dtype).flatten()
+        return torch.zeros(self.get_data_page(0).shape, dtype=self.dtype).flatten()
 
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        if self.layout == "page_first_kv_split":
+            k, v = self._split_page(int(index))
+            k.copy_(data_page[: k.numel()].reshape(k.shape))
+            v.copy_(data_page[k.numel() :].reshape(v.shape))
+            return
         page = self._page(int(index))
         page.copy_(data_page.reshape(page.shape))
 
