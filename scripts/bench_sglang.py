@@ -55,12 +55,12 @@ TIERKV = {
 }
 
 
-def storage_config(extra: dict[str, Any], mla: bool = False) -> Any:
+def storage_config(extra: dict[str, Any], mla: bool = False, page_first: bool = True) -> Any:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
     return HiCacheStorageConfig(
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=True,
+        is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=page_first,
         model_name="bench/model", extra_config=extra,
     )
 
@@ -68,26 +68,28 @@ def storage_config(extra: dict[str, Any], mla: bool = False) -> Any:
 def build(name: str, extra: dict[str, Any], pool: Any) -> Any:
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-    config = storage_config(extra, mla=pool.mla)
+    config = storage_config(extra, mla=pool.mla, page_first=pool.layout == "page_first")
     backend = StorageBackendFactory.create_backend(name, config, pool)
     backend.register_mem_pool_host(pool)
     backend.on_host_pools_registered()
     return backend
 
 
-def pool_of(page_kib: int, pages: int, regions: int = 2) -> Any:
-    """A page_first pool whose pages are `page_kib` KiB (4 layers): MHA with 128-dim
-    heads (two regions a page, K and V), or with `regions=1` MLA-shaped, one region a
-    page of the same tokens, its dim the MHA page's K and V heads side by side."""
+def pool_of(page_kib: int, pages: int, regions: int = 2, layout: str = "page_first") -> Any:
+    """A pool laid out as `layout` whose pages are `page_kib` KiB (4 layers): MHA with
+    128-dim heads (two regions a page in page_first, K and V; 2 x 4 in layer_first), or
+    with `regions=1` MLA-shaped, one region a page of the same tokens, its dim the MHA
+    page's K and V heads side by side."""
     from tierkv.integrations.sglang.stand_in import HostPoolStandIn
 
     tokens, heads = (16, 2) if page_kib == 64 else (page_kib // 16, 8)
     if regions == 2:
         pool = HostPoolStandIn(pages=pages, page_size=tokens, layer_num=4, head_num=heads,
-                               head_dim=128, dtype=torch.bfloat16)
+                               head_dim=128, dtype=torch.bfloat16, layout=layout)
     elif regions == 1:
         pool = HostPoolStandIn(pages=pages, page_size=tokens, layer_num=4,
-                               head_dim=2 * heads * 128, dtype=torch.bfloat16, mla=True)
+                               head_dim=2 * heads * 128, dtype=torch.bfloat16, mla=True,
+                               layout=layout)
     else:
         raise ValueError(f"regions must be 1 or 2, got {regions}")
     page = 2 * 4 * tokens * heads * 128 * 2
@@ -171,10 +173,15 @@ def bench(
     fsync: str,
     io_concurrency: int,
     regions: int = 2,
+    layout: str = "page_first",
 ) -> dict[str, Any]:
-    """`regions` per page on tierkv's side; the `file` backend's pool is always MHA."""
+    """`regions` per page on tierkv's side; the `file` backend's pool is always MHA;
+    both laid out as `layout`."""
     pages = 2 * batches * BATCH
-    pools = {"tierkv": pool_of(page_kib, pages, regions), "file": pool_of(page_kib, pages)}
+    pools = {
+        "tierkv": pool_of(page_kib, pages, regions, layout),
+        "file": pool_of(page_kib, pages, layout=layout),
+    }
     tierkv_dir, file_dir = root / f"tierkv-{page_kib}", root / f"file-{page_kib}"
     capacity = f"{4 * rounds * batches * BATCH * page_kib}KiB"
     runs = [
@@ -213,6 +220,9 @@ def main() -> int:
     parser.add_argument("--regions", type=int, default=2, choices=(1, 2),
                         help="regions per page on tierkv's side: 2 (MHA, K and V; the "
                         "default) or 1 (an MLA-shaped pool of the same page size)")
+    parser.add_argument("--layout", default="page_first", choices=("page_first", "layer_first"),
+                        help="SGLang's --hicache-mem-layout of both pools (page_first; "
+                        "layer_first is SGLang's own default)")
     parser.add_argument("--dir", default=None, help="where both write (default: a temp dir)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -222,7 +232,7 @@ def main() -> int:
         for kib in (int(k) for k in args.pages_kib.split(",")):
             rows.append(
                 bench(kib, args.batches, args.rounds, root, args.fsync, args.io_concurrency,
-                      args.regions)
+                      args.regions, args.layout)
             )
     finally:
         if args.dir is None:
@@ -232,7 +242,7 @@ def main() -> int:
         return 0
     print(f"128-page batches, {args.rounds} interleaved rounds, median pages/s; tierkv nvme "
           f"fsync={args.fsync}, io_concurrency={args.io_concurrency}, checksums on, "
-          f"{args.regions} region(s) per tierkv page")
+          f"{args.regions} region(s) per tierkv page, {args.layout}")
     print("| page | tierkv set | file set | set ratio | tierkv get | file get | get ratio |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for row in rows:
