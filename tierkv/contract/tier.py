@@ -294,7 +294,8 @@ class SecondaryTierManager(ABC):
         if primary.region_count > 1 and not self.accepts_regions:
             raise TypeError(
                 f"tier {self.get_tier_type()!r} moves a block as one run of bytes; this "
-                f"primary's blocks are {primary.region_count} regions each (StridedView): "
+                f"primary's blocks are {primary.region_count} regions each "
+                f"({type(primary).__name__}): "
                 "give it a plain PrimaryView, or use a tier that accepts_regions"
             )
         self.config = config
