@@ -63,3 +63,12 @@ def test_every_error_a_lookup_or_removal_meets_says_the_server_is_down(
     health = ServerHealth(URL)
     assert health.is_down(exc)  # no other node could answer for its keys
     assert health.failed(NODE, exc) == f"redis at {URL} {message}"
+
+
+def test_an_unreachable_server_at_open_says_what_to_check() -> None:
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from tierkv_redis.failures import open_error
+
+    message = open_error(URL, False, RedisConnectionError("Connection refused."))
+    assert message.startswith(f"redis at {URL} is unreachable: ConnectionError: Connection")
+    assert "redis-server runs there" in message and "`required: false`" in message

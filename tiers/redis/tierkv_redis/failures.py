@@ -75,4 +75,8 @@ def open_error(url: str, cluster: bool, exc: BaseException) -> str:
             f"redis at {url} is not a Redis Cluster node ({exc}); "
             "set `cluster: false` for a single server"
         )
-    return f"redis at {url} is unreachable: {type(exc).__name__}: {exc}"
+    return (
+        f"redis at {url} is unreachable: {type(exc).__name__}: {exc}; check that "
+        "redis-server runs there and that the tier's `url` (host, port, rediss:// for "
+        "TLS) is right, or set `required: false` to serve without it until it answers"
+    )
