@@ -131,10 +131,7 @@ class PrimaryView:
         try:
             return self._bytes[start : start + self._block_bytes]
         except ValueError:
-            raise ValueError(
-                "the primary slab was released (its tier was shut down); "
-                "no block of it can be read or written any more"
-            ) from None
+            raise _released() from None
 
     def release(self) -> None:
         """Let go of the slab now, not when the last reference to this view dies.
@@ -151,6 +148,14 @@ class PrimaryView:
             raise BufferError(
                 f"the primary slab cannot be released while a buffer taken from it is in use: {exc}"
             ) from None
+
+
+def _released() -> ValueError:
+    """The error for a block of a slab whose buffer was released."""
+    return ValueError(
+        "the primary slab was released (its tier was shut down); "
+        "no block of it can be read or written any more"
+    )
 
 
 class StridedView(PrimaryView):
@@ -214,10 +219,7 @@ class StridedView(PrimaryView):
             starts = range(start, start + self._region_count * stride, stride)
             return tuple([data[at : at + size] for at in starts])
         except ValueError:
-            raise ValueError(
-                "the primary slab was released (its tier was shut down); "
-                "no block of it can be read or written any more"
-            ) from None
+            raise _released() from None
 
     def payload(self, slot: int) -> memoryview | Regions:
         return self.regions(slot)
@@ -332,10 +334,7 @@ class GatherView(PrimaryView):
                 for view, stride, size in self._lane_table
             ])
         except ValueError:
-            raise ValueError(
-                "the primary slab was released (its tier was shut down); "
-                "no block of it can be read or written any more"
-            ) from None
+            raise _released() from None
 
     def payload(self, slot: int) -> memoryview | Regions:
         return self.regions(slot)

@@ -7,8 +7,8 @@ returns it, so it never skips) and with ENOSPC injected on the normal disk."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
-import subprocess
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +17,7 @@ import pytest
 
 from tierkv.contract.framing import FIXED_HEADER_BYTES
 from tierkv.contract.jobs import ReqContext
+from tierkv.testing import DiskFaultUnavailable, tiny_disk
 
 pytestmark = pytest.mark.anyio
 CTX = ReqContext(request_id="nvme-faults")
@@ -24,31 +25,21 @@ BLOCK = 16384
 TINY_DISK = 256 * 1024
 
 
-def _mount_tmpfs(where: Path, size: int) -> bool:
-    """Mount a tmpfs of `size` bytes at `where`; False when not permitted here."""
-    where.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tierkv-test", str(where)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return done.returncode == 0
-
-
 @pytest.fixture(params=["tiny-tmpfs", "injected-enospc"])
 def full_disk(request: pytest.FixtureRequest, tmp_path: Path, rig, faults) -> Iterator[str]:
     """A disk with room for about TINY_DISK bytes under `rig.path`; yields how."""
-    if request.param == "tiny-tmpfs" and _mount_tmpfs(rig.path, TINY_DISK):
-        try:
-            yield "tmpfs"
-        finally:
-            subprocess.run(["umount", "-l", str(rig.path)], check=False)
-        return
     if request.param == "tiny-tmpfs":
-        warnings.warn(
-            "mounting a tmpfs is not permitted here: injecting ENOSPC instead", stacklevel=2
-        )
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(tiny_disk(rig.path, TINY_DISK))
+            except DiskFaultUnavailable:
+                warnings.warn(
+                    "mounting a tmpfs is not permitted here: injecting ENOSPC instead",
+                    stacklevel=2,
+                )
+            else:
+                yield "tmpfs"
+                return
     with faults.disk_of(TINY_DISK):
         yield "injected"
 
