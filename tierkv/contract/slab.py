@@ -41,6 +41,10 @@ def _low_bit(value: int) -> int:
 Regions = tuple[memoryview, ...]
 """A block's bytes as the writable regions they lie in, in order."""
 
+Lane = tuple[Any, int, int, int]
+"""One region of every block of a `GatherView`: (buffer, offset of slot 0's region in
+it, bytes from one slot's region to the next, bytes of the region)."""
+
 
 class PrimaryView:
     """Slab geometry, the namespace, and a writable zero-copy `memoryview` per slot.
@@ -119,6 +123,23 @@ class PrimaryView:
         """What a tier that `accepts_regions` moves for `slot`: `block(slot)` here, the
         regions in a `StridedView` (`tierkv.contract.framing` takes either)."""
         return self.block(slot)
+
+    @property
+    def lanes(self) -> tuple[Lane, ...] | None:
+        """Every slot's regions in one description, for a tier that moves whole batches
+        in compiled code (the nvme tier's core): a `Lane` per region, (buffer, offset,
+        stride, size), so that region j of slot s is `buffer[offset + s * stride:]
+        [:size]` of lane j. None when the slots have no such geometry (a view whose
+        slots are lent one by one, or a subclass that moves its blocks elsewhere):
+        such a tier then takes `payload(slot)` per block."""
+        base = PrimaryView
+        cls = type(self)
+        if cls.payload is not base.payload or cls.block is not base.block:
+            return None
+        data = getattr(self, "_bytes", None)
+        if data is None:
+            return None
+        return ((data, 0, self._block_bytes, self._block_bytes),)
 
     def _check_slot(self, slot: int) -> None:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self._num_blocks:
@@ -224,6 +245,11 @@ class StridedView(PrimaryView):
     def payload(self, slot: int) -> memoryview | Regions:
         return self.regions(slot)
 
+    @property
+    def lanes(self) -> tuple[Lane, ...] | None:
+        size = self._region_bytes
+        return tuple((self._bytes, j * self._stride, size, size) for j in range(self._region_count))
+
     def _spacing(self) -> int:
         return self._region_bytes | self._stride
 
@@ -236,9 +262,6 @@ class StridedView(PrimaryView):
 
 
 
-Lane = tuple[Any, int, int, int]
-"""One region of every block of a `GatherView`: (buffer, offset of slot 0's region in
-it, bytes from one slot's region to the next, bytes of the region)."""
 
 
 def _positive(name: str, value: object) -> int:
@@ -338,6 +361,10 @@ class GatherView(PrimaryView):
 
     def payload(self, slot: int) -> memoryview | Regions:
         return self.regions(slot)
+
+    @property
+    def lanes(self) -> tuple[Lane, ...] | None:
+        return tuple((view, 0, stride, size) for view, stride, size in self._lane_table)
 
     @property
     def placement(self) -> tuple[int, int]:

@@ -50,7 +50,7 @@ from tierkv.contract.runner import (
     per_key,
     run_job,
 )
-from tierkv.contract.slab import GatherView, PrimaryView, Regions, StridedView
+from tierkv.contract.slab import GatherView, Lane, PrimaryView, Regions, StridedView
 from tierkv.contract.units import Duration, Size
 
 __all__ = [
@@ -67,6 +67,7 @@ __all__ = [
     "JobAborted",
     "JobMetadata",
     "JobResult",
+    "Lane",
     "NO_ROOM",
     "OffloadKey",
     "GatherView",

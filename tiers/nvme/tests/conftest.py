@@ -1,8 +1,9 @@
 """Fixtures for the nvme tier tests: a primary slab and nvme tiers on a real directory,
 and a fault injector for the few errors a test machine cannot produce on demand.
 
-Every test that takes `rig` runs once per I/O engine (`io_engine`: the Python path and
-the compiled core), so both stay tested. A test that hooks the Python path's own
+Every test that takes `rig` runs once per I/O engine (`io_engine`: the Python path, the
+compiled core's batch calls, and its per-block calls, which keys over 100 bytes and
+primaries without one geometry take: `native-blocks`), so each stays tested. A test that hooks the Python path's own
 functions (`blockfile`, `os.*` in worker threads) is marked `python_io` and runs on it
 only; so do the tests of the fault injector. The native runs are skipped when the core
 is not built, except under CI=true, where that fails them (CI installs libxxhash-dev)."""
@@ -29,7 +30,7 @@ from tierkv.primary import PrimaryTier
 from tierkv.testing import random_keys
 
 KEY_BYTES = 20  # what tierkv.testing.random_keys makes: a 16-byte hash + 4 group bytes
-IO_ENGINES = ("python", "native")
+IO_ENGINES = ("python", "native", "native-blocks")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -50,10 +51,14 @@ def need_native() -> None:
 def io_engine(request: pytest.FixtureRequest) -> str:
     """The nvme tier's `io_engine` a test runs with (each test once per engine)."""
     engine: str = request.param
-    if engine == "native":
+    if engine.startswith("native"):
         if request.node.get_closest_marker("python_io"):
             pytest.skip("hooks the Python I/O path")
         need_native()
+    if engine == "native-blocks":  # the core, without its batch calls
+        monkeypatch = request.getfixturevalue("monkeypatch")
+        monkeypatch.setattr(native, "batch_ready", lambda dir_fd=-1: False)
+        return "native"
     return engine
 
 

@@ -34,9 +34,13 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
 #include <xxhash.h>
+#if __has_include(<linux/openat2.h>)
+#include <linux/openat2.h>
+#endif
 /* The library's plain XXH3 entry points are built for the baseline CPU (SSE2: ~17 GB/s
  * on the dev VM); its x86 dispatch ones pick AVX2/AVX-512 at run time (~30 GB/s), as
  * python-xxhash does. The header renames XXH3_64bits* to them. */
@@ -80,7 +84,8 @@ static atomic_int nowait_works = 1;
 /* One block of a batch. */
 typedef struct {
     int dir_fd;
-    const char *name;      /* final file name in dir_fd */
+    const char *name;      /* final file name in dir_fd ("ab/<hex>.blk" when beneath) */
+    int beneath;           /* name is a path below dir_fd: opened by openat2, no links */
     const char *tmp;       /* temporary name (writes) */
     const unsigned char *key;
     size_t key_len;
@@ -231,6 +236,57 @@ static ssize_t read_all(int fd, struct iovec *iov, int n, off_t offset, int flag
     return total;
 }
 
+/* -- opening below the tier's directory --------------------------------------------- */
+
+/* openat2's RESOLVE_* flags: no symbolic link in any component, nothing outside dir_fd
+ * (the batch calls name "ab/<hex>.blk" below the namespace directory, so each file is
+ * opened without following a link in its fan-out directory either). 0 (openat, the name
+ * is a single component) once the kernel says it lacks openat2: the Python side then
+ * hands the per-item calls directory descriptors instead (`beneath_works`). */
+#if defined(SYS_openat2) && defined(RESOLVE_NO_SYMLINKS)
+#define HAVE_OPENAT2 1
+#else
+#define HAVE_OPENAT2 0
+#endif
+static atomic_int openat2_works = HAVE_OPENAT2;
+
+/* open `name` in `dir_fd` without following a link: openat2 below dir_fd when
+ * `beneath`, else openat with O_NOFOLLOW (a single component). -errno on failure. */
+static int open_in(int dir_fd, const char *name, int beneath, int flags, mode_t mode) {
+    int fd;
+#if HAVE_OPENAT2
+    if (beneath) {
+        struct open_how how;
+        memset(&how, 0, sizeof how);
+        how.flags = (uint64_t)(flags & ~O_NOFOLLOW) | O_CLOEXEC;
+        how.mode = (flags & O_CREAT) ? mode : 0;
+        how.resolve = RESOLVE_NO_SYMLINKS | RESOLVE_BENEATH;
+        fd = (int)syscall(SYS_openat2, dir_fd, name, &how, sizeof how);
+        if (fd < 0 && errno == ENOSYS)
+            atomic_store(&openat2_works, 0);
+        return fd < 0 ? -errno : fd;
+    }
+#else
+    if (beneath)
+        return -ENOSYS;
+#endif
+    fd = openat(dir_fd, name, flags | O_NOFOLLOW | O_CLOEXEC, mode);
+    return fd < 0 ? -errno : fd;
+}
+
+/* The fan-out directory of a beneath `name` ("ab/..."), made 0700 if missing (mkdirat
+ * does not follow a link at its name: a link there reads EEXIST, and the next openat2
+ * refuses it). */
+static void make_fanout(int dir_fd, const char *name) {
+    const char *slash = strchr(name, '/');
+    if (slash == NULL || slash - name >= 16)
+        return;
+    char fan[16];
+    memcpy(fan, name, (size_t)(slash - name));
+    fan[slash - name] = 0;
+    mkdirat(dir_fd, fan, 0700);
+}
+
 /* -- writes ----------------------------------------------------------------------- */
 
 /* blockfile.write_block for one block: temp file, header + payload, fdatasync, rename
@@ -239,10 +295,14 @@ static long write_one(const Batch *batch, Item *item) {
     int err = build_header(batch, item);
     if (err)
         return err;
-    int fd = openat(item->dir_fd, item->tmp,
-                    O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    int flags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC;
+    int fd = open_in(item->dir_fd, item->tmp, item->beneath, flags, 0600);
+    if (fd == -ENOENT && item->beneath) { /* its fan-out directory is new */
+        make_fanout(item->dir_fd, item->name);
+        fd = open_in(item->dir_fd, item->tmp, item->beneath, flags, 0600);
+    }
     if (fd < 0)
-        return -errno;
+        return fd;
     /* header + regions; write_all consumes the array, so a copy on the stack when small */
     int n = item->nregions + 1;
     struct iovec local[16];
@@ -331,13 +391,12 @@ static unsigned char *scratch_frame(Scratch *s, const Item *item, size_t head_by
 static int open_block(const Item *item) {
     int base = O_RDONLY | O_NOFOLLOW | O_CLOEXEC;
     if (atomic_load(&read_noatime)) {
-        int fd = openat(item->dir_fd, item->name, base | O_NOATIME);
-        if (fd >= 0 || errno != EPERM)
-            return fd < 0 ? -errno : fd;
+        int fd = open_in(item->dir_fd, item->name, item->beneath, base | O_NOATIME, 0);
+        if (fd != -EPERM)
+            return fd;
         atomic_store(&read_noatime, 0); /* not our files: read as anyone may */
     }
-    int fd = openat(item->dir_fd, item->name, base);
-    return fd < 0 ? -errno : fd;
+    return open_in(item->dir_fd, item->name, item->beneath, base, 0);
 }
 
 /* Delete `item`'s file if its name still holds the file open as `fd`: a corrupt file
@@ -492,6 +551,7 @@ typedef struct {
     Py_buffer *views;
     Py_ssize_t nviews;
     unsigned char *heads;
+    char *names;           /* batch calls: each block's "ab/<hex>.blk" and temp name */
 } Held;
 
 static void held_release(Held *held) {
@@ -501,6 +561,7 @@ static void held_release(Held *held) {
     PyMem_Free(held->iovs);
     PyMem_Free(held->views);
     PyMem_Free(held->heads);
+    PyMem_Free(held->names);
 }
 
 /* Regions of a slot: one buffer, or a tuple of buffers (blockfile.Slot). */
@@ -584,6 +645,145 @@ static int parse_items(PyObject *items, Held *held, int reads) {
     return 0;
 }
 
+
+/* -- batch calls: keys, lanes and slots, no per-block Python ------------------------ */
+
+#define MAX_HEX_KEY_BYTES 100 /* layout.MAX_HEX_KEY_BYTES: longer keys are named by sha256 */
+#define NAME_BYTES 256        /* "ab/" + 200 hex + ".blk" + NUL */
+#define TMP_BYTES 320         /* "ab/." + final + ".<pid>-c<n>.tmp" + NUL */
+static atomic_ulong temp_ids;
+
+/* "ab/<hex>.blk" of `key` (layout.block_relpath for keys of 1..MAX_HEX_KEY_BYTES). */
+static void name_of(char *out, const unsigned char *key, size_t len) {
+    static const char hex[] = "0123456789abcdef";
+    char *at = out;
+    *at++ = hex[key[0] >> 4];
+    *at++ = hex[key[0] & 15];
+    *at++ = '/';
+    for (size_t i = 0; i < len; i++) {
+        *at++ = hex[key[i] >> 4];
+        *at++ = hex[key[i] & 15];
+    }
+    memcpy(at, ".blk", 5);
+}
+
+/* Parse a batch call's arguments into held->items: block i is keys[i] at slot slots[i]
+ * of the lanes, (buffer, offset, stride, size) each: its regions are, lane by lane,
+ * buffer[offset + slot * stride : ... + size] (tierkv.contract.slab's lanes). Every
+ * region is checked to lie inside its buffer. With the GIL held. */
+static int parse_batch(Held *held, int root_fd, PyObject *keys, PyObject *lanes,
+                       PyObject *slots, Py_ssize_t num_blocks, PyObject *touch, int reads) {
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    if (PyList_GET_SIZE(slots) != n) {
+        PyErr_Format(PyExc_ValueError, "%zd keys but %zd slots", n, PyList_GET_SIZE(slots));
+        return -1;
+    }
+    Py_ssize_t nlanes = PyTuple_GET_SIZE(lanes);
+    if (nlanes < 1 || nlanes > 65536) {
+        PyErr_SetString(PyExc_ValueError, "lanes: between 1 and 65536 (buffer, offset, stride, size)");
+        return -1;
+    }
+    const char *touched = NULL;
+    if (touch != Py_None) {
+        if (!PyBytes_Check(touch) || PyBytes_GET_SIZE(touch) != n) {
+            PyErr_SetString(PyExc_ValueError, "touch: None or bytes with one flag per key");
+            return -1;
+        }
+        touched = PyBytes_AS_STRING(touch);
+    }
+    held->items = PyMem_Calloc((size_t)n + 1, sizeof(Item));
+    held->iovs = PyMem_Calloc((size_t)(n * nlanes) + 1, sizeof(struct iovec));
+    held->views = PyMem_Calloc((size_t)nlanes, sizeof(Py_buffer));
+    held->heads = PyMem_Malloc((size_t)n * (FIXED_HEADER_BYTES + MAX_HEX_KEY_BYTES) + 1);
+    held->names = PyMem_Malloc((size_t)n * (NAME_BYTES + (reads ? 0 : TMP_BYTES)) + 1);
+    /* lane l: (offset, stride, size) at lane[3l..3l+2], its buffer in held->views[l] */
+    Py_ssize_t *lane = PyMem_Malloc(sizeof *lane * (size_t)nlanes * 3);
+    if (!held->items || !held->iovs || !held->views || !held->heads || !held->names || !lane) {
+        PyMem_Free(lane);
+        PyErr_NoMemory();
+        return -1;
+    }
+    int rc = -1;
+    size_t payload_len = 0;
+    for (Py_ssize_t l = 0; l < nlanes; l++) {
+        PyObject *t = PyTuple_GET_ITEM(lanes, l);
+        PyObject *buffer;
+        Py_ssize_t offset, stride, size;
+        if (!PyTuple_Check(t) || !PyArg_ParseTuple(t, "Onnn", &buffer, &offset, &stride, &size)) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_TypeError, "lane %zd: (buffer, offset, stride, size) expected", l);
+            goto done;
+        }
+        if (offset < 0 || stride <= 0 || size <= 0 || stride < size) {
+            PyErr_Format(PyExc_ValueError, "lane %zd: offset >= 0 and stride >= size > 0 expected", l);
+            goto done;
+        }
+        if (PyObject_GetBuffer(buffer, &held->views[l], reads ? PyBUF_WRITABLE : PyBUF_SIMPLE) != 0)
+            goto done;
+        held->nviews++;
+        lane[3 * l] = offset;
+        lane[3 * l + 1] = stride;
+        lane[3 * l + 2] = size;
+        payload_len += (size_t)size;
+    }
+    pid_t pid = getpid();
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = PyList_GET_ITEM(keys, i);
+        if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) < 1 ||
+            PyBytes_GET_SIZE(key) > MAX_HEX_KEY_BYTES) {
+            PyErr_Format(PyExc_ValueError, "key %zd: bytes of 1 to %d expected", i, MAX_HEX_KEY_BYTES);
+            goto done;
+        }
+        Py_ssize_t slot = PyLong_AsSsize_t(PyList_GET_ITEM(slots, i));
+        if (slot == -1 && PyErr_Occurred())
+            goto done;
+        if (slot < 0 || slot >= num_blocks) {
+            PyErr_Format(PyExc_IndexError, "slot %zd is out of range 0..%zd", slot, num_blocks - 1);
+            goto done;
+        }
+        Item *item = &held->items[i];
+        item->dir_fd = root_fd;
+        item->beneath = 1;
+        item->key = (const unsigned char *)PyBytes_AS_STRING(key);
+        item->key_len = (size_t)PyBytes_GET_SIZE(key);
+        item->regions = held->iovs + i * nlanes;
+        item->nregions = (int)nlanes;
+        item->payload_len = payload_len;
+        for (Py_ssize_t l = 0; l < nlanes; l++) {
+            Py_ssize_t offset = lane[3 * l], stride = lane[3 * l + 1], size = lane[3 * l + 2];
+            Py_ssize_t len = held->views[l].len;
+            /* offset + slot * stride + size <= len, without overflow */
+            if (offset > len || size > len - offset || (slot && stride > (len - offset - size) / slot)) {
+                PyErr_Format(PyExc_IndexError, "slot %zd: lane %zd's region lies outside its buffer "
+                             "of %zd bytes", slot, l, len);
+                goto done;
+            }
+            item->regions[l].iov_base = (char *)held->views[l].buf + offset + slot * stride;
+            item->regions[l].iov_len = (size_t)size;
+        }
+        item->touch = touched ? touched[i] != 0 : 0;
+        item->head = held->heads + i * (FIXED_HEADER_BYTES + MAX_HEX_KEY_BYTES);
+        char *name = held->names + i * (NAME_BYTES + (reads ? 0 : TMP_BYTES));
+        name_of(name, item->key, item->key_len);
+        item->name = name;
+        if (!reads) {
+            /* "ab/.<hex>.blk.<pid>-c<n>.tmp" (layout.temp_name's form, "c": the core's ids) */
+            char *tmp = name + NAME_BYTES;
+            size_t final_len = strlen(name + 3);
+            memcpy(tmp, name, 3);
+            tmp[3] = '.';
+            memcpy(tmp + 4, name + 3, final_len);
+            snprintf(tmp + 4 + final_len, TMP_BYTES - 4 - final_len, ".%ld-c%lu.tmp", (long)pid,
+                     (unsigned long)atomic_fetch_add(&temp_ids, 1));
+            item->tmp = tmp;
+        }
+    }
+    rc = 0;
+done:
+    PyMem_Free(lane);
+    return rc;
+}
+
 static int clamp_threads(int threads, size_t units) {
     if (threads < 1)
         threads = 1;
@@ -601,6 +801,25 @@ PyDoc_STRVAR(write_blocks_doc,
 "pwritev(header, payload), fdatasync if fsync, renameat(tmp, name); tmp unlinked on\n"
 "failure. One outcome per block: 0 or -errno.");
 
+/* Write the parsed batch on `threads` threads (GIL released): one outcome per block. */
+static PyObject *run_writes(Held *held, size_t n, unsigned long long ns_hash, int fsync,
+                            int threads) {
+    Batch batch = {held->items, n, 0, ns_hash, fsync, 1};
+    threads = clamp_threads(threads, batch.n);
+    Py_BEGIN_ALLOW_THREADS
+    run_threads(write_worker, &batch, threads);
+    Py_END_ALLOW_THREADS
+    PyObject *result = PyList_New((Py_ssize_t)batch.n);
+    for (size_t i = 0; result && i < batch.n; i++) {
+        PyObject *code = PyLong_FromLong(held->items[i].code);
+        if (code == NULL)
+            Py_CLEAR(result);
+        else
+            PyList_SET_ITEM(result, (Py_ssize_t)i, code);
+    }
+    return result;
+}
+
 static PyObject *py_write_blocks(PyObject *self, PyObject *args) {
     PyObject *items;
     unsigned long long ns_hash;
@@ -609,21 +828,33 @@ static PyObject *py_write_blocks(PyObject *self, PyObject *args) {
         return NULL;
     Held held = {0};
     PyObject *result = NULL;
-    if (parse_items(items, &held, 0) == 0) {
-        Batch batch = {held.items, (size_t)PyList_GET_SIZE(items), 0, ns_hash, fsync, 1};
-        threads = clamp_threads(threads, batch.n);
-        Py_BEGIN_ALLOW_THREADS
-        run_threads(write_worker, &batch, threads);
-        Py_END_ALLOW_THREADS
-        result = PyList_New((Py_ssize_t)batch.n);
-        for (size_t i = 0; result && i < batch.n; i++) {
-            PyObject *code = PyLong_FromLong(held.items[i].code);
-            if (code == NULL)
-                Py_CLEAR(result);
-            else
-                PyList_SET_ITEM(result, (Py_ssize_t)i, code);
-        }
-    }
+    if (parse_items(items, &held, 0) == 0)
+        result = run_writes(&held, (size_t)PyList_GET_SIZE(items), ns_hash, fsync, threads);
+    held_release(&held);
+    return result;
+}
+
+PyDoc_STRVAR(write_batch_doc,
+"write_batch(root_fd, keys, lanes, slots, num_blocks, ns_hash, fsync, threads) -> list[int]\n\n"
+"write_blocks for keys[i] (bytes of 1 to 100) from slot slots[i] of `lanes` (a tuple of\n"
+"(buffer, offset, stride, size): the block's regions, lane by lane, are\n"
+"buffer[offset + slot * stride:][:size]), each to its file \"ab/<key hex>.blk\" below\n"
+"root_fd (opened by openat2 with no link followed; the fan-out directory made 0700 if\n"
+"missing). One outcome per block: 0 or -errno. ValueError/IndexError for bad arguments\n"
+"(nothing written).");
+
+static PyObject *py_write_batch(PyObject *self, PyObject *args) {
+    int root_fd, fsync, threads;
+    PyObject *keys, *lanes, *slots;
+    Py_ssize_t num_blocks;
+    unsigned long long ns_hash;
+    if (!PyArg_ParseTuple(args, "iO!O!O!nKpi", &root_fd, &PyList_Type, &keys, &PyTuple_Type,
+                          &lanes, &PyList_Type, &slots, &num_blocks, &ns_hash, &fsync, &threads))
+        return NULL;
+    Held held = {0};
+    PyObject *result = NULL;
+    if (parse_batch(&held, root_fd, keys, lanes, slots, num_blocks, Py_None, 0) == 0)
+        result = run_writes(&held, (size_t)PyList_GET_SIZE(keys), ns_hash, fsync, threads);
     held_release(&held);
     return result;
 }
@@ -636,6 +867,45 @@ PyDoc_STRVAR(read_blocks_doc,
 "touch. One outcome per block: 0, -errno, or a CORRUPT_* code (the file deleted if its\n"
 "name still holds it); for those, {index: (bytes the file gave, header read)}.");
 
+/* Read the parsed batch on `threads` threads (GIL released): (codes, details). */
+static PyObject *run_reads(Held *held, size_t n, unsigned long long ns_hash, int threads) {
+    Batch batch = {held->items, n, 0, ns_hash, 0, 1};
+    /* groups of PREFETCH_BLOCKS, smaller when that gives each thread one */
+    threads = clamp_threads(threads, batch.n);
+    size_t share = (batch.n + (size_t)threads - 1) / (size_t)threads;
+    batch.group = share < PREFETCH_BLOCKS ? (share ? share : 1) : PREFETCH_BLOCKS;
+    Py_BEGIN_ALLOW_THREADS
+    run_threads(read_worker, &batch, threads);
+    Py_END_ALLOW_THREADS
+    PyObject *codes = PyList_New((Py_ssize_t)batch.n);
+    PyObject *details = PyDict_New();
+    PyObject *result = NULL;
+    for (size_t i = 0; codes && details && i < batch.n; i++) {
+        Item *item = &held->items[i];
+        PyObject *code = PyLong_FromLong(item->code);
+        if (code == NULL)
+            goto fail;
+        PyList_SET_ITEM(codes, (Py_ssize_t)i, code);
+        if (item->code <= 0)
+            continue;
+        PyObject *detail = Py_BuildValue(
+            "(ny#)", (Py_ssize_t)item->got, (const char *)item->head,
+            (Py_ssize_t)(FIXED_HEADER_BYTES + item->key_len));
+        PyObject *index = PyLong_FromSize_t(i);
+        int bad = !detail || !index || PyDict_SetItem(details, index, detail) != 0;
+        Py_XDECREF(detail);
+        Py_XDECREF(index);
+        if (bad)
+            goto fail;
+    }
+    if (codes && details)
+        result = PyTuple_Pack(2, codes, details);
+fail:
+    Py_XDECREF(codes);
+    Py_XDECREF(details);
+    return result;
+}
+
 static PyObject *py_read_blocks(PyObject *self, PyObject *args) {
     PyObject *items;
     unsigned long long ns_hash;
@@ -643,44 +913,49 @@ static PyObject *py_read_blocks(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O!Ki", &PyList_Type, &items, &ns_hash, &threads))
         return NULL;
     Held held = {0};
-    PyObject *codes = NULL, *details = NULL, *result = NULL;
-    if (parse_items(items, &held, 1) == 0) {
-        Batch batch = {held.items, (size_t)PyList_GET_SIZE(items), 0, ns_hash, 0, 1};
-        /* groups of PREFETCH_BLOCKS, smaller when that gives each thread one */
-        threads = clamp_threads(threads, batch.n);
-        size_t share = (batch.n + (size_t)threads - 1) / (size_t)threads;
-        batch.group = share < PREFETCH_BLOCKS ? (share ? share : 1) : PREFETCH_BLOCKS;
-        Py_BEGIN_ALLOW_THREADS
-        run_threads(read_worker, &batch, threads);
-        Py_END_ALLOW_THREADS
-        codes = PyList_New((Py_ssize_t)batch.n);
-        details = PyDict_New();
-        for (size_t i = 0; codes && details && i < batch.n; i++) {
-            Item *item = &held.items[i];
-            PyObject *code = PyLong_FromLong(item->code);
-            if (code == NULL)
-                goto fail;
-            PyList_SET_ITEM(codes, (Py_ssize_t)i, code);
-            if (item->code <= 0)
-                continue;
-            PyObject *detail = Py_BuildValue(
-                "(ny#)", (Py_ssize_t)item->got, (const char *)item->head,
-                (Py_ssize_t)(FIXED_HEADER_BYTES + item->key_len));
-            PyObject *index = PyLong_FromSize_t(i);
-            int bad = !detail || !index || PyDict_SetItem(details, index, detail) != 0;
-            Py_XDECREF(detail);
-            Py_XDECREF(index);
-            if (bad)
-                goto fail;
-        }
-        if (codes && details)
-            result = PyTuple_Pack(2, codes, details);
-    }
-fail:
-    Py_XDECREF(codes);
-    Py_XDECREF(details);
+    PyObject *result = NULL;
+    if (parse_items(items, &held, 1) == 0)
+        result = run_reads(&held, (size_t)PyList_GET_SIZE(items), ns_hash, threads);
     held_release(&held);
     return result;
+}
+
+PyDoc_STRVAR(read_batch_doc,
+"read_batch(root_fd, keys, lanes, slots, num_blocks, touch, ns_hash, threads)\n"
+"    -> (list[int], dict[int, tuple[int, bytes]])\n\n"
+"read_blocks for keys[i] (bytes of 1 to 100) into slot slots[i] of `lanes` (as in\n"
+"write_batch), each from its file \"ab/<key hex>.blk\" below root_fd (openat2, no link\n"
+"followed); touch: None or bytes, a flag per key (refresh the mtime once read).\n"
+"Outcomes as read_blocks'.");
+
+static PyObject *py_read_batch(PyObject *self, PyObject *args) {
+    int root_fd, threads;
+    PyObject *keys, *lanes, *slots, *touch;
+    Py_ssize_t num_blocks;
+    unsigned long long ns_hash;
+    if (!PyArg_ParseTuple(args, "iO!O!O!nOKi", &root_fd, &PyList_Type, &keys, &PyTuple_Type,
+                          &lanes, &PyList_Type, &slots, &num_blocks, &touch, &ns_hash, &threads))
+        return NULL;
+    Held held = {0};
+    PyObject *result = NULL;
+    if (parse_batch(&held, root_fd, keys, lanes, slots, num_blocks, touch, 1) == 0)
+        result = run_reads(&held, (size_t)PyList_GET_SIZE(keys), ns_hash, threads);
+    held_release(&held);
+    return result;
+}
+
+static PyObject *py_beneath_works(PyObject *self, PyObject *args) {
+    int dir_fd = -1;
+    if (!PyArg_ParseTuple(args, "|i", &dir_fd))
+        return NULL;
+    if (dir_fd >= 0 && atomic_load(&openat2_works)) { /* try it: a seccomp filter may refuse */
+        int fd = open_in(dir_fd, ".", 1, O_RDONLY | O_DIRECTORY, 0);
+        if (fd >= 0)
+            close(fd);
+        else
+            atomic_store(&openat2_works, 0);
+    }
+    return PyBool_FromLong(atomic_load(&openat2_works));
 }
 
 PyDoc_STRVAR(encode_header_doc,
@@ -717,6 +992,11 @@ static PyMethodDef methods[] = {
     {"write_blocks", py_write_blocks, METH_VARARGS, write_blocks_doc},
     {"read_blocks", py_read_blocks, METH_VARARGS, read_blocks_doc},
     {"encode_header", py_encode_header, METH_VARARGS, encode_header_doc},
+    {"write_batch", py_write_batch, METH_VARARGS, write_batch_doc},
+    {"read_batch", py_read_batch, METH_VARARGS, read_batch_doc},
+    {"beneath_works", py_beneath_works, METH_VARARGS,
+     "beneath_works(dir_fd=-1) -> bool: whether the batch calls can open below a directory\n"
+     "(openat2); with dir_fd, tried on it first (a refusal turns the batch calls off)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -33,10 +33,10 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from tierkv.contract.framing import MAX_KEY_BYTES, Framer, payload_length
-from tierkv.tier import CorruptBlock, OffloadKey, TierUnavailable, detached
+from tierkv.tier import CorruptBlock, Lane, OffloadKey, PrimaryView, TierUnavailable, detached
 from tierkv_nvme.blockfile import ReadItem, RelPath, Slot
 from tierkv_nvme.dirs import Leaves, no_link
-from tierkv_nvme.layout import temp_name
+from tierkv_nvme.layout import MAX_HEX_KEY_BYTES, block_relpath, temp_name
 
 _core: ModuleType | None
 try:  # by name: "No module named ..." rather than a "partially initialized" package
@@ -193,6 +193,83 @@ def read_blocks(
     return outcomes
 
 
+def batch_ready(dir_fd: int = -1) -> bool:
+    """Whether the batch calls (`write_batch`, `read_batch`) can run here: the core is
+    built and the kernel opens below a directory without following links (openat2,
+    Linux 5.6+), tried on `dir_fd` when given. A kernel without it, or a seccomp filter
+    that refuses it, keeps the tier on the per-block calls."""
+    return _core is not None and bool(_core.beneath_works(dir_fd))
+
+
+def batch_keys(keys: Sequence[OffloadKey]) -> bool:
+    """Whether every key is named by its hex (1 to MAX_HEX_KEY_BYTES bytes), as the
+    batch calls require (longer keys are named by their sha256: per-block calls)."""
+    return all(0 < len(key) <= MAX_HEX_KEY_BYTES for key in keys)
+
+
+def write_batch(
+    root_fd: int,
+    keys: list[bytes],
+    slots: list[int],
+    primary: PrimaryView,
+    lanes: tuple[Lane, ...],
+    framer: Framer,
+    *,
+    fsync: bool,
+    threads: int | None = None,
+) -> list[Exception | None]:
+    """`write_blocks` for `keys[i]` from `slots[i]` of `primary` (whose geometry is
+    `lanes`), in one call that names, addresses and frames every block in C: no Python
+    per block but the outcome of a failed one. Files go below `root_fd` (the namespace
+    directory) as `layout.block_relpath` names them, opened without following any link.
+    Keys must pass `batch_keys`."""
+    if framer.mac:
+        raise ValueError("frames with a MAC are written by blockfile.write_block")
+    core = _core_or_raise()
+    wanted = default_threads(len(keys)) if threads is None else threads
+    codes = core.write_batch(
+        root_fd, keys, lanes, slots, primary.num_blocks, framer.namespace_tag, fsync, wanted
+    )
+    if not any(codes):
+        return [None] * len(keys)
+    return [
+        _os_error(-code, block_relpath(key)) if code else None for code, key in zip(codes, keys)
+    ]
+
+
+def read_batch(
+    root_fd: int,
+    keys: list[bytes],
+    slots: list[int],
+    primary: PrimaryView,
+    lanes: tuple[Lane, ...],
+    touch: bytes | None,
+    framer: Framer,
+    *,
+    threads: int | None = None,
+) -> list[Exception | None]:
+    """`read_blocks` for `keys[i]` into `slots[i]` of `primary` (geometry `lanes`), as
+    `write_batch` does writes; `touch`: None, or a flag per key (refresh its mtime)."""
+    if framer.mac:
+        raise ValueError("frames with a MAC are read by blockfile.read_blocks")
+    core = _core_or_raise()
+    wanted = default_threads(len(keys)) if threads is None else threads
+    codes, details = core.read_batch(
+        root_fd, keys, lanes, slots, primary.num_blocks, touch, framer.namespace_tag, wanted
+    )
+    if not any(codes):
+        return [None] * len(keys)
+    outcomes: list[Exception | None] = [None] * len(keys)
+    for i, code in enumerate(codes):
+        if code < 0:
+            outcomes[i] = _os_error(-code, block_relpath(keys[i]))
+        elif code > 0:
+            got, head = details[i]
+            dest = primary.payload(slots[i])
+            outcomes[i] = _corrupt(code, got, head, keys[i], dest, framer)
+    return outcomes
+
+
 def _corrupt(
     code: int, got: int, head: bytes, key: OffloadKey, dest: Slot, framer: Framer
 ) -> CorruptBlock:
@@ -221,10 +298,14 @@ __all__ = [
     "AVAILABLE",
     "CORRUPT_KINDS",
     "ENGINES",
+    "batch_keys",
+    "batch_ready",
     "choose",
     "default_threads",
     "encode_header",
+    "read_batch",
     "read_blocks",
     "reason",
+    "write_batch",
     "write_blocks",
 ]

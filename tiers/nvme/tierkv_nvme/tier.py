@@ -61,6 +61,7 @@ from tierkv.tier import (
     InFlightJobs,
     JobMetadata,
     JobResult,
+    Lane,
     OffloadKey,
     PrimaryView,
     ReqContext,
@@ -180,6 +181,9 @@ class NvmeTier(SecondaryTierManager):
     names_eviction_candidates = True
     accepts_regions = True  # a block of several regions is one file (header, regions)
     _io_engine = "python"  # what moves the bytes: set by `open` (`native.choose`)
+    _lanes: tuple[Lane, ...] | None = None
+    """The primary's geometry when the core's batch calls move the blocks (`open`):
+    names, addresses and frames made in C, no Python per block; None: per block."""
 
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
         super().__init__(config, primary)
@@ -280,6 +284,7 @@ class NvmeTier(SecondaryTierManager):
             "io_concurrency": self.config.io_concurrency,
             "mac": self.framer.mac,
             "io_engine": self._io_engine,
+            "batch_calls": self._lanes is not None,
         }
 
     # -- life cycle ---------------------------------------------------------------
@@ -300,6 +305,8 @@ class NvmeTier(SecondaryTierManager):
                 f"nvme tier cannot use {self.directory}: {exc.strerror or exc}; check that "
                 "`path` is a directory tierkv may create and write"
             ) from exc
+        if self._io_engine == "native" and native.batch_ready(self._root_fd):
+            self._lanes = self.primary.lanes
         try:
             scan = await self._scan()
             self._rebuild(scan)
@@ -728,7 +735,8 @@ class NvmeTier(SecondaryTierManager):
                 try:
                     outcomes = await in_thread(
                         self._write_files,
-                        [(self.rel_of(k), k, self.primary.payload(s)) for k, s, _ in writes],
+                        [key for key, _slot, _footprint in writes],
+                        [slot for _key, slot, _footprint in writes],
                         [self.rel_of(v) for v in victims],
                         limiter=self._threads,
                         shield=True,
@@ -758,15 +766,23 @@ class NvmeTier(SecondaryTierManager):
                     waited.set()
 
     def _write_files(
-        self, items: list[tuple[RelPath, OffloadKey, blockfile.Slot]], victims: list[RelPath]
+        self, keys: list[OffloadKey], slots: list[int], victims: list[RelPath]
     ) -> list[Exception | None]:
-        """Worker thread: delete `victims`, then write each block; one outcome each
-        (the whole chunk in one call of the compiled core when it is the engine)."""
+        """Worker thread: delete `victims`, then write each block (keys[i] from
+        slots[i]); one outcome each. The whole chunk is one call of the compiled core
+        when it is the engine: a batch call when the geometry allows (`_lanes`)."""
         fsync = self.config.fsync == "always"
         outcomes: list[Exception | None] = []
         with self._dirs.leaves() as leaves:
             if victims:
                 blockfile.delete_files(leaves, victims)
+            lanes = self._lanes
+            if lanes is not None and native.batch_keys(keys):
+                return native.write_batch(
+                    self._root_fd, keys, slots, self.primary, lanes, self.framer, fsync=fsync
+                )
+            slot_payload = self.primary.payload
+            items = [(self.rel_of(k), k, slot_payload(s)) for k, s in zip(keys, slots)]
             if self._io_engine == "native":
                 return native.write_blocks(leaves, items, self.framer, fsync=fsync)
             for rel, key, payload in items:
@@ -826,10 +842,12 @@ class NvmeTier(SecondaryTierManager):
     async def _load_chunk(self, chunk: Batch) -> dict[OffloadKey, str]:
         failed: dict[OffloadKey, str] = {}
         reads: list[tuple[OffloadKey, _Entry]] = []
-        items: list[blockfile.ReadItem] = []
+        keys: list[OffloadKey] = []
+        slots: list[int] = []
+        touch = bytearray()
         now = time.time_ns()
         stale = now - blockfile.TOUCH_AFTER_NS
-        index, pins, payload = self._index, self._pins, self.primary.payload
+        index, pins = self._index, self._pins
         for key, slot in chunk:  # per block: kept short (a 128-page SGLang load is 128)
             entry = index.get(key)
             if entry is None:
@@ -838,16 +856,18 @@ class NvmeTier(SecondaryTierManager):
             index.move_to_end(key)
             pins[key] = pins.get(key, 0) + 1
             reads.append((key, entry))
-            items.append((block_relpath(key), key, payload(slot), entry.touched_ns < stale))
+            keys.append(key)
+            slots.append(slot)
+            touch.append(entry.touched_ns < stale)
         if not reads:
             return failed
         try:
             async with self._io_slots:
                 outcomes = await in_thread(
-                    self._read_files, items, limiter=self._threads, shield=True
+                    self._read_files, keys, slots, bytes(touch), limiter=self._threads, shield=True
                 )
         finally:
-            self._unpin([key for key, _entry in reads])
+            self._unpin(keys)
         unreadable: list[OffloadKey] = []
         forgotten: list[OffloadKey] = []
         for (key, entry), error in zip(reads, outcomes):
@@ -894,9 +914,21 @@ class NvmeTier(SecondaryTierManager):
             self.report_removed(forgotten)
         return failed
 
-    def _read_files(self, items: list[blockfile.ReadItem]) -> list[Exception | None]:
-        """Worker thread: read and check each block into its slot; one outcome each
-        (the whole chunk in one call of the compiled core when it is the engine)."""
+    def _read_files(
+        self, keys: list[OffloadKey], slots: list[int], touch: bytes
+    ) -> list[Exception | None]:
+        """Worker thread: read and check each block (keys[i] into slots[i], its mtime
+        refreshed where touch[i]); one outcome each. The whole chunk is one call of the
+        compiled core when it is the engine: a batch call when the geometry allows."""
+        lanes = self._lanes
+        if lanes is not None and native.batch_keys(keys):
+            return native.read_batch(
+                self._root_fd, keys, slots, self.primary, lanes, touch, self.framer
+            )
+        payload = self.primary.payload
+        items = [
+            (block_relpath(k), k, payload(s), bool(t)) for k, s, t in zip(keys, slots, touch)
+        ]
         read = native.read_blocks if self._io_engine == "native" else blockfile.read_blocks
         with self._dirs.leaves() as leaves:
             return read(leaves, items, self.framer, self.primary.placement)
