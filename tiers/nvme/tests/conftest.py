@@ -1,12 +1,13 @@
 """Fixtures for the nvme tier tests: a primary slab and nvme tiers on a real directory,
 and a fault injector for the few errors a test machine cannot produce on demand.
 
-Every test that takes `rig` runs once per I/O engine (`io_engine`: the Python path, the
-compiled core's batch calls, and its per-block calls, which keys over 100 bytes and
-primaries without one geometry take: `native-blocks`), so each stays tested. A test that hooks the Python path's own
-functions (`blockfile`, `os.*` in worker threads) is marked `python_io` and runs on it
-only; so do the tests of the fault injector. The native runs are skipped when the core
-is not built, except under CI=true, where that fails them (CI installs libxxhash-dev)."""
+Every test that takes `rig` runs once per I/O engine (`io_engine`): the Python path,
+the compiled core's batch calls, and its per-block calls (`native-blocks`: what keys
+over 100 bytes and primaries without one geometry take), so each stays tested. A test
+that hooks the Python path's own functions (`blockfile`, `os.*` in worker threads) is
+marked `python_io` and runs on it only; so do the tests of the fault injector. The
+native runs are skipped when the core is not built, except under CI=true, where that
+fails them (CI installs libxxhash-dev)."""
 
 from __future__ import annotations
 

@@ -185,6 +185,15 @@ class NvmeTier(SecondaryTierManager):
     """The primary's geometry when the core's batch calls move the blocks (`open`):
     names, addresses and frames made in C, no Python per block; None: per block."""
 
+    def __new__(cls, config: TierConfig, primary: PrimaryView) -> NvmeTier:
+        """`paths:` of several directories makes a tier striped over them
+        (`tierkv_nvme.striped.StripedNvmeTier`, built whole here); else this class."""
+        if cls is NvmeTier and len(getattr(config, "paths", None) or ()) > 1:
+            from tierkv_nvme.striped import StripedNvmeTier  # it imports this module
+
+            return StripedNvmeTier(config, primary)  # type: ignore[return-value]
+        return super().__new__(cls)
+
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
         super().__init__(config, primary)
         self.directory = namespace_dir(self.config.path, primary.namespace)
@@ -202,6 +211,7 @@ class NvmeTier(SecondaryTierManager):
         self._threads = anyio.CapacityLimiter(concurrency)
         self._inflight = InFlightJobs(self.name)
         self._fs_block = DEFAULT_FS_BLOCK
+        self._footprints: dict[int, int] = {}  # key length -> disk bytes (`footprint`)
         self._block_footprint = 0  # the last block stored (`room` counts in it)
         self._lock_fd: int | None = None
         self._root_fd = -1  # the namespace directory, opened without following links
@@ -248,9 +258,13 @@ class NvmeTier(SecondaryTierManager):
         return block_relpath(key)
 
     def footprint(self, key: OffloadKey) -> int:
-        """Disk bytes one block stored under `key` takes."""
-        frame = self.framer.frame_bytes(key, self.primary.block_bytes)
-        return disk_footprint(frame, self._fs_block)
+        """Disk bytes one block stored under `key` takes (by the key's length: the
+        frame's size depends on nothing else; remembered per length)."""
+        known = self._footprints.get(len(key))
+        if known is None:
+            frame = self.framer.frame_bytes(key, self.primary.block_bytes)
+            known = self._footprints[len(key)] = disk_footprint(frame, self._fs_block)
+        return known
 
     def room(self) -> TierRoom:
         """Blocks of the primary's size (each counted by its disk footprint, as
@@ -300,6 +314,7 @@ class NvmeTier(SecondaryTierManager):
         logger.info("nvme tier %s: io engine %s (%s)", self.directory, self._io_engine, why)
         try:
             self._fs_block = await anyio.to_thread.run_sync(self._take_directory)
+            self._footprints.clear()
         except OSError as exc:
             raise TierUnavailable(
                 f"nvme tier cannot use {self.directory}: {exc.strerror or exc}; check that "
@@ -461,6 +476,7 @@ class NvmeTier(SecondaryTierManager):
         finally:
             try:
                 self._fs_block = await anyio.to_thread.run_sync(self._take_directory)
+                self._footprints.clear()
             except (OSError, TierUnavailable) as exc:
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
                 raise TierUnavailable(
@@ -704,14 +720,20 @@ class NvmeTier(SecondaryTierManager):
         failed: dict[OffloadKey, str] = {}
         capacity = int(self.config.capacity)
         claimed: list[tuple[OffloadKey, int, int]] = []  # key, slot, footprint
+        index, writing, deleting = self._index, self._writing, self._deleting
         try:
-            for key, slot in chunk:
+            for key, slot in chunk:  # per block: kept short, the common cases inline
                 footprint = self.footprint(key)
                 if footprint > capacity:
                     failed[key] = (
                         f"a block takes {format_size(footprint)} on disk, more than the "
                         f"nvme capacity of {format_size(capacity)}; raise `capacity`"
                     )
+                elif key in index:  # held already (same key, same bytes): refreshed
+                    index.move_to_end(key)
+                elif key not in writing and key not in deleting:
+                    writing[key] = None
+                    claimed.append((key, slot, footprint))
                 elif await self._claim_for_write(key):
                     claimed.append((key, slot, footprint))
             if not claimed:
@@ -719,18 +741,23 @@ class NvmeTier(SecondaryTierManager):
             async with self._io_slots:
                 writes: list[tuple[OffloadKey, int, int]] = []
                 victims: list[OffloadKey] = []
-                for key, slot, footprint in claimed:
-                    evicted = self._make_room(footprint)
-                    if evicted is None:
-                        failed[key] = (
-                            f"{NO_ROOM}: the nvme capacity of {format_size(capacity)} is "
-                            "taken by blocks being read, written or claimed by lookups; "
-                            "retry later or raise `capacity`"
-                        )
-                        continue
-                    victims += evicted
-                    self._reserved += footprint
-                    writes.append((key, slot, footprint))
+                needed = sum(footprint for _key, _slot, footprint in claimed)
+                if self._used + self._reserved + needed <= capacity:  # fits: none evicted
+                    self._reserved += needed
+                    writes = claimed
+                else:
+                    for key, slot, footprint in claimed:
+                        evicted = self._make_room(footprint)
+                        if evicted is None:
+                            failed[key] = (
+                                f"{NO_ROOM}: the nvme capacity of {format_size(capacity)} "
+                                "is taken by blocks being read, written or claimed by "
+                                "lookups; retry later or raise `capacity`"
+                            )
+                            continue
+                        victims += evicted
+                        self._reserved += footprint
+                        writes.append((key, slot, footprint))
                 generation = self._generation
                 try:
                     outcomes = await in_thread(
