@@ -6,14 +6,25 @@ chain can say
     tiers:
       - {type: nvme, path: /mnt/nvme/tierkv, capacity: 500GiB}
 
+or `paths: [...]`, one directory per drive, for one tier striped over them
+(`StripedNvmeTier`, which `NvmeTier(config, primary)` builds for such a config).
+
 It uses only tierkv's public plugin API (`tierkv.tier`, `tierkv.contract.framing`).
 """
 
 from __future__ import annotations
 
 from tierkv_nvme.config import NvmeTierConfig
+from tierkv_nvme.striped import StripedNvmeTier
 from tierkv_nvme.tier import NvmeTier, RecoveryReport, disk_footprint
 
 __version__ = "0.1.0"
 
-__all__ = ["NvmeTier", "NvmeTierConfig", "RecoveryReport", "__version__", "disk_footprint"]
+__all__ = [
+    "NvmeTier",
+    "NvmeTierConfig",
+    "RecoveryReport",
+    "StripedNvmeTier",
+    "__version__",
+    "disk_footprint",
+]

@@ -3,17 +3,30 @@
     tiers:
       - {type: nvme, path: /mnt/nvme/tierkv, capacity: 500GiB, fsync: always}
 
-Every field but `path` and `capacity` has a default; unknown fields are rejected
-(inherited from `TierConfig`), so a typo such as `capactiy` is an error, not a
+or, to stripe the tier over several drives (`tierkv_nvme.striped`):
+
+    tiers:
+      - {type: nvme, paths: [/mnt/nvme0/tierkv, /mnt/nvme1/tierkv], capacity: 1TiB}
+
+Every field but `path` (or `paths`) and `capacity` has a default; unknown fields are
+rejected (inherited from `TierConfig`), so a typo such as `capactiy` is an error, not a
 silently ignored line.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import (
+    Field,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from tierkv.contract.units import Size
 from tierkv.tier import TierConfig
@@ -29,10 +42,17 @@ class NvmeTierConfig(TierConfig):
         description="directory for the blocks; created if missing. Each namespace gets "
         "its own subdirectory, so several models may share one path"
     )
+    paths: list[Path] | None = Field(
+        default=None,
+        description="instead of `path`: several directories, one per drive, serving as "
+        "one tier; blocks are spread over them by key hash, and each directory has its "
+        "own `io_concurrency` and an even share of `capacity`",
+    )
     capacity: Size = Field(
         gt=0,
         description="disk bytes this tier may fill (each block file counted rounded up "
-        "to the filesystem block); past it the least recently used blocks are deleted",
+        "to the filesystem block); past it the least recently used blocks are deleted. "
+        "With `paths`, the whole tier's: each directory takes an even share",
     )
     eviction: Literal["lru"] = Field(
         default="lru", description="which blocks go first when the tier is full"
@@ -43,7 +63,7 @@ class NvmeTierConfig(TierConfig):
         le=256,
         description="worker-thread calls doing block I/O at once, across all jobs "
         "(each call reads or writes up to 2 MiB of small blocks of one job, at most 64, "
-        "or up to 4 large ones)",
+        "or up to 4 large ones); with `paths`, per directory",
     )
     fsync: FsyncMode = Field(
         default="always",
@@ -61,6 +81,25 @@ class NvmeTierConfig(TierConfig):
         "files either way",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _path_or_paths(cls, data: Any) -> Any:
+        """Exactly one of `path` and `paths`. With `paths`, `path` is its first entry,
+        so code that knows one directory (a plain `NvmeTier`, which `paths` of one
+        entry makes) finds it there."""
+        if not isinstance(data, dict) or data.get("paths") is None:
+            return data  # no `paths`: `path` is required as it always was
+        if data.get("path") is not None:
+            raise ValueError(
+                "give `path` (one directory) or `paths` (several, one per drive), not both"
+            )
+        paths = data["paths"]
+        first = paths[0] if isinstance(paths, (list, tuple)) and paths else None
+        usable = isinstance(first, os.PathLike) or (isinstance(first, str) and first.strip())
+        # an unusable `paths` fails on its own field; `.` only keeps `path` from adding
+        # a second, misleading error ("is required") to that one
+        return {**data, "path": first if usable else "."}
+
     @field_validator("path", mode="before")
     @classmethod
     def _usable_path(cls, value: object) -> object:
@@ -69,3 +108,54 @@ class NvmeTierConfig(TierConfig):
                 raise ValueError("path must name a directory, not an empty string")
             return Path(value).expanduser()
         return value
+
+    @field_validator("paths", mode="before")
+    @classmethod
+    def _usable_paths(cls, value: object) -> object:
+        if not isinstance(value, (list, tuple)):
+            return value  # pydantic says it is not a list
+        if not value:
+            raise ValueError("paths must name at least one directory (one per drive)")
+        expanded: list[object] = []
+        for i, entry in enumerate(value):
+            if isinstance(entry, str):
+                if not entry.strip():
+                    raise ValueError(f"entry {i} is an empty string; name a directory")
+                entry = Path(entry)
+            expanded.append(entry.expanduser() if isinstance(entry, Path) else entry)
+        return expanded
+
+    @field_validator("paths")
+    @classmethod
+    def _distinct_paths(cls, value: list[Path] | None) -> list[Path] | None:
+        """No directory twice, and none inside another: each directory's tier takes
+        its whole namespace directory for its own."""
+        if value is None:
+            return value
+        seen: list[Path] = []
+        for entry in value:
+            where = Path(os.path.normpath(os.path.abspath(entry)))
+            for other in seen:
+                if where == other:
+                    raise ValueError(f"{str(entry)!r} is listed twice; give each drive once")
+                if other in where.parents or where in other.parents:
+                    raise ValueError(
+                        f"{str(entry)!r} and {str(other)!r} nest; give each drive a "
+                        "directory of its own (normally one per mount point)"
+                    )
+            seen.append(where)
+        return value
+
+    @model_serializer(mode="wrap")
+    def _dump_as_written(
+        self, handler: SerializerFunctionWrapHandler, info: SerializationInfo
+    ) -> Any:
+        """A dump holds `paths` or `path`, as the YAML did, so it validates again."""
+        data = handler(self)
+        if self.paths is not None and isinstance(data, dict):
+            data.pop("path", None)
+        return data
+
+    def directories(self) -> list[Path]:
+        """Every directory the tier keeps blocks in: `paths`, or `[path]`."""
+        return list(self.paths) if self.paths is not None else [self.path]
