@@ -1,18 +1,21 @@
-"""The nvme tier alone (no cache around it), Python path against the compiled core:
-store then load N blocks in jobs of --batch blocks, --concurrency jobs at once, the
-tier's files under --path (default /dev/shm: no disk limit), engines interleaved.
+"""The nvme tier alone (no cache around it), Python path against the compiled core,
+beside the native reference in the same run: store then load N blocks in jobs of
+--batch blocks, --concurrency jobs at once, the tier's files under --path (default
+/dev/shm: no disk limit), engines and reference interleaved, round by round.
 
-    .venv/bin/python benchmarks/nvme_engines.py [--block-kib 64] [--blocks 4096] [--rounds 2]
+    .venv/bin/python benchmarks/nvme_engines.py [--block-kib 16,64,1024] [--rounds 3]
 
 Prints GB/s and CPU µs per block (the process's user + system time over the blocks
-moved: event loop, worker threads and the core's own threads) per engine and round.
-Compare with the same files in C: `cc -O2 -pthread -o /tmp/rawio ../shared/tools/rawio.c`,
-`/tmp/rawio write|read /dev/shm/rawio N B 1`.
+moved: event loop, worker threads and the core's own threads) per engine and round,
+and the reference's (`tierkv_nvme.reference`: the same number of block files written
+and read by plain C, open + pwrite|pread + close each, --ref-threads threads), with
+the native engine's ratio to it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import shutil
 import time
@@ -20,6 +23,7 @@ from pathlib import Path
 
 import anyio
 from tierkv_nvme import NvmeTier, NvmeTierConfig
+from tierkv_nvme.reference import run_reference
 
 from tierkv.contract.jobs import JobMetadata
 from tierkv.primary import PrimaryTier
@@ -31,9 +35,14 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-async def one_round(engine: str, args: argparse.Namespace) -> tuple[float, float, float, float]:
-    block, n, batch, jobs = args.block_kib << 10, args.blocks, args.batch, args.concurrency
+async def one_round(
+    engine: str, args: argparse.Namespace, block_kib: int, n: int
+) -> tuple[float, float, float, float]:
+    block, batch, jobs = block_kib << 10, args.batch, args.concurrency
     primary = PrimaryTier(batch * jobs, block, pin_memory=False, namespace="nvme-engines")
+    # KV data, as a server's slab holds: untouched memory would cost the first store a
+    # page fault per 4 KiB read (1 MiB blocks: ~2.5x the CPU), which no server pays
+    primary.view._bytes[:] = os.urandom(256) * (primary.view.num_blocks * block // 256)
     path = Path(args.path) / f"tierkv-nvme-engines-{engine}"
     shutil.rmtree(path, ignore_errors=True)
     config = NvmeTierConfig(
@@ -68,22 +77,49 @@ async def one_round(engine: str, args: argparse.Namespace) -> tuple[float, float
     return (*store, *load)
 
 
+def reference(args: argparse.Namespace, block_kib: int, blocks: int) -> tuple[float, ...]:
+    write, read = run_reference(
+        Path(args.path) / "tierkv-nvme-engines-reference", blocks, block_kib << 10, args.ref_threads
+    )
+    return write.gb_per_s, write.cpu_us_per_block, read.gb_per_s, read.cpu_us_per_block
+
+
 async def main(args: argparse.Namespace) -> None:
-    print(f"nvme tier alone: {args.blocks} blocks of {args.block_kib} KiB, jobs of "
-          f"{args.batch}, {args.concurrency} at once, under {args.path}")
-    print("engine  round  store GB/s  store CPU us/blk  load GB/s  load CPU us/blk")
-    for r in range(args.rounds):
-        for engine in ("python", "native"):
-            sg, sc, lg, lc = await one_round(engine, args)
-            print(f"{engine:7s} {r + 1:5d}  {sg:10.2f}  {sc:16.0f}  {lg:9.2f}  {lc:15.0f}")
+    engines = [e for e in args.engines.split(",") if e]
+    print(
+        f"nvme tier alone: jobs of {args.batch}, {args.concurrency} at once, under {args.path}; "
+        f"reference: plain C, {args.ref_threads} threads"
+    )
+    print(
+        "block  engine     round  store GB/s  store CPU us/blk  load GB/s  load CPU us/blk"
+        "  store/ref  load/ref"
+    )
+    for block_kib in (int(k) for k in str(args.block_kib).split(",")):
+        n = args.blocks or max(args.batch * args.concurrency, min(8192, (512 << 10) // block_kib))
+        args.blocks_now = n
+        for r in range(args.rounds):
+            ref = reference(args, block_kib, n)
+            rows = [("reference", ref)]
+            for engine in engines:
+                rows.append((engine, await one_round(engine, args, block_kib, n)))
+            for name, (sg, sc, lg, lc) in rows:
+                ratio = "" if name == "reference" else f"  {sg / ref[0]:9.2f}  {lg / ref[2]:8.2f}"
+                print(
+                    f"{block_kib:4d}K  {name:9s} {r + 1:5d}  {sg:10.2f}  {sc:16.1f}  {lg:9.2f}"
+                    f"  {lc:15.1f}{ratio}"
+                )
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--block-kib", type=int, default=64)
-    parser.add_argument("--blocks", type=int, default=4096)
+    parser.add_argument("--block-kib", default="64", help="block sizes in KiB, comma separated")
+    parser.add_argument(
+        "--blocks", type=int, default=0, help="blocks per round (0: 8192 or 512 MiB)"
+    )
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--engines", default="python,native")
+    parser.add_argument("--ref-threads", type=int, default=2)
     parser.add_argument("--path", default="/dev/shm")
     anyio.run(main, parser.parse_args())

@@ -36,6 +36,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 #include <xxhash.h>
 #if __has_include(<linux/openat2.h>)
@@ -978,6 +979,94 @@ static PyObject *py_read_batch(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* -- the native reference: the same block files, plain C ----------------------------- */
+
+/* What a per-block data path can reach on this machine's filesystem, measured in the
+ * same run as the tier (`tierkv bench`, benchmarks/nvme_engines.py): `blocks` files of
+ * `block_bytes` under DIR/xx/ (256 fan-out directories), one open + pwrite|pread +
+ * close per file, no frame, no checksum, `threads` threads. */
+typedef struct {
+    int dir_fd;
+    long blocks, block_bytes;
+    int writes, threads;
+    atomic_long next;
+    atomic_int failed;
+} Reference;
+
+static void *reference_worker(void *arg) {
+    Reference *r = arg;
+    char *buf = aligned_alloc(PAGE, (size_t)(r->block_bytes + PAGE - 1) / PAGE * PAGE);
+    if (buf == NULL) {
+        atomic_store(&r->failed, ENOMEM);
+        return NULL;
+    }
+    memset(buf, 0x5a, (size_t)r->block_bytes);
+    long i;
+    char name[64];
+    while ((i = atomic_fetch_add(&r->next, 1)) < r->blocks && !atomic_load(&r->failed)) {
+        snprintf(name, sizeof name, "%02lx/%ld.blk", i & 0xff, i);
+        int fd = r->writes ? openat(r->dir_fd, name, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600)
+                           : openat(r->dir_fd, name, O_RDONLY | O_NOATIME | O_CLOEXEC);
+        if (fd < 0) {
+            atomic_store(&r->failed, errno);
+            break;
+        }
+        ssize_t done = r->writes ? pwrite(fd, buf, (size_t)r->block_bytes, 0)
+                                 : pread(fd, buf, (size_t)r->block_bytes, 0);
+        if (done != r->block_bytes)
+            atomic_store(&r->failed, done < 0 ? errno : EIO);
+        close(fd);
+    }
+    free(buf);
+    return NULL;
+}
+
+static double seconds_now(clockid_t clock) {
+    struct timespec t;
+    clock_gettime(clock, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+PyDoc_STRVAR(reference_doc,
+"reference(op, dir_fd, blocks, block_bytes, threads) -> (seconds, cpu_seconds)\n\n"
+"The native reference: op 'write' or 'read' of `blocks` files of `block_bytes` under\n"
+"dir_fd as xx/<i>.blk (the fan-out directories must exist), one open + pwrite|pread +\n"
+"close per file, no frame or checksum, on `threads` threads, GIL released. Wall and\n"
+"process CPU seconds. OSError on the first failure.");
+
+static PyObject *py_reference(PyObject *self, PyObject *args) {
+    const char *op;
+    Reference r = {0};
+    if (!PyArg_ParseTuple(args, "silli", &op, &r.dir_fd, &r.blocks, &r.block_bytes, &r.threads))
+        return NULL;
+    if ((strcmp(op, "write") && strcmp(op, "read")) || r.blocks < 0 || r.block_bytes <= 0) {
+        PyErr_SetString(PyExc_ValueError, "op 'write' or 'read', blocks >= 0, block_bytes > 0");
+        return NULL;
+    }
+    r.writes = !strcmp(op, "write");
+    int threads = clamp_threads(r.threads, (size_t)(r.blocks ? r.blocks : 1));
+    double wall, cpu;
+    Py_BEGIN_ALLOW_THREADS
+    cpu = seconds_now(CLOCK_PROCESS_CPUTIME_ID);
+    wall = seconds_now(CLOCK_MONOTONIC);
+    pthread_t ids[MAX_THREADS];
+    int started = 0;
+    for (int t = 1; t < threads; t++)
+        if (pthread_create(&ids[started], NULL, reference_worker, &r) == 0)
+            started++;
+    reference_worker(&r);
+    for (int t = 0; t < started; t++)
+        pthread_join(ids[t], NULL);
+    wall = seconds_now(CLOCK_MONOTONIC) - wall;
+    cpu = seconds_now(CLOCK_PROCESS_CPUTIME_ID) - cpu;
+    Py_END_ALLOW_THREADS
+    if (atomic_load(&r.failed)) {
+        errno = atomic_load(&r.failed);
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return Py_BuildValue("(dd)", wall, cpu);
+}
+
 static PyObject *py_beneath_works(PyObject *self, PyObject *args) {
     int dir_fd = -1;
     if (!PyArg_ParseTuple(args, "|i", &dir_fd))
@@ -1027,6 +1116,7 @@ static PyMethodDef methods[] = {
     {"read_blocks", py_read_blocks, METH_VARARGS, read_blocks_doc},
     {"encode_header", py_encode_header, METH_VARARGS, encode_header_doc},
     {"write_batch", py_write_batch, METH_VARARGS, write_batch_doc},
+    {"reference", py_reference, METH_VARARGS, reference_doc},
     {"read_batch", py_read_batch, METH_VARARGS, read_batch_doc},
     {"beneath_works", py_beneath_works, METH_VARARGS,
      "beneath_works(dir_fd=-1) -> bool: whether the batch calls can open below a directory\n"
