@@ -1,5 +1,6 @@
 """The parser and `main` (tierkv.cli.app): usage and exit codes, one-line errors,
---help and --version, `python -m tierkv.cli`, a closed stdout."""
+--help and --version, `python -m tierkv.cli`, a closed stdout, the command's own
+logging."""
 
 from __future__ import annotations
 
@@ -166,3 +167,38 @@ def test_help_imports_no_torch() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_engine_import_noise_is_left_out_unless_verbose(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command's own logging: vLLM's missing-kernels warning and LMCache's INFO
+    lines are left out (a level the user gave LMCache stays theirs); vLLM's other
+    warnings pass; --verbose shows everything."""
+    import logging
+
+    from tierkv.cli.app import configure_logging
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logger = logging.getLogger("vllm.platforms.interface")
+    handler = Keep()
+    logger.addHandler(handler)
+    monkeypatch.delenv("LMCACHE_LOG_LEVEL", raising=False)
+    try:
+        configure_logging(False)
+        logger.warning("Failed to import from vllm._C: %r", ModuleNotFoundError("vllm._C"))
+        logger.warning("a real warning")
+        assert seen == ["a real warning"]
+        assert os.environ["LMCACHE_LOG_LEVEL"] == "WARNING"
+        monkeypatch.setenv("LMCACHE_LOG_LEVEL", "DEBUG")
+        configure_logging(False)
+        assert os.environ["LMCACHE_LOG_LEVEL"] == "DEBUG"
+        configure_logging(True)
+        logger.warning("Failed to import from vllm._C: again")
+        assert seen[-1] == "Failed to import from vllm._C: again"
+    finally:
+        logger.removeHandler(handler)
+        configure_logging(False)

@@ -1,9 +1,11 @@
-"""`tierkv roundtrip` (tierkv.cli.roundtrip): every block read back, through the
-default chain or a config file, and exit 1 when a tier cannot hold the data."""
+"""`tierkv roundtrip` (tierkv.cli.roundtrip): every block read back through a
+TieredCache of the default chain or a config file, each tier written by its policies,
+optional tiers that cannot open skipped, and exit 1 when a tier cannot hold the data."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -112,3 +114,63 @@ def test_roundtrip_removes_its_blocks_from_a_tier_without_files(
     monkeypatch.setattr(MemoryTier, "remove", remove)
     report = anyio.run(lambda: run_roundtrip(config, 6, 0, remove_after=True))
     assert report["ok"] and removed == [6]
+
+
+def test_roundtrip_follows_each_tiers_write_policy(
+    chain_file: Callable[..., str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Through TieredCache: a tier written only blocks looked up twice holds none of
+    the blocks stored once (issue 53), a write-back tier holds them all after the
+    flush, and the round trip passes: that is the chain as configured."""
+    config = chain_file(
+        "[{type: memory, capacity: 1MiB}, "
+        "{type: memory, name: twice, capacity: 1MiB, write_policy: write_through_selective}, "
+        "{type: memory, name: later, capacity: 1MiB, write_policy: write_back}]",
+        primary="64KiB",
+    )
+    assert main(["roundtrip", "--config", config, "--blocks", "32", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["mismatched"] == 0
+    assert report["tier_blocks"] == {"memory": 32, "twice": 0, "later": 32}
+    assert any(
+        "tier twice: holds 0 of 32 blocks (write_through_selective: only blocks looked up 2 "
+        "times)" in line
+        for line in report["lines"]
+    )
+
+
+def test_roundtrip_reports_blocks_the_policies_kept_nowhere_without_failing(
+    chain_file: Callable[..., str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With only a selective tier, the blocks the primary evicted are kept nowhere:
+    said (not kept, as configured), and every block the chain kept reads back."""
+    config = chain_file(
+        "[{type: memory, capacity: 1MiB, write_policy: write_through_selective}]",
+        primary="16KiB",
+    )
+    assert main(["roundtrip", "--config", config, "--blocks", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "tier memory: holds 0 of 12 blocks" in out
+    assert "not kept: 8 blocks the chain's policies kept out of every tier" in out
+    assert "result: every block the chain kept read back byte-identical" in out
+
+
+def test_roundtrip_skips_an_optional_tier_that_cannot_open(
+    broken_tier: str, chain_file: Callable[..., str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An optional tier that cannot open (an unreachable Redis with required: false) is
+    skipped, as the cache runs without it; a required one fails the run (exit 1)."""
+    tiers = "[{type: memory, capacity: 1MiB}, {type: %s, required: %s}]"
+    config = chain_file(tiers % (broken_tier, "false"))
+    assert main(["roundtrip", "--config", config, "--blocks", "10", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["tier_blocks"] == {"memory": 10}
+    assert "connection refused by 127.0.0.1:1" in report["skipped"]["broken"]
+    assert any(
+        line.startswith("  tier broken: skipped: optional (required: false)")
+        and line.endswith("the cache runs without it")
+        for line in report["lines"]
+    )
+    config = chain_file(tiers % (broken_tier, "true"))
+    assert main(["roundtrip", "--config", config, "--blocks", "10"]) == 1
+    assert "tier 'broken' failed to open" in capsys.readouterr().err

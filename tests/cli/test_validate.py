@@ -93,6 +93,34 @@ def test_validate_connect_reports_a_tier_it_cannot_reach(
     assert captured.err.strip() == "tierkv: error: cannot use tier broken"
 
 
+def test_validate_connect_skips_an_optional_tier_it_cannot_reach(
+    tmp_path: Path,
+    broken_tier: str,
+    capsys: pytest.CaptureFixture[str],
+    chain_file: Callable[..., str],
+) -> None:
+    """An optional tier (required: false) that cannot be used is not fatal: the cache
+    would run without it, so validate says so and exits 0 (issue 53)."""
+    config = chain_file(
+        f"[{{type: memory}}, {{type: broken, required: false}}, "
+        f"{{type: nvme, name: disk, required: false, path: {tmp_path}/file/kv, capacity: 1MiB}}]"
+    )
+    (tmp_path / "file").write_text("")
+    assert main(["validate", "--connect", config]) == 0
+    captured = capsys.readouterr()
+    assert "  memory: ok (open " in captured.out
+    assert (
+        "  broken: skipped (optional, required: false): open failed: ConnectionRefusedError: "
+        "connection refused by 127.0.0.1:1; the cache would run without it" in captured.out
+    )
+    assert "  disk: skipped (optional, required: false): " in captured.out
+    assert "FAILED" not in captured.out and captured.err == ""
+    assert captured.out.rstrip().endswith(
+        ": ok without the optional tier broken, disk (every required tier usable; the "
+        "cache would run without it)"
+    )
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [

@@ -35,6 +35,10 @@ promotion against its slower stage and the bookkeeping costs, for its developers
 are not shown to users (a user's bench reports measurements and ratios, not a
 project's pass or fail).
 
+With `--config`, a tier that keeps files is measured in a temporary directory made in
+its path (its own disk), removed afterwards (`scratch`); the streaming phase runs
+through the chain's nvme tier only when that tier is among the media asked for.
+
 `tierkv bench` with no flags is a quick run (32 MiB per medium, 100,000 resident
 keys: well under a minute and 1 GB on a small machine); `--full` is the run the
 project's tables quote (256 MiB per medium, 1,000,000 keys).
@@ -52,6 +56,7 @@ One phase per module:
 - `integrity`: framing with and without a MAC
 - `targets`: the project's bounds; `summary`: the report for the terminal
 - `run`: `run_bench`, every phase in one report
+- `scratch`: `tierkv bench --config`'s temporary directories under the tiers' paths
 - `tier_scripts`: helpers for a tier package's own `bench_*.py`
 """
 

@@ -1,6 +1,7 @@
 """The run driver: every tier asked for opened first (an unreachable Redis fails the
-run before anything is measured), then every medium, the streaming phase, the
-orchestrator's cost and the integrity section, in one report. The report holds
+run before anything is measured), then every medium, the streaming phase (when an
+nvme tier is among the media asked for), the orchestrator's cost and the integrity
+section, in one report. The report holds
 measurements only: the project's own bounds (`targets.check_targets`) are not part of
 what a user is shown."""
 
@@ -70,7 +71,7 @@ async def _run_bench(
             else raw_baseline_for(tier, options.block_bytes)
         )
         results.append(await bench_medium(chain, medium, tier, raw, data, options, say))
-    streaming = await bench_streaming(chain, options, say)
+    streaming = await bench_streaming(chain, options, say, media=wanted)
     orchestrator = (
         await bench_orchestrator(chain, options, say) if options.orchestrator_keys else None
     )

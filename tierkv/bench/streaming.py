@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +28,11 @@ from tierkv.contract.units import format_size
 
 
 async def bench_streaming(
-    chain: CacheConfig, options: BenchOptions, progress: Callable[[str], None]
+    chain: CacheConfig,
+    options: BenchOptions,
+    progress: Callable[[str], None],
+    *,
+    media: Collection[str] | None = None,
 ) -> dict[str, Any] | None:
     """One request much larger than the primary (`streaming_blocks` blocks through a
     primary of `streaming_primary_blocks`), stored with one `store` call and loaded with
@@ -37,8 +41,16 @@ async def bench_streaming(
     (`RawBlockFiles`: the ratios) and one big file (`RawFile`: for reference); wall
     time and CPU per block of each; and the promotion's wall time against each of
     its stages alone (stage 1: the tier's load jobs into primary slots, window by
-    window; stage 2: the copies from the slots to the destination)."""
-    tier = next((t for t in chain.tiers if t.type == "nvme"), None)
+    window; stage 2: the copies from the slots to the destination). The first nvme
+    tier named in `media` (every medium when None) is used; None when there is none."""
+    tier = next(
+        (
+            t
+            for name, t in zip(chain.tier_names(), chain.tiers)
+            if t.type == "nvme" and (media is None or name in media)
+        ),
+        None,
+    )
     n = options.streaming_blocks
     if tier is None or n == 0:
         return None

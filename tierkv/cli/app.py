@@ -33,8 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tierkv",
         description="Keeps an LLM server's KV cache alive after it leaves the GPU: a chain "
-        "of storage tiers (CPU memory, NVMe, Redis, S3, plugins) with cascade down and "
-        "staged promotion up. Exit codes: 0 ok, 2 bad usage or config, 1 runtime failure.",
+        "of storage tiers (CPU memory, NVMe, Redis, S3, Mooncake, plugins) with cascade "
+        "down and staged promotion up. Exit codes: 0 ok, 2 bad usage or config, 1 runtime "
+        "failure.",
         parents=[common],
     )
     parser.add_argument(
@@ -47,6 +48,37 @@ def build_parser() -> argparse.ArgumentParser:
     for command in COMMANDS:
         command.add_parser(sub, [common])
     return parser
+
+
+class _EngineImportNoise(logging.Filter):
+    """vLLM's warning that its compiled ops are missing (`Failed to import from
+    vllm._C`): the checks read configs with vLLM's parser and run no kernel, and a
+    wheel installed for them (scripts/setup-vllm.sh, CPU torch) has none. Every other
+    record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Failed to import from vllm._C")
+
+
+_ENGINE_NOISE = _EngineImportNoise()
+
+
+def configure_logging(verbose: bool) -> None:
+    """The command's own logging: warnings and errors (everything with --verbose), one
+    line each, on stderr. Without --verbose the engines' import chatter is left out:
+    LMCache's INFO lines (each of its loggers reads LMCACHE_LOG_LEVEL when it is made,
+    so a level the user set stays theirs) and vLLM's missing-kernels warning; their
+    real warnings still show."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    interface = logging.getLogger("vllm.platforms.interface")
+    if verbose:
+        interface.removeFilter(_ENGINE_NOISE)
+        return
+    os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+    interface.addFilter(_ENGINE_NOISE)
 
 
 def _first_leaf(exc: BaseException) -> BaseException:
@@ -80,10 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return _closed_pipe()
     verbose = getattr(args, "verbose", False)
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(verbose)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         code = func(args)

@@ -37,7 +37,11 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         "then the orchestrator's bookkeeping rate over many resident keys. Without "
         "flags a quick run (32MiB per medium); --full for the sizes the manual quotes. "
         "A tier that keeps no files (Redis, S3) is opened first: one that cannot be "
-        "reached fails the run before anything is measured.",
+        "reached fails the run before anything is measured. A tier that keeps files "
+        "(nvme) is measured in a temporary directory made in its path, removed "
+        "afterwards; a path where nothing can be created fails the run (exit 1). "
+        "The streaming phase (one request much larger than the primary) runs through "
+        "the chain's nvme tier when it is among the media measured.",
     )
     bench.add_argument(
         "--config", metavar="FILE", help="YAML tier chain (default: primary + nvme in a temp dir)"
@@ -50,7 +54,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         type=size,
         metavar="SIZE",
         default=None,
-        help="per medium (32MiB; 256MiB with --full)",
+        help="per medium, and per transfer with --gpu (32MiB; 256MiB with --full)",
     )
     bench.add_argument("--batch", type=positive, metavar="N", default=8, help="blocks per call (8)")
     bench.add_argument(
@@ -87,6 +91,9 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     trace.add_parser(
         bench.add_subparsers(
             dest="bench_command",
+            # the subcommand's usage line starts with this (argparse would build it from
+            # bench's two-line usage above)
+            prog=bench.prog,
             metavar="trace",
             title="optional subcommand",
             description="without one, bench measures the chain",
@@ -96,18 +103,20 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    defaults = FULL if args.full else QUICK
+    total = defaults["total"] if args.total is None else args.total
     if args.gpu:
         from tierkv.gpu.bench import run_gpu_bench
 
-        return run_gpu_bench(args.total, args.repeat, args.json)
+        return run_gpu_bench(total, args.repeat, args.json)
     from tierkv.bench import BenchOptions, UnknownMedium, bench_summary, run_bench
+    from tierkv.bench.scratch import in_bench_scratch
     from tierkv.demo.report import render
 
-    defaults = FULL if args.full else QUICK
     try:
         options = BenchOptions(
             block_bytes=args.block_size,
-            total_bytes=defaults["total"] if args.total is None else args.total,
+            total_bytes=total,
             batch=args.batch,
             concurrency=args.concurrency,
             repeat=args.repeat,
@@ -118,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     with (
-        chain(args.config) as config,
+        chain(args.config) as chosen,
+        in_bench_scratch(chosen) as config,
         Progress(not args.json, None, "starting", command="bench") as progress,
     ):
         try:

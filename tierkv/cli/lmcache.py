@@ -27,12 +27,14 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         "installed its own parser and loader check run too. Opens nothing (unless "
         "--round-trip). Exit 2 with the path of the first problem.",
     )
-    lc.add_argument("config", help="the JSON (quoted) or a file holding it")
+    lc.add_argument("config", help="the JSON (quoted), or @FILE or FILE holding it")
     lc.add_argument(
         "--round-trip",
         action="store_true",
         help="also run LMCache's own check mode (test_l2_adapter) on the adapter: opens "
-        "the tiers and stores, looks up and loads 5 small objects",
+        "the tiers and stores, looks up and loads 5 small objects, then deletes them (a "
+        "tier's files go to a temporary directory in its path, removed afterwards); "
+        "exit 1 unless all 5 come back",
     )
     lc.add_argument("--json", action="store_true", help="print the report as JSON")
     lc.set_defaults(func=run_check)

@@ -1,13 +1,16 @@
-"""`tierkv roundtrip`: store -> lookup -> load of random blocks through a chain, every
-byte checked.
+"""`tierkv roundtrip`: store -> lookup -> load of random blocks through a
+`TieredCache` of the chain, every byte checked (`tierkv.roundtrip`).
 
-A round trip must not be fooled by an earlier one, nor leave anything behind: its keys
-are hashed under a namespace of its own (`<namespace>-roundtrip-<nonce>`, new every
-run), so a block an earlier run stored is never read as this run's; the tiers' files
-(an nvme directory, a database file) go to a temporary directory removed afterwards,
-and the blocks it wrote to a tier without files (memory, Redis, S3) are removed when
-it ends. `--keep` uses the chain's own paths and leaves the blocks where they are; the
-report says what it wrote where either way.
+The chain runs as configured: each tier is written by its `write_policy` and
+`admission`, and an optional tier (`required: false`) that cannot open is reported
+skipped, as the cache runs without it. A round trip must not be fooled by an earlier
+one, nor leave anything behind: its keys are hashed under a namespace of its own
+(`<namespace>-roundtrip-<nonce>`, new every run), so a block an earlier run stored is
+never read as this run's; the tiers' files (an nvme directory, a database file) go to
+a temporary directory removed afterwards, and the blocks it wrote to a tier without
+files (memory, Redis, S3) are removed when it ends. `--keep` uses the chain's own
+paths and leaves the blocks where they are; the report says what it wrote where
+either way.
 """
 
 from __future__ import annotations
@@ -41,13 +44,17 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         "roundtrip",
         parents=parents,
         help="store -> lookup -> load of random blocks",
-        description="Store random blocks through a chain, flush, look them up and load "
-        "them back, and check every byte: a quick end-to-end test of a chain. The keys "
-        "live under a namespace of this run's own, so blocks of an earlier run are never "
-        "mistaken for this one's. The tiers' files go to a temporary directory, removed "
-        "afterwards, and blocks written to tiers without files are removed at the end; "
-        "--keep uses the config's paths and leaves the blocks. Exit 1 if a block is "
-        "missing or differs.",
+        description="Store random blocks through a TieredCache of the chain, flush, look "
+        "them up and load them back, and check every byte: a quick end-to-end test of a "
+        "chain as configured. Each tier is written by its write_policy and admission (a "
+        "tier that writes only blocks looked up twice holds none of them: said, not "
+        "failed), and an optional tier (required: false) that cannot open is reported "
+        "skipped, as the cache runs without it. The keys live under a namespace of this "
+        "run's own, so blocks of an earlier run are never mistaken for this one's. The "
+        "tiers' files go to a temporary directory, removed afterwards, and blocks "
+        "written to tiers without files are removed at the end; --keep uses the "
+        "config's paths and leaves the blocks. Exit 1 if a block differs, a tier lost "
+        "or never got a block it should hold, or a required tier cannot open.",
     )
     rt.add_argument(
         "--config", metavar="FILE", help="YAML tier chain (default: primary + memory tier)"

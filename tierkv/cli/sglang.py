@@ -32,18 +32,33 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         "and each call's deadline. Loads the backend class through SGLang's loader where "
         "SGLang is installed. Opens nothing. Exit 2 with the path of the first problem.",
     )
-    sc.add_argument("config", help="the JSON (quoted) or a file holding it")
+    sc.add_argument("config", help="the JSON (quoted), or @FILE or FILE holding it")
     sc.add_argument("--model", default="MODEL", help="the served model's path or name")
     sc.add_argument("--dtype", default="bfloat16", help="the KV cache dtype (bfloat16)")
-    sc.add_argument("--page-size", type=positive, default=64, metavar="N",
-                    help="tokens per page, SGLang's --page-size (64)")
+    sc.add_argument(
+        "--page-size",
+        type=positive,
+        default=64,
+        metavar="N",
+        help="tokens per page, SGLang's --page-size (64)",
+    )
     sc.add_argument("--layers", type=positive, default=32, metavar="N", help="(32)")
-    sc.add_argument("--kv-heads", type=positive, default=8, metavar="N",
-                    help="KV heads on one TP rank (8)")
-    sc.add_argument("--head-dim", type=positive, default=128, metavar="N",
-                    help="(128; MLA: kv_lora_rank + qk_rope_head_dim, e.g. 576)")
-    sc.add_argument("--layout", default="page_first", choices=LAYOUTS,  # every one of 0.5.23
-                    help="SGLang's --hicache-mem-layout (page_first)")
+    sc.add_argument(
+        "--kv-heads", type=positive, default=8, metavar="N", help="KV heads on one TP rank (8)"
+    )
+    sc.add_argument(
+        "--head-dim",
+        type=positive,
+        default=128,
+        metavar="N",
+        help="(128; MLA: kv_lora_rank + qk_rope_head_dim, e.g. 576)",
+    )
+    sc.add_argument(
+        "--layout",
+        default="page_first",
+        choices=LAYOUTS,  # every one of 0.5.23
+        help="SGLang's --hicache-mem-layout (page_first)",
+    )
     sc.add_argument("--mla", action="store_true", help="an MLA model (DeepSeek)")
     sc.add_argument("--tp", type=positive, default=1, metavar="N", help="tensor parallel size")
     sc.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -115,11 +115,11 @@ def _backlog_arguments(p: argparse.ArgumentParser) -> None:
     """How busy the modelled server is, and the backlog's queued replays: the
     prefetch policies, how far ahead they look, and clients that give up."""
     p.add_argument(
-        "--load", type=_floats, default=0.7,
+        "--load", type=_floats, default=0.7, metavar="X",
         help="arrivals scaled so no-cache prefill keeps the server this busy (0.7)",
     )  # fmt: skip
     p.add_argument(
-        "--backlog-load", type=_floats, default=1.3,
+        "--backlog-load", type=_floats, default=1.3, metavar="X",
         help="the same, for the backlog case: replayed through a modelled server that "
         "prefetches for queued requests (1.3)",
     )  # fmt: skip

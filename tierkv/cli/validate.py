@@ -6,7 +6,10 @@ file) may create or rewrite them when it opens (a directory, a lock, a recovery 
 evicts over capacity), so such a tier is not opened: its paths are checked instead
 (there and writable, or creatable under a writable parent). `--create` opens it too,
 creating what is missing, and says what it created. A tier's line is printed once its
-check is over, and the file's closing `ok` only once every tier passed."""
+check is over, and the file's closing `ok` only once every tier passed. An optional
+tier (`required: false`) that cannot be used is reported as skipped, not failed: the
+cache would run without it (and keep trying to open it), so it alone does not make
+the exit code 1."""
 
 from __future__ import annotations
 
@@ -37,7 +40,9 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         "primary against its memory, each disk tier against its filesystem). Exit 2 "
         "with one line per problem, by YAML path; secrets are never shown. --connect "
         "opens each tier and times one lookup; it creates nothing: a tier that keeps "
-        "files is not opened but its paths are checked, unless --create.",
+        "files is not opened but its paths are checked, unless --create. Exit 1 when a "
+        "required tier cannot be used; an optional one (required: false) is reported "
+        "skipped, as the cache would run without it.",
     )
     va.add_argument("file", help="the YAML file")
     va.add_argument("--connect", action="store_true", help="also open each tier and time a lookup")
@@ -127,7 +132,12 @@ async def _connect(
     )
     results = []
     for name, tier_config in zip(config.tier_names(), config.tiers):
-        entry: dict[str, Any] = {"tier": name, "type": tier_config.type, "ok": False}
+        entry: dict[str, Any] = {
+            "tier": name,
+            "type": tier_config.type,
+            "ok": False,
+            "required": tier_config.required,
+        }
         paths = path_fields(tier_config)
         if paths:
             usable, said, missing = _check_paths(paths)
@@ -149,6 +159,11 @@ async def _connect(
 
 def _line(entry: dict[str, Any]) -> str:
     name = entry["tier"]
+    if not entry["ok"] and not entry["required"]:
+        return (
+            f"  {name}: skipped (optional, required: false): {entry['error']}; the cache "
+            "would run without it, and open it once it can"
+        )
     if not entry["ok"]:
         return f"  {name}: FAILED: {entry['error']}"
     if entry.get("opened") is False:
@@ -174,9 +189,16 @@ def run(args: argparse.Namespace) -> int:
     results = anyio.run(
         lambda: _connect(config, create=args.create, each=lambda e: print(_line(e), flush=True))
     )
-    failed = [r["tier"] for r in results if not r["ok"]]
+    failed = [r["tier"] for r in results if not r["ok"] and r["required"]]
+    skipped = [r["tier"] for r in results if not r["ok"] and not r["required"]]
     if failed:
         print(f"tierkv: error: cannot use tier {', '.join(failed)}", file=sys.stderr)
         return 1
+    if skipped:
+        print(
+            f"{args.file}: ok without the optional tier {', '.join(skipped)} (every "
+            "required tier usable; the cache would run without it)"
+        )
+        return 0
     print(f"{args.file}: ok (every tier usable)")
     return 0

@@ -26,7 +26,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         "chain with each tier's medium, sizes and namespace. Opens nothing. Exit 2 with "
         "the path of the first problem. Run it where vLLM is installed.",
     )
-    vc.add_argument("config", help="the JSON (quoted) or a file holding it")
+    vc.add_argument("config", help="the JSON (quoted), or @FILE or FILE holding it")
     vc.add_argument("--model", default="MODEL", help="the served model's name (namespace)")
     vc.add_argument("--dtype", default="bfloat16", help="the KV cache dtype (bfloat16)")
     vc.add_argument("--tokens-per-block", type=positive, default=16, metavar="N", help="(16)")

@@ -113,6 +113,7 @@ class GuardedTier:
         self.stats = TierStats()
         self.block_bytes = tier.primary.block_bytes
         self.opened = False
+        self.open_error: str | None = None  # why the last open failed (optional tiers)
         self.closed = False
         self._on_removed = on_removed
         # the breaker and the in-flight bytes: `admit` and `release` may come from
@@ -549,6 +550,7 @@ class GuardedTier:
             await self.tier.open()
         except Exception as exc:
             message = f"tier {self.name!r} failed to open: {type(exc).__name__}: {exc}"
+            self.open_error = f"{type(exc).__name__}: {exc}"
             if self.config.required:
                 raise TierUnavailable(message) from exc
             logger.error(
@@ -558,6 +560,7 @@ class GuardedTier:
             )
             return False
         self.opened = True
+        self.open_error = None
         return True
 
     async def keep_opening(self) -> None:
@@ -572,6 +575,7 @@ class GuardedTier:
                 logger.debug("tier %s still fails to open: %s", self.name, exc)
                 continue
             self.opened = True
+            self.open_error = None
             logger.warning("tier %s opened; it is used from now on", self.name)
 
     async def close(self, timeout: float | None = None) -> None:

@@ -6,18 +6,23 @@ The JSON's plugin fields are checked as LMCache's plugin loader reads them
 adapter's own `settings.resolve` (its tier sections through `tierkv validate`'s
 parser). Where LMCache is installed, its own L2 config parser reads the JSON too and
 its loader's class check runs (the class imports and is an `L2AdapterInterface`).
+The tiers' sizes are checked against this machine as `tierkv validate` checks them.
 Nothing is opened, connected or written. `round_trip` runs LMCache's own check mode
 (`test_l2_adapter`: lookup, store, lookup, load, compare) on the adapter, which does
-open the tiers and write a few objects.
+open the tiers and write a few objects: in a temporary directory under a tier's path
+(removed afterwards), and deleted from every tier before the adapter closes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierkv.config.machine import fit_problems
 from tierkv.contract.errors import ConfigError
 from tierkv.driver.checks import backstop_after
 from tierkv.integrations.lmcache.settings import resolve
@@ -67,14 +72,21 @@ def check(value: str) -> CheckReport:
     for key, expected in want.items():
         if spec.get(key) not in (expected, f"{MODULE}.adapter" if key == "module_path" else None):
             raise ConfigError(
-                [f"{key}: {spec.get(key)!r}; LMCache loads tierkv's adapter with "
-                 f"{key} {expected!r}"],
+                [
+                    f"{key}: {spec.get(key)!r}; LMCache loads tierkv's adapter with "
+                    f"{key} {expected!r}"
+                ],
                 source=SOURCE,
             )
     unknown = sorted(set(spec) - {*want, "adapter_params", "config_class_name"})
     if unknown:
         raise ConfigError([f"{unknown[0]}: not a field of a plugin L2 adapter"], source=SOURCE)
-    settings = resolve(spec.get("adapter_params") or {})
+    params = spec.get("adapter_params") or {}
+    settings = resolve(params)
+    problems = fit_problems(None, list(enumerate(settings.tiers)))
+    if problems:  # as `tierkv validate` checks them against this machine
+        where = "adapter_params." if "tiers" in params else f"{params.get('chain')}: "
+        raise ConfigError([where + p for p in problems], source=SOURCE)
     slowest = max(float(t.job_timeout) for t in settings.tiers)
     report = CheckReport(
         namespace=settings.namespace,
@@ -103,7 +115,7 @@ def check(value: str) -> CheckReport:
             "no object_bytes: the tiers of each object size open when LMCache first stores "
             "or loads such an object (or with the server, for sizes an nvme tier's path "
             "holds), so after a restart lookups of other sizes miss until then (give the "
-            "sizes, e.g. \"object_bytes\": [\"2MiB\"], to open them with the server)"
+            'sizes, e.g. "object_bytes": ["2MiB"], to open them with the server)'
         )
     return report
 
@@ -120,9 +132,7 @@ def _parse_with_lmcache(spec: dict[str, Any]) -> bool | None:
     except Exception:
         return None
     try:
-        parsed = parse_args_to_l2_adapters_config(
-            argparse.Namespace(l2_adapter=[json.dumps(spec)])
-        )
+        parsed = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[json.dumps(spec)]))
     except Exception as exc:
         raise ConfigError([f"LMCache refuses it: {exc}"], source=SOURCE) from None
     config = parsed.adapters[0]
@@ -134,17 +144,98 @@ def _parse_with_lmcache(spec: dict[str, Any]) -> bool | None:
 
 def round_trip(value: str, model: str = "tierkv/check") -> str:
     """LMCache's own `test_l2_adapter` check mode on the adapter (opens the tiers and
-    writes 5 small objects); its printed report."""
+    writes 5 small objects); its printed report. Nothing is left behind: a tier that
+    keeps files keeps them in a temporary directory made in its path (its disk, the
+    one a server would use), removed afterwards, and the objects are deleted from
+    every tier before the adapter closes (a Redis, a bucket)."""
     import asyncio
-    import contextlib
     import io
 
-    from lmcache.v1.check.check_mode_test_l2_adapter import run_test_mode
+    from lmcache.v1.check import check_mode_test_l2_adapter as mode
 
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        asyncio.run(run_test_mode(model, l2_adapter=[json.dumps(read_spec(value))], num_keys=5))
+    with (
+        _in_scratch(read_spec(value)) as spec,
+        _deleting_what_it_stores(mode),
+        contextlib.redirect_stdout(out),
+    ):
+        asyncio.run(mode.run_test_mode(model, l2_adapter=[json.dumps(spec)], num_keys=5))
     return out.getvalue()
+
+
+@contextlib.contextmanager
+def _in_scratch(spec: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """`spec` with its tiers inline (a `chain` file's sections read into `tiers`, its
+    namespace and lookup timeout kept), every path a tier keeps files at moved into
+    a fresh `.tierkv-check-*` directory under it; the directories are removed on the
+    way out."""
+    import shutil
+
+    from tierkv.bench.scratch import make_scratch
+    from tierkv.demo.scratch import path_fields
+
+    params = dict(spec.get("adapter_params") or {})
+    settings = resolve(params)
+    if "chain" in params:
+        import yaml
+
+        chain = yaml.safe_load(Path(str(params.pop("chain"))).read_text(encoding="utf-8"))
+        params["tiers"] = chain["tiers"]
+        params["namespace"] = settings.namespace
+        params["lookup_timeout"] = settings.lookup_timeout
+    made: list[Path] = []
+    try:
+        sections = []
+        for name, tier, section in zip(settings.names, settings.tiers, params["tiers"]):
+            section = dict(section)
+            for key, old in path_fields(tier).items():
+                scratch = make_scratch(
+                    name,
+                    key,
+                    old,
+                    "tierkv lmcache check --round-trip writes its objects",
+                    prefix=".tierkv-check-",
+                )
+                made.append(scratch)
+                section[key] = str(scratch / (old.name or key))
+            sections.append(section)
+        yield {**spec, "adapter_params": {**params, "tiers": sections}}
+    finally:
+        for scratch in made:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _deleting_what_it_stores(mode: Any) -> Iterator[None]:
+    """While LMCache's check mode runs: every adapter it builds deletes the objects
+    it stored before it closes (the check mode itself leaves them)."""
+    build = mode.create_l2_adapter
+
+    def create(*args: Any, **kwargs: Any) -> Any:
+        adapter = build(*args, **kwargs)
+        stored: list[Any] = []
+        submit, close = adapter.submit_store_task, adapter.close
+
+        def submit_store_task(keys: list[Any], objects: list[Any]) -> int:
+            stored.extend(keys)
+            return int(submit(keys, objects))
+
+        def close_deleting() -> None:
+            try:
+                if stored and hasattr(adapter, "delete"):
+                    adapter.delete(list(stored))
+            finally:
+                close()
+
+        adapter.submit_store_task = submit_store_task
+        adapter.close = close_deleting
+        return adapter
+
+    mode.create_l2_adapter = create
+    try:
+        yield
+    finally:
+        mode.create_l2_adapter = build
 
 
 def render(report: CheckReport) -> str:

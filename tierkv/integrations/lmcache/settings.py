@@ -110,8 +110,8 @@ def resolve(
         if not config.tiers:
             raise _problem("adapter_params.chain", f": {chain} lists no tiers")
         default = config.namespace
-        if lookup is None:
-            lookup = config.lookup_timeout
+        if lookup is None and "lookup_timeout" in config.model_fields_set:
+            lookup = config.lookup_timeout  # the file's own, not the embedded cache's 50 ms
     where = "adapter_params.tiers" if inline is not None else f"{chain}: tiers"
     for i, tier in enumerate(config.tiers):
         _check_policy(tier, f"{where}[{i}]")

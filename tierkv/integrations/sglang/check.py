@@ -6,18 +6,22 @@ tier sections through `tierkv validate`'s parser, against the page geometry SGLa
 host pool will have: the bytes and number of the regions its `get_page_buffer_meta`
 reports per page, computed here as SGLang's MHA and MLA pools compute them. Where
 SGLang is installed, its loader also loads the class the config names (as its
-`dynamic` backend does: `issubclass(cls, HiCacheStorage)`). Nothing is opened,
-connected or written.
+`dynamic` backend does: `issubclass(cls, HiCacheStorage)`). The tiers' sizes are
+checked against this machine as `tierkv validate` checks them (a disk tier against the
+filesystem under its path). Nothing is opened, connected or written.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierkv.config.machine import fit_problems
 from tierkv.contract.errors import ConfigError
+from tierkv.contract.tier import TierConfig
 from tierkv.driver.checks import backstop_after
 from tierkv.integrations.sglang.settings import SOURCE, PoolGeometry, rank_suffix, resolve
 from tierkv.registry import get_tier_class
@@ -146,6 +150,7 @@ def check(value: str, model: Model) -> CheckReport:
     _check_loader_fields(extra)
     geometry = model.geometry()
     settings = resolve(extra, geometry)
+    check_fit(settings.tiers, "extra_config." if "tiers" in extra else f"{extra.get('chain')}: ")
     slowest = max(float(t.job_timeout) for t in settings.tiers)
     report = CheckReport(
         namespace=settings.namespace,
@@ -182,6 +187,16 @@ def check(value: str, model: Model) -> CheckReport:
             "memory, redis, s3) a page is one block in every layout"
         )
     return report
+
+
+def check_fit(tiers: Sequence[TierConfig], where: str) -> None:
+    """The checks `tierkv validate` makes against this machine: every disk tier
+    against the filesystem under its path (several on one filesystem together), a
+    memory tier against the machine's memory. Paths are named as written (`where` is
+    what comes before `tiers[i]`). SGLang's host pool is the primary: not checked."""
+    problems = fit_problems(None, list(enumerate(tiers)))
+    if problems:
+        raise ConfigError([where + p for p in problems], source=SOURCE)
 
 
 def _check_loader_fields(extra: dict[str, Any]) -> None:

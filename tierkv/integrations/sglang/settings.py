@@ -185,8 +185,8 @@ def resolve(
         # the file's namespace (a tenant, say) plus the model and layout: two models
         # pointed at one chain file never read each other's pages
         default = f"{config.namespace}|{geometry.default_namespace()}"
-        if lookup is None:
-            lookup = config.lookup_timeout
+        if lookup is None and "lookup_timeout" in config.model_fields_set:
+            lookup = config.lookup_timeout  # the file's own, not the embedded cache's 50 ms
     where = "extra_config.tiers" if inline is not None else f"{chain}: tiers"
     for i, tier in enumerate(config.tiers):
         _check_policy(tier, f"{where}[{i}]")

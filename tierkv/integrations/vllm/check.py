@@ -86,10 +86,11 @@ def _problem(where: str, text: str) -> ConfigError:
 
 
 def read_config_text(value: str) -> str:
-    """The JSON itself, or the text of the file `value` names."""
+    """The JSON itself, or the text of the file `value` names (`@FILE` or a path, as
+    the SGLang and LMCache checks read it)."""
     if value.lstrip().startswith("{"):
         return value
-    path = Path(value)
+    path = Path(value[1:] if value.startswith("@") else value)
     if not path.is_file():
         raise _problem(
             "--kv-transfer-config",
