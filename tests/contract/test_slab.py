@@ -94,8 +94,12 @@ def test_a_strided_block_is_its_regions_stride_apart_without_a_copy() -> None:
 
 
 def test_a_strided_view_refuses_block_and_slots_past_its_last_whole_block() -> None:
-    view = StridedView(bytearray(1000), 64, 3, 300, "ns")  # last region ends by 1000
-    assert view.num_blocks == (1000 - 600) // 64
+    # the view keeps the buffer's whole regions (960 bytes): every slot's last region
+    # ends inside them
+    view = StridedView(bytearray(1000), 64, 3, 300, "ns")
+    assert view.num_blocks == (960 - 600) // 64
+    last = view.regions(view.num_blocks - 1)
+    assert [len(r) for r in last] == [64, 64, 64]
     with pytest.raises(IndexError):
         view.regions(view.num_blocks)
     with pytest.raises(TypeError, match="accepts_regions"):

@@ -202,14 +202,17 @@ class StridedView(PrimaryView):
         if whole.format != "B" or whole.ndim != 1:
             whole = whole.cast("B")
         span = (region_count - 1) * stride  # from a block's first region to its last
-        usable = (whole.nbytes - span) // region_bytes * region_bytes
+        # slots count in the whole regions of the buffer (what the slab keeps below), so
+        # that each slot's last region ends inside it
+        kept = whole.nbytes - whole.nbytes % region_bytes
+        usable = (kept - span) // region_bytes * region_bytes
         if usable <= 0:
             raise ValueError(
                 f"a buffer of {whole.nbytes} bytes holds no block of {region_count} regions "
                 f"of {region_bytes} bytes {stride} bytes apart"
             )
         # every check of a plain slab, over the whole regions of the buffer
-        whole = whole[: whole.nbytes - whole.nbytes % region_bytes]
+        whole = whole[:kept]
         super().__init__(whole, region_bytes, namespace)
         self._region_bytes = region_bytes
         self._region_count = region_count
