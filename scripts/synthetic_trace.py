@@ -1,4 +1,4 @@
-"""Write a synthetic request trace in the Mooncake JSONL format, for checking that a
+"""Write a synthetic request trace in the Mooncake JSONL format, to check that a
 caching policy does no harm on workloads unlike the Mooncake trace.
 
     .venv/bin/python scripts/synthetic_trace.py chat /tmp/chat.jsonl
@@ -6,14 +6,19 @@ caching policy does no harm on workloads unlike the Mooncake trace.
     .venv/bin/python scripts/synthetic_trace.py conversations /tmp/conv.jsonl [--sessions N ...]
     .venv/bin/tierkv bench trace /tmp/chat.jsonl
 
-`chat`: conversations with a shared system prompt, every turn re-sends the whole
-conversation plus a new message (each turn's blocks are read exactly once more, by
-the next turn), users interleaved at random. `oneshot`: 70 % prompts never seen again,
-30 % one of a few shared documents plus a question. Poisson arrivals (`--rate` per s).
-`conversations`: sessions of several turns with documented, tested parameters
-(`tierkv.trace.conversations`; `conversations -h` lists them).
-"""
+kinds:
+  chat           conversations with a shared system prompt; every turn re-sends the
+                 whole conversation plus a new message (each turn's blocks are read
+                 exactly once more, by the next turn), users interleaved at random
+                 (--users, --turns)
+  oneshot        70 % prompts never seen again, 30 % one of a few shared documents
+                 plus a question (--requests)
+  conversations  sessions of several turns with documented, tested parameters
+                 (tierkv.trace.conversations): `synthetic_trace.py conversations -h`
+                 lists its own options (--sessions, --turns, --concurrent, ...)
 
+Arrivals are Poisson (--rate per second); the same --seed writes the same file.
+"""
 from __future__ import annotations
 
 import argparse
@@ -58,15 +63,25 @@ def oneshot(rng: random.Random, requests: int) -> list[list[int]]:
 def main() -> None:
     if sys.argv[1:2] == ["conversations"]:
         sys.exit(conversations.main(sys.argv[2:]))
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kind", choices=["chat", "oneshot"])
-    parser.add_argument("output", type=Path)
-    parser.add_argument("--users", type=int, default=200)
-    parser.add_argument("--turns", type=int, default=8)
-    parser.add_argument("--requests", type=int, default=3000)
-    parser.add_argument("--rate", type=float, default=4.0, help="arrivals per second")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(
+        prog="synthetic_trace.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "kind",
+        choices=["chat", "oneshot", "conversations"],
+        help="the workload (above); conversations takes its own options",
+    )
+    parser.add_argument("output", type=Path, help="the JSONL file to write")
+    parser.add_argument("--users", type=int, default=200, help="chat: users (200)")
+    parser.add_argument("--turns", type=int, default=8, help="chat: turns per user (8)")
+    parser.add_argument("--requests", type=int, default=3000, help="oneshot: requests (3000)")
+    parser.add_argument("--rate", type=float, default=4.0, help="arrivals per second (4.0)")
+    parser.add_argument("--seed", type=int, default=0, help="the same seed, the same file (0)")
     args = parser.parse_args()
+    if args.kind == "conversations":  # reached only with options before the kind
+        parser.error("conversations comes first: synthetic_trace.py conversations OUT [options]")
     rng = random.Random(args.seed)
     prompts = (
         chat(rng, args.users, args.turns) if args.kind == "chat" else oneshot(rng, args.requests)

@@ -131,3 +131,30 @@ def test_the_readme_chain_is_a_valid_config(doc_block: Callable[..., str]) -> No
 def test_the_readme_is_a_guide_that_fits_a_scroll() -> None:
     """At most ~400 lines: the rest is the manual's (docs/)."""
     assert README.read_text().count("\n") <= 400
+
+
+@pytest.mark.parametrize("page", ["docs/sglang.md", "docs/lmcache.md"])
+def test_the_engine_pages_are_guides_not_logs(page: str) -> None:
+    """At most 200 lines each: today's figures and their command; the runs before them
+    are in docs/bench-log.md (issue 53)."""
+    text = (ROOT / page).read_text()
+    assert text.count("\n") <= 200
+    assert "Earlier measurements" not in text and "Earlier figures" not in text
+    assert "bench-log.md" in text
+
+
+def test_the_synthetic_trace_help_says_every_kind() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "synthetic_trace.py"), "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for kind in ("chat", "oneshot", "conversations"):
+        assert f"  {kind} " in out, f"{kind} is not described in --help"
+    assert "{chat,oneshot,conversations}" in out
+    description = out.split("\n\n")[1]
+    assert description.rstrip().endswith("."), "the description stops mid-sentence"

@@ -10,10 +10,12 @@ import itertools
 import json
 import logging
 import random
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, ClassVar
 
 import anyio
@@ -22,6 +24,7 @@ from aiobotocore.session import AioSession  # type: ignore[import-untyped]
 from pydantic import ValidationError
 from s3fs import S3FileSystem  # type: ignore[import-untyped]
 from tierkv_s3 import S3Tier, S3TierConfig
+from tierkv_s3 import tier as s3_tier_module
 from tierkv_s3.testing import Fault, FaultProxy, MotoServer
 
 from tierkv.contract.errors import ConfigError, TierUnavailable
@@ -244,6 +247,65 @@ async def test_credentials_come_from_the_standard_chain_when_not_configured(
         assert (await tier.store(job(keys, range(2)))).ok
         assert (await tier.load(job(keys, [2, 3]))).ok
         assert [bytes(view.block(2)), bytes(view.block(3))] == [data[0], data[1]]
+
+
+@pytest.fixture
+def no_aws_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No credentials anywhere in the AWS chain, and fresh botocore sessions (a shared
+    one keeps the credentials an earlier test's environment gave it)."""
+    for name in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_PROFILE",
+        "AWS_DEFAULT_PROFILE",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setattr(s3_tier_module, "_SESSIONS", {})
+    monkeypatch.setattr(s3_tier_module, "_SYNC_SESSIONS", {})
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.usefixtures("no_aws_credentials")
+async def test_no_credentials_and_an_unreachable_endpoint_are_both_named() -> None:
+    """Botocore raises NoCredentialsError before it sends anything: the tier probes the
+    endpoint, so a user is not sent after credentials while nothing listens there."""
+    url = f"http://127.0.0.1:{_closed_port()}"
+    config = S3TierConfig(url=f"s3://{BUCKET}/p", endpoint_url=url, retries=0)
+    started = time.monotonic()
+    with pytest.raises(TierUnavailable) as err:
+        await S3Tier(config, make_primary().view).open()
+    assert time.monotonic() - started < 5
+    message = str(err.value)
+    assert f"S3 at {url} is unreachable" in message
+    assert "Connection refused" in message
+    assert "no credentials were found (default AWS chain: NoCredentialsError" in message
+    assert "AWS_ACCESS_KEY_ID" in message and "`endpoint_url`" in message
+
+
+@pytest.mark.usefixtures("no_aws_credentials")
+async def test_no_credentials_at_an_endpoint_that_answers_says_so(
+    moto_server: MotoServer,
+) -> None:
+    endpoint = moto_server.endpoint_url
+    config = S3TierConfig(url=f"s3://{BUCKET}/p", endpoint_url=endpoint, retries=0)
+    with pytest.raises(TierUnavailable) as err:
+        await S3Tier(config, make_primary().view).open()
+    message = str(err.value)
+    assert message.startswith(f"no credentials for S3 bucket {BUCKET!r} at {endpoint} (it answers")
+    assert "unreachable" not in message
+    assert "`access_key_id` and `secret_access_key`, a `profile`" in message
 
 
 # -- untrusted objects, namespaces, deletion, the existence cache -------------------

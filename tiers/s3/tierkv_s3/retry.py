@@ -21,20 +21,25 @@ import anyio
 from botocore.exceptions import (  # type: ignore[import-untyped]
     ClientError,
     ConnectTimeoutError,
+    CredentialRetrievalError,
     EndpointConnectionError,
     HTTPClientError,
+    NoCredentialsError,
+    PartialCredentialsError,
     ReadTimeoutError,
 )
 
 T = TypeVar("T")
 
-Kind = Literal["missing", "no_bucket", "denied", "retry", "unreachable", "fatal"]
+Kind = Literal["missing", "no_bucket", "denied", "no_credentials", "retry", "unreachable", "fatal"]
 """missing: no such object. no_bucket: the bucket is gone. denied: credentials or
-policy refuse. retry: throttled, 5xx, timed out, connection lost. unreachable: no
-connection could be made. fatal: anything else (a bug, a bad request)."""
+policy refuse. no_credentials: the client found no credentials to sign with (botocore
+says so before it sends anything, so nothing is known about the endpoint then).
+retry: throttled, 5xx, timed out, connection lost. unreachable: no connection could be
+made. fatal: anything else (a bug, a bad request)."""
 
 RETRYABLE: frozenset[Kind] = frozenset({"retry", "unreachable"})
-JOB_WIDE: frozenset[Kind] = frozenset({"unreachable", "no_bucket", "denied"})
+JOB_WIDE: frozenset[Kind] = frozenset({"unreachable", "no_bucket", "denied", "no_credentials"})
 """Kinds that will fail every other key of the job the same way."""
 
 _THROTTLE_CODES = frozenset(
@@ -91,6 +96,8 @@ def classify(exc: BaseException) -> tuple[Kind, str]:
         if status in _DENIED_STATUS or code in ("AccessDenied", "InvalidAccessKeyId"):
             return "denied", text
         return "fatal", text
+    if isinstance(exc, (NoCredentialsError, PartialCredentialsError, CredentialRetrievalError)):
+        return "no_credentials", f"{type(exc).__name__}: {exc}"
     if isinstance(exc, (EndpointConnectionError, ConnectTimeoutError, ConnectionRefusedError)):
         return "unreachable", f"{type(exc).__name__}: {exc}"
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError, ReadTimeoutError)):

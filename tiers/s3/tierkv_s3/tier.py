@@ -38,12 +38,14 @@ block deleted behind the tier's back is reported absent from then on.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import anyio
 import botocore.session  # type: ignore[import-untyped]
@@ -113,6 +115,35 @@ def _shared_sync_session(profile: str | None) -> Any:
         if session is None:
             session = _SYNC_SESSIONS[profile] = botocore.session.Session(profile=profile)
         return session
+
+
+_PROBE_TIMEOUT = 5.0
+"""At most this long (or `request_timeout`, if shorter) to learn whether an endpoint
+answers, when the client has no credentials to ask it anything."""
+
+
+async def probe_endpoint(url: str, timeout: float) -> str | None:
+    """None when a TCP connection to `url`'s host and port is made within `timeout`;
+    else why not. Botocore refuses to send a request it cannot sign, so without
+    credentials this is the only way to tell an unreachable endpoint apart."""
+    parts = urlsplit(url)
+    host = parts.hostname
+    if not host:
+        return None  # nothing to probe: say nothing about it
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with anyio.fail_after(timeout):
+            stream = await anyio.connect_tcp(host, port)
+    except TimeoutError:
+        return f"no answer from {host}:{port} within {timeout:g}s"
+    except OSError as exc:
+        cause = exc.__cause__  # anyio's "All connection attempts failed" wraps the last one
+        reason = cause if isinstance(cause, OSError) else exc
+        code = reason.errno if isinstance(reason.errno, int) and reason.errno > 0 else 0
+        why = os.strerror(code) if code else reason.strerror or reason
+        return f"cannot connect to {host}:{port}: {why}"
+    await stream.aclose()
+    return None
 
 
 class JobEnded(Exception):
@@ -222,8 +253,9 @@ class S3Tier(SecondaryTierManager):
 
     async def open(self) -> None:
         """Connect and check the bucket exists. Raises TierUnavailable, naming the
-        bucket and endpoint, when it does not, access is denied or the endpoint is
-        unreachable; the tier may be opened again later."""
+        bucket and endpoint, when it does not, access is denied, the endpoint is
+        unreachable, or no credentials are found (saying whether the endpoint answers
+        too); the tier may be opened again later."""
         if self._fs is not None:
             return
         self._inflight.closing = False
@@ -246,6 +278,8 @@ class S3Tier(SecondaryTierManager):
                     f"S3 bucket {bucket!r} does not exist at {self._endpoint}; "
                     "create it or fix the tier's `url`"
                 ) from None
+            if failure.kind == "no_credentials":
+                raise TierUnavailable(await self._no_credentials(client, str(failure))) from None
             if failure.kind == "denied":
                 raise TierUnavailable(
                     f"access to S3 bucket {bucket!r} at {self._endpoint} was denied "
@@ -263,6 +297,30 @@ class S3Tier(SecondaryTierManager):
         self._threads = IOThreads(self.config.max_concurrency, f"tierkv-{self.name}")
         self._gate = anyio.Semaphore(self.config.max_concurrency)
         logger.info("s3 tier open: %r", self)
+
+    async def _no_credentials(self, client: Any, failure: str) -> str:
+        """What to say when the client found no credentials: whether the endpoint
+        answers too (an unreachable one is named first: fixing the credentials alone
+        would not do), and where credentials may come from."""
+        source = self.config.credential_source
+        _, _, why = failure.partition(": ")  # "bucket 'b': NoCredentialsError: ..."
+        fix = (
+            "give the tier credentials: `access_key_id` and `secret_access_key`, a "
+            "`profile`, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment"
+        )
+        url = str(getattr(getattr(client, "meta", None), "endpoint_url", "") or "")
+        timeout = min(self.config.request_timeout, _PROBE_TIMEOUT)
+        unreachable = await probe_endpoint(url, timeout) if url else None
+        if unreachable is not None:
+            return (
+                f"S3 at {self._endpoint} is unreachable ({unreachable}) and no credentials "
+                f"were found ({source}: {why or failure}): check the network, `endpoint_url` "
+                f"and that the S3 service runs there, and {fix}"
+            )
+        return (
+            f"no credentials for S3 bucket {self._names.bucket!r} at {self._endpoint} "
+            f"(it answers; {source}: {why or failure}): {fix}"
+        )
 
     async def close(self) -> None:
         await self._inflight.drain()
