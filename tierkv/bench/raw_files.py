@@ -5,6 +5,8 @@ read the disk, not the page cache, on a load (`drop_page_cache`)."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -158,3 +160,55 @@ class RawBlockFiles(RawFile):
         await self.cleanup(self.written)
         with contextlib.suppress(OSError):
             self.blocks_dir.rmdir()
+
+
+class NativeReference:
+    """The native reference row: the same number of block files written and read by
+    plain C (open + pwrite|pread + close each, no frame, no checksum) on `threads`
+    threads, in a directory beside the tier's, read cold as the tier's loads are.
+    The loop is the nvme tier's compiled core's (`tierkv_nvme.reference`), imported by
+    name so the core bench needs no plugin; `reason` says why there is no row when
+    the plugin or its core is missing."""
+
+    def __init__(self, tier: Any, block_bytes: int, threads: int) -> None:  # NvmeTierConfig
+        self.block_bytes = block_bytes
+        self.threads = threads
+        self.fsync = getattr(tier, "fsync", "always") == "always"
+        self.directory = Path(str(tier.path)) / f".tierkv-bench-native-{os.getpid()}"
+        sync = "/fdatasync" if self.fsync else ""
+        self.description = (
+            f"plain C, one file per block: open/pwrite{sync}/close and open/pread/close, "
+            f"{threads} threads, no frame or checksum (the nvme core's reference loop)"
+        )
+        self.reason = ""
+        try:
+            module = importlib.import_module("tierkv_nvme.reference")
+        except ImportError as exc:
+            self._run = None
+            self.reason = f"the nvme tier's package is not importable ({exc})"
+            return
+        ready, why = module.available()
+        self._run = module.run_reference if ready else None
+        if not ready:
+            self.reason = why
+
+    @property
+    def available(self) -> bool:
+        return self._run is not None
+
+    async def run(self, blocks: int) -> tuple[tuple[float, float], tuple[float, float]]:
+        """((write seconds, CPU seconds), (read seconds, CPU seconds)) of `blocks` files."""
+        assert self._run is not None, self.reason
+        write, read = await anyio.to_thread.run_sync(
+            functools.partial(
+                self._run,
+                self.directory,
+                blocks,
+                self.block_bytes,
+                self.threads,
+                cold=True,
+                fsync=self.fsync,
+            )
+        )
+        return (write.seconds, write.cpu_seconds), (read.seconds, read.cpu_seconds)
+

@@ -18,7 +18,7 @@ import torch
 from tierkv.bench.chain import bench_chain, bench_keys, empty_primary, written_through
 from tierkv.bench.options import BenchFailure, BenchOptions
 from tierkv.bench.raw import RawMedium
-from tierkv.bench.raw_files import RawBlockFiles, RawFile
+from tierkv.bench.raw_files import NativeReference, RawBlockFiles, RawFile
 from tierkv.blocks import HostBlocks
 from tierkv.cache import TieredCache
 from tierkv.config import CacheConfig
@@ -70,6 +70,7 @@ async def bench_streaming(
         torch.randint(0, 256, (n, block), dtype=torch.uint8, generator=gen),
         raw=RawBlockFiles(tier, block),  # the baseline of the ratios: a file per block
         one_file=RawFile(tier, block),  # for reference: the same bytes in one big file
+        native=NativeReference(tier, block, min(2, _cpus())),  # the same files in C
     )
     await run.raw.open()
     await run.one_file.open()
@@ -78,6 +79,9 @@ async def bench_streaming(
             for label, medium in (("raw", run.raw), ("one_file", run.one_file)):
                 progress(f"streaming: repetition {rep + 1}/{options.repeat}, {label}")
                 await run.raw_pass(label, medium)
+            if run.native.available:
+                progress(f"streaming: repetition {rep + 1}/{options.repeat}, native reference")
+                await run.native_pass()
             progress(f"streaming: repetition {rep + 1}/{options.repeat}, tierkv")
             keys = bench_keys(n, f"s{rep}-{run_tag}")
             async with TieredCache(config) as cache:
@@ -96,6 +100,8 @@ _MEASURED = (
     "raw_load",
     "one_file_store",
     "one_file_load",
+    "native_store",
+    "native_load",
     "stage1",
     "stage2",
 )
@@ -112,6 +118,7 @@ class _StreamingRun:
     data: torch.Tensor
     raw: RawBlockFiles
     one_file: RawFile
+    native: NativeReference
     times: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in _MEASURED})
     cpu: dict[str, list[float]] = field(
         default_factory=lambda: {k: [] for k in _MEASURED if not k.startswith("stage")}
@@ -150,6 +157,14 @@ class _StreamingRun:
             raise BenchFailure(f"streaming ({label}): blocks read back differ")
         self.out.zero_()
         await medium.cleanup(n)
+
+    async def native_pass(self) -> None:
+        """The native reference: the same number of files of the same size, plain C."""
+        (ws, wc), (rs, rc) = await self.native.run(self.blocks)
+        self.times["native_store"].append(ws)
+        self.cpu["native_store"].append(wc)
+        self.times["native_load"].append(rs)
+        self.cpu["native_load"].append(rc)
 
     async def tierkv_pass(self, cache: TieredCache, keys: list[OffloadKey]) -> None:
         """Store the request with one `store` call (and the flush that writes it
@@ -208,9 +223,20 @@ class _StreamingRun:
         """The medians (and spreads) of every measurement, rates and ratios."""
         n = self.blocks
         times, cpu = self.times, self.cpu
-        med = {k: statistics.median(v) for k, v in times.items()}
+        med = {k: statistics.median(v) for k, v in times.items() if v}
         nbytes = n * self.block_bytes
+        native: dict[str, Any] = {"native_baseline": self.native.description}
+        if "native_store" in med:
+            native |= {
+                "native_store_MBps": nbytes / med["native_store"] / 1e6,
+                "native_load_MBps": nbytes / med["native_load"] / 1e6,
+                "native_store_ratio": med["native_store"] / med["store"],
+                "native_load_ratio": med["native_load"] / med["load"],
+            }
+        else:
+            native["native_missing"] = self.native.reason
         return {
+            **native,
             "request_bytes": nbytes,
             "primary_bytes": primary_bytes,
             "blocks": n,
@@ -218,10 +244,14 @@ class _StreamingRun:
             "baseline": self.raw.description,
             "one_file_baseline": self.one_file.description,
             **{f"{k}_seconds": v for k, v in med.items()},
-            **{f"{k}_spread_seconds": [min(v), max(v)] for k, v in times.items()},
+            **{f"{k}_spread_seconds": [min(v), max(v)] for k, v in times.items() if v},
             # CPU seconds of this process (all threads) per block: steadier than wall
             # time on a shared machine, and what a busy server pays
-            **{f"{k}_cpu_us_per_block": statistics.median(v) / n * 1e6 for k, v in cpu.items()},
+            **{
+                f"{k}_cpu_us_per_block": statistics.median(v) / n * 1e6
+                for k, v in cpu.items()
+                if v
+            },
             "store_MBps": nbytes / med["store"] / 1e6,
             "load_MBps": nbytes / med["load"] / 1e6,
             "raw_store_MBps": nbytes / med["raw_store"] / 1e6,
@@ -234,3 +264,12 @@ class _StreamingRun:
             "one_file_load_ratio": med["one_file_load"] / med["load"],
             "promotion_vs_slower_stage": med["load"] / max(med["stage1"], med["stage2"]),
         }
+
+
+def _cpus() -> int:
+    """CPUs this process may run on (the reference's threads: at most 2 by default)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+

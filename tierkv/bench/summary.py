@@ -153,10 +153,21 @@ def _streaming(stream: dict[str, Any]) -> list[Block]:
         f"alone {stream['stage2_seconds'] * 1e3:,.0f} ms: "
         f"{stream['promotion_vs_slower_stage']:.2f}x the slower stage"
     )
+    if "native_store_MBps" in stream:
+        native = (
+            f"  native reference = {stream['native_baseline']}: store "
+            f"{rate('native_store')} MB/s, load {rate('native_load')} MB/s; tierkv is "
+            f"{stream['native_store_ratio']:.2f}x / {stream['native_load_ratio']:.2f}x of it; "
+            f"CPU us/block {stream['native_store_cpu_us_per_block']:,.0f} / "
+            f"{stream['native_load_cpu_us_per_block']:,.0f}"
+        )
+    else:
+        native = f"  native reference: none ({stream.get('native_missing', 'not run')})"
     return [
         table,
         f"  raw = {stream['baseline']}",
         f"  one-file = {stream['one_file_baseline']} (one file, for reference)",
+        native,
         promotion,
     ]
 

@@ -988,7 +988,7 @@ static PyObject *py_read_batch(PyObject *self, PyObject *args) {
 typedef struct {
     int dir_fd;
     long blocks, block_bytes;
-    int writes, threads;
+    int writes, threads, fsync;
     atomic_long next;
     atomic_int failed;
 } Reference;
@@ -1015,6 +1015,8 @@ static void *reference_worker(void *arg) {
                                  : pread(fd, buf, (size_t)r->block_bytes, 0);
         if (done != r->block_bytes)
             atomic_store(&r->failed, done < 0 ? errno : EIO);
+        else if (r->writes && r->fsync && fdatasync(fd) != 0)
+            atomic_store(&r->failed, errno);
         close(fd);
     }
     free(buf);
@@ -1028,16 +1030,18 @@ static double seconds_now(clockid_t clock) {
 }
 
 PyDoc_STRVAR(reference_doc,
-"reference(op, dir_fd, blocks, block_bytes, threads) -> (seconds, cpu_seconds)\n\n"
+"reference(op, dir_fd, blocks, block_bytes, threads, fsync=False) -> (seconds, cpu_seconds)\n\n"
 "The native reference: op 'write' or 'read' of `blocks` files of `block_bytes` under\n"
 "dir_fd as xx/<i>.blk (the fan-out directories must exist), one open + pwrite|pread +\n"
-"close per file, no frame or checksum, on `threads` threads, GIL released. Wall and\n"
+"close per file (fdatasync before close with fsync), no frame or checksum, on\n"
+"`threads` threads, GIL released. Wall and\n"
 "process CPU seconds. OSError on the first failure.");
 
 static PyObject *py_reference(PyObject *self, PyObject *args) {
     const char *op;
     Reference r = {0};
-    if (!PyArg_ParseTuple(args, "silli", &op, &r.dir_fd, &r.blocks, &r.block_bytes, &r.threads))
+    if (!PyArg_ParseTuple(args, "silli|p", &op, &r.dir_fd, &r.blocks, &r.block_bytes, &r.threads,
+                          &r.fsync))
         return NULL;
     if ((strcmp(op, "write") && strcmp(op, "read")) || r.blocks < 0 || r.block_bytes <= 0) {
         PyErr_SetString(PyExc_ValueError, "op 'write' or 'read', blocks >= 0, block_bytes > 0");

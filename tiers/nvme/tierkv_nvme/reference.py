@@ -66,12 +66,19 @@ def drop_cached(directory: Path, blocks: int) -> None:
 
 
 def run_reference(
-    directory: Path, blocks: int, block_bytes: int, threads: int, *, cold: bool = False
+    directory: Path,
+    blocks: int,
+    block_bytes: int,
+    threads: int,
+    *,
+    cold: bool = False,
+    fsync: bool = False,
 ) -> tuple[ReferenceRun, ReferenceRun]:
     """Write then read `blocks` files of `block_bytes` under `directory` (made, then
-    removed with everything in it) on `threads` threads: (write, read). With `cold`,
-    the files leave the page cache between the two. Raises RuntimeError without the
-    core, OSError from the filesystem."""
+    removed with everything in it) on `threads` threads: (write, read). With `fsync`,
+    each file is fdatasync'ed before it is closed (as a tier with `fsync: always`
+    does); with `cold`, the files leave the page cache between the write and the
+    read. Raises RuntimeError without the core, OSError from the filesystem."""
     core = native._core
     if core is None:
         raise RuntimeError(native.reason)
@@ -86,7 +93,7 @@ def run_reference(
                 blocks,
                 block_bytes,
                 threads,
-                *core.reference("write", fd, blocks, block_bytes, threads),
+                *core.reference("write", fd, blocks, block_bytes, threads, fsync),
             )
             if cold:
                 drop_cached(directory, blocks)
