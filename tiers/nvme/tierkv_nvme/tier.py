@@ -212,6 +212,7 @@ class NvmeTier(SecondaryTierManager):
         self._inflight = InFlightJobs(self.name)
         self._fs_block = DEFAULT_FS_BLOCK
         self._footprints: dict[int, int] = {}  # key length -> disk bytes (`footprint`)
+        self._calls = 0  # block-I/O thread calls in flight (`_core_threads`)
         self._block_footprint = 0  # the last block stored (`room` counts in it)
         self._lock_fd: int | None = None
         self._root_fd = -1  # the namespace directory, opened without following links
@@ -759,6 +760,7 @@ class NvmeTier(SecondaryTierManager):
                         self._reserved += footprint
                         writes.append((key, slot, footprint))
                 generation = self._generation
+                self._calls += 1
                 try:
                     outcomes = await in_thread(
                         self._write_files,
@@ -769,6 +771,7 @@ class NvmeTier(SecondaryTierManager):
                         shield=True,
                     )
                 finally:
+                    self._calls -= 1
                     self._reserved -= sum(footprint for _, _, footprint in writes)
                     self._finish_deleting(victims)
                     self.report_removed(victims)
@@ -806,7 +809,14 @@ class NvmeTier(SecondaryTierManager):
             lanes = self._lanes
             if lanes is not None and native.batch_keys(keys):
                 return native.write_batch(
-                    self._root_fd, keys, slots, self.primary, lanes, self.framer, fsync=fsync
+                    self._root_fd,
+                    keys,
+                    slots,
+                    self.primary,
+                    lanes,
+                    self.framer,
+                    fsync=fsync,
+                    threads=self._core_threads(len(keys)),
                 )
             slot_payload = self.primary.payload
             items = [(self.rel_of(k), k, slot_payload(s)) for k, s in zip(keys, slots)]
@@ -890,9 +900,18 @@ class NvmeTier(SecondaryTierManager):
             return failed
         try:
             async with self._io_slots:
-                outcomes = await in_thread(
-                    self._read_files, keys, slots, bytes(touch), limiter=self._threads, shield=True
-                )
+                self._calls += 1
+                try:
+                    outcomes = await in_thread(
+                        self._read_files,
+                        keys,
+                        slots,
+                        bytes(touch),
+                        limiter=self._threads,
+                        shield=True,
+                    )
+                finally:
+                    self._calls -= 1
         finally:
             self._unpin(keys)
         unreadable: list[OffloadKey] = []
@@ -950,7 +969,14 @@ class NvmeTier(SecondaryTierManager):
         lanes = self._lanes
         if lanes is not None and native.batch_keys(keys):
             return native.read_batch(
-                self._root_fd, keys, slots, self.primary, lanes, touch, self.framer
+                self._root_fd,
+                keys,
+                slots,
+                self.primary,
+                lanes,
+                touch,
+                self.framer,
+                threads=self._core_threads(len(keys)),
             )
         payload = self.primary.payload
         items = [
@@ -959,6 +985,15 @@ class NvmeTier(SecondaryTierManager):
         read = native.read_blocks if self._io_engine == "native" else blockfile.read_blocks
         with self._dirs.leaves() as leaves:
             return read(leaves, items, self.framer, self.primary.placement)
+
+    def _core_threads(self, blocks: int) -> int:
+        """Threads of the core for one call of `blocks` blocks: one while other calls
+        run beside it (they are the parallelism already; more threads than CPUs only
+        switch), else `native.default_threads`. On the 2-core dev VM, 4 jobs of 128
+        blocks at once (benchmarks/nvme_engines.py, 3 interleaved pairs, tmpfs), CPU
+        per block with / without: 64 KiB stores 50-64 / 65-69 us, loads 28-32 / 32-34;
+        16 KiB within the noise (stores 29-33 / 27-39, loads 15-16 / 14-18)."""
+        return 1 if self._calls > 1 else native.default_threads(blocks)
 
     def _describe_error(self, error: Exception, action: str, key: OffloadKey) -> str:
         if isinstance(error, CorruptBlock):
