@@ -25,7 +25,7 @@ from tierkv.config import CacheConfig
 from tierkv.config.machine import nearest_existing
 from tierkv.contract.errors import TierUnavailable
 from tierkv.contract.tier import TierConfig
-from tierkv.demo.scratch import path_fields
+from tierkv.demo.scratch import path_fields, with_paths
 
 PREFIX = ".tierkv-bench-"
 MEASURES = "tierkv bench measures the tier's disk"
@@ -63,13 +63,12 @@ def in_bench_scratch(config: CacheConfig) -> Iterator[CacheConfig]:
     try:
         tiers: list[TierConfig] = []
         for name, tier in zip(config.tier_names(), config.tiers):
-            update: dict[str, object] = {}
-            for field, old in path_fields(tier).items():
+            moved: dict[str, Path] = {}
+            for field, old in path_fields(tier).items():  # `path`, or `paths[i]` each
                 scratch = make_scratch(name, field, old, MEASURES)
                 made.append(scratch)
-                new = scratch / (old.name or field)
-                update[field] = new if isinstance(getattr(tier, field), os.PathLike) else str(new)
-            tiers.append(tier.model_copy(update=update) if update else tier)
+                moved[field] = scratch / (old.name or field)
+            tiers.append(with_paths(tier, moved) if moved else tier)
         yield config.model_copy(update={"tiers": tiers})
     finally:
         for scratch in made:

@@ -1,11 +1,13 @@
 """Checks across the tiers of a chain, run on the tiers whose sections validated:
-names unique and not the primary's, no two tiers in one directory."""
+names unique and not the primary's, no two tiers in one directory (every directory
+of a tier with several counts)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+from tierkv.config.machine import tier_directories
 from tierkv.config.model import PRIMARY_NAME, tier_names
 from tierkv.contract.tier import TierConfig
 
@@ -32,21 +34,28 @@ def name_problems(tiers: list[tuple[int, TierConfig]]) -> list[str]:
 
 def path_problems(tiers: list[tuple[int, TierConfig]]) -> list[str]:
     """Two tiers that keep files may not share a directory (or nest one in another):
-    each would take the other's files for its own."""
-    seen: list[tuple[int, Path]] = []
+    each would take the other's files for its own. Every directory of a tier counts:
+    its `path`, or each entry of its `paths` (a tier striped over several drives;
+    that its own entries are distinct is its config's check)."""
+    seen: list[tuple[int, str, Path]] = []
     problems = []
     for i, config in tiers:
-        raw = getattr(config, "path", None)
-        if not isinstance(raw, (str, os.PathLike)):
-            continue
-        path = Path(os.path.abspath(os.path.expanduser(os.fspath(raw))))
-        for j, other in seen:
-            if path == other:
-                problems.append(f"tiers[{i}].path: {str(path)!r} is also the path of tiers[{j}]")
-            elif other in path.parents or path in other.parents:
-                problems.append(
-                    f"tiers[{i}].path: {str(path)!r} and tiers[{j}].path {str(other)!r} "
-                    "nest; give each tier a directory of its own"
-                )
-        seen.append((i, path))
+        mine = [(label, Path(os.path.abspath(path))) for label, path in tier_directories(config)]
+        for label, path in mine:
+            for j, other_label, other in seen:
+                if path == other:
+                    problems.append(
+                        f"tiers[{i}].{label}: {str(path)!r} is also "
+                        + (
+                            f"the path of tiers[{j}]"
+                            if other_label == "path"
+                            else f"tiers[{j}].{other_label}"
+                        )
+                    )
+                elif other in path.parents or path in other.parents:
+                    problems.append(
+                        f"tiers[{i}].{label}: {str(path)!r} and tiers[{j}].{other_label} "
+                        f"{str(other)!r} nest; give each tier a directory of its own"
+                    )
+        seen += [(i, label, path) for label, path in mine]
     return problems

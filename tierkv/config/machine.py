@@ -51,6 +51,24 @@ def filesystem_size(path: Path) -> tuple[int, int] | None:
     return st.f_blocks * st.f_frsize, device
 
 
+def tier_directories(tier: TierConfig) -> list[tuple[str, Path]]:
+    """The directories (or files) a tier keeps its data in, each with the YAML field
+    that names it: every entry of a list field `paths` (`paths[0]`, `paths[1]`, ...;
+    nvme's drives, for a tier striped over several) when the tier has one, else its
+    field `path`; none for a tier with neither. `~` is expanded."""
+    many = getattr(tier, "paths", None)
+    if (
+        isinstance(many, (list, tuple))
+        and many
+        and all(isinstance(p, (str, os.PathLike)) for p in many)
+    ):
+        return [(f"paths[{k}]", Path(os.path.expanduser(os.fspath(p)))) for k, p in enumerate(many)]
+    one = getattr(tier, "path", None)
+    if isinstance(one, (str, os.PathLike)):
+        return [("path", Path(os.path.expanduser(os.fspath(one))))]
+    return []
+
+
 def _human(n: int) -> str:
     """Approximate above a MiB (`1.5GiB`), exact below (`512KiB`)."""
     return approx_size(n) if n >= 2**20 else format_size(n)
@@ -61,7 +79,9 @@ def machine_problems(config: CacheConfig, *, memory: int | None = None) -> list[
     the primary (and in-process memory tiers) against physical memory, every tier with
     a `path` and a `capacity` against the size of the filesystem under that path (the
     nearest existing parent when the path does not exist yet), several such tiers on
-    one filesystem against it together."""
+    one filesystem against it together. A tier with `paths` (several directories, one
+    per drive) puts an even share of its capacity in each: each filesystem is checked
+    against the shares of the directories on it (`tier_directories`)."""
     return fit_problems(int(config.primary.capacity), list(enumerate(config.tiers)), memory=memory)
 
 
@@ -91,28 +111,50 @@ def fit_problems(
                     f"tiers[{i}].capacity: {format_size(int(capacity))} is more than this "
                     f"machine's memory ({_human(memory)})"
                 )
-    # per filesystem: (tier index, capacity) of each tier on it, and its size
-    on_device: dict[int, tuple[list[tuple[int, int]], int]] = {}
+    # per filesystem: (tier index, its paths, of them on this filesystem, bytes) of
+    # each tier with files on it, and its size
+    on_device: dict[int, tuple[list[tuple[int, int, int, int]], int]] = {}
     for i, tier in tiers:
-        path, capacity = getattr(tier, "path", None), getattr(tier, "capacity", None)
-        if tier.type == "memory" or not isinstance(path, (str, os.PathLike)) or not capacity:
+        capacity = getattr(tier, "capacity", None)
+        directories = tier_directories(tier)
+        if tier.type == "memory" or not directories or not capacity:
             continue
-        found = filesystem_size(Path(path))
-        if found is None:
-            continue
-        size, device = found
-        if int(capacity) > size:
-            problems.append(
-                f"tiers[{i}].capacity: {format_size(int(capacity))} is more than the "
-                f"filesystem under {str(nearest_existing(Path(path)))!r} holds "
-                f"({_human(size)} in all)"
-            )
-        else:
-            on_device.setdefault(device, ([], size))[0].append((i, int(capacity)))
+        capacity, n = int(capacity), len(directories)
+        # a tier of several directories gives each an even share of its capacity; two
+        # of them on one filesystem share it, so their shares add up
+        found: dict[int, tuple[int, list[tuple[str, Path]]]] = {}
+        for label, path in directories:
+            fs = filesystem_size(path)
+            if fs is not None:
+                found.setdefault(fs[1], (fs[0], []))[1].append((label, path))
+        for device, (size, here) in found.items():
+            k = len(here)
+            if capacity * k > size * n:
+                where = str(nearest_existing(here[0][1]))
+                if n == 1:
+                    problems.append(
+                        f"tiers[{i}].capacity: {format_size(capacity)} is more than the "
+                        f"filesystem under {where!r} holds ({_human(size)} in all)"
+                    )
+                else:
+                    labels = " + ".join(f"tiers[{i}].{label}" for label, _ in here)
+                    share = "its share" if k == 1 else f"their {k} shares"
+                    part = capacity * k // n
+                    exact = format_size(part) if part * n == capacity * k else _human(part)
+                    problems.append(
+                        f"tiers[{i}].capacity: {format_size(capacity)} over {n} paths puts "
+                        f"{exact} in {labels} ({share}), more than the "
+                        f"filesystem under {where!r} holds ({_human(size)} in all)"
+                    )
+            else:
+                on_device.setdefault(device, ([], size))[0].append((i, n, k, capacity))
     for entries, size in on_device.values():
-        total = sum(c for _, c in entries)
+        total = sum(capacity * k // n for _, n, k, capacity in entries)
         if len(entries) > 1 and total > size:
-            names = " + ".join(f"tiers[{i}].capacity" for i, _ in entries)
+            names = " + ".join(
+                f"tiers[{i}].capacity" if k == n else f"{k}/{n} of tiers[{i}].capacity"
+                for i, n, k, _ in entries
+            )
             problems.append(
                 f"{names}: {_human(total)} together is more than their shared filesystem "
                 f"holds ({_human(size)})"

@@ -172,7 +172,7 @@ def _in_scratch(spec: dict[str, Any]) -> Iterator[dict[str, Any]]:
     import shutil
 
     from tierkv.bench.scratch import make_scratch
-    from tierkv.demo.scratch import path_fields
+    from tierkv.demo.scratch import moved_values, path_fields
 
     params = dict(spec.get("adapter_params") or {})
     settings = resolve(params)
@@ -188,7 +188,8 @@ def _in_scratch(spec: dict[str, Any]) -> Iterator[dict[str, Any]]:
         sections = []
         for name, tier, section in zip(settings.names, settings.tiers, params["tiers"]):
             section = dict(section)
-            for key, old in path_fields(tier).items():
+            moved: dict[str, Path] = {}
+            for key, old in path_fields(tier).items():  # `path`, or `paths[i]` each
                 scratch = make_scratch(
                     name,
                     key,
@@ -197,7 +198,8 @@ def _in_scratch(spec: dict[str, Any]) -> Iterator[dict[str, Any]]:
                     prefix=".tierkv-check-",
                 )
                 made.append(scratch)
-                section[key] = str(scratch / (old.name or key))
+                moved[key] = scratch / (old.name or key)
+            section.update(moved_values(section, moved))
             sections.append(section)
         yield {**spec, "adapter_params": {**params, "tiers": sections}}
     finally:
