@@ -323,6 +323,15 @@ class NvmeTier(SecondaryTierManager):
             ) from exc
         if self._io_engine == "native" and native.batch_ready(self._root_fd):
             self._lanes = self.primary.lanes
+        if self._io_engine == "native" and self._lanes is None:
+            self.data_path = "native-blocks"  # the core's per-block calls (`_write_files`)
+            logger.info(
+                "nvme tier %s: the core moves blocks one call per block (%s)",
+                self.directory,
+                "the primary's slots have no one geometry (lent slots)"
+                if native.batch_ready()
+                else "the kernel cannot open below a directory without links (openat2)",
+            )
         try:
             scan = await self._scan()
             self._rebuild(scan)
