@@ -62,7 +62,7 @@ def oneshot(rng: random.Random, requests: int) -> list[list[int]]:
 
 def main() -> None:
     if sys.argv[1:2] == ["conversations"]:
-        sys.exit(conversations.main(sys.argv[2:]))
+        sys.exit(conversations.main(sys.argv[2:], prog="synthetic_trace.py conversations"))
     parser = argparse.ArgumentParser(
         prog="synthetic_trace.py",
         description=__doc__,

@@ -158,3 +158,16 @@ def test_the_synthetic_trace_help_says_every_kind() -> None:
     assert "{chat,oneshot,conversations}" in out
     description = out.split("\n\n")[1]
     assert description.rstrip().endswith("."), "the description stops mid-sentence"
+
+
+def test_the_conversations_help_names_the_command_it_came_from() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "synthetic_trace.py"), "conversations", "-h"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.startswith("usage: synthetic_trace.py conversations ")

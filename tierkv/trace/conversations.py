@@ -180,12 +180,14 @@ HELP = {
 """`main`'s help per `ConversationSpec` field."""
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None, prog: str = "python -m tierkv.trace.conversations"
+) -> int:
     """`python -m tierkv.trace.conversations OUT [--sessions N ...]` (also
-    `scripts/synthetic_trace.py conversations OUT ...`)."""
+    `scripts/synthetic_trace.py conversations OUT ...`, which passes its own `prog`)."""
     d = ConversationSpec()
     parser = argparse.ArgumentParser(
-        prog="conversations",
+        prog=prog,
         description="Write a conversation-shaped trace (Mooncake JSONL): each turn's "
         "prompt is the whole previous conversation plus a new message.",
     )
