@@ -72,3 +72,14 @@ def test_an_unreachable_server_at_open_says_what_to_check() -> None:
     message = open_error(URL, False, RedisConnectionError("Connection refused."))
     assert message.startswith(f"redis at {URL} is unreachable: ConnectionError: Connection")
     assert "redis-server runs there" in message and "`required: false`" in message
+
+
+def test_an_unreachable_optional_server_is_not_told_to_be_optional() -> None:
+    """With `required: false` already set, the message says the cache serves without
+    it, not to set what is set (issue 53)."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from tierkv_redis.failures import open_error
+
+    message = open_error(URL, False, RedisConnectionError("refused"), required=False)
+    assert "redis-server runs there" in message
+    assert "`required: false`" not in message and "the tier is optional" in message

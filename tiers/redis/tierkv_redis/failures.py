@@ -63,8 +63,9 @@ def node_error(node: str, exc: BaseException) -> str:
     return f"redis cluster node {node} unreachable: {type(exc).__name__}: {exc}"
 
 
-def open_error(url: str, cluster: bool, exc: BaseException) -> str:
-    """Why `open()` failed, with what to check."""
+def open_error(url: str, cluster: bool, exc: BaseException, required: bool = True) -> str:
+    """Why `open()` failed, with what to check (for an optional tier, that the cache
+    serves without it meanwhile, not a setting it already has)."""
     if isinstance(exc, AuthenticationError):
         return (
             f"redis at {url} refused the credentials ({exc}); "
@@ -75,8 +76,11 @@ def open_error(url: str, cluster: bool, exc: BaseException) -> str:
             f"redis at {url} is not a Redis Cluster node ({exc}); "
             "set `cluster: false` for a single server"
         )
-    return (
+    check = (
         f"redis at {url} is unreachable: {type(exc).__name__}: {exc}; check that "
         "redis-server runs there and that the tier's `url` (host, port, rediss:// for "
-        "TLS) is right, or set `required: false` to serve without it until it answers"
+        "TLS) is right"
     )
+    if not required:
+        return f"{check} (the tier is optional: the cache serves without it until it answers)"
+    return f"{check}, or set `required: false` to serve without it until it answers"

@@ -171,7 +171,9 @@ class RedisTier(SecondaryTierManager):
                 await nodes.open()
         except Exception as exc:
             await nodes.close()
-            raise TierUnavailable(open_error(c.safe_url, c.cluster, exc)) from None
+            raise TierUnavailable(
+                open_error(c.safe_url, c.cluster, exc, required=self.config.required)
+            ) from None
         self._session = Session(
             nodes,
             anyio.Semaphore(c.max_connections),
