@@ -1,14 +1,17 @@
 """Checks across the tiers of a chain, run on the tiers whose sections validated:
 names unique and not the primary's, no two tiers in one directory (every directory
-of a tier with several counts)."""
+of a tier with several counts); and, against this machine, no tier directory other
+users can write (`privacy_problems`)."""
 
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from tierkv.config.machine import tier_directories
 from tierkv.config.model import PRIMARY_NAME, tier_names
+from tierkv.contract.private import directory_problem
 from tierkv.contract.tier import TierConfig
 
 
@@ -58,4 +61,26 @@ def path_problems(tiers: list[tuple[int, TierConfig]]) -> list[str]:
                         f"{str(other)!r} nest; give each tier a directory of its own"
                     )
         seen += [(i, label, path) for label, path in mine]
+    return problems
+
+
+def privacy_problems(tiers: list[tuple[int, TierConfig]]) -> list[str]:
+    """Every existing directory a tier names (`path`, or each of `paths`) must be no
+    other user's to write (`tierkv.contract.private`): the nvme tier refuses one at
+    `open`. Judged for the user this runs as (run `tierkv validate` as the server's
+    user); a directory not there yet is made private by the tier, and a `path` that
+    names a file (sqlite's database) is not a directory to judge. The namespace
+    directory inside is judged at `open` only (its name is the tier's)."""
+    problems = []
+    for i, config in tiers:
+        for label, path in tier_directories(config):
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue  # missing (the tier makes it, 0700) or unreadable: open says
+            if not stat.S_ISDIR(st.st_mode):
+                continue
+            problem = directory_problem(path, st)
+            if problem is not None:
+                problems.append(f"tiers[{i}].{label}: {problem}")
     return problems

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tierkv.config.checks import name_problems, path_problems
+from tierkv.config.checks import name_problems, path_problems, privacy_problems
 from tierkv.config.environment import expand
 from tierkv.config.machine import fit_problems
 from tierkv.config.messages import briefly, format_validation_error
@@ -57,7 +57,8 @@ def parse_config(
     (a decimal size: `tierkv.config.sizes`) go to this module's logger, one record
     each. With `check_machine`, sizes are also checked against this machine
     (`tierkv.config.machine`: the primary against its memory, disk tiers against their
-    filesystems) beside the structural checks: on every field that parsed, so a
+    filesystems; no tier directory other users can write: `checks.privacy_problems`)
+    beside the structural checks: on every field that parsed, so a
     capacity that is itself invalid is checked once it is fixed."""
     raw = read_yaml(data, source) if isinstance(data, str) else data
     if not isinstance(raw, Mapping):
@@ -86,6 +87,7 @@ def parse_config(
         )
     if check_machine:
         found.errors += fit_problems(_primary_capacity(core, expanded), tiers)
+        found.errors += privacy_problems(tiers)
 
     for warning in found.warnings:
         logger.warning("%s%s", f"{source}: " if source else "", redact_text(warning))

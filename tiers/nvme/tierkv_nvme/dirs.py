@@ -33,6 +33,16 @@ where it made 128 (2-3 us a block on the dev VM); the namespace directory change
 a fan-out directory is made (at most 256 times in a tier's life), after which the
 calls of the next SETTLED_NS check each directory as before.
 
+The namespace directory itself is taken by `open_namespace_dir`, once at `open` (and
+again when it vanished): the tier's `path` is made 0700 where missing and opened (a
+symlink to it is followed); it must be no other user's to write
+(`tierkv.contract.private.directory_problem`); the namespace directory is made in it
+0700, or taken as it is, through that descriptor without following a link, and must
+be the server user's own and no one else's to write (`own_directory_problem`: one
+that only others may read, from tiers before it was made 0700, is tightened to 0700).
+Anything else is refused with TierUnavailable, naming the fix: another user who may
+write either directory could pre-create the namespace directory, or put blocks in it.
+
 Descriptors are bounded per process (`fd_budget`): the LMCache adapter runs one chain per
 object size and SGLang's one per pool, so several tiers may share a process whose
 `RLIMIT_NOFILE` soft limit is often 1,024. All the tiers of a process keep at most a
@@ -51,7 +61,16 @@ import resource
 import stat
 import threading
 import time
+from pathlib import Path
 from types import TracebackType
+
+from tierkv.contract.private import (
+    DIRECTORY_MODE,
+    directory_problem,
+    make_directories,
+    own_directory_problem,
+)
+from tierkv.tier import TierUnavailable
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _O_CLOEXEC
@@ -100,6 +119,49 @@ def open_dirs(root_fd: int, dirs: Dirs, *, create: bool) -> int:
             os.close(fd)
         raise no_link(exc, "/".join(dirs)) from None
     return fd
+
+
+NOT_PRIVATE = "nvme tier will not keep blocks where other users can write: "
+
+
+def open_namespace_dir(path: Path, name: str) -> int:
+    """A descriptor of the namespace directory `name` under the tier's `path`, each made
+    (mode 0700) where missing, and each checked to be private (the module docstring).
+
+    Raises TierUnavailable for a directory other users may write, or a link where the
+    namespace directory should be; OSError as the system calls do (a `path` that is a
+    file, a directory the server may not write)."""
+    make_directories(path)
+    top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC)  # `path` may be a link
+    try:
+        problem = directory_problem(path, os.fstat(top))
+        if problem is not None:
+            raise TierUnavailable(NOT_PRIVATE + problem)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, DIRECTORY_MODE, dir_fd=top)
+        try:
+            root = os.open(name, DIR_FLAGS, dir_fd=top)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise TierUnavailable(
+                    f"nvme tier directory {path / name} is a symlink (or not a "
+                    "directory); the tier does not follow links: point `path` at the "
+                    "real directory"
+                ) from None
+            raise
+    finally:
+        os.close(top)
+    try:
+        held = os.fstat(root)
+        problem = own_directory_problem(path / name, held)
+        if problem is not None:
+            raise TierUnavailable(NOT_PRIVATE + problem)
+        if stat.S_IMODE(held.st_mode) & 0o077:  # others may read it: a tier before 0700
+            os.fchmod(root, DIRECTORY_MODE)
+    except BaseException:
+        os.close(root)
+        raise
+    return root
 
 
 def fd_budget() -> int:

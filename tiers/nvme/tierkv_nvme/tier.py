@@ -77,7 +77,7 @@ from tierkv.tier import (
 from tierkv_nvme import blockfile, native
 from tierkv_nvme.blockfile import RelPath
 from tierkv_nvme.config import NvmeTierConfig
-from tierkv_nvme.dirs import FanoutDirs
+from tierkv_nvme.dirs import FanoutDirs, open_namespace_dir
 from tierkv_nvme.layout import (
     LOCK_NAME,
     NAMESPACE_NOTE,
@@ -307,7 +307,8 @@ class NvmeTier(SecondaryTierManager):
         """Take the directory, rebuild the index from it, and enforce capacity.
 
         Raises TierUnavailable when the directory cannot be created or locked (another
-        tier instance, in this or another process, already uses it)."""
+        tier instance, in this or another process, already uses it), or when other
+        users may write it or its `path` (`dirs.open_namespace_dir`)."""
         if self._state != "new":
             raise TierUnavailable(f"nvme tier at {self.directory} was already opened")
         self._io_engine, why = native.choose(self.config.io_engine, self.framer)
@@ -371,19 +372,10 @@ class NvmeTier(SecondaryTierManager):
 
         The lock (flock on `lock`, released when its descriptor closes, even by a
         crash) keeps a second tier from rebuilding this index meanwhile and deleting
-        the temporary files of writes still in flight."""
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        try:
-            root = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise TierUnavailable(
-                    f"nvme tier directory {self.directory} is a symlink (or not a "
-                    "directory); the tier does not follow links: point `path` at the "
-                    "real directory"
-                ) from None
-            raise
-        os.set_inheritable(root, False)
+        the temporary files of writes still in flight. Both directories are made 0700
+        where missing and must be private (`dirs.open_namespace_dir`: TierUnavailable
+        naming the fix where other users may write them)."""
+        root = open_namespace_dir(self.directory.parent, self.directory.name)
         try:
             fd = os.open(
                 LOCK_NAME,
@@ -415,12 +407,23 @@ class NvmeTier(SecondaryTierManager):
             # disk must not keep the tier from opening and serving what it holds
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-            note = self.directory / NAMESPACE_NOTE
-            if not note.exists():
-                note.write_text(self.primary.namespace + "\n", encoding="utf-8")
+            try:
+                note = os.open(
+                    NAMESPACE_NOTE,
+                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+                    0o600,
+                    dir_fd=root,
+                )
+            except FileExistsError:
+                pass
+            else:
+                try:
+                    os.write(note, (self.primary.namespace + "\n").encode())
+                finally:
+                    os.close(note)
         except OSError as exc:
             logger.warning("nvme tier: could not write notes in %s: %s", self.directory, exc)
-        return os.statvfs(self.directory).f_frsize or DEFAULT_FS_BLOCK
+        return os.fstatvfs(root).f_frsize or DEFAULT_FS_BLOCK
 
     def _release_lock(self) -> None:
         if self._lock_fd is not None:
