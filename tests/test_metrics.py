@@ -253,3 +253,79 @@ def test_every_cache_wide_metric_is_documented_in_the_manual() -> None:
     names += [f"`{PREFIX}_{name}`" for name, _ in CACHE_GAUGES.values()]
     missing = [name for name in names if name not in section]
     assert not missing, f"not in the Metrics table of docs/metrics.md: {missing}"
+
+
+async def test_per_tenant_series_over_http_capped_at_report_top() -> None:
+    """50 tenants through one cache with `report_top: 5`: the scrape names the 5 that
+    moved the most blocks and sums the other 45 as `other`, and no label holds a salt."""
+    from tierkv.contract.jobs import ReqContext
+    from tierkv.contract.tenants import salt_tenant
+
+    chain = """
+namespace: metrics-tenants
+layout: {block_bytes: 4KiB, groups: [{block_size: 16}]}
+primary: {capacity: 64KiB, pin_memory: false}
+tiers: []
+tenants: {report_top: 5}
+"""
+    salts = [f"secret-salt-{i:02d}" for i in range(50)]
+    async with TieredCache(parse_config(chain)) as cache:
+        for i, salt in enumerate(salts):
+            n = 1 + (i % 10 == 9)  # every tenth stores 2 blocks: 5 big tenants
+            ks = [
+                make_offload_key(h, 0)
+                for h in hash_token_blocks(list(range(16 * n)), 16, namespace=salt)
+            ]
+            ctx = ReqContext(f"r{i}", tenant=salt_tenant(salt))
+            await cache.store(ks, torch.zeros(n, 4096, dtype=torch.uint8), ctx=ctx)
+            await cache.lookup([ks], ctx)
+        async with serve_metrics(cache, port=0) as server:
+            status, text = await anyio.to_thread.run_sync(get, server.url)
+    assert status == 200
+    assert not any(salt in text for salt in salts)
+    stored = {
+        dict(labels)["tenant"]: value
+        for (name, labels), value in samples(text).items()
+        if name == "tierkv_tenant_stored_blocks_total"
+    }
+    big = {salt_tenant(salts[i]) for i in range(9, 50, 10)}
+    assert set(stored) == {*big, "other"}
+    assert all(stored[t] == 2 for t in big)
+    assert stored["other"] == 45
+    hits = {
+        dict(labels)["tenant"]
+        for (name, labels), _ in samples(text).items()
+        if name == "tierkv_tenant_hits_total"
+    }
+    assert hits == set(stored)  # every tenant family has the same bounded labels
+
+
+def test_tenant_series_follow_stats_tenants() -> None:
+    from tierkv.cache import CacheStats
+
+    row = {"hits": 3, "misses": 1, "stored_bytes": 8192, "primary_bytes": 4096}
+    stats = CacheStats({}, {}, {"acme": row, "default": {"hits": 2}})
+    families = {f.name: f for f in TieredCacheCollector(lambda: stats, namespace="n").collect()}
+    hits = {s.labels["tenant"]: s.value for s in families["tierkv_tenant_hits"].samples}
+    assert hits == {"acme": 3, "default": 2}
+    assert families["tierkv_tenant_hits"].type == "counter"
+    assert families["tierkv_tenant_primary_bytes"].type == "gauge"
+    assert [s.value for s in families["tierkv_tenant_primary_bytes"].samples] == [4096]
+    no_tenants = CacheStats({}, {})
+    names = {f.name for f in TieredCacheCollector(lambda: no_tenants).collect()}
+    assert not any(name.startswith("tierkv_tenant_") for name in names)
+
+
+def test_every_tenant_field_is_exported_and_documented() -> None:
+    from tierkv.cache.tenants import TenantLedger
+    from tierkv.metrics import PREFIX, TENANT_COUNTERS, TENANT_GAUGES
+
+    ledger = TenantLedger(4096)
+    ledger.stored("t", 1, 0)
+    row = ledger.report(resident=0)["t"]
+    assert set(row) - {*TENANT_COUNTERS, *TENANT_GAUGES} == {"primary_blocks"}
+    section = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    names = [f"`{PREFIX}_{name}_total`" for name, _ in TENANT_COUNTERS.values()]
+    names += [f"`{PREFIX}_{name}`" for name, _ in TENANT_GAUGES.values()]
+    missing = [name for name in names if name not in section]
+    assert not missing, f"not in docs/metrics.md: {missing}"

@@ -14,7 +14,10 @@ held, breaker state, primary occupancy. Summaries (count, sum, p50, p99): job la
 and lookup latency per tier. Cache-wide series (`namespace` only): rejected and skipped
 store blocks, store waits, dropped write-back blocks, shed promotions,
 prefetched, used, cancelled and shed prefetch blocks, dropped events (counters),
-background jobs and indexed keys (gauges).
+background jobs and indexed keys (gauges). Per tenant (`tenant` and `namespace`, from
+`stats().tenants`: at most `tenants.report_top` tenants by name, then `other`):
+lookups, hit and missed blocks, stored, rejected, loaded and failed blocks, stored and
+loaded bytes (counters), bytes held in the primary (gauge).
 
 Needs `prometheus-client` (the `metrics` extra of tierkv-cache), imported when this module
 is. The stats are read on the event loop that runs the cache: `serve_metrics` answers
@@ -143,6 +146,33 @@ CACHE_GAUGES: dict[str, tuple[str, str]] = {
 }
 
 
+TENANT_COUNTERS: dict[str, tuple[str, str]] = {
+    # stats().tenants field -> (metric name without prefix/suffix, help)
+    "lookups": ("tenant_lookups", "Lookup calls of the tenant"),
+    "hits": (
+        "tenant_hits",
+        "Blocks of the tenant's lookup hits (the blocks to load; those the GPU holds aside)",
+    ),
+    "misses": ("tenant_misses", "Blocks the tenant looked up past the hit"),
+    "stored_blocks": ("tenant_stored_blocks", "Blocks the tenant's stores placed in the cache"),
+    "stored_bytes": ("tenant_stored_bytes", "Bytes the tenant's stores placed in the cache"),
+    "rejected_blocks": ("tenant_rejected_blocks", "Blocks the tenant's stores reported rejected"),
+    "loaded_blocks": ("tenant_loaded_blocks", "Blocks the tenant's loads copied out"),
+    "loaded_bytes": ("tenant_loaded_bytes", "Bytes the tenant's loads copied out"),
+    "load_failed_blocks": (
+        "tenant_load_failed_blocks",
+        "Blocks the tenant's loads reported failed (recomputed)",
+    ),
+}
+TENANT_GAUGES: dict[str, tuple[str, str]] = {
+    "primary_bytes": (
+        "tenant_primary_bytes",
+        "Bytes of the primary holding the tenant's blocks (the tenant whose store or load "
+        "put a block there owns it until it is evicted)",
+    ),
+}
+
+
 def _summary(name: str, doc: str) -> Metric:
     return Metric(name, doc, "summary")
 
@@ -241,6 +271,7 @@ class TieredCacheCollector(Collector):
         yield paths
         yield primary
         yield from self._cache_wide(stats.primary)
+        yield from self._per_tenant(stats.tenants)
 
     def _cache_wide(self, data: Mapping[str, Any]) -> Iterable[Metric]:
         """The cache's own counters and gauges (one series each, not per tier)."""
@@ -254,6 +285,25 @@ class TieredCacheCollector(Collector):
                 gauge = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["namespace"])
                 gauge.add_metric([self.namespace], float(data[f]))
                 yield gauge
+
+    def _per_tenant(self, tenants: Mapping[str, Mapping[str, Any]]) -> Iterable[Metric]:
+        """One series per tenant `stats().tenants` names (bounded there)."""
+        if not tenants:
+            return
+        labels = ["tenant", "namespace"]
+        kinds: list[
+            tuple[
+                dict[str, tuple[str, str]],
+                Callable[..., CounterMetricFamily | GaugeMetricFamily],
+            ]
+        ] = [(TENANT_COUNTERS, CounterMetricFamily), (TENANT_GAUGES, GaugeMetricFamily)]
+        for table, family in kinds:
+            for f, (name, doc) in table.items():
+                metric = family(f"{PREFIX}_{name}", doc, labels=labels)
+                for tenant, row in tenants.items():
+                    if f in row:
+                        metric.add_metric([tenant, self.namespace], float(row[f]))
+                yield metric
 
 
 def registry_for(source: TieredCache | Callable[[], CacheStats]) -> CollectorRegistry:

@@ -2,7 +2,8 @@
 
 - `results`: what lookup, store, load and stats return
 - `index`: the one authoritative per-key state (and promotion `Flight`s)
-- `core`: shared state, event log, background task group; `counters`: cache-wide counters
+- `core`: shared state, event log, background task group; `counters`: cache-wide counters;
+  `tenants`: per-tenant counts and who owns the primary's blocks
 - `lookup`; `store_run` (one store streaming through the primary); `cascade`
   (write-through and selective cascades, admission); `promotion` (load) and `flights`
   (stage-1 reads shared with prefetch); `prefetch`; `writeback`; `validate`

@@ -191,7 +191,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
             handle.refresh_stats()
             handle.stats.foreign_blocks = getattr(handle.tier, "foreign_blocks", 0)
             tiers[handle.name] = handle.stats.snapshot()
-        return CacheStats(primary, tiers)
+        return CacheStats(primary, tiers, core.tenants.report(len(self.primary)))
 
     # -- the three calls ----------------------------------------------------------------
     async def lookup(
@@ -223,6 +223,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         *,
         positions: Sequence[int] | None = None,
         end_tokens: int | None = None,
+        ctx: ReqContext | None = None,
     ) -> StoreResult:
         """Copy blocks into the chain: into the primary, streaming through it to the
         write-through tiers when it cannot keep them all.
@@ -237,8 +238,12 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         left out (`StoreResult.skipped`; `tierkv.retention`). `end_tokens` is the
         request length this store completes (a checkpoint); None: the end of what
         `keys` hold; 0 for a store in the middle of a request.
+
+        `ctx` says whose store it is: its tenant is counted (`stats().tenants`) and
+        owns the blocks it places in the primary, and the tier jobs its cascades
+        start carry it.
         """
-        return await self.cascader.store(keys, source, positions, end_tokens)
+        return await self.cascader.store(keys, source, positions, end_tokens, ctx)
 
     def usable_tokens(self, hit: LookupResult, loaded: LoadResult) -> int:
         """How many tokens a request may reuse after loading `hit.keys_to_load` gave

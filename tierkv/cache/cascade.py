@@ -44,6 +44,8 @@ from tierkv.retention import kept_blocks
 
 logger = logging.getLogger(__name__)
 
+_NO_CTX = ReqContext()
+
 
 class Cascader:
     def __init__(self, core: CacheCore, writeback: WriteBack) -> None:
@@ -74,8 +76,14 @@ class Cascader:
         )
 
     # -- cascades ----------------------------------------------------------------------
-    def after_store(self, keys: Sequence[OffloadKey], watch: StoreWatch | None = None) -> None:
-        """Send freshly stored `keys` on, per each tier's write policy."""
+    def after_store(
+        self,
+        keys: Sequence[OffloadKey],
+        watch: StoreWatch | None = None,
+        ctx: ReqContext | None = None,
+    ) -> None:
+        """Send freshly stored `keys` on, per each tier's write policy (the tier jobs
+        carry the store's `ctx`)."""
         if not keys:
             return
         index = self.core.index
@@ -115,14 +123,14 @@ class Cascader:
                     admitted = [k for k, ok in zip(keys, mine) if ok]
                     handle.stats.declined += len(keys) - len(admitted)
                     if admitted:
-                        self.cascade(handle, admitted, watch)
+                        self.cascade(handle, admitted, watch, ctx)
                     continue
-                self.cascade(handle, keys, watch)
+                self.cascade(handle, keys, watch, ctx)
             elif handle.policy == "write_through_selective":
                 need = handle.config.min_hits
                 chosen = index.with_hits(keys, need)
                 if chosen:
-                    self.cascade(handle, chosen, watch)
+                    self.cascade(handle, chosen, watch, ctx)
         self.writeback.admit(keys)
 
     def _weighed(self, handle: GuardedTier, keys: Sequence[OffloadKey]) -> list[bool]:
@@ -156,10 +164,15 @@ class Cascader:
         return admission.admits_against(keys, free, candidates, core.primary.is_ready)
 
     def cascade(
-        self, handle: GuardedTier, keys: Sequence[OffloadKey], watch: StoreWatch | None = None
+        self,
+        handle: GuardedTier,
+        keys: Sequence[OffloadKey],
+        watch: StoreWatch | None = None,
+        ctx: ReqContext | None = None,
     ) -> None:
         """Send `keys` (ready in the primary) to `handle` in the background, or drop
-        them (tier down, or too far behind)."""
+        them (tier down, or too far behind). The job carries `ctx`: the store's, or
+        none (a batch of several requests' blocks)."""
         core = self.core
         if not core.is_open:
             return
@@ -179,7 +192,7 @@ class Cascader:
         core.index.add_cascading(keys, 1)
         if watch is not None:
             watch.sent(keys)
-        job = JobMetadata(core.next_job_id(), tuple(keys), tuple(slots))
+        job = JobMetadata(core.next_job_id(), tuple(keys), tuple(slots), ctx or _NO_CTX)
         core.spawn(self._cascade_job, handle, job, nbytes, watch)
 
     async def _cascade_job(
@@ -248,6 +261,7 @@ class Cascader:
         source: object,
         positions: Sequence[int] | None = None,
         end_tokens: int | None = None,
+        ctx: ReqContext | None = None,
     ) -> StoreResult:
         """Check the whole request before anything changes, then run it (`StoreRun`)."""
         core = self.core
@@ -256,7 +270,7 @@ class Cascader:
         check_keys(keys, "keys")
         src = checked_source(source, len(keys), core.block_bytes)
         position, skipped = self._positions(keys, positions, end_tokens)
-        run = StoreRun(core, self.writeback, self, position, skipped)
+        run = StoreRun(core, self.writeback, self, position, skipped, ctx)
         if hasattr(src, "validate"):  # e.g. KVCacheBlocks: GPU block ids, coverage
             run_validate_hook(src, "store", [position[k] for k in run.new], core.primary.view)
         return await run.run(src)

@@ -19,6 +19,7 @@ from anyio.abc import TaskGroup
 
 from tierkv.cache.counters import CacheCounters
 from tierkv.cache.index import KeyIndex
+from tierkv.cache.tenants import TenantLedger
 from tierkv.config import CacheConfig
 from tierkv.contract.errors import TierUnavailable
 from tierkv.contract.events import OffloadingEvent
@@ -67,12 +68,20 @@ class EventLog:
     (a tier's store is reported after the primary made the block ready), and no code
     that changes the primary has to remember to collect them."""
 
-    def __init__(self, primary: PrimaryTier, limit: int = MAX_EVENTS) -> None:
+    def __init__(
+        self,
+        primary: PrimaryTier,
+        limit: int = MAX_EVENTS,
+        on_evicted: Callable[[Sequence[Any]], None] | None = None,
+    ) -> None:
         self._events: deque[OffloadingEvent] = deque(maxlen=limit)
         self.dropped = 0
+        self._on_evicted = on_evicted  # told the keys of the primary's removed events
         primary.set_event_sink(self.append)
 
     def append(self, event: OffloadingEvent) -> None:
+        if event.removed and self._on_evicted is not None:
+            self._on_evicted(event.keys)
         if len(self._events) == self._events.maxlen:
             self.dropped += 1
         self._events.append(event)
@@ -100,7 +109,9 @@ class CacheCore:
         self.tiers = tiers
         self.index = KeyIndex(max(65536, 16 * primary.num_blocks))
         self.claims = ClaimLedger(tiers)  # blocks lookups claimed in tiers, per request
-        self.events = EventLog(primary)
+        # per-tenant counts; the primary's evictions end its blocks' ownership
+        self.tenants = TenantLedger(self.block_bytes, config.tenants.report_top)
+        self.events = EventLog(primary, on_evicted=self.tenants.evicted)
         self.primary_stats = TierStats()
         # promotions hold at most this share of the primary; stores leave its unheld
         # part alone (none when no tier can be promoted from)

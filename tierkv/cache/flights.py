@@ -68,6 +68,7 @@ class FlightRunner:
             # the slots never count as room someone else could be woken for
             waiting = flight.waiting()
             primary.complete_store(ok, success=True, readers=waiting)
+            core.tenants.placed(ctx.tenant, ok)  # promoted for this load's tenant
             if failed:
                 primary.complete_store(failed, success=False)
             for key in keys:

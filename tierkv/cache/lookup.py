@@ -205,6 +205,9 @@ class Lookup:
             self.core.primary.touch(list(locations))
         if self.on_hits is not None:
             self._report_hits(keys_per_group, ranges, ctx)
+        hits = sum(map(len, group_keys))
+        past = sum(len(keys) - r.end for keys, r in zip(keys_per_group, ranges))
+        self.core.tenants.looked_up(ctx.tenant, hits, past)
         return LookupResult(
             tokens, group_keys, tuple(ranges), MappingProxyType(locations), gpu_tokens
         )
@@ -315,6 +318,7 @@ class Lookup:
         ps.hits += len(keys)
         core.primary.touch(keys)
         core.claims.let_go(ctx.request_id)  # nothing to claim: the last lookup's go
+        core.tenants.looked_up(ctx.tenant, len(keys), 0)
         if self.on_hits is not None:
             self.on_hits(keys, ctx, ())
         locations = dict.fromkeys(keys, PRIMARY_MEDIUM)

@@ -151,7 +151,9 @@ class Promoter:
         stats.load_jobs += 1
         stats.blocks_loaded += len(s.loaded)
         stats.bytes_out += len(s.loaded) * core.block_bytes
-        return s.result()
+        result = s.result()
+        core.tenants.loaded(ctx.tenant, len(result.ok_keys), len(result.failed_keys))
+        return result
 
     def _begin(self, s: _LoadState) -> list[OffloadKey]:
         """Sort the keys: take a reader on the resident ones (returned), join the

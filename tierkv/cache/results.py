@@ -82,13 +82,16 @@ class LoadResult:
 
 @dataclass(frozen=True)
 class CacheStats:
-    """Counters per medium: `primary` and each secondary tier by name, in chain order."""
+    """Counters per medium: `primary` and each secondary tier by name, in chain order;
+    and per tenant (`tierkv.cache.tenants`): the `tenants.report_top` that moved the
+    most blocks by name (`default`: requests with no tenant), the rest as `other`."""
 
     primary: dict[str, Any]
     tiers: dict[str, dict[str, Any]]
+    tenants: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"primary": self.primary, "tiers": self.tiers}
+        return {"primary": self.primary, "tiers": self.tiers, "tenants": self.tenants}
 
 
 def served_after_load(

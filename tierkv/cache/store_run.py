@@ -26,8 +26,11 @@ from tierkv.cache.core import CacheCore
 from tierkv.cache.index import KeyIndex
 from tierkv.cache.results import StoreResult
 from tierkv.cache.writeback import WriteBack
+from tierkv.contract.jobs import ReqContext
 from tierkv.contract.keys import OffloadKey
 from tierkv.room import Kind
+
+_NO_CTX = ReqContext()
 
 
 class StoreWatch:
@@ -77,7 +80,12 @@ class StoreWatch:
 class Cascades(Protocol):
     """Where a store sends the blocks it placed (`Cascader.after_store`)."""
 
-    def after_store(self, keys: Sequence[OffloadKey], watch: StoreWatch | None = None) -> None: ...
+    def after_store(
+        self,
+        keys: Sequence[OffloadKey],
+        watch: StoreWatch | None = None,
+        ctx: ReqContext | None = None,
+    ) -> None: ...
 
 
 def store_window(num_blocks: int) -> int:
@@ -96,8 +104,10 @@ class StoreRun:
         cascades: Cascades,
         position: dict[OffloadKey, int],
         skipped: list[OffloadKey],
+        ctx: ReqContext | None = None,
     ) -> None:
         self.core = core
+        self.ctx = ctx or _NO_CTX  # whose store: its tenant owns what it places
         self.primary = core.primary
         self.writeback = writeback
         self.cascades = cascades
@@ -137,6 +147,7 @@ class StoreRun:
         if self.error is not None:
             self.reject_rest()
         self.core.counters.store_skipped += len(self.skipped)  # counted once the store ran
+        self.core.tenants.stored(self.ctx.tenant, len(self.stored), len(self.rejected))
         if len(self.already) != self._resident:  # some were settled later: key order
             self.already.sort(key=self.position.__getitem__)
         return StoreResult(
@@ -192,7 +203,7 @@ class StoreRun:
             self.error = await self._await_room(want)
             return self.error is None
         await self._copy(src, got, slots)
-        self.cascades.after_store(got, self.watch)
+        self.cascades.after_store(got, self.watch, self.ctx)
         self.placed.extend(got)
         self._advance(want, got)
         return True
@@ -230,6 +241,7 @@ class StoreRun:
         finally:
             primary.complete_store(got, success=success)
         core = self.core
+        core.tenants.placed(self.ctx.tenant, got)
         stats = core.primary_stats
         stats.store_jobs += 1
         stats.blocks_stored += len(got)

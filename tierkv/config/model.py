@@ -21,6 +21,21 @@ from tierkv.layout import KVLayout
 from tierkv.primary import PrimaryConfig
 
 
+class TenantsConfig(BaseModel):
+    """How the cache reports tenants (`ReqContext.tenant`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    report_top: int = Field(
+        default=10,
+        ge=1,
+        le=1000,
+        description="tenants named in stats().tenants and the tierkv_tenant_* metrics: the "
+        "ones that moved the most blocks (stored + loaded); the rest are summed as `other`, "
+        "so a metric has at most report_top + 1 tenant labels",
+    )
+
+
 class CacheConfig(BaseModel):
     """A whole tier chain: namespace, KV layout, primary, secondary tiers in order."""
 
@@ -83,6 +98,10 @@ class CacheConfig(BaseModel):
     )
     close_timeout: Duration = Field(
         default=10.0, description="how long close() lets background jobs finish"
+    )
+    tenants: TenantsConfig = Field(
+        default_factory=TenantsConfig,
+        description="per-tenant accounting: how many tenants reports name",
     )
 
     @model_serializer(mode="wrap")

@@ -11,13 +11,15 @@ them. One idea per module:
   writes;
 - `keys`: `OffloadKey` and the prefix-chained block hashes keys are made of;
 - `jobs`: `JobMetadata`, `JobResult`, `ReqContext`;
+- `tenants`: how a request's tenant is named (`salt_tenant`, the default tenant);
 - `events`: `OffloadingEvent`;
 - `errors`: the exception classes (`ConfigError`, `TierUnavailable`, `CorruptBlock`);
 - `framing`: the frame around a stored block (header, checksum, optional MAC);
 - `mac`: the keyed MAC of frames shared by several trust domains;
 - `runner`: per-key jobs under a deadline, worker threads, slot guards;
 - `units`: sizes and durations as YAML writes them (`8GiB`, `250ms`);
-- `redact`: secrets kept out of messages and dumps.
+- `redact`: secrets kept out of messages and dumps;
+- `private`: the rule for a tier directory others may not write or own.
 
 The contract stays torch-free and imports nothing of the cache (nor numpy): a plugin
 that imports it pulls in neither, and a tier can be built and tested without a GPU

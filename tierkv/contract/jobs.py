@@ -17,14 +17,19 @@ from tierkv.contract.keys import OffloadKey
 
 @dataclass(frozen=True)
 class ReqContext:
-    """Who a lookup or job is for: the request id and free-form tags for tiers.
+    """Who a lookup or job is for: the request id, its tenant, and free-form tags.
 
-    Tiers may use it for tracing, priorities or per-tenant accounting; the core only
-    passes it along.
+    `tenant` names who the request serves (an API key's customer, a LoRA adapter):
+    None is the default tenant (`tierkv.contract.tenants.DEFAULT_TENANT` in reports).
+    It is a name that may show in metrics and logs, never a secret: an engine's cache
+    salt becomes a tenant through `tierkv.contract.tenants.salt_tenant` (a digest).
+    The cache counts per tenant (`TieredCache.stats().tenants`); tiers may use it for
+    tracing, priorities or their own accounting.
     """
 
     request_id: str | None = None
     tags: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    tenant: str | None = None
 
 
 @dataclass(frozen=True)

@@ -184,38 +184,51 @@ class SyncChain:
 
     # -- calls from the engine's threads --------------------------------------------------
     def present(
-        self, keys: Sequence[OffloadKey], budget: float | None = None, owner: str | None = None
+        self,
+        keys: Sequence[OffloadKey],
+        budget: float | None = None,
+        owner: str | None = None,
+        tenant: str | None = None,
     ) -> list[bool]:
         """One flag per key: some tier holds it. Misses for whatever is not known by
         `lookup_timeout` (or `budget` seconds, when the caller has less time left).
         With an `owner`, each hit is claimed in the first tier that reported it, as by
-        `start_lookup`, until `let_go(owner, ...)` or the tier's lease runs out."""
+        `start_lookup`, until `let_go(owner, ...)` or the tier's lease runs out. Every
+        call of the chain takes the `tenant` of its request (`ReqContext.tenant`)."""
         found = [False] * len(keys)
         if keys:
-            work = self._present(keys, found, owner)
+            work = self._present(keys, found, owner, self._ctx_for(tenant))
             self._call(work, self._limit(self.lookup_timeout, budget))
         return found
 
     def load(
-        self, keys: Sequence[OffloadKey], slots: Sequence[int], budget: float | None = None
+        self,
+        keys: Sequence[OffloadKey],
+        slots: Sequence[int],
+        budget: float | None = None,
+        tenant: str | None = None,
     ) -> set[OffloadKey]:
         """Read `keys[i]` into primary slot `slots[i]`; the keys that arrived whole
         (by the deadline, or `budget`). The slot of a key not returned holds undefined
         bytes."""
         done: set[OffloadKey] = set()
         if keys:
-            work = self._jobs("load", keys, slots, done)
+            work = self._jobs("load", keys, slots, done, ctx=self._ctx_for(tenant))
             self._call(work, self._limit(self.job_deadline, budget))
         return set(done)
 
     def store(
-        self, keys: Sequence[OffloadKey], slots: Sequence[int], budget: float | None = None
+        self,
+        keys: Sequence[OffloadKey],
+        slots: Sequence[int],
+        budget: float | None = None,
+        tenant: str | None = None,
     ) -> set[OffloadKey]:
         """Write `keys[i]` from slot `slots[i]` to every usable tier; the keys some tier
         took (by the deadline, or `budget`)."""
         done: set[OffloadKey] = set()
         if keys:
-            work = self._jobs("store", keys, slots, done)
+            work = self._jobs("store", keys, slots, done, ctx=self._ctx_for(tenant))
             self._call(work, self._limit(self.job_deadline, budget))
         return set(done)
 
@@ -246,12 +259,13 @@ class SyncChain:
         keys: Sequence[OffloadKey],
         owner: str,
         on_done: Callable[[list[bool]], None],
+        tenant: str | None = None,
     ) -> None:
         """`present`, without waiting: `on_done(flags)` on the loop thread once. Each hit
         is claimed in the first tier (chain order) that reported it, kept under `owner`
         until `let_go(owner, ...)` or the tier's lease runs out."""
         found = [False] * len(keys)
-        work = self._present(keys, found, owner) if keys else _nothing()
+        work = self._present(keys, found, owner, self._ctx_for(tenant)) if keys else _nothing()
         self._begin(work, self.lookup_timeout, lambda: on_done(list(found)))
 
     def start_load(
@@ -260,12 +274,14 @@ class SyncChain:
         slots: Sequence[int],
         on_done: Callable[[set[OffloadKey]], None],
         on_tier: TierMoved | None = None,
+        tenant: str | None = None,
     ) -> None:
         """`load`, without waiting: `on_done(keys that arrived whole)` on the loop thread
         once. The slots must stay valid until then, and are not touched after. With
         `on_tier`, `on_tier(tier, keys)` as each tier job delivers keys."""
         done: set[OffloadKey] = set()
-        work = self._jobs("load", keys, slots, done, on_tier) if keys else _nothing()
+        ctx = self._ctx_for(tenant)
+        work = self._jobs("load", keys, slots, done, on_tier, ctx) if keys else _nothing()
         self._begin(work, self.job_deadline, lambda: on_done(set(done)))
 
     def start_store(
@@ -274,12 +290,14 @@ class SyncChain:
         slots: Sequence[int],
         on_done: Callable[[set[OffloadKey]], None],
         on_tier: TierMoved | None = None,
+        tenant: str | None = None,
     ) -> None:
         """`store`, without waiting: `on_done(keys some tier took)` on the loop thread
         once. With `on_tier`, `on_tier(tier, keys)` as each tier job stores keys (a key
         the tier reported removed while its job ran is not among them)."""
         done: set[OffloadKey] = set()
-        work = self._jobs("store", keys, slots, done, on_tier) if keys else _nothing()
+        ctx = self._ctx_for(tenant)
+        work = self._jobs("store", keys, slots, done, on_tier, ctx) if keys else _nothing()
         self._begin(work, self.job_deadline, lambda: on_done(set(done)))
 
     def let_go(self, owner: str, keys: Sequence[OffloadKey] | None = None) -> None:
@@ -371,8 +389,18 @@ class SyncChain:
             logger.exception("tierkv: a tier call failed; answering what finished")
 
     # -- on the loop ---------------------------------------------------------------------
+    def _ctx_for(self, tenant: str | None) -> ReqContext:
+        """The context of a call for `tenant` (the chain's tags, no request id)."""
+        if tenant is None:
+            return self._ctx
+        return ReqContext(tags=self._ctx.tags, tenant=tenant)
+
     async def _present(
-        self, keys: Sequence[OffloadKey], found: list[bool], owner: str | None = None
+        self,
+        keys: Sequence[OffloadKey],
+        found: list[bool],
+        owner: str | None = None,
+        ctx: ReqContext | None = None,
     ) -> None:
         """Fill `found`; with an `owner`, claim each hit in the first tier holding it
         (claims are taken the moment a tier answers, the ones not needed let go once
@@ -389,7 +417,7 @@ class SyncChain:
 
         async def ask(tier: GuardedTier) -> None:
             on_answer = None if owner is None else functools.partial(claim, tier)
-            flags = await tier.lookup(keys, self._ctx, self.lookup_timeout, on_answer)
+            flags = await tier.lookup(keys, ctx or self._ctx, self.lookup_timeout, on_answer)
             if flags is None:
                 return
             hits = [k for k, flag in zip(keys, flags) if flag]
@@ -415,11 +443,13 @@ class SyncChain:
         slots: Sequence[int],
         done: set[OffloadKey],
         on_tier: TierMoved | None = None,
+        ctx: ReqContext | None = None,
     ) -> None:
+        ctx = ctx or self._ctx
         if kind == "store":
             async with anyio.create_task_group() as group:
                 for tier in self.tiers:
-                    group.start_soon(self._one_job, tier, kind, keys, slots, done, on_tier)
+                    group.start_soon(self._one_job, tier, kind, keys, slots, done, on_tier, ctx)
             return
         for tier in self.tiers:
             if done:  # what the tiers above did not read
@@ -427,7 +457,7 @@ class SyncChain:
                 if not wanted:
                     break
                 keys, slots = [k for k, _ in wanted], [s for _, s in wanted]
-            await self._one_job(tier, kind, keys, slots, done, on_tier)
+            await self._one_job(tier, kind, keys, slots, done, on_tier, ctx)
 
     async def _one_job(
         self,
@@ -437,6 +467,7 @@ class SyncChain:
         slots: Sequence[int],
         done: set[OffloadKey],
         on_tier: TierMoved | None = None,
+        ctx: ReqContext | None = None,
     ) -> None:
         """One job on one tier, admitted by its driver; adds the keys it moved (and
         tells `on_tier`, before anything else runs on the loop)."""
@@ -444,7 +475,7 @@ class SyncChain:
         if tier.admit(kind, len(keys), nbytes) is not None:
             return  # down, breaker open or too much in flight: counted by the driver
         try:
-            job = JobMetadata(next(self._ids), tuple(keys), tuple(slots), self._ctx)
+            job = JobMetadata(next(self._ids), tuple(keys), tuple(slots), ctx or self._ctx)
             outcome = await tier.run(kind, job, admitted=True)
         finally:
             tier.release(kind, nbytes)

@@ -39,7 +39,7 @@ class FaultyTier(MemoryTier):
     `hang` (jobs wait until `hang` is cleared... or forever), `gate` (jobs wait for this
     event), `lie_about` (lookup claims these keys; their loads fail), `full` (stores
     fail every key as a full disk does, lookups and loads still served). `calls` logs
-    (operation, keys) of every call.
+    (operation, keys) of every call, `tenants` (operation, `ctx.tenant`).
     """
 
     Config = FaultyTierConfig
@@ -55,6 +55,7 @@ class FaultyTier(MemoryTier):
         self.lie_about: set[OffloadKey] = set()
         self.full = False
         self.calls: list[tuple[str, tuple[OffloadKey, ...]]] = []
+        self.tenants: list[tuple[str, str | None]] = []
 
     @staticmethod
     def get_tier_type() -> str:
@@ -78,11 +79,13 @@ class FaultyTier(MemoryTier):
             await anyio.sleep(self.config.lookup_delay)
 
     async def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[bool]:
+        self.tenants.append(("lookup", ctx.tenant))
         await self._misbehave("lookup", keys)
         found = await super().lookup(keys, ctx)
         return [f or k in self.lie_about for k, f in zip(keys, found)]
 
     async def store(self, job: JobMetadata) -> JobResult:
+        self.tenants.append(("store", job.ctx.tenant))
         await self._misbehave("store", job.keys)
         if self.full:
             return JobResult.failure(job, "faulty tier is full: No space left on device (ENOSPC)")
@@ -111,6 +114,7 @@ class FaultyTier(MemoryTier):
         )
 
     async def load(self, job: JobMetadata) -> JobResult:
+        self.tenants.append(("load", job.ctx.tenant))
         await self._misbehave("load", job.keys)
         lies = [k for k in job.keys if k in self.lie_about and k not in self._frames]
         if self.config.stall_after_keys is not None:

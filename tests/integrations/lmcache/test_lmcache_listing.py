@@ -160,7 +160,9 @@ def test_two_ranks_and_two_salts_of_one_chunk_are_four_entries(rig: Any) -> None
     keys = [rig.key(7, rank=r, salt=s) for r in (0, 1) for s in ("alice", "bob")]
     stored(rig, adapter, l1, keys)
     entries = [e for e in adapter.list_l2_keys().entries]
-    assert [e.key.to_object_key() for e in entries] == keys
+    # one task: the same age (each salt's keys are stored by a job of their own)
+    got = [e.key.to_object_key() for e in entries]
+    assert len(got) == len(keys) and set(got) == set(keys)
     assert {(e.key.kv_rank, e.key.cache_salt) for e in entries} == {
         (0, "alice"),
         (0, "bob"),
@@ -171,7 +173,8 @@ def test_two_ranks_and_two_salts_of_one_chunk_are_four_entries(rig: Any) -> None
     usage = adapter.get_usage()
     assert dict(usage.bytes_by_cache_salt) == {"alice": 2 * SIZE, "bob": 2 * SIZE}
     adapter.delete([keys[0]])
-    assert listing(adapter) == keys[1:]
+    left = listing(adapter)
+    assert len(left) == len(keys) - 1 and set(left) == set(keys[1:])
     assert dict(adapter.get_usage().bytes_by_cache_salt) == {"alice": SIZE, "bob": 2 * SIZE}
 
 

@@ -28,6 +28,10 @@ back), which also keeps LMCache's byte accounting; `get_usage` reports those byt
 against what the chains hold when full (`SizeChains.capacity_bytes`: the largest
 tier's shared capacity, counted once whatever the sizes), so LMCache's L2 eviction
 controller gets a usage fraction where every tier bounds itself.
+
+Each `ObjectKey` carries its request's `cache_salt`: a task's keys are split by it, and
+each part runs for its tenant (`ReqContext.tenant`: `salt-` and a digest of the salt,
+never the salt; no salt is the default tenant).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInter
 from lmcache.v1.platform import create_event_notifier
 
 from tierkv.contract.keys import OffloadKey
+from tierkv.contract.tenants import salt_tenant
 from tierkv.driver.guarded import GuardedTier
 from tierkv.driver.miss_log import MissLog
 from tierkv.integrations.lmcache.chains import SizeChain, SizeChains, sizes_on_disk
@@ -58,6 +63,9 @@ from tierkv.integrations.lmcache.tasks import Completions, Parts, TaskIds
 __all__ = ["TierkvL2Adapter"]
 
 logger = logging.getLogger(__name__)
+
+SALT_NAMES = 4096
+"""Cache salts whose tenant names are kept (computed again past that)."""
 
 PAGE_LIMIT = 10_000
 """The most keys one `list_l2_keys` page returns (a larger `page_size` gets this many
@@ -84,6 +92,7 @@ class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._running = 0
         self._closed = False
         self._misses = MissLog(logger)
+        self._salt_names: dict[str, str | None] = {}
         try:
             # sizes an nvme tier holds from an earlier process open too: the shared
             # capacity counts their blocks from the start
@@ -124,8 +133,8 @@ class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             self._stores.put(task_id, L2StoreResult(len(stored) == asked, moved))
 
         parts = Parts(len(work), finish)
-        for size, items in work.items():
-            self._start(size, items, "store", stored, parts)
+        for (size, tenant), items in work.items():
+            self._start(size, items, "store", stored, parts, tenant)
 
     def pop_completed_store_tasks(self) -> dict[int, Any]:
         return self._stores.take_all()
@@ -154,16 +163,23 @@ class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             self._end()
             self._lookups.put(task_id, bitmap)
 
-        parts = Parts(len(chains) if keys else 0, finish)
+        by_tenant = self._by_tenant(keys)
+        parts = Parts(len(chains) * len(by_tenant) if keys else 0, finish)
 
-        def answered(flags: list[bool]) -> None:
-            with lock:
-                for i, flag in enumerate(flags):
-                    found[i] = found[i] or flag
-            parts.done()
+        def answerer(at: Sequence[int]) -> Callable[[list[bool]], None]:
+            def answered(flags: list[bool]) -> None:
+                with lock:
+                    for i, flag in zip(at, flags):
+                        found[i] = found[i] or flag
+                parts.done()
 
-        for one in chains:
-            one.chain.start_lookup(okeys, owner, answered)
+            return answered
+
+        for tenant, at in by_tenant.items():
+            asked = okeys if len(at) == len(okeys) else [okeys[i] for i in at]
+            answered = answerer(at)
+            for one in chains:
+                one.chain.start_lookup(asked, owner, answered, tenant)
 
     def query_lookup_and_lock_result(self, task_id: int) -> Any:
         return self._lookups.take(task_id)
@@ -210,8 +226,8 @@ class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             self._loads.put(task_id, bitmap)
 
         parts = Parts(len(work), finish)
-        for size, items in work.items():
-            self._start(size, items, "load", loaded, parts)
+        for (size, tenant), items in work.items():
+            self._start(size, items, "load", loaded, parts, tenant)
 
     def query_load_result(self, task_id: int) -> Any:
         return self._loads.take(task_id)
@@ -233,22 +249,46 @@ class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
 
     def _by_size(
         self, keys: Sequence[Any], okeys: Sequence[OffloadKey], objects: Sequence[Any]
-    ) -> dict[int, list[tuple[Any, OffloadKey, memoryview]]]:
-        """The task's keys (`okeys`: theirs in tierkv) by object size, each key once
-        (the first of its objects)."""
+    ) -> dict[tuple[int, str | None], list[tuple[Any, OffloadKey, memoryview]]]:
+        """The task's keys (`okeys`: theirs in tierkv) by object size and tenant, each
+        key once (the first of its objects)."""
         if len(keys) != len(objects):
             raise ValueError(f"{len(keys)} keys for {len(objects)} objects")
-        work: dict[int, list[tuple[Any, OffloadKey, memoryview]]] = {}
+        work: dict[tuple[int, str | None], list[tuple[Any, OffloadKey, memoryview]]] = {}
         seen: set[OffloadKey] = set()
         for key, okey, obj in zip(keys, okeys, objects):
             if okey in seen:
                 continue
             seen.add(okey)
             view = object_bytes(obj)
-            work.setdefault(view.nbytes, []).append((key, okey, view))
-        for size in work:
+            work.setdefault((view.nbytes, self._tenant(key)), []).append((key, okey, view))
+        for size, _ in work:
             self._chains.get(size)  # opened here, before any part starts
         return work
+
+    def _tenant(self, key: Any) -> str | None:
+        """The tenant of an `ObjectKey`: its `cache_salt` by digest; None (the
+        default) for no salt."""
+        salt = getattr(key, "cache_salt", None)
+        if not salt:
+            return None
+        names = self._salt_names
+        name = names.get(salt)
+        if name is None:
+            if len(names) >= SALT_NAMES:
+                names.clear()
+            name = names[salt] = salt_tenant(str(salt))
+        return name
+
+    def _by_tenant(self, keys: Sequence[Any]) -> dict[str | None, Sequence[int]]:
+        """The positions of the task's keys, by tenant (one tenant: all of them)."""
+        tenants = [self._tenant(k) for k in keys]
+        if len(set(tenants)) <= 1:
+            return {tenants[0] if tenants else None: range(len(keys))}
+        at: dict[str | None, list[int]] = {}
+        for i, tenant in enumerate(tenants):
+            at.setdefault(tenant, []).append(i)
+        return dict(at)
 
     def _start(
         self,
@@ -257,8 +297,10 @@ class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         kind: str,
         done: dict[OffloadKey, tuple[Any, int]],
         parts: Parts,
+        tenant: str | None = None,
     ) -> None:
-        """One size's part of a task on its chain; `done` gets the keys it moved."""
+        """One size's (and tenant's) part of a task on its chain; `done` gets the keys
+        it moved."""
         one: SizeChain = self._chains.get(size)
         try:
             slots = one.slots.lend([view for _, _, view in items])
@@ -278,7 +320,7 @@ class TierkvL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             self._held(tier, [(k, by_okey[k], size) for k in keys if k in by_okey])
 
         start = one.chain.start_store if kind == "store" else one.chain.start_load
-        start(okeys, slots, moved, held)
+        start(okeys, slots, moved, held, tenant)
 
     def _fail(self, kind: str, task_id: int, keys: Any) -> None:
         """A task that could not start: failed as a whole, through its event fd."""

@@ -235,17 +235,20 @@ class RegionPool:
                 split[self.component_of[j]].append(key)
         return split
 
-    def present(self, page_hashes: Sequence[str], owner: str | None = None) -> list[bool]:
+    def present(
+        self, page_hashes: Sequence[str], owner: str | None = None, tenant: str | None = None
+    ) -> list[bool]:
         """Per page: every region is held by some tier. With an `owner` (one
         `batch_exists` call) the regions found are claimed in their tiers until the
         load that reads them ends (`move`) or the tier's `claim_lease` runs out, so a
-        store in between cannot evict what SGLang was told it will find."""
+        store in between cannot evict what SGLang was told it will find. The tiers are
+        asked for `tenant` (`ReqContext.tenant`)."""
         per_page = self.keys(page_hashes)
         found: dict[OffloadKey, bool] = {}
         end = time.monotonic() + self._deadline("lookup")
         for component, keys in zip(self.components, self._split(per_page)):
             budget = end - time.monotonic()
-            flags = component.chain.present(keys, budget, owner)
+            flags = component.chain.present(keys, budget, owner, tenant)
             found.update(zip(keys, flags))
             if owner is not None:
                 self._claims.note(owner, [k for k, f in zip(keys, flags) if f])
@@ -320,10 +323,16 @@ class RegionPool:
             )
         return slot.tolist()  # type: ignore[no-any-return]
 
-    def move(self, kind: str, page_hashes: Sequence[str], host_indices: Any) -> list[bool]:
-        """Load or store the pages at `host_indices` (`page_size` indices a page); per
-        page: every region moved. A page asked twice in one load: only its first copy
-        is filled, the other answers False."""
+    def move(
+        self,
+        kind: str,
+        page_hashes: Sequence[str],
+        host_indices: Any,
+        tenant: str | None = None,
+    ) -> list[bool]:
+        """Load or store the pages at `host_indices` (`page_size` indices a page) for
+        `tenant`; per page: every region moved. A page asked twice in one load: only its
+        first copy is filled, the other answers False."""
         if len(host_indices) != len(page_hashes) * self.page_size:
             raise ValueError(
                 f"pool {self.name}: {len(host_indices)} host indices for "
@@ -347,7 +356,7 @@ class RegionPool:
         end = time.monotonic() + self._deadline("job")
         for component, pairs in zip(self.components, work):
             move = component.chain.load if kind == "load" else component.chain.store
-            done |= move(list(pairs), list(pairs.values()), end - time.monotonic())
+            done |= move(list(pairs), list(pairs.values()), end - time.monotonic(), tenant)
             if kind == "load" and self._claims:  # the claims that promised these are done
                 for owner, claimed in self._claims.ending(list(pairs)).items():
                     component.chain.let_go(owner, claimed)

@@ -7,7 +7,8 @@ primary (`regions.RegionPool`: each page region a slot, read and written in plac
 tiers run on the process's one event-loop thread through the shared guarded-tier
 driver (`tierkv.driver.SyncChain` over `GuardedTier`: breaker, in-flight budget,
 answer checks, deadline backstop, reopen). This class only translates SGLang's calls:
-page hashes to keys, host indices to slots, key sets to per-page answers.
+page hashes to keys, host indices to slots, key sets to per-page answers, a call's
+`extra_info` to its tenant (`tenants.py`: stock SGLang passes none).
 
 SGLang calls it synchronously from its own threads (a prefetch thread asks
 `batch_exists`, an I/O thread `batch_get_v1` in slices of 128 pages, a backup thread
@@ -43,6 +44,7 @@ from tierkv.integrations.sglang.metrics import CallMetrics
 from tierkv.integrations.sglang.pages import key_bytes, read_geometry
 from tierkv.integrations.sglang.regions import ChainFactory, RegionPool, restorable_ends
 from tierkv.integrations.sglang.settings import ChainSettings, check_keys, rank_suffix, resolve
+from tierkv.integrations.sglang.tenants import tenant_of
 from tierkv.registry import get_tier_class
 
 __all__ = ["TierkvHiCacheStorage"]
@@ -183,7 +185,7 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if kv is None or not keys:
             return 0
         owner = self._exists_owner()
-        present = kv.present(keys, owner=owner)
+        present = kv.present(keys, owner=owner, tenant=tenant_of(extra_info))
         hit = present.index(False) if False in present else len(keys)
         kv.unclaim(owner, keys[hit:])  # SGLang fetches the leading pages only
         return hit
@@ -197,7 +199,7 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     ) -> list[bool]:
         """Read each page's regions into the host pool in place; True per page read
         whole."""
-        return self._transfer("load", keys, host_indices)
+        return self._transfer("load", keys, host_indices, tenant_of(extra_info))
 
     @_never_raises(_all_false)
     def batch_set_v1(
@@ -211,14 +213,16 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         (SGLang's `is_storage_writer`) writes them, the others answer True."""
         if not self.is_writer:
             return [True] * len(keys)
-        return self._transfer("store", keys, host_indices)
+        return self._transfer("store", keys, host_indices, tenant_of(extra_info))
 
-    def _transfer(self, kind: str, keys: Sequence[str], host_indices: Any) -> list[bool]:
+    def _transfer(
+        self, kind: str, keys: Sequence[str], host_indices: Any, tenant: str | None = None
+    ) -> list[bool]:
         kv = self._ready()
         if kv is None or not keys:
             return [False] * len(keys)
         started = time.perf_counter()
-        answers = kv.move(kind, keys, host_indices)
+        answers = kv.move(kind, keys, host_indices, tenant)
         self._count(kind, keys, answers, time.perf_counter() - started)
         return answers
 
@@ -312,6 +316,7 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         """The KV pages present from the start, narrowed by each extra pool's rule;
         `restorable_prefix_pages` lists every end all pools can serve."""
         kv_pages = self.batch_exists(keys, extra_info)
+        tenant = tenant_of(extra_info)
         hits: dict[str, int] = {str(PoolName.KV): kv_pages} if kv_pages else {}
         restorable = list(range(1, kv_pages + 1))
         for transfer in pool_transfers or []:
@@ -320,7 +325,7 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             sidecar = self.sidecars.get(str(transfer.name))
             if sidecar is None:
                 return PoolTransferResult(0, hits, [])  # a pool tierkv does not hold
-            present = sidecar.present(keys[:kv_pages], owner=self._exists_owner())
+            present = sidecar.present(keys[:kv_pages], owner=self._exists_owner(), tenant=tenant)
             policy = getattr(transfer.hit_policy, "value", str(transfer.hit_policy))
             verdict = restorable_ends(kv_pages, present, policy, len(transfer.keys or []))
             if verdict is None:
@@ -336,15 +341,17 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
-        return self._transfer_v2("load", transfers)
+        return self._transfer_v2("load", transfers, tenant_of(extra_info))
 
     @_never_raises(_v2_misses)
     def batch_set_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
-        return self._transfer_v2("store", transfers)
+        return self._transfer_v2("store", transfers, tenant_of(extra_info))
 
-    def _transfer_v2(self, kind: str, transfers: list[PoolTransfer]) -> dict[str, list[bool]]:
+    def _transfer_v2(
+        self, kind: str, transfers: list[PoolTransfer], tenant: str | None = None
+    ) -> dict[str, list[bool]]:
         """Each transfer's pages to or from its pool; a pool tierkv does not hold (or a
         transfer that fails) answers misses for its pages alone."""
         results: dict[str, list[bool]] = {}
@@ -355,7 +362,9 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 results[str(transfer.name)] = [False] * len(keys)
                 continue
             try:
-                results[str(transfer.name)] = sidecar.move(kind, keys, transfer.host_indices)
+                results[str(transfer.name)] = sidecar.move(
+                    kind, keys, transfer.host_indices, tenant
+                )
             except Exception as exc:
                 self._failed(f"batch_{'get' if kind == 'load' else 'set'}_v2", exc)
                 results[str(transfer.name)] = [False] * len(keys)

@@ -31,8 +31,13 @@ ENTRY_KEYS = (
     "locality",
     "shutdown_grace",
     "drain_timeout",
+    "tenant_from",
 )
 """The keys a `tierkv` entry of `secondary_tiers` may carry (besides vLLM's own)."""
+
+TENANT_SOURCES = ("cache_salt", "lora", "none")
+"""What a request's tenant (`ReqContext.tenant`) is read from: its `cache_salt` (named
+by a digest), its LoRA adapter's name, or nothing (every request the default tenant)."""
 
 # vLLM's labels for where each first-party tier type keeps its blocks (a `kv_load_tiers`
 # filter and the hit-source metrics read them); other types default to STORAGE with
@@ -158,6 +163,7 @@ class TierkvEntry:
     locality: str | None = None  # vLLM's Locality name
     shutdown_grace: float = 10.0  # seconds jobs in flight get at shutdown
     drain_timeout: float | None = None  # seconds drain_jobs waits; None: job_timeout + grace
+    tenant_from: str = "cache_salt"  # one of TENANT_SOURCES
 
     @property
     def drain_seconds(self) -> float:
@@ -274,12 +280,18 @@ def resolve_entry(
     medium, locality = _place(entry, resolved.tier.type, where)
     grace = _seconds(entry, "shutdown_grace", where)
     drain = _seconds(entry, "drain_timeout", where)
+    tenant_from = entry.get("tenant_from", "cache_salt")
+    if tenant_from not in TENANT_SOURCES:
+        raise _problem(
+            f"{where}.tenant_from", f": {tenant_from!r} is not one of {', '.join(TENANT_SOURCES)}"
+        )
     return replace(
         resolved,
         medium=medium,
         locality=locality,
         shutdown_grace=10.0 if grace is None else grace,
         drain_timeout=drain,
+        tenant_from=tenant_from,
     )
 
 

@@ -19,7 +19,8 @@ evicts by itself keeps it until the request's load has read it, the request ends
 `claim_lease` runs out), so a store cascade in between cannot evict what the lookup
 promised. Reuse vLLM reports (`touch`) is forwarded to the tier once per step; `get_stats`
 adds what only the tier knows to vLLM's metrics (`metrics.py`); `drain_jobs` is
-bounded by `drain_timeout`.
+bounded by `drain_timeout`. Each request's tenant (its `cache_salt` or LoRA name, as
+`tenant_from` says: `tenants.py`) rides on its lookups and jobs (`ReqContext.tenant`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from tierkv.driver.loop_thread import LoopThread
 from tierkv.integrations.vllm import metrics
 from tierkv.integrations.vllm.lookups import LookupBook
 from tierkv.integrations.vllm.settings import geometry_of, index_of, resolve_entry
+from tierkv.integrations.vllm.tenants import install_hook, tenant_of
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +120,16 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
         # labelled as vLLM labels this tier in its own metrics, so the two join
         self._metrics = metrics.TierMetrics(f"{'?' if index is None else index + 1}:{tier_type}")
         self._touched: list[OffloadKey] = []
+        self._tenant_from = resolved.tenant_from
+        # request id -> its tenant, for requests that have one (lookups name only ids)
+        self._tenants: dict[str, str] = {}
+        if self._tenant_from != "none" and not install_hook():
+            logger.warning(
+                "tierkv tier %s: this vLLM does not build offloading contexts where tierkv "
+                "can read a request's %s; every request counts as the default tenant",
+                resolved.name,
+                self._tenant_from,
+            )
         self._row_bytes = row_bytes
         self._view: PrimaryView | None = PrimaryView(primary_kv_view, row_bytes, self.namespace)
         self._driver: GuardedTier | None = GuardedTier.create(
@@ -194,6 +206,9 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
 
     # -- vLLM's secondary-tier interface ---------------------------------------------
     def on_new_request(self, req_context: VllmReqContext) -> RequestOffloadingContext:
+        tenant = tenant_of(req_context, self._tenant_from)
+        if tenant is not None:
+            self._tenants[req_context.req_id] = tenant
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: VllmReqContext) -> LookupResult:
@@ -229,6 +244,7 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
     def on_request_finished(self, req_context: VllmReqContext) -> None:
         self._lookups.release(req_context.req_id)
         request_id = req_context.req_id
+        self._tenants.pop(request_id, None)
         if not self._closed and self._loop.is_alive():
 
             async def end_claims() -> None:
@@ -322,7 +338,11 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
         keys = tuple(job.keys)
         nbytes = len(keys) * self._row_bytes
         try:  # built first: a job that cannot run never takes the breaker's probe
-            ctx = ReqContext(request_id=job.req_context.req_id, tags=_VLLM_TAGS)
+            ctx = ReqContext(
+                request_id=job.req_context.req_id,
+                tags=_VLLM_TAGS,
+                tenant=self._tenant(job.req_context),
+            )
             tk_job = JobMetadata(job.job_id, keys, tuple(job.chunk_ids.tolist()), ctx)
         except (ValueError, TypeError) as exc:
             self._jobs.add(job.job_id, (kind, nbytes, keys, False))
@@ -427,7 +447,7 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
             found = None
             driver = self._driver
             if driver is not None:
-                ctx = ReqContext(request_id=request_id)
+                ctx = ReqContext(request_id=request_id, tenant=self._tenants.get(request_id))
 
                 def claim(flags: list[bool]) -> None:  # as the tier answers: nothing
                     self._claim(driver, request_id, keys, flags)  # evicted yet
@@ -443,6 +463,12 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
         async with anyio.create_task_group() as group:
             for request_id, pairs in batch.items():
                 group.start_soon(one, request_id, pairs)
+
+    def _tenant(self, req_context: VllmReqContext) -> str | None:
+        """The request's tenant: noted when it arrived, else read from its context (a
+        store vLLM submits after the request finished)."""
+        tenant = self._tenants.get(req_context.req_id)
+        return tenant if tenant is not None else tenant_of(req_context, self._tenant_from)
 
     def _claim(
         self, driver: GuardedTier, request_id: str, keys: list[OffloadKey], found: list[bool]
