@@ -2,7 +2,7 @@
 
 Everything here runs in worker threads (the binding's calls block: an RPC to the
 master, a transfer to or from another node's segment). The tier's coroutines hop here
-once per batch of blocks, never per block.
+once per lane of a job (a thread that moves batch after batch), never per block.
 
 The binding (`mooncake.store.MooncakeDistributedStore`, 0.3.13) answers each key of a
 batched call with an int: bytes moved (a get), 0 (a put or remove), or a negative

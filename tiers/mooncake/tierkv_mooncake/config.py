@@ -100,7 +100,9 @@ class MooncakeTierConfig(TierConfig):
         "moves its batches `concurrency` at a time",
     )
     concurrency: PositiveInt = Field(
-        default=2, description="batched calls of one job in flight (each in a worker thread)"
+        default=2,
+        description="batched calls of the tier in flight: a job moves in this many lanes, "
+        "each a worker thread taking batch after batch",
     )
     transfer_timeout: Duration | None = Field(
         default=None,
