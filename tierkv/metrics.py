@@ -163,6 +163,14 @@ TENANT_COUNTERS: dict[str, tuple[str, str]] = {
         "tenant_load_failed_blocks",
         "Blocks the tenant's loads reported failed (recomputed)",
     ),
+    "evicted_blocks": (
+        "tenant_evicted_blocks",
+        "Blocks of the tenant's the primary evicted (to make room for any store or promotion)",
+    ),
+    "declined_blocks": (
+        "tenant_declined_blocks",
+        "Blocks of the tenant's a quota declined (tenants.quotas), on any tier",
+    ),
 }
 TENANT_GAUGES: dict[str, tuple[str, str]] = {
     "primary_bytes": (

@@ -51,6 +51,7 @@ from tierkv.contract.units import Size, format_size
 from tierkv.layout import KVLayout
 from tierkv.pinning import HostMemory
 from tierkv.policies import CanEvict, EvictionPolicy, evict_any, make_policy
+from tierkv.quotas.book import QuotaBook, tenant_name
 from tierkv.room import Kind, RoomWaiters
 
 logger = logging.getLogger(__name__)
@@ -155,6 +156,7 @@ class PrimaryTier:
         self.promotion_share = 0  # slots promotions may hold at once (`set_promotion_share`)
         self._staged = 0  # slots promotions hold now
         self._waiters = RoomWaiters()
+        self.quotas: QuotaBook | None = None  # per-tenant quotas (`set_quotas`)
 
     @classmethod
     def from_config(cls, config: PrimaryConfig, layout: KVLayout, namespace: str) -> PrimaryTier:
@@ -247,6 +249,23 @@ class PrimaryTier:
         get = self._blocks.get
         return [k for k in keys if (b := get(k)) is not None and b.ready]
 
+    # -- quotas: how much each tenant may hold ---------------------------------------
+    def set_quotas(self, book: QuotaBook | None) -> None:
+        """Hold each tenant to its quota (`tierkv.quotas.book`): from now on a store or
+        promotion takes room by the book's rule and the book counts who holds what.
+        Set before the first block is placed (blocks placed before belong to no one,
+        which the book counts as the default tenant's)."""
+        self.quotas = book
+
+    def at_quota(self, tenant: str | None) -> bool:
+        """Whether a store of `tenant` can only evict its own blocks now: it holds its
+        cap or more, and may take no free slot. False without quotas."""
+        book = self.quotas
+        if book is None:
+            return False
+        name = tenant_name(tenant)
+        return book.over(name) and not book.usable_free(name, len(self._free))
+
     # -- room: who may take how many slots --------------------------------------------
     def set_promotion_share(self, slots: int) -> None:
         """Let promotions hold up to `slots` slots at once (0: no promotions, stores
@@ -336,6 +355,14 @@ class PrimaryTier:
         reserved slots are WRITING until `complete_store`.
         """
         new_keys = list(dict.fromkeys(k for k in keys if k not in self._blocks))
+        book = self.quotas
+        if book is not None:  # the default tenant's store, by the quotas' rule
+            name = tenant_name(None)
+            free = book.usable_free(name, len(self._free))
+            can_evict = book.victim_filter(
+                name, min(free, len(new_keys)), self._victim_filter(keys, may_evict)
+            )
+            return self._reserve(new_keys, max(len(new_keys) - free, 0), can_evict)
         shortfall = len(new_keys) - len(self._free)
         if shortfall > 0 and may_evict is None:
             protected_evictable = sum(
@@ -346,31 +373,47 @@ class PrimaryTier:
         return self._reserve(new_keys, max(shortfall, 0), self._victim_filter(keys, may_evict))
 
     def prepare_store_prefix(
-        self, keys: Sequence[OffloadKey], *, may_evict: CanEvict | None = None
+        self,
+        keys: Sequence[OffloadKey],
+        *,
+        may_evict: CanEvict | None = None,
+        tenant: str | None = None,
     ) -> PrepareStoreOutput:
         """Like `prepare_store`, but reserve the longest prefix of the new keys that
-        fits (possibly none) instead of all or nothing."""
+        fits (possibly none) instead of all or nothing. With quotas (`set_quotas`),
+        the room is `tenant`'s by the book's rule and the new blocks are its."""
         blocks = self._blocks
         new_keys = [k for k in keys if k not in blocks]
         # all new (the common case): none of `keys` is resident, none to protect
         protected: set[OffloadKey] | None = None if len(new_keys) < len(keys) else set()
         new_keys = list(dict.fromkeys(new_keys))
         can_evict = self._victim_filter(keys, may_evict, protected)
-        admitted, victims = self.policy.admit_prefix(
-            new_keys, len(self._free), can_evict, pinned=True
-        )
-        return self._place(admitted, victims)
+        free = len(self._free)
+        book = self.quotas
+        if book is None:
+            admitted, victims = self.policy.admit_prefix(new_keys, free, can_evict, pinned=True)
+            return self._place(admitted, victims)
+        name = tenant_name(tenant)
+        free = book.usable_free(name, free)
+        can_evict = book.victim_filter(name, min(free, len(new_keys)), can_evict)
+        admitted, victims = self.policy.admit_prefix(new_keys, free, can_evict, pinned=True)
+        return self._place(admitted, victims, name)
 
     def prepare_promotion(
-        self, keys: Sequence[OffloadKey], *, may_evict: CanEvict | None = None
+        self,
+        keys: Sequence[OffloadKey],
+        *,
+        may_evict: CanEvict | None = None,
+        tenant: str | None = None,
     ) -> PrepareStoreOutput:
         """Reserve slots for the longest prefix of `keys` (none resident) that fits the
-        promotions' share and the room, evicting only what `may_evict` allows. The
-        slots are WRITING and count against the share until `complete_store`."""
+        promotions' share and the room, evicting only what `may_evict` allows (and,
+        with quotas, what `tenant` may take). The slots are WRITING and count against
+        the share until `complete_store`."""
         room = self.promotion_share - self._staged
         if room <= 0:
             return PrepareStoreOutput([], [], [])
-        prepared = self.prepare_store_prefix(keys[:room], may_evict=may_evict)
+        prepared = self.prepare_store_prefix(keys[:room], may_evict=may_evict, tenant=tenant)
         blocks = self._blocks
         for key in prepared.keys_to_store:
             blocks[key].staged = True
@@ -385,9 +428,16 @@ class PrimaryTier:
             return None
         return self._place(new_keys, victims)
 
-    def _place(self, new_keys: list[OffloadKey], victims: list[OffloadKey]) -> PrepareStoreOutput:
-        """Free the victims' slots and give them to `new_keys` (WRITING, pinned)."""
+    def _place(
+        self, new_keys: list[OffloadKey], victims: list[OffloadKey], tenant: str | None = None
+    ) -> PrepareStoreOutput:
+        """Free the victims' slots and give them to `new_keys` (WRITING, pinned), which
+        `tenant` owns when there are quotas."""
         blocks, free = self._blocks, self._free
+        book = self.quotas
+        if book is not None:
+            book.remove(victims)
+            book.add(tenant_name(tenant), new_keys)
         if victims:
             pop = blocks.pop
             free.extend([pop(key).slot for key in victims])
@@ -443,6 +493,8 @@ class PrimaryTier:
                 del blocks[key]
                 self.policy.discard(key)
                 self._free.append(block.slot)
+                if self.quotas is not None:
+                    self.quotas.remove((key,))
         self._staged -= staged
         if done:
             self._emit(OffloadingEvent(tuple(done), MEDIUM, removed=False))

@@ -63,6 +63,8 @@ async def test_each_tenant_counts_its_own_calls() -> None:
         "load_failed_blocks": 0,
         "primary_blocks": 3,
         "primary_bytes": 3 * BLOCK,
+        "evicted_blocks": 0,
+        "declined_blocks": 0,
     }
     g = tenants["globex"]
     assert (g["lookups"], g["hits"], g["misses"]) == (1, 2, 0)

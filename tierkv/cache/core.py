@@ -26,6 +26,8 @@ from tierkv.contract.events import OffloadingEvent
 from tierkv.driver import GuardedTier
 from tierkv.driver.claims import ClaimLedger
 from tierkv.primary import PrimaryTier
+from tierkv.quotas.book import QuotaBook, tenant_name
+from tierkv.quotas.config import PRIMARY_KEY
 from tierkv.stats import TierStats
 
 logger = logging.getLogger(__name__)
@@ -112,6 +114,13 @@ class CacheCore:
         # per-tenant counts; the primary's evictions end its blocks' ownership
         self.tenants = TenantLedger(self.block_bytes, config.tenants.report_top)
         self.events = EventLog(primary, on_evicted=self.tenants.evicted)
+        quotas = config.tenants.quotas
+        if PRIMARY_KEY in quotas:  # each tenant held to its share of the primary
+            primary.set_quotas(
+                QuotaBook(
+                    quotas[PRIMARY_KEY], primary.num_blocks, self.block_bytes, tier=PRIMARY_KEY
+                )
+            )
         self.primary_stats = TierStats()
         # promotions hold at most this share of the primary; stores leave its unheld
         # part alone (none when no tier can be promoted from)
@@ -184,6 +193,14 @@ class CacheCore:
 
     def next_job_id(self) -> int:
         return next(self.job_ids)
+
+    def quota_declined(self, tenant: str | None, n: int, tier: str) -> None:
+        """A quota of `tier` declined `n` blocks of `tenant`'s: counted per tenant and
+        in the tier's book."""
+        self.tenants.declined(tenant, n)
+        book = self.primary.quotas if tier == PRIMARY_KEY else None
+        if book is not None:
+            book.note_declined(tenant_name(tenant), n)
 
     def emit_tier(self, handle: GuardedTier, keys: Sequence[Any], removed: bool) -> None:
         if keys:

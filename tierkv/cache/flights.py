@@ -43,7 +43,7 @@ class FlightRunner:
         mine = [k for k in chunk if index.flight(k) is None and k not in primary]
         if not mine:
             return None, None
-        prepared = primary.prepare_promotion(mine, may_evict=index.is_clean)
+        prepared = primary.prepare_promotion(mine, may_evict=index.is_clean, tenant=ctx.tenant)
         got = prepared.keys_to_store
         refused = mine[len(got)] if len(got) < len(mine) else None
         if not got:

@@ -28,6 +28,8 @@ from tierkv.cache.results import StoreResult
 from tierkv.cache.writeback import WriteBack
 from tierkv.contract.jobs import ReqContext
 from tierkv.contract.keys import OffloadKey
+from tierkv.contract.units import format_size
+from tierkv.quotas.book import tenant_name
 from tierkv.room import Kind
 
 _NO_CTX = ReqContext()
@@ -130,6 +132,7 @@ class StoreRun:
         self.placed: list[OffloadKey] = []  # stored, not yet told to the watch (needed lazily)
         self.deadline = float("inf")  # set when the run starts
         self.streaming = False  # a window had to be smaller than the rest
+        self.quota_declined = False  # the rest was declined for the tenant's quota
 
     async def run(self, src: BlockSource) -> StoreResult:
         """Place every new key, settle what others were writing; on no room, reject
@@ -148,6 +151,8 @@ class StoreRun:
             self.reject_rest()
         self.core.counters.store_skipped += len(self.skipped)  # counted once the store ran
         self.core.tenants.stored(self.ctx.tenant, len(self.stored), len(self.rejected))
+        if self.quota_declined and self.rejected:
+            self.core.quota_declined(self.ctx.tenant, len(self.rejected), "primary")
         if len(self.already) != self._resident:  # some were settled later: key order
             self.already.sort(key=self.position.__getitem__)
         return StoreResult(
@@ -200,6 +205,9 @@ class StoreRun:
         else:
             want = self.new[self.pos : self.pos + min(self.window, rest)]
         if not got:
+            if self.primary.at_quota(self.ctx.tenant):
+                self.error = self._quota_full()
+                return False
             self.error = await self._await_room(want)
             return self.error is None
         await self._copy(src, got, slots)
@@ -227,7 +235,7 @@ class StoreRun:
             watch.placed(self.placed)
             self.placed.clear()
         veto = watch.may_evict if watch.unsafe or self.core.index.dirty_count else None
-        prepared = self.primary.prepare_store_prefix(want, may_evict=veto)
+        prepared = self.primary.prepare_store_prefix(want, may_evict=veto, tenant=self.ctx.tenant)
         return prepared.keys_to_store, prepared.slots
 
     async def _copy(self, src: BlockSource, got: list[OffloadKey], slots: list[int]) -> None:
@@ -333,6 +341,20 @@ class StoreRun:
             timeout = self.core.config.store_timeout
             return f"no room in the primary tier within store_timeout ({timeout:g}s)"
         return None
+
+    def _quota_full(self) -> str:
+        """The store's tenant holds its primary quota and none of its own blocks may
+        be evicted now: the rest is declined (never another tenant's block taken)."""
+        self.quota_declined = True
+        book = self.primary.quotas
+        assert book is not None
+        name = tenant_name(self.ctx.tenant)
+        cap = book.cap(name) or 0
+        return (
+            f"tenant {name!r} holds its quota of the primary tier "
+            f"({format_size(cap * self.core.block_bytes)}) and none of its own blocks can "
+            "be evicted now (being read, written, or not yet taken by a lower tier)"
+        )
 
     def _room_now(self, want: Sequence[OffloadKey]) -> bool:
         """Whether a slot for the next key is there now (free, or a victim this store

@@ -50,6 +50,8 @@ class TenantCounts:
     loaded_blocks: int = 0  # blocks a load copied out
     load_failed_blocks: int = 0  # blocks a load reported failed (recompute)
     primary_blocks: int = 0  # blocks of the tenant's in the primary now
+    evicted_blocks: int = 0  # blocks of the tenant's the primary evicted
+    declined_blocks: int = 0  # blocks a quota declined (any tier)
 
     @property
     def moved(self) -> int:
@@ -117,10 +119,18 @@ class TenantLedger:
         """The primary evicted `keys`: their owners hold them no more."""
         owner = self._owner
         if not owner:
+            self.default.evicted_blocks += len(keys)
             return
         for c, n in Counter(map(owner.pop, keys, repeat(None, len(keys)))).items():
-            if c is not None:
+            if c is None:
+                self.default.evicted_blocks += n
+            else:
                 c.primary_blocks -= n
+                c.evicted_blocks += n
+
+    def declined(self, tenant: str | None, n: int) -> None:
+        """A quota declined `n` blocks of `tenant`'s."""
+        self.counts(tenant).declined_blocks += n
 
     # -- reports -------------------------------------------------------------------
     def report(self, resident: int) -> dict[str, dict[str, int]]:
@@ -160,6 +170,8 @@ class TenantLedger:
             "load_failed_blocks": c.load_failed_blocks,
             "primary_blocks": c.primary_blocks,
             "primary_bytes": c.primary_blocks * b,
+            "evicted_blocks": c.evicted_blocks,
+            "declined_blocks": c.declined_blocks,
         }
 
     def __len__(self) -> int:

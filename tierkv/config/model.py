@@ -12,6 +12,7 @@ from pydantic import (
     SerializeAsAny,
     SerializerFunctionWrapHandler,
     model_serializer,
+    model_validator,
 )
 
 from tierkv.contract.redact import mask_secrets
@@ -19,6 +20,7 @@ from tierkv.contract.tier import TierConfig
 from tierkv.contract.units import Duration
 from tierkv.layout import KVLayout
 from tierkv.primary import PrimaryConfig
+from tierkv.quotas.config import PRIMARY_KEY, TierQuotas
 
 
 class TenantsConfig(BaseModel):
@@ -33,6 +35,18 @@ class TenantsConfig(BaseModel):
         description="tenants named in stats().tenants and the tierkv_tenant_* metrics: the "
         "ones that moved the most blocks (stored + loaded); the rest are summed as `other`, "
         "so a metric has at most report_top + 1 tenant labels",
+    )
+    isolate: bool = Field(
+        default=False,
+        description="keep each tenant's blocks apart even where their keys match: the "
+        "same token blocks stored by two tenants are two blocks, and neither tenant's "
+        "lookup finds the other's (a faster hit then reveals nothing of another "
+        "tenant's prompts; costs the sharing of common prefixes across tenants)",
+    )
+    quotas: dict[str, TierQuotas] = Field(
+        default_factory=dict,
+        description="per-tier byte quotas per tenant: `primary` or a tier's name -> "
+        "{default, borrow, tenants}; see docs/tenants.md",
     )
 
 
@@ -103,6 +117,23 @@ class CacheConfig(BaseModel):
         default_factory=TenantsConfig,
         description="per-tenant accounting: how many tenants reports name",
     )
+
+    @model_validator(mode="after")
+    def _quotas_name_tiers(self) -> CacheConfig:
+        """Each `tenants.quotas` key is `primary` or a tier of the chain."""
+        names = self.tier_names()
+        if PRIMARY_KEY in names and PRIMARY_KEY in self.tenants.quotas:
+            raise ValueError(
+                f"tenants.quotas.{PRIMARY_KEY} means the primary tier, and a tier is named "
+                f"{PRIMARY_KEY!r} too: rename that tier (its `name:`)"
+            )
+        unknown = [k for k in self.tenants.quotas if k != PRIMARY_KEY and k not in names]
+        if unknown:
+            raise ValueError(
+                f"tenants.quotas names no tier of the chain: {', '.join(map(repr, unknown))}; "
+                f"use {PRIMARY_KEY!r} or a tier's name ({', '.join(map(repr, names)) or 'none'})"
+            )
+        return self
 
     @model_serializer(mode="wrap")
     def _mask_secrets(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:

@@ -1,0 +1,172 @@
+"""Who holds how many blocks of one tier, against their quotas, and whose blocks a
+store may evict.
+
+The rule, for a store (or promotion) of tenant `t` that needs room:
+
+1. Free slots first. A capped tenant takes free slots past its cap only when its
+   tier `borrow`s (the room is unused: nobody loses a block).
+2. Victims in the tier's own eviction order, each one of:
+   - `t`'s own blocks (its count stays the same: a tenant at its quota evicts its
+     own least useful blocks);
+   - blocks of tenants not named in the quotas (no guarantee: evicted as without
+     quotas), and the excess of named tenants past their quota (what they borrowed),
+     while `t` stays within its cap.
+   A named tenant's blocks up to its quota are never taken by another tenant.
+3. What is left is declined for the tier, and counted (`declined`).
+
+Named quotas are refused when they add up to more than the tier (`QuotaError`), so
+every named tenant's guarantee can be kept at once: a tenant within its quota always
+finds a free slot, an unguaranteed block or someone's excess, unless the blocks are
+held (being read or written), as without quotas.
+
+Keys are owned by the tenant whose store (or load, for a promotion) placed them,
+until they leave the tier. One dict entry per block: the book exists only for tiers
+that have quotas, so a cache without quotas pays nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+from tierkv.contract.errors import ConfigError
+from tierkv.contract.keys import OffloadKey
+from tierkv.contract.tenants import DEFAULT_TENANT
+from tierkv.contract.units import format_size
+from tierkv.quotas.config import TierQuotas
+
+CanEvict = Callable[[OffloadKey], bool]
+
+
+def tenant_name(tenant: str | None) -> str:
+    """The name a quota goes by: `default` for requests with no tenant."""
+    return tenant or DEFAULT_TENANT
+
+
+class QuotaBook:
+    """The quotas of one tier in blocks, and who holds what there (see the module
+    docstring). Not thread-safe: driven from the event loop thread."""
+
+    def __init__(
+        self, quotas: TierQuotas, capacity_blocks: int, block_bytes: int, *, tier: str
+    ) -> None:
+        self.tier = tier
+        self.capacity_blocks = capacity_blocks
+        self.block_bytes = block_bytes
+        self.borrow = quotas.borrow
+        self.limits: dict[str, int] = {
+            name: amount.blocks(capacity_blocks, block_bytes)
+            for name, amount in quotas.tenants.items()
+        }
+        self.default_cap: int | None = (
+            None if quotas.default is None else quotas.default.blocks(capacity_blocks, block_bytes)
+        )
+        tier_bytes = capacity_blocks * block_bytes
+        named = sum(
+            a.share * tier_bytes if a.share is not None else a.nbytes or 0
+            for a in quotas.tenants.values()
+        )
+        if named > tier_bytes * (1 + 1e-9):
+            listed = ", ".join(f"{n}: {a}" for n, a in quotas.tenants.items())
+            raise ConfigError(
+                f"tenants.quotas.{tier}: the named quotas ({listed}) add up to more than "
+                f"the tier holds ({format_size(tier_bytes)}); a named quota is a "
+                "guarantee, so they must fit together: lower them, or quota the smaller "
+                "tenants through `default` (a cap, not a guarantee)"
+            )
+        self.owner: dict[OffloadKey, str] = {}
+        self.held: dict[str, int] = {}
+        self.declined: dict[str, int] = {}  # blocks declined for a quota, per tenant
+        self.declined_total = 0
+
+    # -- the quota of a tenant ------------------------------------------------------------
+    def cap(self, tenant: str) -> int | None:
+        """`tenant`'s cap in blocks (None: none)."""
+        return self.limits.get(tenant, self.default_cap)
+
+    def headroom(self, tenant: str) -> int | None:
+        """Blocks `tenant` may add before its cap (negative past it; None: no cap)."""
+        cap = self.cap(tenant)
+        return None if cap is None else cap - self.held.get(tenant, 0)
+
+    def over(self, tenant: str) -> bool:
+        """Whether `tenant` holds its cap or more (a store then needs its own victims)."""
+        room = self.headroom(tenant)
+        return room is not None and room <= 0
+
+    # -- ownership ------------------------------------------------------------------------
+    def add(self, tenant: str, keys: Sequence[OffloadKey]) -> None:
+        """`keys` were placed for `tenant` (none of them was held before)."""
+        if keys:
+            self.owner.update(dict.fromkeys(keys, tenant))
+            self.held[tenant] = self.held.get(tenant, 0) + len(keys)
+
+    def remove(self, keys: Iterable[OffloadKey]) -> None:
+        """`keys` left the tier (unknown keys are ignored)."""
+        pop, held = self.owner.pop, self.held
+        for key in keys:
+            owner = pop(key, None)
+            if owner is not None:
+                left = held[owner] - 1
+                if left:
+                    held[owner] = left
+                else:
+                    del held[owner]
+
+    def note_declined(self, tenant: str, n: int) -> None:
+        if n > 0:
+            self.declined[tenant] = self.declined.get(tenant, 0) + n
+            self.declined_total += n
+
+    # -- what a store may take --------------------------------------------------------------
+    def usable_free(self, tenant: str, free: int) -> int:
+        """Free slots a store of `tenant` may take (all when it borrows or has room)."""
+        room = self.headroom(tenant)
+        if room is None or self.borrow:
+            return free
+        return max(0, min(free, room))
+
+    def victim_filter(self, tenant: str, took_free: int, base: CanEvict) -> CanEvict:
+        """The predicate for one walk of the eviction order by a store of `tenant`
+        that took `took_free` free slots: `base` (the caller's vetoes) and the rule of
+        the module docstring. Stateful: each key it accepts is taken (the walk must
+        evict exactly the keys it accepted)."""
+        owner, limits, held = self.owner, self.limits, self.held
+        room = self.headroom(tenant)
+        grow = float("inf") if room is None else max(0, room - took_free)
+        excess = {
+            name: held.get(name, 0) - cap
+            for name, cap in limits.items()
+            if name != tenant and held.get(name, 0) > cap
+        }
+
+        def may_take(key: OffloadKey) -> bool:
+            nonlocal grow
+            if not base(key):
+                return False
+            who = owner.get(key, DEFAULT_TENANT)
+            if who == tenant:
+                return True
+            if grow <= 0:
+                return False
+            if who in limits:  # guaranteed up to its quota: only its excess
+                left = excess.get(who, 0)
+                if left <= 0:
+                    return False
+                excess[who] = left - 1
+            grow -= 1
+            return True
+
+        return may_take
+
+    # -- reports ------------------------------------------------------------------------------
+    def report(self) -> dict[str, dict[str, int | None]]:
+        """Tenant -> blocks held, cap and blocks declined (tenants holding or declined)."""
+        names = set(self.held) | set(self.declined) | set(self.limits)
+        return {
+            name: {
+                "held_blocks": self.held.get(name, 0),
+                "quota_blocks": self.cap(name),
+                "declined_blocks": self.declined.get(name, 0),
+            }
+            for name in sorted(names)
+        }
