@@ -167,7 +167,9 @@ async def test_requests_without_a_tenant_are_the_default_tenants() -> None:
 
 def test_named_quotas_past_the_tier_are_refused() -> None:
     config = parse_config(chain("{primary: {tenants: {a: 60%, b: 50%}}}"))
-    with pytest.raises(ConfigError, match=r"\(a: 60%, b: 50%\) add up to more than the tier holds \(32KiB\)"):
+    with pytest.raises(
+        ConfigError, match=r"\(a: 60%, b: 50%\) add up to more than the tier holds \(32KiB\)"
+    ):
         TieredCache(config)
 
 
