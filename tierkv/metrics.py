@@ -181,6 +181,16 @@ TENANT_GAUGES: dict[str, tuple[str, str]] = {
 }
 
 
+TENANT_QUOTA_GAUGES: dict[str, tuple[str, str]] = {
+    # stats().tenants[t]["quotas"][tier] field -> (metric name, help); labelled by tier
+    "held_bytes": (
+        "tenant_quota_held_bytes",
+        "Bytes of the tier the tenant's blocks fill, on tiers with tenants.quotas",
+    ),
+    "quota_bytes": ("tenant_quota_bytes", "The tenant's quota on the tier (absent: no cap)"),
+}
+
+
 def _summary(name: str, doc: str) -> Metric:
     return Metric(name, doc, "summary")
 
@@ -312,6 +322,26 @@ class TieredCacheCollector(Collector):
                     if f in row:
                         metric.add_metric([tenant, self.namespace], float(row[f]))
                 yield metric
+        quotas = [(t, row["quotas"]) for t, row in tenants.items() if row.get("quotas")]
+        if not quotas:
+            return
+        tier_labels = ["tenant", "namespace", "tier"]
+        for f, (name, doc) in TENANT_QUOTA_GAUGES.items():
+            gauge = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=tier_labels)
+            for tenant, per_tier in quotas:
+                for tier, row in per_tier.items():
+                    if row.get(f) is not None:
+                        gauge.add_metric([tenant, self.namespace, tier], float(row[f]))
+            yield gauge
+        declined = CounterMetricFamily(
+            f"{PREFIX}_tenant_quota_declined_blocks",
+            "Blocks of the tenant's a quota of the tier declined (tenants.quotas)",
+            labels=tier_labels,
+        )
+        for tenant, per_tier in quotas:
+            for tier, row in per_tier.items():
+                declined.add_metric([tenant, self.namespace, tier], float(row["declined_blocks"]))
+        yield declined
 
 
 def registry_for(source: TieredCache | Callable[[], CacheStats]) -> CollectorRegistry:

@@ -166,17 +166,23 @@ async def test_requests_without_a_tenant_are_the_default_tenants() -> None:
 
 
 def test_named_quotas_past_the_tier_are_refused() -> None:
-    config = parse_config(chain("{primary: {tenants: {a: 60%, b: 50%}}}"))
     with pytest.raises(
-        ConfigError, match=r"\(a: 60%, b: 50%\) add up to more than the tier holds \(32KiB\)"
+        ConfigError, match=r"\(a: 60%, b: 20KiB\) add up to more than the tier holds"
     ):
-        TieredCache(config)
+        parse_config(chain("{primary: {tenants: {a: 60%, b: 20KiB}}}"))
 
 
 @pytest.mark.parametrize(
     ("quotas", "message"),
     [
-        ("{nvme: {default: 10%}}", "tenants.quotas names no tier of the chain: 'nvme'"),
+        (
+            "{nvme: {default: 10%}}",
+            "tenants.quotas: 'nvme' names no tier of the chain; use one of 'primary'",
+        ),
+        (
+            "{primary: {default: 1KiB}}",
+            r"primary.default: 1KiB is 1KiB, less than one block \(4KiB\)",
+        ),
         ("{primary: {tenants: {a: 120%}}}", "a share must be above 0% and at most 100%"),
         ("{primary: {tenants: {a: 2Gb}}}", "sizes are in bytes"),
         ("{primary: {tenants: {a: lots}}}", "is not a quota"),

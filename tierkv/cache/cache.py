@@ -94,6 +94,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         event stream (after the primary's own events)."""
         for key in keys:
             self.core.index.note_missing(key, handle.index)
+        self.core.tier_removed(handle, keys)
         self.core.emit_tier(handle, keys, removed=True)
 
     @property
@@ -191,7 +192,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
             handle.refresh_stats()
             handle.stats.foreign_blocks = getattr(handle.tier, "foreign_blocks", 0)
             tiers[handle.name] = handle.stats.snapshot()
-        return CacheStats(primary, tiers, core.tenants.report(len(self.primary)))
+        return CacheStats(primary, tiers, core.tenant_report())
 
     # -- the three calls ----------------------------------------------------------------
     async def lookup(

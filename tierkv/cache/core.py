@@ -23,11 +23,14 @@ from tierkv.cache.tenants import TenantLedger
 from tierkv.config import CacheConfig
 from tierkv.contract.errors import TierUnavailable
 from tierkv.contract.events import OffloadingEvent
+from tierkv.contract.keys import OffloadKey
+from tierkv.contract.tenants import OTHER_TENANTS
 from tierkv.driver import GuardedTier
 from tierkv.driver.claims import ClaimLedger
 from tierkv.primary import PrimaryTier
 from tierkv.quotas.book import QuotaBook, tenant_name
 from tierkv.quotas.config import PRIMARY_KEY
+from tierkv.quotas.tiers import TierQuotaGate
 from tierkv.stats import TierStats
 
 logger = logging.getLogger(__name__)
@@ -115,7 +118,13 @@ class CacheCore:
         self.tenants = TenantLedger(self.block_bytes, config.tenants.report_top)
         self.events = EventLog(primary, on_evicted=self.tenants.evicted)
         quotas = config.tenants.quotas
-        if PRIMARY_KEY in quotas:  # each tenant held to its share of the primary
+        # each tenant held to its share of the tiers that have quotas
+        self.tier_quotas: dict[int, TierQuotaGate] = {
+            h.index: TierQuotaGate(h.tier, quotas[h.name], self.block_bytes, name=h.name)
+            for h in tiers
+            if h.name in quotas
+        }
+        if PRIMARY_KEY in quotas:
             primary.set_quotas(
                 QuotaBook(
                     quotas[PRIMARY_KEY], primary.num_blocks, self.block_bytes, tier=PRIMARY_KEY
@@ -198,9 +207,45 @@ class CacheCore:
         """A quota of `tier` declined `n` blocks of `tenant`'s: counted per tenant and
         in the tier's book."""
         self.tenants.declined(tenant, n)
-        book = self.primary.quotas if tier == PRIMARY_KEY else None
+        book = self.primary.quotas
+        if tier != PRIMARY_KEY:
+            gate = next((g for g in self.tier_quotas.values() if g.name == tier), None)
+            book = None if gate is None else gate.book
         if book is not None:
             book.note_declined(tenant_name(tenant), n)
+
+    def tier_removed(self, handle: GuardedTier, keys: Sequence[OffloadKey]) -> None:
+        """`handle`'s tier no longer holds `keys`: their owners hold them no more."""
+        gate = self.tier_quotas.get(handle.index)
+        if gate is not None:
+            gate.removed(keys)
+
+    def tenant_report(self) -> dict[str, dict[str, Any]]:
+        """`stats().tenants`: the ledger's rows, each with `quotas`: per tier with
+        quotas, the bytes the tenant holds there, its quota (None: no cap) and the
+        blocks a quota declined. Tenants past the rows named are summed in `other`."""
+        report = self.tenants.report(len(self.primary))
+        books = [(PRIMARY_KEY, self.primary.quotas)]
+        books += [(g.name, g._book) for g in self.tier_quotas.values()]
+        b = self.block_bytes
+        for tier, book in books:
+            if book is None:
+                continue
+            for name, row in book.report().items():
+                target = report.get(name)
+                if target is None:
+                    if not (row["held_blocks"] or row["declined_blocks"]):
+                        continue
+                    target = report.setdefault(OTHER_TENANTS, self.tenants.empty_row())
+                    row = {**row, "quota_blocks": None}  # summed: no one quota
+                slot = target.setdefault("quotas", {}).setdefault(
+                    tier, {"held_bytes": 0, "quota_bytes": None, "declined_blocks": 0}
+                )
+                slot["held_bytes"] += (row["held_blocks"] or 0) * b
+                slot["declined_blocks"] += row["declined_blocks"] or 0
+                if row["quota_blocks"] is not None:
+                    slot["quota_bytes"] = row["quota_blocks"] * b
+        return report
 
     def emit_tier(self, handle: GuardedTier, keys: Sequence[Any], removed: bool) -> None:
         if keys:

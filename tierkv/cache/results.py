@@ -88,7 +88,7 @@ class CacheStats:
 
     primary: dict[str, Any]
     tiers: dict[str, dict[str, Any]]
-    tenants: dict[str, dict[str, int]] = field(default_factory=dict)
+    tenants: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {"primary": self.primary, "tiers": self.tiers, "tenants": self.tenants}

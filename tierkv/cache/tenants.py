@@ -133,7 +133,7 @@ class TenantLedger:
         self.counts(tenant).declined_blocks += n
 
     # -- reports -------------------------------------------------------------------
-    def report(self, resident: int) -> dict[str, dict[str, int]]:
+    def report(self, resident: int) -> dict[str, dict[str, Any]]:
         """Tenant name -> its counts (bytes too): the `report_top` tenants that moved
         the most blocks, then `other` (the rest, summed) when any is left out.
         `resident` is the primary's block count (the default tenant holds those no
@@ -155,6 +155,10 @@ class TenantLedger:
         if _active(rest):
             report[OTHER_TENANTS] = self._row(rest)
         return report
+
+    def empty_row(self) -> dict[str, Any]:
+        """A row of no counts (for a tenant only a quota book knows)."""
+        return self._row(TenantCounts())
 
     def _row(self, c: TenantCounts) -> dict[str, Any]:
         b = self.block_bytes

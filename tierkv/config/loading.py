@@ -15,7 +15,7 @@ from tierkv.config.checks import name_problems, path_problems, privacy_problems
 from tierkv.config.environment import expand
 from tierkv.config.machine import fit_problems
 from tierkv.config.messages import briefly, format_validation_error
-from tierkv.config.model import CacheConfig
+from tierkv.config.model import CacheConfig, tier_names
 from tierkv.config.reading import decode_utf8, read_yaml
 from tierkv.config.sizes import unit_problems
 from tierkv.contract.errors import ConfigError, PluginImportError, UnknownTierType
@@ -23,6 +23,7 @@ from tierkv.contract.redact import redact_text
 from tierkv.contract.tier import TierConfig
 from tierkv.contract.units import format_size
 from tierkv.primary import PrimaryConfig
+from tierkv.quotas.config import PRIMARY_KEY, quota_problems
 from tierkv.registry import get_tier_class
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ def parse_config(
 
     tiers = _parse_tiers(raw_tiers, found)
     found.errors += name_problems(tiers) + path_problems(tiers)
+    if core is not None and core.tenants.quotas and len(tiers) == len(raw_tiers):
+        found.errors += _quota_problems(core, [t for _, t in tiers])
     if core is not None and core.primary_blocks < 1:
         found.errors.append(
             f"primary.capacity: {format_size(int(core.primary.capacity))} holds no block of "
@@ -94,6 +97,21 @@ def parse_config(
     if found.errors or core is None:
         raise found.error_class([redact_text(p) for p in _unset_once(found.errors)], source=source)
     return core.model_copy(update={"tiers": [t for _, t in tiers]})
+
+
+def _quota_problems(core: CacheConfig, tiers: list[TierConfig]) -> list[str]:
+    """`tenants.quotas` against the chain (`tierkv.quotas.config.quota_problems`)."""
+    names = tier_names(tiers)
+    if PRIMARY_KEY in names:
+        return [
+            f"tenants.quotas: {PRIMARY_KEY!r} means the primary tier, and a tier is named "
+            f"{PRIMARY_KEY!r} too: rename that tier (its `name:`)"
+        ]
+    capacities: dict[str, int | None] = {PRIMARY_KEY: int(core.primary.capacity)}
+    for name, tier in zip(names, tiers):
+        capacity = getattr(tier, "capacity", None)
+        capacities[name] = int(capacity) if isinstance(capacity, int) else None
+    return quota_problems(core.tenants.quotas, capacities, int(core.layout.block_bytes))
 
 
 def _parse_tiers(raw_tiers: Any, found: _Problems) -> list[tuple[int, TierConfig]]:

@@ -12,7 +12,6 @@ from pydantic import (
     SerializeAsAny,
     SerializerFunctionWrapHandler,
     model_serializer,
-    model_validator,
 )
 
 from tierkv.contract.redact import mask_secrets
@@ -20,7 +19,7 @@ from tierkv.contract.tier import TierConfig
 from tierkv.contract.units import Duration
 from tierkv.layout import KVLayout
 from tierkv.primary import PrimaryConfig
-from tierkv.quotas.config import PRIMARY_KEY, TierQuotas
+from tierkv.quotas.config import TierQuotas
 
 
 class TenantsConfig(BaseModel):
@@ -117,23 +116,6 @@ class CacheConfig(BaseModel):
         default_factory=TenantsConfig,
         description="per-tenant accounting: how many tenants reports name",
     )
-
-    @model_validator(mode="after")
-    def _quotas_name_tiers(self) -> CacheConfig:
-        """Each `tenants.quotas` key is `primary` or a tier of the chain."""
-        names = self.tier_names()
-        if PRIMARY_KEY in names and PRIMARY_KEY in self.tenants.quotas:
-            raise ValueError(
-                f"tenants.quotas.{PRIMARY_KEY} means the primary tier, and a tier is named "
-                f"{PRIMARY_KEY!r} too: rename that tier (its `name:`)"
-            )
-        unknown = [k for k in self.tenants.quotas if k != PRIMARY_KEY and k not in names]
-        if unknown:
-            raise ValueError(
-                f"tenants.quotas names no tier of the chain: {', '.join(map(repr, unknown))}; "
-                f"use {PRIMARY_KEY!r} or a tier's name ({', '.join(map(repr, names)) or 'none'})"
-            )
-        return self
 
     @model_serializer(mode="wrap")
     def _mask_secrets(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:

@@ -26,6 +26,7 @@ that have quotas, so a cache without quotas pays nothing.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 
 from tierkv.contract.errors import ConfigError
@@ -33,6 +34,8 @@ from tierkv.contract.keys import OffloadKey
 from tierkv.contract.tenants import DEFAULT_TENANT
 from tierkv.contract.units import format_size
 from tierkv.quotas.config import TierQuotas
+
+logger = logging.getLogger(__name__)
 
 CanEvict = Callable[[OffloadKey], bool]
 
@@ -47,7 +50,13 @@ class QuotaBook:
     docstring). Not thread-safe: driven from the event loop thread."""
 
     def __init__(
-        self, quotas: TierQuotas, capacity_blocks: int, block_bytes: int, *, tier: str
+        self,
+        quotas: TierQuotas,
+        capacity_blocks: int,
+        block_bytes: int,
+        *,
+        tier: str,
+        strict: bool = True,
     ) -> None:
         self.tier = tier
         self.capacity_blocks = capacity_blocks
@@ -67,12 +76,17 @@ class QuotaBook:
         )
         if named > tier_bytes * (1 + 1e-9):
             listed = ", ".join(f"{n}: {a}" for n, a in quotas.tenants.items())
-            raise ConfigError(
+            problem = (
                 f"tenants.quotas.{tier}: the named quotas ({listed}) add up to more than "
-                f"the tier holds ({format_size(tier_bytes)}); a named quota is a "
+                f"the tier holds ({format_size(tier_bytes)} of blocks); a named quota is a "
                 "guarantee, so they must fit together: lower them, or quota the smaller "
                 "tenants through `default` (a cap, not a guarantee)"
             )
+            if strict:
+                raise ConfigError(problem)
+            # a tier's framed capacity is known only once open: say so, keep going (the
+            # guarantees may then not all hold at once)
+            logger.warning("%s", problem)
         self.owner: dict[OffloadKey, str] = {}
         self.held: dict[str, int] = {}
         self.declined: dict[str, int] = {}  # blocks declined for a quota, per tenant

@@ -24,7 +24,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
 
 from tierkv.contract.tenants import DEFAULT_TENANT, OTHER_TENANTS
-from tierkv.contract.units import parse_size
+from tierkv.contract.units import format_size, parse_size
 
 PRIMARY_KEY = "primary"
 """The key of `tenants.quotas` that means the primary tier."""
@@ -116,3 +116,56 @@ class TierQuotas(BaseModel):
                 raise ValueError(
                     f"a tenant name may not be empty; the default tenant is {DEFAULT_TENANT!r}"
                 )
+
+
+def quota_problems(
+    quotas: dict[str, TierQuotas],
+    tiers: dict[str, int | None],
+    block_bytes: int,
+) -> list[str]:
+    """What is wrong with `tenants.quotas` against the chain: `tiers` maps `primary`
+    and each tier's name to its capacity in bytes (None when its config has none).
+    Keys that name no tier, a tier named `primary`, named quotas that add up to more
+    than the tier (they are guarantees), and quotas smaller than one block."""
+    problems: list[str] = []
+    unknown = [k for k in quotas if k not in tiers]
+    if unknown:
+        names = ", ".join(map(repr, tiers))
+        problems.append(
+            f"tenants.quotas: {', '.join(map(repr, unknown))} names no tier of the chain; "
+            f"use one of {names}"
+        )
+    for tier, section in quotas.items():
+        if tier not in tiers:
+            continue
+        where = f"tenants.quotas.{tier}"
+        capacity = tiers[tier]
+        shares = sum(a.share for a in section.tenants.values() if a.share is not None)
+        absolute = sum(a.nbytes for a in section.tenants.values() if a.nbytes is not None)
+        if capacity is not None and shares * capacity + absolute > capacity * (1 + 1e-9):
+            listed = ", ".join(f"{n}: {a}" for n, a in section.tenants.items())
+            problems.append(
+                f"{where}.tenants: the named quotas ({listed}) add up to more than the "
+                f"tier holds ({format_size(capacity)}); a named quota is a guarantee, so "
+                "they must fit together: lower them, or cap the smaller tenants through "
+                "`default` (a cap, not a guarantee)"
+            )
+        elif shares > 1 + 1e-9:
+            problems.append(
+                f"{where}.tenants: the named shares add up to {shares:.0%}, more than the "
+                "whole tier; a named quota is a guarantee, so they must fit together"
+            )
+        amounts = [(f"{where}.tenants.{n}", a) for n, a in section.tenants.items()]
+        if section.default is not None:
+            amounts.append((f"{where}.default", section.default))
+        for path, amount in amounts:
+            nbytes = amount.nbytes
+            if nbytes is None and capacity is not None:
+                nbytes = int((amount.share or 0) * capacity)
+            if nbytes is not None and nbytes < block_bytes:
+                problems.append(
+                    f"{path}: {amount} is {format_size(nbytes)}, less than one block "
+                    f"({format_size(block_bytes)}): the tenant could store nothing there; "
+                    "raise it, or leave the tenant out"
+                )
+    return problems
