@@ -41,7 +41,9 @@ def blocks(n: int, fill: int = 0) -> torch.Tensor:
 
 
 def gate(cache: TieredCache) -> TierQuotaGate:
-    return next(iter(cache.core.tier_quotas.values()))
+    gate = cache.core.tiers[0].quotas
+    assert gate is not None
+    return gate
 
 
 async def in_tier(cache: TieredCache, ks: list[OffloadKey]) -> list[bool]:

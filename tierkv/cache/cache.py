@@ -94,7 +94,6 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         event stream (after the primary's own events)."""
         for key in keys:
             self.core.index.note_missing(key, handle.index)
-        self.core.tier_removed(handle, keys)
         self.core.emit_tier(handle, keys, removed=True)
 
     @property

@@ -30,8 +30,6 @@ import logging
 from collections.abc import Sequence
 from itertools import islice
 
-import anyio
-
 from tierkv.cache.core import CacheCore
 from tierkv.cache.results import StoreResult
 from tierkv.cache.store_run import StoreRun, StoreWatch
@@ -178,19 +176,6 @@ class Cascader:
         core = self.core
         if not core.is_open:
             return
-        victims: list[OffloadKey] = []
-        gate = core.tier_quotas.get(handle.index)
-        if gate is not None:  # the tenant's share of the tier (tierkv.quotas.tiers)
-            tenant = None if ctx is None else ctx.tenant
-            pending = -(-handle.stats.inflight_bytes // core.block_bytes)
-            plan = gate.plan(keys, tenant, pending)
-            if plan.declined:
-                core.quota_declined(tenant, len(plan.declined), handle.name)
-                if watch is not None:  # kept out on purpose: evictable like admission's
-                    watch.declined(plan.declined)
-            keys, victims = plan.send, plan.victims
-            if not keys:
-                return
         nbytes = len(keys) * core.block_bytes
         refused = handle.admit("store", len(keys), nbytes)
         if refused is not None:
@@ -208,23 +193,20 @@ class Cascader:
         if watch is not None:
             watch.sent(keys)
         job = JobMetadata(core.next_job_id(), tuple(keys), tuple(slots), ctx or _NO_CTX)
-        core.spawn(self._cascade_job, handle, job, nbytes, watch, victims)
+        core.spawn(self._cascade_job, handle, job, nbytes, watch)
 
     async def _cascade_job(
-        self,
-        handle: GuardedTier,
-        job: JobMetadata,
-        nbytes: int,
-        watch: StoreWatch | None,
-        victims: list[OffloadKey],
+        self, handle: GuardedTier, job: JobMetadata, nbytes: int, watch: StoreWatch | None
     ) -> None:
         core = self.core
         ok_keys: Sequence[OffloadKey] = ()
         try:
-            if victims:
-                await self._remove_victims(handle, victims)
-            result = await handle.run_job("store", job, admitted=True)
-            ok_keys = result.ok_keys
+            outcome = await handle.run("store", job, admitted=True)
+            ok_keys = outcome.result.ok_keys
+            if outcome.declined:  # a tenant quota kept them out (tierkv.quotas.tiers)
+                core.tenants.declined(job.ctx.tenant, len(outcome.declined))
+                if watch is not None:  # on purpose: evictable like admission's declines
+                    watch.declined(outcome.declined)
         finally:
             handle.release("store", nbytes)
             core.primary.complete_load(job.keys)
@@ -232,31 +214,7 @@ class Cascader:
             if watch is not None:
                 watch.settled(job.keys, ok_keys)
         core.index.note_held(ok_keys, handle.index)
-        gate = core.tier_quotas.get(handle.index)
-        if gate is not None:
-            gate.stored(job.ctx.tenant, ok_keys)
         core.emit_tier(handle, ok_keys, removed=False)
-
-    @staticmethod
-    async def _remove_victims(handle: GuardedTier, victims: list[OffloadKey]) -> None:
-        """Remove the blocks a quota chose to make room on `handle`'s tier (so its own
-        eviction, which knows no tenants, has nothing to take), and report them gone.
-        A tier that fails to remove them evicts in its own order instead."""
-        try:
-            await handle.tier.remove(victims)
-        except anyio.get_cancelled_exc_class():
-            handle.tier.report_removed(victims)  # memory and nvme drop them before awaiting
-            raise
-        except Exception as exc:
-            logger.warning(
-                "tier %s: removing %d blocks for a tenant quota failed (%s); the tier "
-                "evicts in its own order",
-                handle.name,
-                len(victims),
-                exc,
-            )
-            return
-        handle.tier.report_removed(victims)
 
     def count_hits(
         self, keys: Sequence[OffloadKey], ctx: ReqContext, tail: Sequence[OffloadKey] = ()

@@ -23,14 +23,12 @@ from tierkv.cache.tenants import TenantLedger
 from tierkv.config import CacheConfig
 from tierkv.contract.errors import TierUnavailable
 from tierkv.contract.events import OffloadingEvent
-from tierkv.contract.keys import OffloadKey
 from tierkv.contract.tenants import OTHER_TENANTS
 from tierkv.driver import GuardedTier
 from tierkv.driver.claims import ClaimLedger
 from tierkv.primary import PrimaryTier
 from tierkv.quotas.book import QuotaBook, tenant_name
 from tierkv.quotas.config import PRIMARY_KEY
-from tierkv.quotas.tiers import TierQuotaGate
 from tierkv.stats import TierStats
 
 logger = logging.getLogger(__name__)
@@ -118,12 +116,9 @@ class CacheCore:
         self.tenants = TenantLedger(self.block_bytes, config.tenants.report_top)
         self.events = EventLog(primary, on_evicted=self.tenants.evicted)
         quotas = config.tenants.quotas
-        # each tenant held to its share of the tiers that have quotas
-        self.tier_quotas: dict[int, TierQuotaGate] = {
-            h.index: TierQuotaGate(h.tier, quotas[h.name], self.block_bytes, name=h.name)
-            for h in tiers
-            if h.name in quotas
-        }
+        for handle in tiers:  # each tenant held to its share of the tiers with quotas
+            if handle.name in quotas:
+                handle.set_quotas(quotas[handle.name])
         if PRIMARY_KEY in quotas:
             primary.set_quotas(
                 QuotaBook(
@@ -203,22 +198,12 @@ class CacheCore:
     def next_job_id(self) -> int:
         return next(self.job_ids)
 
-    def quota_declined(self, tenant: str | None, n: int, tier: str) -> None:
-        """A quota of `tier` declined `n` blocks of `tenant`'s: counted per tenant and
-        in the tier's book."""
+    def quota_declined(self, tenant: str | None, n: int) -> None:
+        """The primary's quota declined `n` blocks of `tenant`'s: counted per tenant
+        and in the primary's book (a tier's guard counts its own declines)."""
         self.tenants.declined(tenant, n)
-        book = self.primary.quotas
-        if tier != PRIMARY_KEY:
-            gate = next((g for g in self.tier_quotas.values() if g.name == tier), None)
-            book = None if gate is None else gate.book
-        if book is not None:
-            book.note_declined(tenant_name(tenant), n)
-
-    def tier_removed(self, handle: GuardedTier, keys: Sequence[OffloadKey]) -> None:
-        """`handle`'s tier no longer holds `keys`: their owners hold them no more."""
-        gate = self.tier_quotas.get(handle.index)
-        if gate is not None:
-            gate.removed(keys)
+        if self.primary.quotas is not None:
+            self.primary.quotas.note_declined(tenant_name(tenant), n)
 
     def tenant_report(self) -> dict[str, dict[str, Any]]:
         """`stats().tenants`: the ledger's rows, each with `quotas`: per tier with
@@ -226,7 +211,7 @@ class CacheCore:
         blocks a quota declined. Tenants past the rows named are summed in `other`."""
         report = self.tenants.report(len(self.primary))
         books = [(PRIMARY_KEY, self.primary.quotas)]
-        books += [(g.name, g._book) for g in self.tier_quotas.values()]
+        books += [(h.name, h.quotas.opened_book) for h in self.tiers if h.quotas is not None]
         b = self.block_bytes
         for tier, book in books:
             if book is None:

@@ -152,7 +152,7 @@ class StoreRun:
         self.core.counters.store_skipped += len(self.skipped)  # counted once the store ran
         self.core.tenants.stored(self.ctx.tenant, len(self.stored), len(self.rejected))
         if self.quota_declined and self.rejected:
-            self.core.quota_declined(self.ctx.tenant, len(self.rejected), "primary")
+            self.core.quota_declined(self.ctx.tenant, len(self.rejected))
         if len(self.already) != self._resident:  # some were settled later: key order
             self.already.sort(key=self.position.__getitem__)
         return StoreResult(

@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import anyio
@@ -49,6 +49,9 @@ from tierkv.contract.slab import PrimaryView
 from tierkv.contract.tier import NO_ROOM, SecondaryTierManager, TierConfig
 from tierkv.driver.checks import backstop_after, checked_flags, checked_result, without_removed
 from tierkv.health import BreakerState, CircuitBreaker, worst
+from tierkv.quotas.book import tenant_name
+from tierkv.quotas.config import TierQuotas
+from tierkv.quotas.tiers import TierQuotaGate
 from tierkv.registry import create_tier
 from tierkv.stats import TierStats
 
@@ -79,6 +82,9 @@ class JobOutcome:
 
     result: JobResult
     failure: Failure | None = None
+    declined: tuple[OffloadKey, ...] = ()
+    """Keys of a store a tenant quota kept out of the tier (failed in `result` too,
+    never sent, not held against the tier's health: `tierkv.quotas.tiers`)."""
 
 
 class GuardedTier:
@@ -122,7 +128,18 @@ class GuardedTier:
         # keys the tier reported removed while a store job runs, per running job
         self._removed_during: dict[int, set[OffloadKey]] = {}
         self._abandoned: set[asyncio.Task[Any]] = set()
+        self.quotas: TierQuotaGate | None = None  # tenant quotas (`set_quotas`)
         tier.set_removal_listener(self._removed)
+
+    def set_quotas(self, quotas: TierQuotas | None) -> None:
+        """Hold the tier's stores to per-tenant `quotas` (`tierkv.quotas.tiers`), or
+        none. Every store job then runs through the quota's plan, whoever sends it
+        (the cache's cascades, an engine adapter's stores)."""
+        self.quotas = (
+            None
+            if quotas is None
+            else TierQuotaGate(self.tier, quotas, self.block_bytes, name=self.name)
+        )
 
     @classmethod
     def create(
@@ -252,7 +269,64 @@ class GuardedTier:
         """`run_job`, with why keys failed (for an adapter's metrics). `admitted`:
         the caller took the job's permit with `admit`; otherwise the job takes it here,
         and a tier whose `kind` side is not serving fails the job at once, unsent
-        (`refused`, counted in `skipped_unhealthy`)."""
+        (`refused`, counted in `skipped_unhealthy`). A store on a tier with quotas
+        first makes its tenant's room, and what has none is `declined`."""
+        gate = self.quotas
+        if kind != "store" or gate is None or not job.keys:
+            return await self._run(kind, job, admitted)
+        tenant = job.ctx.tenant
+        pending = -(-self.stats.inflight_bytes // self.block_bytes)
+        if admitted:  # the job's own bytes are in flight already
+            pending -= len(job.keys)
+        plan = gate.plan(job.keys, tenant, max(0, pending))
+        if plan.victims:
+            await self._remove_for_quota(plan.victims)
+        if not plan.declined:
+            outcome = await self._run(kind, job, admitted)
+            gate.stored(tenant, outcome.result.ok_keys)
+            return outcome
+        gate.book.note_declined(tenant_name(tenant), len(plan.declined))
+        reason = (
+            f"tenant {tenant_name(tenant)!r} holds its quota of tier {self.name} "
+            "(tenants.quotas) and none of its own blocks there can give way"
+        )
+        declined = tuple(plan.declined)
+        out = set(declined)
+        keep = [i for i, key in enumerate(job.keys) if key not in out]
+        if not keep:  # nothing to send: the tier is not asked, its health not judged
+            return JobOutcome(JobResult.failure(job, reason), "keys_failed", declined)
+        sent = replace(
+            job, keys=tuple(job.keys[i] for i in keep), slots=tuple(job.slots[i] for i in keep)
+        )
+        outcome = await self._run(kind, sent, admitted)
+        gate.stored(tenant, outcome.result.ok_keys)
+        failed = dict.fromkeys(outcome.result.failed_keys, outcome.result.error or "failed")
+        failed.update(dict.fromkeys(declined, reason))
+        result = JobResult.partial(job, failed)
+        return JobOutcome(result, outcome.failure or "keys_failed", declined)
+
+    async def _remove_for_quota(self, victims: list[OffloadKey]) -> None:
+        """Remove the blocks a quota chose to make room (so the tier's own eviction,
+        which knows no tenants, has nothing to take), and report them gone. A tier
+        that fails to remove them evicts in its own order instead."""
+        try:
+            await self.tier.remove(victims)
+        except anyio.get_cancelled_exc_class():
+            self.tier.report_removed(victims)  # memory and nvme drop them before awaiting
+            raise
+        except Exception as exc:
+            logger.warning(
+                "tier %s: removing %d blocks for a tenant quota failed (%s); the tier "
+                "evicts in its own order",
+                self.name,
+                len(victims),
+                exc,
+            )
+            return
+        self.tier.report_removed(victims)
+
+    async def _run(self, kind: JobKind, job: JobMetadata, admitted: bool) -> JobOutcome:
+        """`run` without quotas."""
         stats = self.stats
         if not admitted:
             with self._lock:
@@ -537,6 +611,8 @@ class GuardedTier:
         then the owner forgets them."""
         for removed in self._removed_during.values():
             removed.update(keys)
+        if self.quotas is not None:
+            self.quotas.removed(keys)
         if self._on_removed is not None:
             self._on_removed(self, keys)
 

@@ -86,6 +86,11 @@ class TierQuotaGate:
                 self._book = QuotaBook(TierQuotas(), 0, self.block_bytes, tier=self.name)
         return self._book
 
+    @property
+    def opened_book(self) -> QuotaBook | None:
+        """The book if made yet (reports never make it: a tier may be closed)."""
+        return self._book
+
     def plan(self, keys: Sequence[OffloadKey], tenant: str | None, pending: int) -> Plan:
         """How a cascade of `keys` (in key order) for `tenant` fits the tier's quotas,
         with `pending` blocks already on their way to the tier."""
