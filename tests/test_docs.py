@@ -171,3 +171,30 @@ def test_the_conversations_help_names_the_command_it_came_from() -> None:
         check=True,
     ).stdout
     assert out.startswith("usage: synthetic_trace.py conversations ")
+
+
+def test_the_tenants_page_quotas_are_a_valid_config(
+    doc_block: Callable[..., str], tmp_path: Path
+) -> None:
+    """docs/tenants.md's quotas, in a chain with a primary and an nvme tier, parse and
+    mean what the page says; its error examples are the config's own words."""
+    from tierkv.config import parse_config
+    from tierkv.contract.errors import ConfigError
+
+    quotas = doc_block("docs/tenants.md", "## Quotas", "yaml")
+    head = (
+        "namespace: t\nlayout: {block_bytes: 1MiB, groups: [{block_size: 16}]}\n"
+        f"primary: {{capacity: 8GiB}}\ntiers: [{{type: nvme, path: '{tmp_path}', "
+        "capacity: 16GiB}]\n"
+    )
+    config = parse_config(head + quotas)
+    primary = config.tenants.quotas["primary"]
+    assert str(primary.tenants["acme"]) == "50%" and primary.borrow
+    assert str(config.tenants.quotas["nvme"].tenants["acme"]) == "50%"
+    bad = head + "tenants: {quotas: {primary: {tenants: {acme: 60%, beta: 50%}}}}\n"
+    with pytest.raises(ConfigError) as err:
+        parse_config(bad)
+    root = Path(__file__).resolve().parents[1]
+    page = " ".join((root / "docs/tenants.md").read_text().split())
+    said = " ".join(err.value.problems[0].split())
+    assert said[: said.index(": lower them")] in page

@@ -207,3 +207,41 @@ def test_validate_reports_structural_and_machine_problems_in_one_run(
     ]
     for message in expected:
         assert message in err, (message, err)
+
+
+def test_validate_says_what_each_quota_holds_and_where_it_is_enforced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "chain.yaml"
+    path.write_text(
+        "namespace: t\nlayout: {block_bytes: 4KiB, groups: [{block_size: 16}]}\n"
+        "primary: {capacity: 1MiB}\n"
+        "tiers: [{type: memory, capacity: 1MiB}, {type: redis, url: 'redis://127.0.0.1:1'}]\n"
+        "tenants: {quotas: {primary: {tenants: {acme: 50%}, default: 10%},\n"
+        "                   memory: {borrow: false, tenants: {acme: 256KiB}},\n"
+        "                   redis: {default: 64KiB}}}\n"
+    )
+    assert main(["validate", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1:] == [
+        "  quotas on primary: acme 50% (guaranteed), others 10% each (cap), borrowing free "
+        "room; enforced",
+        "  quotas on memory: acme 256KiB (guaranteed), no borrowing; enforced",
+        "  quotas on redis: others 64KiB each (cap), borrowing free room; counted, not "
+        "enforced: a redis tier cannot name its victims",
+    ]
+
+
+def test_validate_refuses_quotas_that_cannot_all_be_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "chain.yaml"
+    path.write_text(
+        "namespace: t\nlayout: {block_bytes: 4KiB, groups: [{block_size: 16}]}\n"
+        "primary: {capacity: 1MiB}\n"
+        "tenants: {quotas: {primary: {tenants: {a: 768KiB, b: 50%}}, nvme: {default: 1%}}}\n"
+    )
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "tenants.quotas: 'nvme' names no tier of the chain; use one of 'primary'" in err
+    assert "tenants.quotas.primary.tenants: the named quotas (a: 768KiB, b: 50%) add up" in err

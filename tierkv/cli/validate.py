@@ -173,6 +173,27 @@ def _line(entry: dict[str, Any]) -> str:
     return f"  {name}: ok ({timing}){created}"
 
 
+def _quota_lines(config: CacheConfig) -> list[str]:
+    """One line per tier with tenant quotas: what each tenant is held to, and whether
+    the tier can enforce it (`tierkv.quotas.tiers`)."""
+    from tierkv.quotas.tiers import can_enforce
+    from tierkv.registry import get_tier_class
+
+    types = dict(zip(config.tier_names(), (t.type for t in config.tiers)))
+    lines = []
+    for tier, section in config.tenants.quotas.items():
+        parts = [f"{name} {amount} (guaranteed)" for name, amount in section.tenants.items()]
+        if section.default is not None:
+            parts.append(f"others {section.default} each (cap)")
+        parts.append("borrowing free room" if section.borrow else "no borrowing")
+        if tier in types and not can_enforce(get_tier_class(types[tier])):
+            how = f"counted, not enforced: a {types[tier]} tier cannot name its victims"
+        else:
+            how = "enforced"
+        lines.append(f"  quotas on {tier}: {', '.join(parts)}; {how}")
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     if args.create and not args.connect:
         raise UsageError("--create needs --connect")
@@ -184,8 +205,12 @@ def run(args: argparse.Namespace) -> int:
     )
     if not args.connect:
         print(f"{args.file}: ok ({summary})")
+        for line in _quota_lines(config):
+            print(line)
         return 0
     print(f"{args.file}: valid ({summary}); checking each tier:")
+    for line in _quota_lines(config):
+        print(line)
     results = anyio.run(
         lambda: _connect(config, create=args.create, each=lambda e: print(_line(e), flush=True))
     )
