@@ -21,11 +21,11 @@ pytestmark = pytest.mark.anyio
 BLOCK = 4096
 
 
-def chain(quotas: str, capacity_blocks: int = 8, tiers: str = "[]") -> str:
+def chain(quotas: str, capacity_blocks: int = 8, tiers: str = "[]", eviction: str = "lru") -> str:
     return f"""
 namespace: quotas
 layout: {{block_bytes: 4KiB, groups: [{{block_size: 16}}]}}
-primary: {{capacity: {capacity_blocks * 4}KiB, pin_memory: false}}
+primary: {{capacity: {capacity_blocks * 4}KiB, pin_memory: false, eviction: {eviction}}}
 tiers: {tiers}
 tenants: {{quotas: {quotas}}}
 """
@@ -207,18 +207,20 @@ QUOTAS = "{primary: {borrow: %s, default: 25%%, tenants: {a: 25%%, b: 50%%}}}"
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     borrow=st.booleans(),
+    eviction=st.sampled_from(["lru", "arc"]),
     stores=st.lists(
         st.tuples(st.sampled_from(TENANTS), st.integers(1, 6)), min_size=1, max_size=25
     ),
 )
-def test_quota_invariants(borrow: bool, stores: list[tuple[str, int]]) -> None:
+def test_quota_invariants(borrow: bool, eviction: str, stores: list[tuple[str, int]]) -> None:
     """Whatever the stores: a named tenant never loses blocks of its quota to
     another tenant; without borrowing nobody holds more than its cap; the book's
     counts are the primary's blocks; every block reads back what was stored."""
     import anyio
 
     async def run() -> None:
-        config = parse_config(chain(QUOTAS % str(borrow).lower(), capacity_blocks=12))
+        quotas = QUOTAS % str(borrow).lower()
+        config = parse_config(chain(quotas, capacity_blocks=12, eviction=eviction))
         async with TieredCache(config) as cache:
             book = cache.primary.quotas
             assert book is not None

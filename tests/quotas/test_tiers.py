@@ -8,6 +8,8 @@ import logging
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tierkv.cache import TieredCache
 from tierkv.config import parse_config
@@ -151,3 +153,48 @@ async def test_a_tier_that_cannot_name_victims_counts_but_does_not_enforce(
         row = cache.stats().tenants["c"]["quotas"]["redis"]
     assert row["held_bytes"] == 3 * BLOCK and row["quota_bytes"] is None
     assert "its quotas are counted, not enforced" in caplog.text
+
+
+TENANTS = ["a", "b", "c"]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    borrow=st.booleans(),
+    stores=st.lists(st.tuples(st.sampled_from(TENANTS), st.integers(1, 5)), max_size=20),
+)
+def test_tier_quota_invariants(borrow: bool, stores: list[tuple[str, int]]) -> None:
+    """Stores one at a time: a named tenant never loses blocks of its quota on the
+    tier to another tenant; without borrowing nobody holds more than its cap there;
+    the book's owners are exactly the tier's blocks; what the tier holds reads back."""
+    import anyio
+
+    quotas = f"{{memory: {{borrow: {str(borrow).lower()}, default: 20%, tenants: {{a: 40%}}}}}}"
+
+    async def run() -> None:
+        config = parse_config(chain(quotas, tier="{type: memory, capacity: 60KiB}", primary=4))
+        async with TieredCache(config) as cache:
+            book = gate(cache).book
+            tier = cache.tier("memory")
+            written: dict[OffloadKey, int] = {}
+            for i, (tenant, n) in enumerate(stores):
+                before = dict(book.held)
+                ks = keys(n, f"{tenant}{i}")
+                await cache.store(ks, blocks(n, i % 251), ctx=ReqContext(tenant=tenant))
+                await cache.flush()
+                written.update(dict.fromkeys(ks, i % 251))
+                if tenant != "a":
+                    assert book.held.get("a", 0) >= min(before.get("a", 0), book.limits["a"])
+                if not borrow:
+                    for name, count in book.held.items():
+                        cap = book.cap(name)
+                        assert cap is None or count <= cap, (name, count, cap)
+                held = [k for k in written if (await tier.lookup([k], ReqContext()))[0]]
+                assert set(held) == set(book.owner)
+            for key in book.owner:
+                out = blocks(1, 255)
+                result = await cache.load([key], out, ReqContext(tenant="a"))
+                if result.ok:
+                    assert bool((out == written[key]).all())
+
+    anyio.run(run)
