@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+import anyio
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -157,6 +158,7 @@ class PrimaryTier:
         self._staged = 0  # slots promotions hold now
         self._waiters = RoomWaiters()
         self.quotas: QuotaBook | None = None  # per-tenant quotas (`set_quotas`)
+        self._released: anyio.Event | None = None  # set at the next release of room
 
     @classmethod
     def from_config(cls, config: PrimaryConfig, layout: KVLayout, namespace: str) -> PrimaryTier:
@@ -302,7 +304,26 @@ class PrimaryTier:
         """Tasks waiting for room of `kind` now."""
         return self._waiters.waiting(kind)
 
+    async def wait_for_release(self, timeout: float) -> bool:
+        """Wait (up to `timeout` s) for the next release of room of any kind: a block
+        written, read or freed. For a store held to its tenant's quota, which can use
+        only its own blocks' release and so must not take a place in the room queues
+        (it would be woken for room others could use). True when something was
+        released."""
+        if timeout <= 0:
+            return False
+        if self._released is None:
+            self._released = anyio.Event()
+        released = self._released
+        with anyio.move_on_after(timeout):
+            await released.wait()
+            return True
+        return False
+
     def _wake(self) -> None:
+        released, self._released = self._released, None
+        if released is not None:
+            released.set()
         if self._waiters:
             self._waiters.wake(
                 {Kind.PROMOTION: self.promotion_room(), Kind.STORE: self.store_room()}
@@ -357,12 +378,12 @@ class PrimaryTier:
         new_keys = list(dict.fromkeys(k for k in keys if k not in self._blocks))
         book = self.quotas
         if book is not None:  # the default tenant's store, by the quotas' rule
-            name = tenant_name(None)
-            free = book.usable_free(name, len(self._free))
-            can_evict = book.victim_filter(
-                name, min(free, len(new_keys)), self._victim_filter(keys, may_evict)
+            admitted, victims = self._quota_room(
+                new_keys, tenant_name(None), self._victim_filter(keys, may_evict)
             )
-            return self._reserve(new_keys, max(len(new_keys) - free, 0), can_evict)
+            if len(admitted) < len(new_keys):
+                return None
+            return self._reserve(new_keys, len(victims), set(victims).__contains__)
         shortfall = len(new_keys) - len(self._free)
         if shortfall > 0 and may_evict is None:
             protected_evictable = sum(
@@ -394,10 +415,26 @@ class PrimaryTier:
             admitted, victims = self.policy.admit_prefix(new_keys, free, can_evict, pinned=True)
             return self._place(admitted, victims)
         name = tenant_name(tenant)
-        free = book.usable_free(name, free)
-        can_evict = book.victim_filter(name, min(free, len(new_keys)), can_evict)
-        admitted, victims = self.policy.admit_prefix(new_keys, free, can_evict, pinned=True)
+        admitted, victims = self._quota_room(new_keys, name, can_evict)
+        committed = self.policy.admit(
+            admitted, len(victims), set(victims).__contains__, pinned=True
+        )
+        assert committed is not None  # chosen from the victim order just now
         return self._place(admitted, victims, name)
+
+    def _quota_room(
+        self, new_keys: list[OffloadKey], name: str, can_evict: CanEvict
+    ) -> tuple[list[OffloadKey], list[OffloadKey]]:
+        """The longest prefix of `new_keys` tenant `name` has room for by its quota
+        (free slots it may take, then the victims the quota rule allows), and those
+        victims. Changes nothing."""
+        book = self.quotas
+        assert book is not None
+        took = min(book.usable_free(name, len(self._free)), len(new_keys))
+        victims = book.choose_victims(
+            name, took, len(new_keys) - took, self.policy.candidates, can_evict
+        )
+        return new_keys[: took + len(victims)], victims
 
     def prepare_promotion(
         self,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from tierkv.contract.errors import ConfigError
 from tierkv.contract.keys import OffloadKey
-from tierkv.quotas.book import QuotaBook, tenant_name
+from tierkv.quotas.book import CanEvict, QuotaBook, tenant_name
 from tierkv.quotas.config import TierQuotas
 
 
@@ -30,36 +32,57 @@ def test_without_a_default_unnamed_tenants_are_not_capped() -> None:
     assert b.cap("c") is None and b.headroom("c") is None and not b.over("c")
 
 
-def test_the_rule_takes_own_blocks_unguaranteed_ones_and_excess_only() -> None:
-    """a is guaranteed 3 and holds 4 (one borrowed); c is unnamed; b stores."""
+def walker(order: list[OffloadKey]) -> Callable[[int, CanEvict], list[OffloadKey]]:
+    """`candidates` over a fixed eviction order (as a policy's)."""
+
+    def candidates(limit: int, may_take: CanEvict) -> list[OffloadKey]:
+        found: list[OffloadKey] = []
+        for k in order:
+            if len(found) == limit:
+                break
+            if may_take(k):
+                found.append(k)
+        return found
+
+    return candidates
+
+
+def test_others_takeable_blocks_go_before_own_ones() -> None:
+    """a is guaranteed 3 and holds 4 (one borrowed); c is unnamed; b, within its cap
+    of 3, stores 4 blocks with no free room."""
     b = book({"tenants": {"a": "30%", "b": "30%"}})
     a_keys, c_keys, b_keys = [key(i) for i in range(4)], [key(10), key(11)], [key(20)]
+    b.add("b", b_keys)  # b's own block is the oldest
     b.add("a", a_keys)
     b.add("c", c_keys)
-    b.add("b", b_keys)
-    take = b.victim_filter("b", 0, lambda k: True)
-    order = [*a_keys, *c_keys, *b_keys]  # the eviction order
-    # b's cap (3) lets it grow by 2: a's excess and one of c's; then only its own
-    assert [k for k in order if take(k)] == [a_keys[0], c_keys[0], *b_keys]
-    uncapped = book({"tenants": {"a": "30%"}})
-    uncapped.add("a", a_keys)
-    uncapped.add("c", c_keys)
-    take = uncapped.victim_filter("b", 0, lambda k: True)
-    assert [k for k in order if take(k)] == [a_keys[0], *c_keys, *b_keys]  # b_keys: no owner
+    order = [*b_keys, *a_keys, *c_keys]
+    chosen = b.choose_victims("b", 0, 4, walker(order), lambda k: True)
+    # b may grow by 2: a's excess (its oldest) and one of c's; then its own
+    assert chosen == [a_keys[0], c_keys[0], b_keys[0]]
+
+
+def test_an_uncapped_tenant_takes_every_unguaranteed_block() -> None:
+    b = book({"tenants": {"a": "30%"}})
+    a_keys, c_keys = [key(i) for i in range(4)], [key(10), key(11)]
+    b.add("a", a_keys)
+    b.add("c", c_keys)
+    chosen = b.choose_victims("d", 0, 9, walker([*a_keys, *c_keys]), lambda k: True)
+    assert chosen == [a_keys[0], *c_keys]
 
 
 def test_a_tenant_at_its_cap_takes_only_its_own() -> None:
     b = book({"tenants": {"a": "20%"}})
-    b.add("a", [key(1), key(2)])
     b.add("c", [key(3)])
-    take = b.victim_filter("a", 0, lambda k: True)
-    assert [take(key(3)), take(key(1))] == [False, True]
+    b.add("a", [key(1), key(2)])
+    chosen = b.choose_victims("a", 0, 1, walker([key(3), key(1), key(2)]), lambda k: True)
+    assert chosen == [key(1)]
 
 
 def test_the_callers_veto_holds() -> None:
     b = book({})
     b.add("a", [key(1)])
-    assert not b.victim_filter("a", 0, lambda k: False)(key(1))
+    b.add("c", [key(2)])
+    assert b.choose_victims("a", 0, 2, walker([key(1), key(2)]), lambda k: False) == []
 
 
 def test_borrowing_takes_free_room_past_the_cap_only_when_allowed() -> None:

@@ -206,6 +206,10 @@ class StoreRun:
             want = self.new[self.pos : self.pos + min(self.window, rest)]
         if not got:
             if self.primary.at_quota(self.ctx.tenant):
+                # its own blocks in flight (this store's cascades, its loads) may
+                # become evictable: wait for a release, as a streaming store waits
+                if self._may_free_room() and await self._wait_release():
+                    return True
                 self.error = self._quota_full()
                 return False
             self.error = await self._await_room(want)
@@ -341,6 +345,16 @@ class StoreRun:
             timeout = self.core.config.store_timeout
             return f"no room in the primary tier within store_timeout ({timeout:g}s)"
         return None
+
+    async def _wait_release(self) -> bool:
+        """Wait, up to the deadline, for the primary to release room of any kind (a
+        store at its quota can use only its own blocks'). False past the deadline."""
+        left = self.deadline - anyio.current_time()
+        if left <= 0:
+            return False
+        self.core.counters.store_waits += 1
+        await self.primary.wait_for_release(left)
+        return True
 
     def _quota_full(self) -> str:
         """The store's tenant holds its primary quota and none of its own blocks may

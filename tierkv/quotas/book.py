@@ -5,13 +5,14 @@ The rule, for a store (or promotion) of tenant `t` that needs room:
 
 1. Free slots first. A capped tenant takes free slots past its cap only when its
    tier `borrow`s (the room is unused: nobody loses a block).
-2. Victims in the tier's own eviction order, each one of:
-   - `t`'s own blocks (its count stays the same: a tenant at its quota evicts its
-     own least useful blocks);
-   - blocks of tenants not named in the quotas (no guarantee: evicted as without
-     quotas), and the excess of named tenants past their quota (what they borrowed),
-     while `t` stays within its cap.
-   A named tenant's blocks up to its quota are never taken by another tenant.
+2. Victims, each pass in the tier's own eviction order: first, while `t` stays
+   within its cap, blocks of tenants not named in the quotas (no guarantee: evicted
+   as without quotas) and the excess of named tenants past their quota (what they
+   borrowed); then `t`'s own blocks (its count stays the same: a tenant at its
+   quota evicts its own least useful blocks). Others' takeable blocks go first, so
+   a tenant within its quota keeps its own working set while someone else holds
+   room it has no claim to. A named tenant's blocks up to its quota are never taken
+   by another tenant.
 3. What is left is declined for the tier, and counted (`declined`).
 
 Named quotas are refused when they add up to more than the tier (`QuotaError`), so
@@ -89,6 +90,7 @@ class QuotaBook:
             logger.warning("%s", problem)
         self.owner: dict[OffloadKey, str] = {}
         self.held: dict[str, int] = {}
+        self._unnamed_held = 0  # blocks of tenants not named (no guarantee)
         self.declined: dict[str, int] = {}  # blocks declined for a quota, per tenant
         self.declined_total = 0
 
@@ -113,13 +115,17 @@ class QuotaBook:
         if keys:
             self.owner.update(dict.fromkeys(keys, tenant))
             self.held[tenant] = self.held.get(tenant, 0) + len(keys)
+            if tenant not in self.limits:
+                self._unnamed_held += len(keys)
 
     def remove(self, keys: Iterable[OffloadKey]) -> None:
         """`keys` left the tier (unknown keys are ignored)."""
-        pop, held = self.owner.pop, self.held
+        pop, held, limits = self.owner.pop, self.held, self.limits
         for key in keys:
             owner = pop(key, None)
             if owner is not None:
+                if owner not in limits:
+                    self._unnamed_held -= 1
                 left = held[owner] - 1
                 if left:
                     held[owner] = left
@@ -139,14 +145,49 @@ class QuotaBook:
             return free
         return max(0, min(free, room))
 
-    def victim_filter(self, tenant: str, took_free: int, base: CanEvict) -> CanEvict:
-        """The predicate for one walk of the eviction order by a store of `tenant`
-        that took `took_free` free slots: `base` (the caller's vetoes) and the rule of
-        the module docstring. Stateful: each key it accepts is taken (the walk must
-        evict exactly the keys it accepted)."""
-        owner, limits, held = self.owner, self.limits, self.held
+    def choose_victims(
+        self,
+        tenant: str,
+        took_free: int,
+        need: int,
+        candidates: Callable[[int, CanEvict], list[OffloadKey]],
+        base: CanEvict,
+    ) -> list[OffloadKey]:
+        """Up to `need` victims for a store of `tenant` that took `took_free` free
+        slots, by the rule of the module docstring: first, while `tenant` stays within
+        its cap, blocks of tenants not named and named tenants' excess; then its own
+        blocks. Each in the tier's eviction order: `candidates(limit, predicate)` walks
+        it (a policy's `candidates`); `base` is the caller's veto. Changes nothing."""
+        if need <= 0:
+            return []
         room = self.headroom(tenant)
-        grow = float("inf") if room is None else max(0, room - took_free)
+        grow = need if room is None else min(need, max(0, room - took_free))
+        chosen: list[OffloadKey] = []
+        if grow > 0 and self._takeable_from_others(tenant) > 0:
+            chosen = candidates(grow, self._others_filter(tenant, base))
+        if len(chosen) < need:
+            owner = self.owner
+
+            def own(key: OffloadKey) -> bool:
+                return owner.get(key, DEFAULT_TENANT) == tenant and base(key)
+
+            chosen += candidates(need - len(chosen), own)
+        return chosen
+
+    def _takeable_from_others(self, tenant: str) -> int:
+        """Blocks of other tenants the rule lets a store take (some may be held)."""
+        held, limits = self.held, self.limits
+        mine = held.get(tenant, 0) if tenant not in limits else 0
+        excess = sum(
+            max(0, held.get(name, 0) - cap) for name, cap in limits.items() if name != tenant
+        )
+        return self._unnamed_held - mine + excess
+
+    def _others_filter(self, tenant: str, base: CanEvict) -> CanEvict:
+        """Blocks of tenants not named, and named tenants' excess (stateful: each key
+        it accepts counts against its owner's excess, so the walk must take exactly
+        the keys it accepted)."""
+        owner, limits, held = self.owner, self.limits, self.held
         excess = {
             name: held.get(name, 0) - cap
             for name, cap in limits.items()
@@ -154,20 +195,14 @@ class QuotaBook:
         }
 
         def may_take(key: OffloadKey) -> bool:
-            nonlocal grow
-            if not base(key):
-                return False
             who = owner.get(key, DEFAULT_TENANT)
-            if who == tenant:
-                return True
-            if grow <= 0:
+            if who == tenant or not base(key):
                 return False
             if who in limits:  # guaranteed up to its quota: only its excess
                 left = excess.get(who, 0)
                 if left <= 0:
                     return False
                 excess[who] = left - 1
-            grow -= 1
             return True
 
         return may_take

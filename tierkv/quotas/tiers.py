@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from itertools import islice
 from typing import NamedTuple
 
 from tierkv.contract.keys import OffloadKey
 from tierkv.contract.tier import SecondaryTierManager
-from tierkv.quotas.book import QuotaBook, tenant_name
+from tierkv.quotas.book import CanEvict, QuotaBook, tenant_name
 from tierkv.quotas.config import TierQuotas
 
 logger = logging.getLogger(__name__)
@@ -109,19 +110,21 @@ class TierQuotaGate:
         victims: list[OffloadKey] = []
         if need > 0:
             mine = set(keys)
-            may_take = book.victim_filter(name, took, lambda k: k not in mine)
-            walk = 1024 + _WALK * need
             # the first blocks the writes in flight will displace are theirs
             skip = max(0, -free)
-            for i, key in enumerate(self.tier.eviction_candidates()):
-                if i < skip:
-                    continue
-                if i - skip >= walk:
-                    break
-                if may_take(key):
-                    victims.append(key)
-                    if len(victims) == need:
-                        break
+            walk = 1024 + _WALK * need
+
+            def candidates(limit: int, may_take: CanEvict) -> list[OffloadKey]:
+                found: list[OffloadKey] = []
+                order = islice(self.tier.eviction_candidates(), skip, skip + walk)
+                for key in order:
+                    if may_take(key):
+                        found.append(key)
+                        if len(found) == limit:
+                            break
+                return found
+
+            victims = book.choose_victims(name, took, need, candidates, lambda k: k not in mine)
         admitted = took + len(victims)
         if admitted >= len(fresh):
             return Plan(list(keys), victims, [])
