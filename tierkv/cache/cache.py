@@ -25,6 +25,7 @@ import anyio
 
 from tierkv.cache.cascade import Cascader
 from tierkv.cache.core import CacheCore
+from tierkv.cache.isolation import Isolation, TenantCall
 from tierkv.cache.lookup import Lookup
 from tierkv.cache.prefetch import Prefetch, PrefetchPolicy
 from tierkv.cache.promotion import Promoter
@@ -71,6 +72,8 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         self.cascader = Cascader(self.core, self.writeback)
         self._lookup = Lookup(self.core, self.cascader.count_hits)
         self.promoter = Promoter(self.core, self._lookup)
+        # isolation (tenants.isolate): tenants' keys their own; None: off, costs nothing
+        self._isolation = Isolation(self.index.limit) if config.tenants.isolate else None
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> TieredCache:
@@ -165,8 +168,10 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
     def take_events(self) -> list[OffloadingEvent]:
         """Stored/removed events of every medium since the last call, in order (the
         primary's first). The newest 65,536 are kept; `stats().primary["events_dropped"]`
-        counts the rest."""
-        return self.core.events.take()
+        counts the rest. Under `tenants.isolate` they name the callers' keys
+        (`tierkv.cache.isolation`)."""
+        events = self.core.events.take()
+        return events if self._isolation is None else self._isolation.events(events)  # isolation
 
     def stats(self) -> CacheStats:
         core = self.core
@@ -194,6 +199,11 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         return CacheStats(primary, tiers, core.tenant_report())
 
     # -- the three calls ----------------------------------------------------------------
+    def _tenant_call(self, ctx: ReqContext | None) -> TenantCall | None:
+        """Isolation hook: the call of an isolated tenant (its keys in, the caller's
+        out); None, and keys as given, without `tenants.isolate` or for the default."""
+        return None if self._isolation is None else self._isolation.call(ctx)
+
     async def lookup(
         self,
         keys_per_group: Sequence[Sequence[OffloadKey]],
@@ -214,7 +224,11 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         `load`, not here.
         """
         self.core.check_open()
-        return await self._lookup.lookup(keys_per_group, ctx or _DEFAULT_CTX, gpu_tokens)
+        ctx = ctx or _DEFAULT_CTX
+        if (call := self._tenant_call(ctx)) is not None:  # isolation
+            hit = await self._lookup.lookup(call.groups(keys_per_group), ctx, gpu_tokens)
+            return call.lookup_result(hit)
+        return await self._lookup.lookup(keys_per_group, ctx, gpu_tokens)
 
     async def store(
         self,
@@ -243,6 +257,9 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         owns the blocks it places in the primary, and the tier jobs its cascades
         start carry it.
         """
+        if (call := self._tenant_call(ctx)) is not None:  # isolation
+            stored = await self.cascader.store(call.keys(keys), source, positions, end_tokens, ctx)
+            return call.store_result(stored)
         return await self.cascader.store(keys, source, positions, end_tokens, ctx)
 
     def usable_tokens(self, hit: LookupResult, loaded: LoadResult) -> int:
@@ -264,7 +281,10 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         that cannot be served are reported failed with a reason; nothing raises for
         a tier's failure.
         """
-        return await self.promoter.load(keys, destination, ctx or _DEFAULT_CTX)
+        ctx = ctx or _DEFAULT_CTX
+        if (call := self._tenant_call(ctx)) is not None:  # isolation
+            return call.load_result(await self.promoter.load(call.keys(keys), destination, ctx))
+        return await self.promoter.load(keys, destination, ctx)
 
     def prefetch(
         self,
@@ -289,6 +309,9 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         looks again for up to `timeout` seconds in all. Bad arguments raise
         `ValueError`; a tier's failure never raises (the load falls back as usual).
         """
+        if (call := self._tenant_call(ctx)) is not None:  # isolation
+            source = call.source(keys_per_group)
+            return call.prefetch(self.promoter.prefetches.start(source, ctx, policy, timeout))
         return self.promoter.prefetches.start(keys_per_group, ctx, policy, timeout)
 
     def cancel_prefetch(self, request: ReqContext | str) -> int:
