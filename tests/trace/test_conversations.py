@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from tierkv.trace.conversations import ConversationSpec, Turn, generate, main, write_trace
+from tierkv.trace.conversations import (
+    FLOODER_RATE,
+    ConversationSpec,
+    Turn,
+    generate,
+    main,
+    write_trace,
+)
 from tierkv.trace.format import read_trace
 
 SMALL = ConversationSpec(sessions=30, turns=(2, 6), concurrent=5, first_tokens=(600, 3000))
+FLOODED = replace(SMALL, flooder_rate=10.0, flooder_blocks=(3, 9))
 
 
 def test_each_turn_extends_the_previous_turn_of_its_session() -> None:
@@ -91,6 +100,8 @@ def test_main_writes_the_trace_with_the_given_parameters(
         (["--first-tokens", "9-2"], "first_tokens must be a range"),
         (["--concurrent", "0"], "concurrent must be >= 1"),
         (["--turns", "many"], "'many' is not N or LO-HI"),
+        (["--flooder-rate", "-1"], "flooder_rate must be >= 0"),
+        (["--flooder", "--flooder-blocks", "0-4"], "flooder_blocks must be a range"),
     ],
 )
 def test_bad_parameters_exit_2_with_the_reason(
@@ -100,3 +111,70 @@ def test_bad_parameters_exit_2_with_the_reason(
         main([str(tmp_path / "x.jsonl"), *args])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_flooder_never_reuses_an_id_and_never_takes_one_of_the_conversations() -> None:
+    turns = list(generate(FLOODED, seed=6))
+    conversations = [t for t in turns if t.request.tenant == "A"]
+    flood = [t for t in turns if t.request.tenant == "B"]
+    assert len(conversations) + len(flood) == len(turns) and flood
+    ids_a = {i for t in conversations for i in t.request.hash_ids}
+    ids_b = [i for t in flood for i in t.request.hash_ids]
+    assert len(ids_b) == len(set(ids_b))  # no B id twice, in one prompt or across
+    assert min(ids_b) > max(ids_a)  # fresh: past every id of A's
+    for t in flood:
+        r = t.request
+        assert FLOODED.flooder_blocks[0] <= len(r.hash_ids) <= FLOODED.flooder_blocks[1]
+        assert r.input_length == len(r.hash_ids) * FLOODED.block_tokens
+        assert t.turn == 0 and t.session >= FLOODED.sessions  # one-off: a session of one
+    assert len({t.session for t in flood}) == len(flood)
+    stamps = [t.request.timestamp_ms for t in turns]
+    assert stamps == sorted(stamps)
+
+
+def test_the_conversations_are_the_same_with_or_without_the_flooder() -> None:
+    alone = [t.request for t in generate(SMALL, seed=6)]
+    mixed = [t.request for t in generate(FLOODED, seed=6) if t.request.tenant == "A"]
+    assert mixed == [replace(r, tenant="A") for r in alone]
+    assert all(r.tenant is None for r in alone)
+
+
+@pytest.mark.parametrize("k", [2.0, 10.0])
+def test_the_flooder_arrives_at_k_times_the_conversations_rate(k: float) -> None:
+    """Poisson at k x rate over A's span: the count is k x rate x span, within four
+    standard deviations (sqrt of the mean), and about k per A request."""
+    spec = replace(FLOODED, sessions=120, concurrent=20, flooder_rate=k)
+    turns = list(generate(spec, seed=1))
+    a = [t.request for t in turns if t.request.tenant == "A"]
+    b = [t.request for t in turns if t.request.tenant == "B"]
+    expected = k * spec.rate * (a[-1].timestamp_ms - a[0].timestamp_ms) / 1000
+    assert abs(len(b) - expected) < 4 * expected**0.5
+    assert 0.8 * k < len(b) / len(a) < 1.2 * k
+    assert b[-1].timestamp_ms <= a[-1].timestamp_ms  # the flood stops with A
+
+
+def test_the_file_names_each_requests_tenant_with_a_flooder(tmp_path: Path) -> None:
+    path = tmp_path / "mix.jsonl"
+    turns = list(generate(FLOODED, seed=4))
+    write_trace(iter(turns), path)
+    assert {json.loads(line)["tenant"] for line in path.read_text().splitlines()} == {"A", "B"}
+    assert read_trace(path) == [t.request for t in turns]
+
+
+def test_main_flooder_takes_the_default_rate_unless_one_is_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "mix.jsonl"
+    base = [str(path), "--sessions", "6", "--concurrent", "3", "--seed", "2"]
+    assert main([*base, "--flooder", "--flooder-blocks", "4-8"]) == 0
+    out = capsys.readouterr().out
+    assert f'"flooder_rate": {FLOODER_RATE}' in out and '"flooder_blocks": [4, 8]' in out
+    requests = read_trace(path)
+    a = sum(r.tenant == "A" for r in requests)
+    assert f"(tenant A: {a}, tenant B: {len(requests) - a})" in out
+    assert main([*base, "--flooder", "--flooder-rate", "3"]) == 0
+    assert '"flooder_rate": 3.0' in capsys.readouterr().out
+    assert main([*base, "--flooder-rate", "3"]) == 0  # a rate alone is a flooder too
+    assert {r.tenant for r in read_trace(path)} == {"A", "B"}
+    assert main(base) == 0
+    assert {r.tenant for r in read_trace(path)} == {None}

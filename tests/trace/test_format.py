@@ -61,3 +61,34 @@ def test_equal_prefixes_give_equal_keys_and_a_key_names_its_prefix() -> None:
     c = request_keys(TraceRequest(0, 0, 0, (1, 8, 9)))
     assert a[:2] == b[:2] and a[2] != b[2]
     assert not set(a) & set(c)  # same ids after a different first block: other keys
+
+
+def test_a_tenant_is_read_when_given_and_none_otherwise(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        '{"timestamp": 0, "input_length": 512, "hash_ids": [0], "tenant": "acme"}',
+        '{"timestamp": 1, "input_length": 512, "hash_ids": [0], "tenant": null}',
+        '{"timestamp": 2, "input_length": 512, "hash_ids": [0]}',
+    )
+    assert [r.tenant for r in read_trace(path)] == ["acme", None, None]
+
+
+@pytest.mark.parametrize("value", ['""', '"  "', "7", '["acme"]', "true", '{"name": "a"}'])
+def test_a_tenant_that_is_not_a_non_empty_string_names_the_line_and_value(
+    tmp_path: Path, value: str
+) -> None:
+    lines = ['{"timestamp": 0, "input_length": 0, "hash_ids": []}']
+    lines.append(f'{{"timestamp": 1, "input_length": 0, "hash_ids": [], "tenant": {value}}}')
+    with pytest.raises(TraceError) as exc:
+        read_trace(write(tmp_path, *lines))
+    message = str(exc.value)
+    assert message.startswith(f"{tmp_path / 'trace.jsonl'}:2: tenant must be a non-empty string")
+    assert value.replace(" ", "") in message.replace(" ", "")  # the value as written
+    assert "leave it out for the default tenant" in message
+
+
+def test_the_tenant_does_not_change_the_keys() -> None:
+    """Two tenants sending the same ids ask for the same blocks (a shared prefix)."""
+    a = request_keys(TraceRequest(0, 0, 0, (7, 8, 9), tenant="A"))
+    b = request_keys(TraceRequest(0, 0, 0, (7, 8, 9), tenant="B"))
+    assert a == b == request_keys(TraceRequest(0, 0, 0, (7, 8, 9)))

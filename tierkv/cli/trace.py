@@ -1,5 +1,6 @@
 """`tierkv bench trace FILE`: replay a request trace through real tiers, once per tier
-capacity and admission policy (`tierkv.trace`)."""
+capacity and admission policy (`tierkv.trace`); `--capacity-sweep` for one table over
+many sizes, `--tenant-report T` for what the other tenants cost tenant T."""
 
 from __future__ import annotations
 
@@ -72,6 +73,17 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         "one table of served share, served / a same-size LRU and blocks written (no "
         "backlog, no TTFT)",
     )  # fmt: skip
+    p.add_argument(
+        "--tenant-report", metavar="TENANT",
+        help="replay TENANT's requests alone, then the whole trace, through the same chain "
+        "(sizes: of TENANT's distinct blocks) and print TENANT's served share in each and "
+        "their ratio (no backlog, no TTFT)",
+    )  # fmt: skip
+    p.add_argument(
+        "--quotas", type=Path, metavar="FILE",
+        help="a YAML file holding the cache's tenants.quotas mapping (e.g. {primary: "
+        "{tenants: {A: 50%%}}, nvme: {tenants: {A: 50%%}}}), set in every replayed chain",
+    )  # fmt: skip
     _backlog_arguments(p)
     _cost_model_arguments(p)
     p.add_argument("--plot", metavar="FILE.png", help="hit rate and bytes written vs capacity")
@@ -87,7 +99,7 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--block-bytes", type=block_size, metavar="SIZE",
         help="tierkv block per trace block (64KiB, the cost model scales to the model's "
-        "size; 4KiB with --capacity-sweep)",
+        "size; 4KiB with --capacity-sweep or --tenant-report)",
     )  # fmt: skip
     p.add_argument(
         "--primary", metavar="N|P%",
@@ -96,7 +108,8 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tier-capacity", metavar="LIST",
         help="each tier's capacity, blocks or %% of distinct; one replay each (10%%,25%%; "
-        "with --capacity-sweep 5%%,12%%,20%%,27%%,40%%,50%%)",
+        "with --capacity-sweep 5%%,12%%,20%%,27%%,40%%,50%%; with --tenant-report 25%% of "
+        "the tenant's distinct)",
     )  # fmt: skip
     p.add_argument(
         "--tiers", metavar="LIST",
@@ -104,8 +117,9 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
         "admission, about 10x faster on a small disk)",
     )  # fmt: skip
     p.add_argument(
-        "--admission", default="all,reuse,tinylfu", metavar="LIST",
-        help="policies to compare (all,reuse,tinylfu; also adaptive)",
+        "--admission", metavar="LIST",
+        help="policies to compare (all,reuse,tinylfu; all with --tenant-report; also "
+        "adaptive)",
     )  # fmt: skip
     p.add_argument("--redis-url", metavar="URL", help="for a redis tier")
     p.add_argument("--dir", type=Path, metavar="DIR", help="where nvme writes (a temp dir)")
@@ -160,7 +174,13 @@ def _cost_model_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+ADMISSIONS = "all,reuse,tinylfu"
+"""`--admission`'s policies by default (with `--tenant-report`: `all`)."""
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.tenant_report is not None:
+        return _run_tenant_report(args)
     if args.capacity_sweep:
         return _run_sweep(args)
     from tierkv.trace import TraceError
@@ -180,8 +200,8 @@ def run(args: argparse.Namespace) -> int:
             report = anyio.run(lambda: run_trace_bench(options, progress.update))
         except TraceError as exc:
             raise UsageError(str(exc)) from None
-        except ValueError as exc:  # capacities, tiers
-            raise UsageError(str(exc)) from None
+        except ValueError as exc:  # capacities, tiers, quotas (ConfigError)
+            raise UsageError(_quota_hint(str(exc), args.quotas)) from None
     if args.json:
         print_json(report)
     else:
@@ -224,20 +244,97 @@ def _run_sweep(args: argparse.Namespace) -> int:
         primaries=sizes["--primary"],
         capacities=sizes["--tier-capacity"],
         tiers=_split(args.tiers or "memory"),
-        admissions=_admissions(args.admission),
+        admissions=_admissions(args.admission or ADMISSIONS),
         directory=args.dir,
         redis_url=args.redis_url,
+        quotas=_quotas(args.quotas),
     )
     with Progress(not args.json, None, "reading the trace", command="bench") as progress:
         try:
             report = anyio.run(lambda: run_capacity_sweep(options, progress.update))
-        except ValueError as exc:  # the trace (TraceError), tiers
-            raise UsageError(str(exc)) from None
+        except ValueError as exc:  # the trace (TraceError), tiers, quotas (ConfigError)
+            raise UsageError(_quota_hint(str(exc), args.quotas)) from None
     if args.json:
         print_json(report)
     else:
         print("\n".join(sweep_lines(report)))
     return 0
+
+
+def _run_tenant_report(args: argparse.Namespace) -> int:
+    """`--tenant-report T`: per tier capacity x policy, T's requests replayed alone and
+    then the whole trace, through fresh chains of the same sizes and quotas."""
+    from tierkv.trace.sweep import check_size
+    from tierkv.trace.tenants import TenantReportOptions, run_tenant_report, tenant_lines
+
+    if args.capacity_sweep or args.plot:
+        flag = "--capacity-sweep" if args.capacity_sweep else "--plot"
+        raise UsageError(f"--tenant-report is a report of its own; drop {flag}")
+    if not args.tenant_report.strip():
+        raise UsageError('--tenant-report: name a tenant (as the trace\'s "tenant" field)')
+    try:
+        primary = check_size(args.primary or "2%")
+        capacities = tuple(check_size(t) for t in _split(args.tier_capacity or "25%"))
+    except ValueError as exc:
+        raise UsageError(f"--primary / --tier-capacity: {exc}") from None
+    options = TenantReportOptions(
+        args.file,
+        args.tenant_report,
+        limit=args.requests,
+        block_bytes=args.block_bytes or 4 << 10,
+        primary=primary,
+        capacities=capacities,
+        tiers=_split(args.tiers or "nvme"),
+        admissions=_admissions(args.admission or "all"),
+        directory=args.dir,
+        redis_url=args.redis_url,
+        quotas=_quotas(args.quotas),
+    )
+    with Progress(not args.json, None, "reading the trace", command="bench") as progress:
+        try:
+            report = anyio.run(lambda: run_tenant_report(options, progress.update))
+        except ValueError as exc:  # the trace (TraceError), tiers, quotas (ConfigError)
+            raise UsageError(_quota_hint(str(exc), args.quotas)) from None
+    if args.json:
+        print_json(report)
+    else:
+        print("\n".join(tenant_lines(report)))
+    return 0
+
+
+def _quotas(path: Path | None) -> dict[str, Any] | None:
+    """`--quotas FILE`: the YAML mapping that becomes the replayed chains'
+    `tenants.quotas` (read strictly: UTF-8, no repeated key); None without the option.
+    Its content is checked with the chain's config, as the cache's YAML is."""
+    if path is None:
+        return None
+    from tierkv.config.reading import decode_utf8, read_yaml
+
+    try:
+        data = read_yaml(decode_utf8(path.read_bytes(), str(path)), str(path))
+    except OSError as exc:
+        raise UsageError(f"--quotas {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # ConfigError: not UTF-8, malformed YAML, repeated keys
+        raise UsageError(f"--quotas {path}: {exc}") from None
+    example = "write e.g. {primary: {tenants: {A: 50%}}, nvme: {tenants: {A: 50%}}}"
+    if not isinstance(data, dict):
+        got = "nothing" if data is None else f"a {type(data).__name__}"
+        raise UsageError(
+            f"--quotas {path}: expected the tenants.quotas mapping, got {got}; {example}"
+        )
+    if set(data) & {"quotas", "tenants"}:
+        raise UsageError(
+            f"--quotas {path}: the file holds the tenants.quotas mapping itself, tier name "
+            f"-> its quotas, without a `tenants:` or `quotas:` key above it; {example}"
+        )
+    return data
+
+
+def _quota_hint(message: str, path: Path | None) -> str:
+    """A config error's message, saying where `tenants.quotas` came from."""
+    if path is not None and "tenants.quotas" in message:
+        return f"{message}\n(tenants.quotas is the content of --quotas {path})"
+    return message
 
 
 def _split(text: str) -> tuple[str, ...]:
@@ -299,7 +396,7 @@ def _options(
         primary=args.primary or "2%",
         tier_capacities=tuple(c.strip() for c in (args.tier_capacity or "10%,25%").split(",")),
         tiers=tuple(t.strip() for t in (args.tiers or "nvme").split(",")),
-        admissions=_admissions(args.admission),
+        admissions=_admissions(args.admission or ADMISSIONS),
         redis_url=args.redis_url,
         directory=args.dir,
         load=args.load,
@@ -310,4 +407,5 @@ def _options(
         prefetch_depth=args.prefetch_depth,
         prefetch_timeout=args.prefetch_timeout,
         abandon=args.abandon,
+        quotas=_quotas(args.quotas),
     )

@@ -3,8 +3,9 @@ hit rates against references computed from the trace itself, bytes per tier, and
 time-to-first-token estimate from a stated cost model; a queued replay behind a
 modelled server that prefetches for the requests it has queued (`replay_queued`); a
 sweep of primary sizes x tier capacities x admission policies in one table
-(`run_capacity_sweep`); and a generated conversation-shaped trace to run them on
-(`tierkv.trace.conversations`)."""
+(`run_capacity_sweep`); one tenant's served share alone and beside the others, with or
+without quotas (`run_tenant_report`); and a generated conversation-shaped trace to run
+them on, with a flooding second tenant if asked (`tierkv.trace.conversations`)."""
 
 from tierkv.trace.conversations import ConversationSpec
 from tierkv.trace.costmodel import CostModel, ServerClock
@@ -13,6 +14,7 @@ from tierkv.trace.reference import infinite_cache_hits, lru_hits
 from tierkv.trace.replay import ReplayOptions, ReplayReport, replay
 from tierkv.trace.server import QueuedReport, ServerOptions, replay_queued
 from tierkv.trace.sweep import SweepOptions, run_capacity_sweep
+from tierkv.trace.tenants import TenantReportOptions, run_tenant_report
 
 __all__ = [
     "ConversationSpec",
@@ -23,6 +25,7 @@ __all__ = [
     "ServerClock",
     "ServerOptions",
     "SweepOptions",
+    "TenantReportOptions",
     "TraceError",
     "TraceRequest",
     "infinite_cache_hits",
@@ -31,5 +34,6 @@ __all__ = [
     "replay",
     "replay_queued",
     "run_capacity_sweep",
+    "run_tenant_report",
     "request_keys",
 ]

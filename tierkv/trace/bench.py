@@ -39,6 +39,7 @@ class TraceBenchOptions:
     prefetch_depth: int = 8
     prefetch_timeout: float = 60.0
     abandon: float = 0.0
+    quotas: Mapping[str, Any] | None = field(default=None, hash=False)  # tenants.quotas
 
 
 def _model(report: ReplayReport, o: TraceBenchOptions) -> CostModel:
@@ -120,6 +121,7 @@ async def run_trace_bench(
                 admission=admission,
                 directory=o.directory,
                 redis_url=o.redis_url,
+                quotas=o.quotas,
             )
             label = f"tier {capacity} ({tier} blocks), admission {admission}"
             out["runs"].append(await _replay_run(keyed, options, facts, o, say, label))

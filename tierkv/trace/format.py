@@ -7,6 +7,13 @@
 order (two requests whose prompts share a prefix share its leading ids). A block's
 tierkv key chains the ids up to it (`request_keys`), so equal prefixes give equal
 keys and a block's key names its whole prefix.
+
+tierkv adds one optional field, `"tenant": "acme"`: who the request serves (a
+non-empty string; absent or null: the default tenant). A replay passes it to the cache
+as `ReqContext.tenant`, so per-tenant counts and quotas see it. It does not change the
+keys: two tenants sending the same `hash_ids` ask for the same blocks, a prefix they
+share (a trace keeps tenants' prompts apart by giving them different ids). Mooncake's
+own traces have no tenant.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    tenant: str | None = None
 
 
 def _request(data: object, where: str) -> TraceRequest:
@@ -53,7 +61,13 @@ def _request(data: object, where: str) -> TraceRequest:
     out = data.get("output_length", 0)
     if not isinstance(out, int) or isinstance(out, bool) or out < 0:
         raise TraceError(f"{where}: output_length must be a non-negative integer")
-    return TraceRequest(float(stamp), length, out, tuple(ids))
+    tenant = data.get("tenant")
+    if tenant is not None and (not isinstance(tenant, str) or not tenant.strip()):
+        raise TraceError(
+            f'{where}: tenant must be a non-empty string (a name such as "acme"), '
+            f"got {json.dumps(tenant)}; leave it out for the default tenant"
+        )
+    return TraceRequest(float(stamp), length, out, tuple(ids), tenant)
 
 
 def iter_trace(path: str | Path, limit: int | None = None) -> Iterator[TraceRequest]:
@@ -88,6 +102,7 @@ def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
 
 
 def request_keys(request: TraceRequest, namespace: str = "trace") -> list[OffloadKey]:
-    """The request's block keys: its `hash_ids` chained, one key per trace block."""
+    """The request's block keys: its `hash_ids` chained, one key per trace block (its
+    tenant plays no part: equal ids give equal keys whoever sends them)."""
     hashes = hash_token_blocks(list(request.hash_ids), 1, namespace=namespace)
     return [make_offload_key(h, 0) for h in hashes]

@@ -2,7 +2,9 @@
 
 Each request, in arrival order and strictly after the one before: `lookup` its block
 keys, `load` the hit into a host buffer, `store` the blocks after the hit (as a server
-does once prefill ends). Each trace block is one tierkv block of `block_bytes` (the
+does once prefill ends), each with the request's tenant (`ReqContext.tenant`), so the
+cache counts per tenant (`ReplayReport.tenants`) and holds tenants to the quotas given
+(`ReplayOptions.quotas`). Each trace block is one tierkv block of `block_bytes` (the
 trace's 512-token blocks scaled down, so a replay fits a laptop); the cost model
 scales bytes back to the model's real KV size. What a replay measures: blocks served
 per medium, bytes written to and read from each tier, evictions, each tier's load
@@ -36,13 +38,17 @@ from tierkv.trace.format import TRACE_BLOCK_TOKENS, TraceRequest
 FS_BLOCK = 4096
 PREFETCH_COUNTERS = ("prefetched_blocks", "prefetch_used", "prefetch_shed", "prefetch_cancelled")
 """The cache's prefetch counters a replay reports (`TieredCache.stats().primary`)."""
+REPORT_TOP = 1000
+"""`tenants.report_top` of a replay's cache: the most tenants named in its stats."""
 
 
 @dataclass(frozen=True)
 class ReplayOptions:
     """One chain to replay: a primary of `primary_blocks` over `tiers` (types:
     `nvme`, `memory`, `redis`), each of `tier_blocks` blocks (nvme and memory: Redis
-    is bounded by its own maxmemory), written through with `admission`."""
+    is bounded by its own maxmemory), written through with `admission`; `quotas` is
+    the cache config's `tenants.quotas` (`primary` or a tier's type -> its quotas;
+    None: no quota)."""
 
     block_bytes: int = 64 << 10
     primary_blocks: int = 880
@@ -52,6 +58,7 @@ class ReplayOptions:
     directory: Path | None = None
     redis_url: str | None = None
     namespace: str = "trace-replay"
+    quotas: Mapping[str, Any] | None = field(default=None, hash=False)
 
 
 @dataclass
@@ -73,6 +80,7 @@ class ReplayReport:
     cpu_seconds: float = 0.0  # this process's CPU time (all threads): the rate on a busy machine
     costs: list[RequestCost] = field(default_factory=list, repr=False)
     prefetch: dict[str, int] = field(default_factory=dict)
+    tenants: dict[str, dict[str, int]] = field(default_factory=dict)  # stats().tenants
 
     @property
     def hit_rate(self) -> float:
@@ -110,6 +118,7 @@ class ReplayReport:
                 self.blocks_asked / self.cpu_seconds if self.cpu_seconds else 0.0
             ),
             "prefetch_counters": self.prefetch,
+            "tenants": self.tenants,
         }
 
 
@@ -128,6 +137,26 @@ def _tier(kind: str, o: ReplayOptions, root: Path, key_bytes: int) -> dict[str, 
     else:
         raise ValueError(f"replay tiers are nvme, memory or redis, not {kind!r}")
     return spec
+
+
+def chain_config(o: ReplayOptions, root: Path, key_bytes: int = 20) -> dict[str, Any]:
+    """The cache config of one replay (its tier files under `root`), as a mapping for
+    `parse_config`."""
+    config: dict[str, Any] = {
+        # a fresh namespace per run: a redis tier must not serve blocks an earlier run
+        # (of this bench or another) left there
+        "namespace": f"{o.namespace}-{uuid.uuid4().hex[:12]}",
+        "layout": {"block_bytes": o.block_bytes, "groups": [{"block_size": 1}]},
+        "primary": {"capacity": o.primary_blocks * o.block_bytes, "pin_memory": False},
+        "tiers": [_tier(t, o, root, key_bytes) for t in o.tiers],
+        "lookup_timeout": None,  # the replay measures hits, not a busy machine
+        # every tenant by name in stats().tenants (the most a config allows), so a
+        # report can find any tenant's row
+        "tenants": {"report_top": REPORT_TOP},
+    }
+    if o.quotas:
+        config["tenants"]["quotas"] = dict(o.quotas)
+    return config
 
 
 @dataclass(frozen=True)
@@ -179,20 +208,7 @@ class ReplayChain:
         o = options
         key_bytes = len(requests[0][1][0]) if requests and requests[0][1] else 20
         with tempfile.TemporaryDirectory(prefix="tierkv-trace-", dir=o.directory) as tmp:
-            config = parse_config(
-                {
-                    # a fresh namespace per run: a redis tier must not serve blocks
-                    # an earlier run (of this bench or another) left there
-                    "namespace": f"{o.namespace}-{uuid.uuid4().hex[:12]}",
-                    "layout": {"block_bytes": o.block_bytes, "groups": [{"block_size": 1}]},
-                    "primary": {
-                        "capacity": o.primary_blocks * o.block_bytes,
-                        "pin_memory": False,
-                    },
-                    "tiers": [_tier(t, o, Path(tmp), key_bytes) for t in o.tiers],
-                    "lookup_timeout": None,  # the replay measures hits, not a busy machine
-                }
-            )
+            config = parse_config(chain_config(o, Path(tmp), key_bytes))
             longest = max((len(k) for _, k in requests), default=1)
             async with TieredCache(config) as cache:
                 chain = cls(cache, report, max(1, longest), TRACE_BLOCK_TOKENS * kv_bytes_per_token)
@@ -232,12 +248,13 @@ class ReplayChain:
         report.blocks_served += len(served.keys)
         return served
 
-    async def store_rest(self, keys: Sequence[OffloadKey], served: int) -> None:
-        """Store the blocks after the hit (prefill computed them) and let every
-        cascade finish; count evictions."""
+    async def store_rest(self, keys: Sequence[OffloadKey], served: int, ctx: ReqContext) -> None:
+        """Store the blocks after the hit (prefill computed them) for `ctx`'s tenant and
+        let every cascade finish; count evictions."""
         cache = self.cache
         if served < len(keys):
-            stored = await cache.store(keys[served:], self._source[: len(keys) - served])
+            rest = self._source[: len(keys) - served]
+            stored = await cache.store(keys[served:], rest, ctx=ctx)
             self.report.rejected_stores += len(stored.rejected)
         await cache.flush()
         self.count_events()
@@ -283,6 +300,7 @@ class ReplayChain:
             report.declined[name] = int(tier["declined"])
         for counter in PREFETCH_COUNTERS:
             report.prefetch[counter] = int(stats.primary.get(counter, 0))
+        report.tenants = {name: dict(counts) for name, counts in stats.tenants.items()}
         for medium, nbytes in self._load_bytes.items():
             if self._load_time.get(medium, 0.0) > 0:
                 # measured at this block size: small blocks make it pessimistic for
@@ -305,13 +323,18 @@ async def replay(
     first = requests[0][0].timestamp_ms
     async with ReplayChain.open(requests, options, report, kv_bytes_per_token) as chain:
         for n, (request, keys) in enumerate(requests):
-            ctx = ReqContext(request_id=f"r{n}")
+            ctx = request_context(n, request)
             served = await chain.load_hit(keys, ctx)
-            await chain.store_rest(keys, len(served.keys))
+            await chain.store_rest(keys, len(served.keys), ctx)
             report.costs.append(chain.cost(request, first, served))
             if progress is not None:
                 progress(n + 1, len(requests))
     return report
+
+
+def request_context(n: int, request: TraceRequest) -> ReqContext:
+    """The context of the trace's `n`th request: its id (`r<n>`) and its tenant."""
+    return ReqContext(request_id=f"r{n}", tenant=request.tenant)
 
 
 def primary_and_tier_blocks(distinct: int, primary: str, tier: str) -> tuple[int, int]:

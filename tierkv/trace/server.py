@@ -39,11 +39,10 @@ import anyio
 
 from tierkv.cache import TieredCache
 from tierkv.cache.prefetch import Prefetch, PrefetchPolicy
-from tierkv.contract.jobs import ReqContext
 from tierkv.contract.keys import OffloadKey
 from tierkv.trace.costmodel import CostModel, PrefetchedBytes, ServerClock, ttft_summary
 from tierkv.trace.format import TraceRequest
-from tierkv.trace.replay import ReplayChain, ReplayOptions, ReplayReport
+from tierkv.trace.replay import ReplayChain, ReplayOptions, ReplayReport, request_context
 
 _STALL = 0.05  # real seconds a settle waits for prefetches that change nothing
 logger = logging.getLogger(__name__)
@@ -127,6 +126,8 @@ class _Queue:
         self.arrivals = [clock.arrival((r.timestamp_ms - first) / 1000.0) for r, _ in requests]
         rng = random.Random(server.seed)
         self.abandoned = [rng.random() < server.abandon for _ in requests]
+        # request id and tenant: a request's prefetch, load and store carry the same
+        self.ctx = [request_context(j, r) for j, (r, _) in enumerate(requests)]
         self.queue: deque[int] = deque()
         self.arrived = 0  # requests that have arrived (the next one's index)
         self.issued: dict[int, _Issued] = {}
@@ -156,7 +157,9 @@ class _Queue:
             return
         policy = self.server.prefetch
         timeout = self.server.timeout if policy == "wait" else None
-        handle = self.cache.prefetch([self.requests[j][1]], _ctx(j), policy=policy, timeout=timeout)
+        handle = self.cache.prefetch(
+            [self.requests[j][1]], self.ctx[j], policy=policy, timeout=timeout
+        )
         self.issued[j] = _Issued(handle)
         self.report.prefetches += 1
         await self.settle(now)
@@ -197,10 +200,10 @@ class _Queue:
         others arrive, then store the blocks it computed."""
         chain, report = self.chain, self.report
         request, keys = self.requests[j]
-        served = await chain.load_hit(keys, _ctx(j))  # a load ends j's prefetch
+        served = await chain.load_hit(keys, self.ctx[j])  # a load ends j's prefetch
         # no hit, no load: the request runs without loading, its prefetch must let go
         # (one still waiting for room would hold budget until its timeout)
-        self.cache.cancel_prefetch(_ctx(j))
+        self.cache.cancel_prefetch(self.ctx[j])
         prefetched, mediums = [], {}
         for key in served.keys:
             p = self.promoted.get(key)
@@ -216,12 +219,12 @@ class _Queue:
         await self.settle(start)  # the load let go of the prefetch's budget
         await self.top_up(start)
         await self.arrive(self.clock.server_free)
-        await chain.store_rest(keys, len(served.keys))
+        await chain.store_rest(keys, len(served.keys), self.ctx[j])
         await self.settle(self.clock.server_free)
 
     async def drop(self, j: int, now: float) -> None:
         """Request `j`'s client gave up waiting: nothing served, its prefetch let go."""
-        self.cache.cancel_prefetch(_ctx(j))
+        self.cache.cancel_prefetch(self.ctx[j])
         self.forget(j)
         self.report.dropped += 1
         await self.settle(now)
@@ -243,10 +246,6 @@ class _Queue:
             done += 1
             if progress is not None:
                 progress(done, total)
-
-
-def _ctx(j: int) -> ReqContext:
-    return ReqContext(request_id=f"r{j}")
 
 
 async def _settle(cache: TieredCache, handles: Sequence[Prefetch]) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ class SweepOptions:
     admissions: tuple[str, ...] = ("all", "reuse", "tinylfu")
     directory: Path | None = None
     redis_url: str | None = None
+    quotas: Mapping[str, Any] | None = field(default=None, hash=False)  # tenants.quotas
 
 
 def check_size(text: str) -> str:
@@ -129,6 +130,7 @@ async def _cell(
         admission=admission,
         directory=o.directory,
         redis_url=o.redis_url,
+        quotas=o.quotas,
     )
     report = await replay(keyed, options)
     lru = size["lru_hit_rate"]
