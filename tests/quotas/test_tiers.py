@@ -198,3 +198,22 @@ def test_tier_quota_invariants(borrow: bool, stores: list[tuple[str, int]]) -> N
                     assert bool((out == written[key]).all())
 
     anyio.run(run)
+
+
+async def test_tinylfu_weighs_new_blocks_inside_the_tenants_share() -> None:
+    """A tier with `admission: tinylfu` and quotas: a tenant's new blocks are weighed
+    against the blocks its quota would give way, so what the quota has no room for
+    is declined by admission (counted as the tier's admission declines), not sent."""
+    quotas = "{memory: {borrow: false, default: 20%}}"
+    tier = "{type: memory, capacity: 80KiB, admission: tinylfu}"
+    c = ReqContext(tenant="c")
+    async with TieredCache(parse_config(chain(quotas, tier=tier, primary=32))) as cache:
+        cap = gate(cache).book.cap("c")
+        assert cap is not None
+        kc = keys(cap + 2, "c")
+        await cache.store(kc, blocks(cap + 2), ctx=c)
+        await cache.flush()
+        assert await in_tier(cache, kc) == [True] * cap + [False] * 2
+        stats = cache.stats()
+    assert stats.tiers["memory"]["declined"] == 2
+    assert stats.tenants["c"]["declined_blocks"] == 0  # admission's, not the quota's

@@ -27,7 +27,7 @@ call; this module keeps the cascades every store, hit count and sighting starts.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from itertools import islice
 
 from tierkv.cache.core import CacheCore
@@ -92,7 +92,9 @@ class Cascader:
         for handle in self.reuse:
             if handle in self.relative:
                 try:
-                    verdicts[handle.index] = self._weighed(handle, keys)
+                    verdicts[handle.index] = self._weighed(
+                        handle, keys, None if ctx is None else ctx.tenant
+                    )
                     continue
                 except Exception:  # a plugin's room() or candidates failed: reuse rule
                     logger.warning(
@@ -133,10 +135,15 @@ class Cascader:
                     self.cascade(handle, chosen, watch, ctx)
         self.writeback.admit(keys)
 
-    def _weighed(self, handle: GuardedTier, keys: Sequence[OffloadKey]) -> list[bool]:
+    def _weighed(
+        self, handle: GuardedTier, keys: Sequence[OffloadKey], tenant: str | None
+    ) -> list[bool]:
         """The tinylfu verdicts of `handle`'s tier on `keys`: its room less the blocks
         already on their way to it, then each key against the candidate it would
-        displace (candidates the writes in flight will displace are skipped)."""
+        displace (candidates the writes in flight will displace are skipped). On a
+        tier with tenant quotas, the room and the candidates are the store's tenant's
+        (`tierkv.quotas.tiers`): each key is weighed against the block the quota would
+        give way for it, and keys the quota would decline are declined here."""
         admission, core = self.admission, self.core
         assert admission is not None
         tier = handle.tier
@@ -156,8 +163,16 @@ class Cascader:
                 admission.size_for(max(adaptive), core.primary.num_blocks)
         room = tier.room()
         pending = -(-handle.stats.inflight_bytes // core.block_bytes)
-        candidates = islice(tier.eviction_candidates(), max(0, pending - room.free_blocks), None)
-        free = room.free_blocks - pending
+        candidates: Iterator[OffloadKey]
+        if handle.quotas is not None and handle.quotas.enforced:
+            plan = handle.quotas.plan(keys, tenant, pending)
+            free = len(keys) - len(plan.victims) - len(plan.declined)
+            candidates = iter(plan.victims)
+        else:
+            candidates = islice(
+                tier.eviction_candidates(), max(0, pending - room.free_blocks), None
+            )
+            free = room.free_blocks - pending
         if handle.index in self.adaptive:
             assert isinstance(admission, AdaptiveAdmission)
             return admission.admits_adaptive(keys, free, candidates, core.primary.is_ready)
