@@ -31,6 +31,12 @@ tier, the keys each tier job moved (`on_tier`): a caller that keeps its own reco
 of where keys are held (LMCache's key listing) learns it there, on the loop thread,
 in order with the tier's removal reports.
 
+Per-tenant quotas (`quotas`: tier name -> `TierQuotas`, a chain file's
+`tenants.quotas`) go to the tiers they name (`GuardedTier.set_quotas`): each store
+of the chain then stays within the share of its call's tenant (`tenant=`) on the tiers
+that can name their victims (`tierkv.quotas.tiers`); a key a quota keeps out of every
+tier is not among the keys stored.
+
 One event-loop thread serves every chain of a process (`shared_loop`): an engine that
 builds several storage objects (one per pool, a re-attach) does not gather threads.
 """
@@ -43,7 +49,7 @@ import functools
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -57,6 +63,7 @@ from tierkv.driver.checks import backstop_after
 from tierkv.driver.claims import ClaimLedger, Taken
 from tierkv.driver.guarded import GuardedTier, JobKind
 from tierkv.driver.loop_thread import LoopThread
+from tierkv.quotas.config import TierQuotas
 
 TierMoved = Callable[[GuardedTier, tuple[OffloadKey, ...]], None]
 """Called on the loop thread with a tier and the keys one of its jobs just moved."""
@@ -108,12 +115,22 @@ class SyncChain:
         margin: float = 1.0,
         tags: dict[str, Any] | None = None,
         on_removed: Callable[[GuardedTier, tuple[OffloadKey, ...]], None] | None = None,
+        quotas: Mapping[str, TierQuotas] | None = None,
     ) -> None:
+        unknown = sorted(set(quotas or ()) - set(names))
+        if unknown:  # `parse_config` refuses these in a chain file: a caller's slip
+            raise ValueError(
+                f"quotas for {', '.join(map(repr, unknown))}, which names no tier of the "
+                f"chain ({', '.join(map(repr, names))})"
+            )
         self.view = view
         self.tiers = [
             GuardedTier.create(config, view, index=i, name=name, on_removed=on_removed)
             for i, (config, name) in enumerate(zip(configs, names))
         ]
+        for tier in self.tiers:  # each tenant held to its share of the tiers named
+            if quotas and tier.name in quotas:
+                tier.set_quotas(quotas[tier.name])
         self.claims = ClaimLedger(self.tiers)
         """Claims `start_lookup` took, per owner; used on the loop thread only."""
         slowest = max((float(c.job_timeout) for c in configs), default=1.0)

@@ -6,10 +6,12 @@ storage classes, as the other adapter tests build them."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tierkv.contract.errors import ConfigError
 from tierkv.contract.tenants import salt_tenant
 
 SALT = "sglang-secret-salt-41c0"
@@ -61,3 +63,21 @@ def test_a_tenant_or_salt_in_extra_info_reaches_every_call(
     roundtrip(rig, backend, pool, info(tenant="acme", cache_salt=SALT), "named")
     assert tenants_seen(backend) == {"acme"}  # a name given wins over the salt
     assert not any(SALT in r.getMessage() for r in caplog.records)
+
+
+def test_a_chain_that_isolates_tenants_is_refused(tmp_path: Path) -> None:
+    """`tenants.isolate` is `TieredCache`'s: SGLang's tiers get SGLang's page hashes as
+    they come, which know nothing of a tenant `extra_info` names."""
+    from tierkv.integrations.sglang.settings import PoolGeometry, resolve
+
+    geometry = PoolGeometry("m", "bfloat16", "page_first", 16, 4096, 2, is_mla=False)
+    chain = tmp_path / "chain.yaml"
+    body = (
+        "namespace: t\nlayout: {block_bytes: 4KiB, groups: [{block_size: 16}]}\n"
+        "primary: {capacity: 64KiB}\ntiers: [{type: memory, capacity: 1MiB}]\n"
+    )
+    chain.write_text(body + "tenants: {isolate: true}\n")
+    with pytest.raises(ConfigError, match=r"tenants\.isolate: true is not available under SGLang"):
+        resolve({"interface_v1": 1, "chain": str(chain)}, geometry)
+    chain.write_text(body + "tenants: {isolate: false}\n")
+    assert resolve({"interface_v1": 1, "chain": str(chain)}, geometry).names == ("memory",)

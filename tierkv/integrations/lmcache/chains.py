@@ -128,6 +128,7 @@ class SizeChains:
             lookup_timeout=settings.lookup_timeout,
             tags=dict(self._tags, object_bytes=str(size)),
             on_removed=self._removed,
+            quotas=settings.quotas,
         )
         logger.info(
             "tierkv below LMCache's L1: tiers %s for %d-byte objects (namespace %r)",

@@ -26,6 +26,8 @@ from tierkv.config.machine import fit_problems
 from tierkv.contract.errors import ConfigError
 from tierkv.driver.checks import backstop_after
 from tierkv.integrations.lmcache.settings import resolve
+from tierkv.integrations.quotas import quotas_text
+from tierkv.quotas.config import TierQuotas
 
 MODULE = "tierkv.integrations.lmcache"
 CLASS = "TierkvL2Adapter"
@@ -99,6 +101,7 @@ def check(value: str) -> CheckReport:
                 "type": t.type,
                 "job_timeout_s": float(t.job_timeout),
                 "claim_lease_s": float(t.claim_lease),
+                "quotas": _quotas(settings.quotas.get(name)),
             }
             for name, t in zip(settings.names, settings.tiers)
         ],
@@ -118,6 +121,10 @@ def check(value: str) -> CheckReport:
             'sizes, e.g. "object_bytes": ["2MiB"], to open them with the server)'
         )
     return report
+
+
+def _quotas(quotas: TierQuotas | None) -> dict[str, Any] | None:
+    return None if quotas is None else quotas.model_dump()
 
 
 def _parse_with_lmcache(spec: dict[str, Any]) -> bool | None:
@@ -254,6 +261,8 @@ def render(report: CheckReport) -> str:
             f"    {t['name']}: {t['type']}, job_timeout {t['job_timeout_s']:g}s, "
             f"locks last at most {t['claim_lease_s']:g}s"
         )
+        if t.get("quotas"):
+            lines.append(f"      quotas {quotas_text(t['quotas'])}")
     if report.object_bytes:
         lines.append(f"  opened at start for objects of {report.object_bytes} bytes")
     if report.lmcache_parsed is None:

@@ -9,29 +9,42 @@ or `"chain": "/etc/tierkv/chain.yaml"` in place of `tiers`. Optional: `namespace
 (default `lmcache`, or the chain file's), `lookup_timeout` (default 1s),
 `object_bytes` (the sizes of LMCache's objects, whose tiers open with the adapter;
 others open when an object of that size first comes), `record_keys` (the most keys
-the adapter remembers for `list_l2_keys` and its usage, default 1,048,576). Each tier
-section goes through `tierkv.config.parse_config`, so a mistake reads as `tierkv
-validate` says it, at the path where it was written (`adapter_params.tiers[0].capacity:
-...`). Nothing here imports LMCache or torch: `tierkv lmcache check` runs where LMCache
-is not installed.
+the adapter remembers for `list_l2_keys` and its usage, default 1,048,576), and
+beside inline `tiers`, per-tenant quotas on them: `"tenants": {"quotas": {"nvme":
+{"tenants": {"salt-0bc5fe16": "50%"}}}}` (a chain file has its own `tenants.quotas`;
+`tierkv.integrations.quotas`). Each tier section goes through
+`tierkv.config.parse_config`, so a mistake reads as `tierkv validate` says it, at the
+path where it was written (`adapter_params.tiers[0].capacity: ...`). Nothing here
+imports LMCache or torch: `tierkv lmcache check` runs where LMCache is not installed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tierkv.config import load_config, parse_config
 from tierkv.contract.errors import ConfigError
 from tierkv.contract.tier import TierConfig
 from tierkv.contract.units import parse_duration, parse_size
+from tierkv.integrations.quotas import Engine, as_written, check_inline_tenants, tier_quotas
+from tierkv.quotas.config import TierQuotas
 
 __all__ = ["SOURCE", "AdapterSettings", "resolve"]
 
 SOURCE = "--l2-adapter adapter_params"
-KEYS = ("tiers", "chain", "namespace", "lookup_timeout", "object_bytes", "record_keys")
+KEYS = (
+    "tiers",
+    "chain",
+    "namespace",
+    "lookup_timeout",
+    "object_bytes",
+    "record_keys",
+    "tenants",
+)
 """The keys tierkv reads from `adapter_params`."""
+ENGINE = Engine("LMCache", "its L1 (LMCache's own memory)", SOURCE)
 LOOKUP_TIMEOUT = 1.0
 """Seconds a lookup-and-lock waits for the tiers by default: LMCache's prefetch
 controller asks ahead of the load, off the request's critical path."""
@@ -39,8 +52,10 @@ RECORD_KEYS = 1 << 20
 """Keys the adapter's key record holds by default (a few hundred bytes each: about
 0.5 GB at the default; 1 TiB of 1 MiB objects)."""
 VALIDATION_BLOCK = 1 << 20
-"""The block size tier sections are validated with (a tier's settings do not depend
-on it; each object size gets its own tiers, built for that size)."""
+"""The block size tier sections are validated with where `object_bytes` names no size
+(a tier's settings do not depend on it; each object size gets its own tiers, built for
+that size). With `object_bytes`, the smallest: a quota is checked to hold at least one
+object of it."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +68,9 @@ class AdapterSettings:
     lookup_timeout: float
     object_bytes: tuple[int, ...]
     record_keys: int = RECORD_KEYS
+    quotas: dict[str, TierQuotas] = field(default_factory=dict)
+    """Per-tenant quotas by tier name, kept by each object size's chain
+    (`SyncChain(quotas=...)`)."""
 
     def namespace_for(self, size: int) -> str:
         """The namespace of the tiers holding objects of `size` bytes (an nvme tier
@@ -94,18 +112,24 @@ def resolve(
         raise _problem(
             "adapter_params.record_keys", f": {record!r} must be a positive whole number of keys"
         )
+    tenants = check_inline_tenants(params.get("tenants"), "adapter_params.tenants", ENGINE)
     if inline is not None:
         if not isinstance(inline, list) or not inline:
             raise _problem("adapter_params.tiers", f": expected a non-empty list, got {inline!r}")
         try:
-            config = parse_config(_chain_of(inline), source=SOURCE, env=env)
+            block = min(sizes, default=VALIDATION_BLOCK)
+            config = parse_config(_chain_of(inline, tenants, block), source=SOURCE, env=env)
         except ConfigError as exc:  # say the paths as the user wrote them
-            problems = [
-                f"adapter_params.{p}" if p.startswith("tiers") else p for p in exc.problems
-            ]
+            problems = [as_written(p, "adapter_params.") for p in exc.problems]
             raise type(exc)(problems, source=exc.source) from None
         default = "lmcache"
     else:
+        if tenants is not None:
+            raise _problem(
+                "adapter_params.tenants",
+                f": only beside inline tiers; with a chain file, write its quotas in the "
+                f"file ({chain}: tenants.quotas)",
+            )
         config = load_config(str(chain), env=env)  # errors name the file and YAML path
         if not config.tiers:
             raise _problem("adapter_params.chain", f": {chain} lists no tiers")
@@ -115,6 +139,9 @@ def resolve(
     where = "adapter_params.tiers" if inline is not None else f"{chain}: tiers"
     for i, tier in enumerate(config.tiers):
         _check_policy(tier, f"{where}[{i}]")
+    quotas_at = (
+        "adapter_params.tenants.quotas" if inline is not None else f"{chain}: tenants.quotas"
+    )
     return AdapterSettings(
         tiers=tuple(config.tiers),
         names=tuple(config.tier_names()),
@@ -122,6 +149,7 @@ def resolve(
         lookup_timeout=LOOKUP_TIMEOUT if lookup is None else lookup,
         object_bytes=sizes,
         record_keys=record,
+        quotas=tier_quotas(config, quotas_at, ENGINE),
     )
 
 
@@ -150,13 +178,17 @@ def _sizes(value: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys(sizes))
 
 
-def _chain_of(inline: list[Any]) -> dict[str, Any]:
-    """A chain for `parse_config` (its layout and primary only satisfy the parser)."""
+def _chain_of(
+    inline: list[Any], tenants: dict[str, Any] | None = None, block: int = VALIDATION_BLOCK
+) -> dict[str, Any]:
+    """A chain for `parse_config` (its layout and primary only satisfy the parser),
+    with the inline `tenants`, whose quotas it checks against the tiers."""
     return {
         "namespace": "lmcache",
-        "layout": {"block_bytes": VALIDATION_BLOCK, "groups": [{"kind": "full", "block_size": 16}]},
-        "primary": {"capacity": VALIDATION_BLOCK},
+        "layout": {"block_bytes": block, "groups": [{"kind": "full", "block_size": 16}]},
+        "primary": {"capacity": block},
         "tiers": inline,
+        **({"tenants": tenants} if tenants is not None else {}),
     }
 
 

@@ -23,7 +23,9 @@ from tierkv.config.machine import fit_problems
 from tierkv.contract.errors import ConfigError
 from tierkv.contract.tier import TierConfig
 from tierkv.driver.checks import backstop_after
+from tierkv.integrations.quotas import quotas_text
 from tierkv.integrations.sglang.settings import SOURCE, PoolGeometry, rank_suffix, resolve
+from tierkv.quotas.config import TierQuotas
 from tierkv.registry import get_tier_class
 
 MODULE = "tierkv.integrations.sglang"
@@ -162,7 +164,12 @@ def check(value: str, model: Model) -> CheckReport:
         call_deadline_s=backstop_after(slowest),
         lookup_timeout_s=settings.lookup_timeout,
         tiers=[
-            {"name": name, "type": t.type, "job_timeout_s": float(t.job_timeout)}
+            {
+                "name": name,
+                "type": t.type,
+                "job_timeout_s": float(t.job_timeout),
+                "quotas": _quotas(settings.quotas.get(name)),
+            }
             for name, t in zip(settings.names, settings.tiers)
         ],
         # a page of several regions, in any layout, is one block where every tier
@@ -187,6 +194,10 @@ def check(value: str, model: Model) -> CheckReport:
             "memory, redis, s3) a page is one block in every layout"
         )
     return report
+
+
+def _quotas(quotas: TierQuotas | None) -> dict[str, Any] | None:
+    return None if quotas is None else quotas.model_dump()
 
 
 def check_fit(tiers: Sequence[TierConfig], where: str) -> None:
@@ -251,6 +262,8 @@ def render(report: CheckReport, model: Model) -> str:
     ]
     for t in report.tiers:
         lines.append(f"    {t['name']}: {t['type']}, job_timeout {t['job_timeout_s']:g}s")
+        if t.get("quotas"):
+            lines.append(f"      quotas {quotas_text(t['quotas'])}")
     if report.class_loaded is None:
         lines.append("  SGLang is not installed here: the backend class was not loaded")
     else:

@@ -131,6 +131,5 @@ def whole_page_keys(
     group = make_offload_key(b"\0", WHOLE_PAGE)[1:]
     blake2b = hashlib.blake2b
     return [
-        blake2b(prefix + str(h).encode(), digest_size=size).digest() + group
-        for h in page_hashes
+        blake2b(prefix + str(h).encode(), digest_size=size).digest() + group for h in page_hashes
     ]

@@ -129,9 +129,7 @@ class RegionPool:
         bytes from one page's region to the next, bytes); None: region by region."""
         if whole_pages and self.parts > 1:
             self.lanes = _page_lanes(pool, self.page_size, ptrs, sizes)
-        groups = (
-            self._components(pool, ptrs, sizes) if self.lanes is None else [(None, 0, [0])]
-        )
+        groups = self._components(pool, ptrs, sizes) if self.lanes is None else [(None, 0, [0])]
         self.key_parts = 1 if self.lanes is not None else self.parts
         """Keys (blocks) per page: 1 for a page stored whole, else one per region."""
         self.components: list[Component] = []
@@ -287,8 +285,9 @@ class RegionPool:
         starts = np.asarray(ptrs, dtype=np.int64)
         region_sizes = np.asarray(sizes, dtype=np.int64)
         if self.lanes is not None:
-            return self._page_slots(starts.reshape(pages, self.parts),
-                                    region_sizes.reshape(pages, self.parts))
+            return self._page_slots(
+                starts.reshape(pages, self.parts), region_sizes.reshape(pages, self.parts)
+            )
         # per key of the call: its component's base, slot size and slot count
         which = np.tile(self._region_components, pages)
         base, size, count = self._bases[which], self._sizes[which], self._counts[which]

@@ -5,10 +5,13 @@ pool that decide which processes may share its pages.
      "class_name": "TierkvHiCacheStorage", "interface_v1": 1,
      "tiers": [{"type": "nvme", "path": "/mnt/nvme/kv", "capacity": "500GiB"}]}
 
-or `"chain": "/etc/tierkv/chain.yaml"` in place of `tiers`. Each tier section goes
-through `tierkv.config.parse_config`, so a mistake reads as `tierkv validate` says it,
-at the path where the user wrote it (`extra_config.tiers[0].capacity: ...`). Nothing
-here imports SGLang or torch: `tierkv sglang check` runs where SGLang is not installed.
+or `"chain": "/etc/tierkv/chain.yaml"` in place of `tiers`. Per-tenant quotas on the
+tiers: beside inline `tiers`, `"tenants": {"quotas": {"nvme": {"tenants": {"acme":
+"50%"}}}}`; in a chain file, its own `tenants.quotas` (`tierkv.integrations.quotas`).
+Each tier section goes through `tierkv.config.parse_config`, so a mistake reads as
+`tierkv validate` says it, at the path where the user wrote it
+(`extra_config.tiers[0].capacity: ...`). Nothing here imports SGLang or torch:
+`tierkv sglang check` runs where SGLang is not installed.
 """
 
 from __future__ import annotations
@@ -16,16 +19,18 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from tierkv.config import load_config, parse_config
+from tierkv.config import CacheConfig, load_config, parse_config
 from tierkv.contract.errors import ConfigError
 from tierkv.contract.tier import TierConfig
 from tierkv.contract.units import parse_duration
+from tierkv.integrations.quotas import Engine, as_written, check_inline_tenants, tier_quotas
+from tierkv.quotas.config import TierQuotas
 
 SOURCE = "--hicache-storage-backend-extra-config"
-OUR_KEYS = ("tiers", "chain", "namespace", "lookup_timeout")
+OUR_KEYS = ("tiers", "chain", "namespace", "lookup_timeout", "tenants")
 """The keys tierkv reads from the extra config."""
 SGLANG_KEYS = (
     "backend_name",
@@ -44,6 +49,7 @@ SGLANG_KEYS = (
 host allocator's, `--file-storage-path` (which it adds for every backend); and the
 prefetch settings and `tp_lcm_size`, which it takes out before the backend sees the
 config (`tierkv sglang check` reads the JSON as written, so it meets them)."""
+ENGINE = Engine("SGLang", "its host pool", SOURCE)
 LOOKUP_TIMEOUT = 0.5
 """Seconds `batch_exists` waits for the tiers by default: SGLang asks from its prefetch
 thread, off the request's critical path, and a remote tier asked for 128 pages of
@@ -121,6 +127,8 @@ class ChainSettings:
     names: tuple[str, ...]
     namespace: str
     lookup_timeout: float
+    quotas: dict[str, TierQuotas] = field(default_factory=dict)
+    """Per-tenant quotas by tier name (`SyncChain(quotas=...)`)."""
 
 
 def _problem(where: str, text: str) -> ConfigError:
@@ -167,21 +175,28 @@ def resolve(
     if namespace is not None and (not isinstance(namespace, str) or not namespace.strip()):
         raise _problem("extra_config.namespace", f": {namespace!r} must be a non-empty string")
     lookup = _lookup_timeout(extra.get("lookup_timeout"))
+    tenants = check_inline_tenants(extra.get("tenants"), "extra_config.tenants", ENGINE)
     if inline is not None:
         if not isinstance(inline, list) or not inline:
             raise _problem("extra_config.tiers", f": expected a non-empty list, got {inline!r}")
+        chain_of = _chain_of(inline, geometry, namespace, tenants)
         try:
-            config = parse_config(_chain_of(inline, geometry, namespace), source=SOURCE, env=env)
+            config = parse_config(chain_of, source=SOURCE, env=env)
         except ConfigError as exc:  # say the paths as the user wrote them
-            problems = [
-                f"extra_config.{p}" if p.startswith("tiers") else p for p in exc.problems
-            ]
+            problems = [as_written(p, "extra_config.") for p in exc.problems]
             raise type(exc)(problems, source=exc.source) from None
         default = geometry.default_namespace()
     else:
+        if tenants is not None:
+            raise _problem(
+                "extra_config.tenants",
+                f": only beside inline tiers; with a chain file, write its quotas in the "
+                f"file ({chain}: tenants.quotas)",
+            )
         config = load_config(str(chain), env=env)  # errors name the file and YAML path
         if not config.tiers:
             raise _problem("extra_config.chain", f": {chain} lists no tiers")
+        _check_isolation(config, str(chain))
         # the file's namespace (a tenant, say) plus the model and layout: two models
         # pointed at one chain file never read each other's pages
         default = f"{config.namespace}|{geometry.default_namespace()}"
@@ -191,11 +206,13 @@ def resolve(
     for i, tier in enumerate(config.tiers):
         _check_policy(tier, f"{where}[{i}]")
         _check_shared(tier, geometry, f"{where}[{i}]")
+    quotas_at = "extra_config.tenants.quotas" if inline is not None else f"{chain}: tenants.quotas"
     return ChainSettings(
         tiers=tuple(config.tiers),
         names=tuple(config.tier_names()),
         namespace=namespace or default,
         lookup_timeout=LOOKUP_TIMEOUT if lookup is None else lookup,
+        quotas=tier_quotas(config, quotas_at, ENGINE),
     )
 
 
@@ -209,9 +226,13 @@ def _lookup_timeout(value: Any) -> float | None:
 
 
 def _chain_of(
-    inline: list[Any], geometry: PoolGeometry, namespace: str | None
+    inline: list[Any],
+    geometry: PoolGeometry,
+    namespace: str | None,
+    tenants: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A chain for `parse_config` whose layout is the pool's: one block per region."""
+    """A chain for `parse_config` whose layout is the pool's: one block per region
+    (and the inline `tenants`, whose quotas it checks against the tiers)."""
     return {
         "namespace": namespace or "sglang",
         "layout": {
@@ -220,7 +241,23 @@ def _chain_of(
         },
         "primary": {"capacity": geometry.part_bytes},
         "tiers": inline,
+        **({"tenants": tenants} if tenants is not None else {}),
     }
+
+
+def _check_isolation(config: CacheConfig, chain: str) -> None:
+    """`tenants.isolate` is kept by `TieredCache`, which gives each tenant keys of its
+    own at its calls (`tierkv.cache.isolation`); SGLang's tiers are driven with SGLang's
+    page hashes as they come. Those fold a request's cache_salt, extra_key and LoRA in,
+    but not a tenant an `extra_info` names: so the promise could not be kept here."""
+    if config.tenants.isolate:
+        raise _problem(
+            f"{chain}: tenants.isolate",
+            ": true is not available under SGLang: tierkv drives its tiers with SGLang's "
+            "page hashes as they come, which keep tenants apart only by what SGLang folds "
+            "into them (a request's cache_salt, extra_key, LoRA), not by a tenant named in "
+            "extra_info. Give each tenant its own cache_salt, and remove the field",
+        )
 
 
 def _check_policy(tier: TierConfig, where: str) -> None:

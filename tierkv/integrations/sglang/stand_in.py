@@ -189,8 +189,7 @@ class MambaPoolStandIn:
         self.conv_dtype = torch.bfloat16
         self.temporal_buffer = torch.zeros((slots, layers, 1, *temporal_shape))
         self.conv_buffer = [
-            torch.zeros((slots, layers, 1, *shape), dtype=torch.bfloat16)
-            for shape in conv_shapes
+            torch.zeros((slots, layers, 1, *shape), dtype=torch.bfloat16) for shape in conv_shapes
         ]
 
     def _buffers(self) -> list[torch.Tensor]:
@@ -212,8 +211,9 @@ class MambaPoolStandIn:
         for buffer in self._buffers():
             raw = buffer.view(torch.uint8).view(buffer.shape[0], -1)
             for slot in slots:
-                raw[slot] = torch.randint(0, 256, raw[slot].shape, dtype=torch.uint8,
-                                          generator=generator)
+                raw[slot] = torch.randint(
+                    0, 256, raw[slot].shape, dtype=torch.uint8, generator=generator
+                )
 
     def slot_bytes(self, slot: int) -> bytes:
         rows = [b.view(torch.uint8).view(b.shape[0], -1)[slot] for b in self._buffers()]

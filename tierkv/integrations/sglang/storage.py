@@ -273,6 +273,7 @@ class TierkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 view,
                 lookup_timeout=settings.lookup_timeout,
                 tags={"engine": "sglang", "pool": pool},
+                quotas=settings.quotas,
             )
 
         return make

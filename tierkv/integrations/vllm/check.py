@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.contract.errors import ConfigError, TierKVError
+from tierkv.integrations.quotas import quotas_text
 from tierkv.integrations.vllm.settings import VllmGeometry, resolve_entry
 
 EXTRA = "kv_connector_extra_config"
@@ -259,6 +260,7 @@ def _check_entry(where: str, entry: Any, tier_factory: Any, geo: VllmGeometry) -
             "job_timeout": float(tier.job_timeout),
             "shutdown_grace": resolved.shutdown_grace,
             "drain_timeout": resolved.drain_timeout,
+            "quotas": None if resolved.quotas is None else resolved.quotas.model_dump(),
         }
     return checked
 
@@ -293,6 +295,8 @@ def render(report: CheckReport, geometry: Geometry) -> str:
             f"job_timeout {d['job_timeout']:g}s"
         )
         lines.append(f"    namespace {d['namespace']}")
+        if d.get("quotas"):
+            lines.append(f"    quotas {quotas_text(d['quotas'])}")
     if not report.tiers:
         lines.append("  no secondary tiers: vLLM offloads to its CPU primary only")
     return "\n".join(lines)

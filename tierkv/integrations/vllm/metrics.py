@@ -39,13 +39,23 @@ TOUCHED_BLOCKS = PREFIX + "touched_blocks"
 UP = PREFIX + "up"
 STORE_BYTES_IN_FLIGHT = PREFIX + "store_bytes_in_flight"
 
-FAILURE_REASONS = ("not_serving", "max_inflight", "timeout", "error", "keys_failed", "shutdown")
+FAILURE_REASONS = (
+    "not_serving",
+    "max_inflight",
+    "timeout",
+    "error",
+    "keys_failed",
+    "quota",
+    "shutdown",
+)
 """Why a job failed (the `reason` label of FAILED_JOBS): the tier was not open or its
 circuit breaker was open (refused at once); its store would pass `max_inflight_bytes`;
 the tier gave no answer within `job_timeout` plus the grace (a contract breach: a tier
 that reports its late keys itself, as `run_job` does, shows `keys_failed`); the tier
 raised, or the job was malformed; the tier's result failed some or all keys (late ones
-included); shutdown or `drain_jobs` cancelled it first."""
+included); the request's tenant holds its quota of the tier and the keys that failed
+were declined for it (`quotas`; not a fault of the tier); shutdown or `drain_jobs`
+cancelled it first."""
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:

@@ -1,11 +1,16 @@
 """What a `{"type": "tierkv", ...}` entry of vLLM's `secondary_tiers` asks for.
 
-    {"type": "tierkv", "tier": {"type": "nvme", "path": "/mnt/nvme/kv", "capacity": "500GiB"}}
+    {"type": "tierkv", "tier": {"type": "nvme", "path": "/mnt/nvme/kv", "capacity": "500GiB"},
+     "quotas": {"default": "20%", "tenants": {"salt-0bc5fe16": "50%"}}}
     {"type": "tierkv", "chain": "/etc/tierkv/chain.yaml", "chain_tier": "redis"}
 
 The tier section is validated by the tier plugin's own pydantic model, through
 `tierkv.config.parse_config`, so a mistake reads exactly as `tierkv validate` says it,
-with the path where the user wrote it (`secondary_tiers[0].tier.capacity: ...`).
+with the path where the user wrote it (`secondary_tiers[0].tier.capacity: ...`). So
+are the tier's per-tenant `quotas` (`TierQuotas`: `{default, borrow, tenants}`, as
+one tier's section of a chain's `tenants.quotas`, checked against the tier's
+capacity); an entry from a `chain` file takes the file's `tenants.quotas.<its tier>`
+instead (`tierkv.integrations.quotas`).
 Nothing here imports vLLM: the adapter hands in what vLLM knows as plain values.
 """
 
@@ -21,6 +26,8 @@ from tierkv.config import CacheConfig, load_config, parse_config
 from tierkv.contract.errors import ConfigError
 from tierkv.contract.tier import TierConfig
 from tierkv.contract.units import parse_duration
+from tierkv.integrations.quotas import Engine, tier_quotas
+from tierkv.quotas.config import TierQuotas
 
 ENTRY_KEYS = (
     "tier",
@@ -32,8 +39,11 @@ ENTRY_KEYS = (
     "shutdown_grace",
     "drain_timeout",
     "tenant_from",
+    "quotas",
 )
 """The keys a `tierkv` entry of `secondary_tiers` may carry (besides vLLM's own)."""
+SOURCE = "--kv-transfer-config"
+ENGINE = Engine("vLLM", "vLLM's own CPU tier", SOURCE)
 
 TENANT_SOURCES = ("cache_salt", "lora", "none")
 """What a request's tenant (`ReqContext.tenant`) is read from: its `cache_salt` (named
@@ -164,6 +174,7 @@ class TierkvEntry:
     shutdown_grace: float = 10.0  # seconds jobs in flight get at shutdown
     drain_timeout: float | None = None  # seconds drain_jobs waits; None: job_timeout + grace
     tenant_from: str = "cache_salt"  # one of TENANT_SOURCES
+    quotas: TierQuotas | None = None  # the tier's per-tenant quotas
 
     @property
     def drain_seconds(self) -> float:
@@ -234,7 +245,7 @@ def _place(entry: Mapping[str, Any], tier_type: str, where: str) -> tuple[str, s
 
 
 def _problem(where: str, text: str) -> ConfigError:
-    return ConfigError([f"{where}{text}"], source="--kv-transfer-config")
+    return ConfigError([f"{where}{text}"], source=SOURCE)
 
 
 def resolve_entry(
@@ -270,12 +281,22 @@ def resolve_entry(
             raise _problem(f"{where}.chain_tier", ": only with `chain`")
         if not isinstance(inline, Mapping):
             raise _problem(f"{where}.tier", f": expected a tier section (mapping), got {inline!r}")
-        config = _validate_inline(inline, geometry, namespace, f"{where}.tier", env)
-        tier = config.tiers[0]
+        quotas = entry.get("quotas")
+        config = _validate_inline(inline, geometry, namespace, where, env, quotas)
+        name = config.tier_names()[0]
         resolved = TierkvEntry(
-            tier, namespace or geometry.default_namespace(), config.tier_names()[0]
+            config.tiers[0],
+            namespace or geometry.default_namespace(),
+            name,
+            quotas=config.tenants.quotas.get(name),
         )
     else:
+        if "quotas" in entry:
+            raise _problem(
+                f"{where}.quotas",
+                f": only with `tier`; an entry from a chain file takes the file's own "
+                f"tenants.quotas (write them in {chain})",
+            )
         resolved = _from_chain(str(chain), entry.get("chain_tier"), geometry, namespace, where, env)
     medium, locality = _place(entry, resolved.tier.type, where)
     grace = _seconds(entry, "shutdown_grace", where)
@@ -312,24 +333,41 @@ def _validate_inline(
     namespace: str | None,
     where: str,
     env: Mapping[str, str] | None,
+    quotas: Any = None,
 ) -> CacheConfig:
-    """Run the tier section through the same parser `tierkv validate` uses, in a chain
-    whose layout and primary are vLLM's, then say the paths as the user wrote them."""
-    chain = {
+    """Run the tier section (and its `quotas`, as the chain's `tenants.quotas` of that
+    tier) through the same parser `tierkv validate` uses, in a chain whose layout and
+    primary are vLLM's, then say the paths as the user wrote them (`where.tier...`,
+    `where.quotas...`)."""
+    chain: dict[str, Any] = {
         "namespace": namespace or "vllm",
         "layout": {"block_bytes": geometry.row_bytes, "groups": geometry.layout_groups(where)},
         "primary": {"capacity": geometry.row_bytes},
         "tiers": [dict(inline)],
     }
+    at = ""  # where the chain holds the quotas: `tenants.quotas.<the tier's name>`
+    if quotas is not None:
+        name = str(inline.get("name") or inline.get("type"))  # as `tier_names` names it
+        at = f"tenants.quotas.{name}"
+        chain["tenants"] = {"quotas": {name: quotas}}
     try:
-        config = parse_config(chain, source="--kv-transfer-config", env=env)
+        config = parse_config(chain, source=SOURCE, env=env)
     except ConfigError as exc:
-        problems = [
-            where + p[len("tiers[0]") :] if p.startswith("tiers[0]") else p for p in exc.problems
-        ]
-        raise type(exc)(problems, source=exc.source) from None
-    _check_write_policy(config.tiers[0], where)
+        raise type(exc)(
+            [_as_written(p, where, at) for p in exc.problems], source=exc.source
+        ) from None
+    _check_write_policy(config.tiers[0], f"{where}.tier")
     return config
+
+
+def _as_written(problem: str, where: str, quotas_at: str) -> str:
+    """A problem of the chain `_validate_inline` made, at the entry's own path."""
+    if problem.startswith("tiers[0]"):
+        return f"{where}.tier{problem[len('tiers[0]') :]}"
+    after = problem[len(quotas_at) : len(quotas_at) + 1]
+    if quotas_at and problem.startswith(quotas_at) and after in (".", ":"):
+        return f"{where}.quotas{problem[len(quotas_at) :]}"
+    return problem
 
 
 def _from_chain(
@@ -367,10 +405,11 @@ def _from_chain(
         )
     tier = config.tiers[index]
     _check_write_policy(tier, f"{path}: tiers[{index}]")
+    quotas = tier_quotas(config, f"{path}: tenants.quotas", ENGINE)
     # the file's namespace (a tenant, say) plus vLLM's model and layout: two models
     # pointed at one chain file must never read each other's blocks
     default = f"{config.namespace}|{geometry.default_namespace()}"
-    return TierkvEntry(tier, namespace or default, names[index])
+    return TierkvEntry(tier, namespace or default, names[index], quotas=quotas.get(names[index]))
 
 
 def _check_write_policy(tier: TierConfig, where: str) -> None:

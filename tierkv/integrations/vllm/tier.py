@@ -20,7 +20,9 @@ evicts by itself keeps it until the request's load has read it, the request ends
 promised. Reuse vLLM reports (`touch`) is forwarded to the tier once per step; `get_stats`
 adds what only the tier knows to vLLM's metrics (`metrics.py`); `drain_jobs` is
 bounded by `drain_timeout`. Each request's tenant (its `cache_salt` or LoRA name, as
-`tenant_from` says: `tenants.py`) rides on its lookups and jobs (`ReqContext.tenant`).
+`tenant_from` says: `tenants.py`) rides on its lookups and jobs (`ReqContext.tenant`),
+and the entry's `quotas` hold each store job to its tenant's share of the tier (the
+driver's `set_quotas`; a job's keys a quota declined fail with reason `quota`).
 """
 
 from __future__ import annotations
@@ -139,6 +141,9 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
             name=self._name,
             on_removed=self._on_removed,
         )
+        # each tenant held to its share of the tier (`tierkv.quotas.tiers`): every store
+        # job, whoever's request it cascades, runs inside its tenant's quota
+        self._driver.set_quotas(resolved.quotas)
         self._removal_expected = bool(type(self._driver.tier).reports_evictions)
         self._lookups = LookupBook()
         # a hit the tier reported stays in it until its load (tierkv.driver.claims):
@@ -381,6 +386,8 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
                 result = outcome.result
                 if outcome.failure in ("timeout", "error"):
                     error, reason = result.error, outcome.failure
+                elif outcome.declined and set(result.failed_keys) <= set(outcome.declined):
+                    reason = "quota"  # the tenant's quota kept them out: not a tier fault
             if scope.cancelled_caught:
                 error, reason = "cancelled: drain_jobs waited past drain_timeout", "shutdown"
         finally:
@@ -408,7 +415,7 @@ class TierkvSecondaryTier(VllmSecondaryTier):  # type: ignore[misc]
                 self._driver.release(kind, nbytes)
             ok = set(result.ok_keys) & set(keys) if result is not None else set()
             failed = [k for k in keys if k not in ok]
-            label = reason if error else "keys_failed"
+            label = reason if error or reason == "quota" else "keys_failed"
             self._metrics.job_failed(kind, len(failed), label)
             if error or failed:
                 why = error or _error_of(result)
