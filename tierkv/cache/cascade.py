@@ -136,7 +136,7 @@ class Cascader:
         self.writeback.admit(keys)
 
     def _weighed(
-        self, handle: GuardedTier, keys: Sequence[OffloadKey], tenant: str | None
+        self, handle: GuardedTier, keys: Sequence[OffloadKey], tenant: str | None = None
     ) -> list[bool]:
         """The tinylfu verdicts of `handle`'s tier on `keys`: its room less the blocks
         already on their way to it, then each key against the candidate it would
