@@ -67,6 +67,11 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "abandoned_lookups",
         "Lookups left running in the tier at their timeout (their late answers dropped)",
     ),
+    "abandoned_jobs": (
+        "abandoned_jobs",
+        "Loads and stores left running in the tier at their backstop (their slots held "
+        "until they return)",
+    ),
     "store_jobs": ("store_jobs", "Store jobs run against the medium"),
     "blocks_stored": ("stored_blocks", "Blocks written into the medium"),
     "bytes_in": ("stored_bytes", "Bytes written into the medium"),

@@ -159,6 +159,7 @@ class PrimaryTier:
         self._waiters = RoomWaiters()
         self.quotas: QuotaBook | None = None  # per-tenant quotas (`set_quotas`)
         self._released: anyio.Event | None = None  # set at the next release of room
+        self._quarantined = 0  # slots held for abandoned tier jobs (`quarantine`)
 
     @classmethod
     def from_config(cls, config: PrimaryConfig, layout: KVLayout, namespace: str) -> PrimaryTier:
@@ -536,6 +537,40 @@ class PrimaryTier:
         if done:
             self._emit(OffloadingEvent(tuple(done), MEDIUM, removed=False))
         self._wake()
+
+    def quarantine(self, keys: Iterable[OffloadKey]) -> list[int]:
+        """Forget WRITING `keys` (a promotion whose tier job was abandoned while it may
+        still write their slots) but keep their slots from any use until `release`:
+        not free, not readable, not in the block table; a promotion's share is given
+        back. Returns the slots. Keys not being written are left alone."""
+        keys = list(keys)
+        blocks, slots, staged = self._blocks, [], 0
+        for key in keys:
+            block = blocks.get(key)
+            if block is None or block.ready:
+                continue
+            staged += block.staged
+            del blocks[key]
+            self.policy.discard(key)
+            slots.append(block.slot)
+        if self.quotas is not None:
+            self.quotas.remove(keys)
+        self._staged -= staged
+        self._quarantined += len(slots)
+        if staged:
+            self._wake()
+        return slots
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Slots `quarantine` held are free again (the job that could write them ended)."""
+        self._free.extend(slots)
+        self._quarantined -= len(slots)
+        self._wake()
+
+    @property
+    def num_quarantined(self) -> int:
+        """Slots held for tier jobs abandoned while they could still write them."""
+        return self._quarantined
 
     def prepare_load(self, keys: Sequence[OffloadKey]) -> list[int]:
         """Add a reader to each key and return their slots in key order.

@@ -52,6 +52,7 @@ class TierStats:
     misses: int = 0
     lookup_timeouts: int = 0
     abandoned_lookups: int = 0  # lookups left behind at their timeout, still running then
+    abandoned_jobs: int = 0  # loads and stores left behind at their backstop, still running
     store_jobs: int = 0
     blocks_stored: int = 0
     bytes_in: int = 0  # into this medium

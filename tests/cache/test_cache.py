@@ -433,7 +433,13 @@ async def test_job_deadlines_release_everything(faulty_tier_type: str) -> None:
             await cache.flush()  # the hung cascade also ends at its backstop
         stats = cache.stats().tiers["faulty"]
         assert stats["errors"] >= 2 and stats["deadline_breaches"] >= 2
+        assert stats["abandoned_jobs"] >= 2
+        # the jobs left running hold their slots until they end, then give them back
+        assert cache.primary.num_quarantined == 2
         tier.hang = False
+        with anyio.fail_after(2):
+            await cache.core.abandoned_ended()
+        assert cache.primary.num_quarantined == 0
 
 
 async def test_a_store_cut_by_the_tiers_deadline_keeps_what_it_stored(

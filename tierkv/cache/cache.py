@@ -134,6 +134,7 @@ class TieredCache(AbstractAsyncContextManager["TieredCache"]):
         try:
             with anyio.move_on_after(self.config.close_timeout, shield=True):
                 await self.flush()
+                await core.abandoned_ended()  # tier jobs left running give slots back
         finally:
             with anyio.CancelScope(shield=True):
                 await core.stop()

@@ -38,6 +38,7 @@ from tierkv.cache.writeback import WriteBack
 from tierkv.contract.jobs import JobMetadata, ReqContext
 from tierkv.contract.keys import OffloadKey
 from tierkv.driver import GuardedTier
+from tierkv.driver.guarded import AbandonedJob
 from tierkv.policies.adaptive import AdaptiveAdmission
 from tierkv.policies.admission import AGING_PER_BLOCK, ReuseAdmission
 from tierkv.retention import kept_blocks
@@ -165,7 +166,7 @@ class Cascader:
         pending = -(-handle.stats.inflight_bytes // core.block_bytes)
         candidates: Iterator[OffloadKey]
         if handle.quotas is not None and handle.quotas.enforced:
-            plan = handle.quotas.plan(keys, tenant, pending)
+            plan = handle.quotas.plan(keys, tenant, pending, reserve=False)
             free = len(keys) - len(plan.victims) - len(plan.declined)
             candidates = iter(plan.victims)
         else:
@@ -215,16 +216,26 @@ class Cascader:
     ) -> None:
         core = self.core
         ok_keys: Sequence[OffloadKey] = ()
+        abandoned: AbandonedJob | None = None
         try:
-            outcome = await handle.run("store", job, admitted=True)
+            outcome = await handle.run("store", job, admitted=True, abandon=True)
+            abandoned = outcome.abandoned
             ok_keys = outcome.result.ok_keys
             if outcome.declined:  # a tenant quota kept them out (tierkv.quotas.tiers)
                 core.tenants.declined(job.ctx.tenant, len(outcome.declined))
                 if watch is not None:  # on purpose: evictable like admission's declines
                     watch.declined(outcome.declined)
         finally:
-            handle.release("store", nbytes)
-            core.primary.complete_load(job.keys)
+            if abandoned is None:
+                handle.release("store", nbytes)
+                core.primary.complete_load(job.keys)
+            else:  # the tier may still read the slots: they stay read until it ends
+
+                def release() -> None:
+                    handle.release("store", nbytes)
+                    core.primary.complete_load(job.keys)
+
+                core.hold_until_ended(abandoned, release)
             core.index.add_cascading(job.keys, -1)
             if watch is not None:
                 watch.settled(job.keys, ok_keys)

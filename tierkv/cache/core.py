@@ -26,6 +26,7 @@ from tierkv.contract.events import OffloadingEvent
 from tierkv.contract.tenants import OTHER_TENANTS
 from tierkv.driver import GuardedTier
 from tierkv.driver.claims import ClaimLedger
+from tierkv.driver.guarded import AbandonedJob
 from tierkv.primary import PrimaryTier
 from tierkv.quotas.book import QuotaBook, tenant_name
 from tierkv.quotas.config import PRIMARY_KEY
@@ -141,6 +142,7 @@ class CacheCore:
         self._stop = anyio.Event()
         self._supervisor: asyncio.Task[None] | None = None
         self.counters = CacheCounters()
+        self.abandoned: set[AbandonedJob] = set()  # tier jobs left running, holding slots
         # promotion room may have been released (a window landed, a load or prefetch let
         # go of blocks): prefetches waiting for room look again
         self.room_changed = Signal()
@@ -194,6 +196,23 @@ class CacheCore:
                     self.idle.set()
 
         tg.start_soon(run)
+
+    def hold_until_ended(self, job: AbandonedJob, release: Callable[[], None]) -> None:
+        """A tier job left running at its deadline holds slots until it ends: call
+        `release` (giving them back) then. `flush` does not wait for it (a stuck tier
+        would hold it for ever); `close` waits up to `close_timeout`."""
+        self.abandoned.add(job)
+
+        def ended() -> None:
+            self.abandoned.discard(job)
+            release()
+
+        job.on_end(ended)
+
+    async def abandoned_ended(self) -> None:
+        """Wait until every tier job left running at its deadline has ended."""
+        for job in list(self.abandoned):
+            await job.wait()
 
     def next_job_id(self) -> int:
         return next(self.job_ids)

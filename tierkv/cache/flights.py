@@ -22,6 +22,7 @@ from tierkv.cache.lookup import Lookup
 from tierkv.contract.jobs import JobMetadata, ReqContext
 from tierkv.contract.keys import OffloadKey
 from tierkv.driver import JobOutcome
+from tierkv.driver.guarded import AbandonedJob
 
 
 class FlightRunner:
@@ -60,8 +61,9 @@ class FlightRunner:
         core = self.core
         primary, index = core.primary, core.index
         keys = flight.keys
+        stuck: dict[OffloadKey, AbandonedJob] = {}  # keys of tier jobs left running
         try:
-            await self._read(flight, dict(zip(keys, slots)), ctx)
+            await self._read(flight, dict(zip(keys, slots)), ctx, stuck)
         finally:
             ok, failed = flight.read_keys()
             # the loads waiting on the window get their readers as the blocks land, so
@@ -69,6 +71,9 @@ class FlightRunner:
             waiting = flight.waiting()
             primary.complete_store(ok, success=True, readers=waiting)
             core.tenants.placed(ctx.tenant, ok)  # promoted for this load's tenant
+            if stuck:  # their slots stay the tier's until its job ends
+                self._quarantine([k for k in failed if k in stuck], stuck)
+                failed = [k for k in failed if k not in stuck]
             if failed:
                 primary.complete_store(failed, success=False)
             for key in keys:
@@ -90,9 +95,32 @@ class FlightRunner:
             i += 1
         return None
 
-    async def _read(self, flight: Flight, slot_of: dict[OffloadKey, int], ctx: ReqContext) -> None:
+    def _quarantine(self, keys: list[OffloadKey], stuck: dict[OffloadKey, AbandonedJob]) -> None:
+        """Hold the slots of `keys`, whose tier job was left running at its deadline,
+        until that job ends (`PrimaryTier.quarantine`): it may still write them."""
+        primary = self.core.primary
+        by_job: dict[AbandonedJob, list[OffloadKey]] = {}
+        for key in keys:
+            by_job.setdefault(stuck[key], []).append(key)
+        for job, held in by_job.items():
+            slots = primary.quarantine(held)
+
+            def release(slots: list[int] = slots) -> None:
+                primary.release(slots)
+                self.core.room_changed.notify()
+
+            self.core.hold_until_ended(job, release)
+
+    async def _read(
+        self,
+        flight: Flight,
+        slot_of: dict[OffloadKey, int],
+        ctx: ReqContext,
+        stuck: dict[OffloadKey, AbandonedJob],
+    ) -> None:
         """Read the window's keys into their slots: each from its located tier, the
-        tiers of one round concurrently; a failed key moves on down the chain."""
+        tiers of one round concurrently; a failed key moves on down the chain, unless
+        its job was left running (`stuck`): its slot is the tier's still."""
         core = self.core
         tried: dict[OffloadKey, int] = {}
         last_error: dict[OffloadKey, str] = {}
@@ -117,6 +145,12 @@ class FlightRunner:
                 for key in result.ok_keys:
                     flight.served(key, name)
                 refused = outcome.failure == "refused"  # never asked: its claim stands
+                if outcome.abandoned is not None:  # may still write: no other tier may
+                    for key in result.failed_keys:
+                        core.index.note_failed(key, t)
+                        stuck[key] = outcome.abandoned
+                        flight.failed(key, result.error or f"tier {name} timed out")
+                    continue
                 for key in result.failed_keys:
                     if not refused:
                         core.index.note_failed(key, t)
@@ -174,4 +208,4 @@ class FlightRunner:
     ) -> None:
         core = self.core
         job = JobMetadata(core.next_job_id(), tuple(keys), tuple(slot_of[k] for k in keys), ctx)
-        results[t] = await core.tiers[t].run("load", job)
+        results[t] = await core.tiers[t].run("load", job, abandon=True)

@@ -298,7 +298,9 @@ class StoreRun:
     def _may_free_room(self) -> bool:
         """Whether something in flight will release primary slots."""
         primary = self.primary
-        return self.core.background > 0 or primary.num_staged > 0 or primary.num_held > 0
+        # slots held for an abandoned tier job come back when it ends: maybe never
+        held = primary.num_held - primary.num_quarantined
+        return self.core.background > 0 or primary.num_staged > 0 or held > 0
 
     def _window(self, rest: int) -> int:
         """How many of the `rest` blocks the next window places: all when they fit the

@@ -77,9 +77,7 @@ class EngineJobs(Generic[R]):
         finally:
             self._scopes.pop(job_id, None)
 
-    def drain(
-        self, timeout: float, grace: float, fail: Callable[[int, str], None]
-    ) -> None:
+    def drain(self, timeout: float, grace: float, fail: Callable[[int, str], None]) -> None:
         """Wait up to `timeout` for every open job; cancel those left and give them
         `grace` to report. If the loop thread is gone nothing can end them: `fail`
         reports each at once. A job that outlives even that (a thread stuck in the

@@ -68,6 +68,9 @@ Failure = Literal["keys_failed", "timeout", "error", "refused"]
 no answer by the backstop; it raised; or it was never sent (`run` without `admit`
 found the tier not serving that side: nothing about its keys is known)."""
 MAX_ABANDONED_LOOKUPS = 4
+MAX_ABANDONED_JOBS = 4
+"""Loads and stores a tier may have stuck past their backstop (each holding its
+slots, and maybe a worker thread) before it is sent no more until one returns."""
 """Lookups a tier may have stuck past their timeout before it is not asked again
 until one of them returns (each may hold a worker thread of the tier's)."""
 _LATE = object()  # `_ask`'s answer when the tier did not answer by the timeout
@@ -85,6 +88,31 @@ class JobOutcome:
     declined: tuple[OffloadKey, ...] = ()
     """Keys of a store a tenant quota kept out of the tier (failed in `result` too,
     never sent, not held against the tier's health: `tierkv.quotas.tiers`)."""
+    abandoned: AbandonedJob | None = None
+    """Set when the caller asked to `abandon` a job stuck past its backstop: the job
+    failed whole, and still runs in the tier, touching its slots until `ended`."""
+
+
+class AbandonedJob:
+    """A load or store the caller stopped waiting for, still running in the tier. Its
+    slots are the tier's until it ends: a load may still write them, a store read
+    them. The caller keeps them from every other use until `wait` returns."""
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self._task = task
+
+    @property
+    def ended(self) -> bool:
+        return self._task.done()
+
+    async def wait(self) -> None:
+        """Return once the job has ended (its result is dropped)."""
+        if not self._task.done():
+            await asyncio.wait((self._task,))
+
+    def on_end(self, fn: Callable[[], None]) -> None:
+        """Call `fn()` on the event loop once the job has ended (soon, if it has)."""
+        self._task.add_done_callback(lambda _task: fn())
 
 
 class GuardedTier:
@@ -128,6 +156,8 @@ class GuardedTier:
         # keys the tier reported removed while a store job runs, per running job
         self._removed_during: dict[int, set[OffloadKey]] = {}
         self._abandoned: set[asyncio.Task[Any]] = set()
+        # loads and stores left running past their backstop (`run`'s `abandon`)
+        self._stuck: dict[JobKind, set[asyncio.Task[Any]]] = {"load": set(), "store": set()}
         self.quotas: TierQuotaGate | None = None  # tenant quotas (`set_quotas`)
         tier.set_removal_listener(self._removed)
 
@@ -265,45 +295,67 @@ class GuardedTier:
         (except cancellation)."""
         return (await self.run(kind, job, admitted=admitted)).result
 
-    async def run(self, kind: JobKind, job: JobMetadata, *, admitted: bool = False) -> JobOutcome:
+    async def run(
+        self, kind: JobKind, job: JobMetadata, *, admitted: bool = False, abandon: bool = False
+    ) -> JobOutcome:
         """`run_job`, with why keys failed (for an adapter's metrics). `admitted`:
         the caller took the job's permit with `admit`; otherwise the job takes it here,
         and a tier whose `kind` side is not serving fails the job at once, unsent
         (`refused`, counted in `skipped_unhealthy`). A store on a tier with quotas
-        first makes its tenant's room, and what has none is `declined`."""
+        first makes its tenant's room, and what has none is `declined`.
+
+        `abandon`: a job with no answer by its backstop is left running in the tier
+        (on asyncio) instead of waited for, its keys failed, and the outcome's
+        `abandoned` says when it ends: the caller must keep the job's slots from any
+        other use until then (a load may still write them). Only a caller that owns
+        its slots may ask (the cache's promotions and cascades); an engine's pages
+        are the engine's, so an adapter waits. While MAX_ABANDONED_JOBS of a side
+        are out, that side is sent no job asking to abandon (`refused`)."""
+        if abandon and len(self._stuck[kind]) >= MAX_ABANDONED_JOBS:
+            self.stats.skipped_unhealthy += len(job.keys)
+            error = (
+                f"tier {self.name}: {MAX_ABANDONED_JOBS} {kind} jobs are stuck in it past "
+                "their deadline; no more are sent until one returns"
+            )
+            return JobOutcome(JobResult.failure(job, error), "refused")
         gate = self.quotas
         if kind != "store" or gate is None or not job.keys:
-            return await self._run(kind, job, admitted)
+            return await self._run(kind, job, admitted, abandon)
         tenant = job.ctx.tenant
         pending = -(-self.stats.inflight_bytes // self.block_bytes)
         if admitted:  # the job's own bytes are in flight already
             pending -= len(job.keys)
         plan = gate.plan(job.keys, tenant, max(0, pending))
-        if plan.victims:
-            await self._remove_for_quota(plan.victims)
-        if not plan.declined:
-            outcome = await self._run(kind, job, admitted)
-            gate.stored(tenant, outcome.result.ok_keys)
-            return outcome
-        gate.book.note_declined(tenant_name(tenant), len(plan.declined))
-        reason = (
-            f"tenant {tenant_name(tenant)!r} holds its quota of tier {self.name} "
-            "(tenants.quotas) and none of its own blocks there can give way"
-        )
-        declined = tuple(plan.declined)
-        out = set(declined)
-        keep = [i for i, key in enumerate(job.keys) if key not in out]
-        if not keep:  # nothing to send: the tier is not asked, its health not judged
-            return JobOutcome(JobResult.failure(job, reason), "keys_failed", declined)
-        sent = replace(
-            job, keys=tuple(job.keys[i] for i in keep), slots=tuple(job.slots[i] for i in keep)
-        )
-        outcome = await self._run(kind, sent, admitted)
-        gate.stored(tenant, outcome.result.ok_keys)
-        failed = dict.fromkeys(outcome.result.failed_keys, outcome.result.error or "failed")
-        failed.update(dict.fromkeys(declined, reason))
-        result = JobResult.partial(job, failed)
-        return JobOutcome(result, outcome.failure or "keys_failed", declined)
+        stored: Sequence[OffloadKey] = ()
+        try:  # the plan's blocks are pending until settled here, whatever happens
+            if plan.victims:
+                await self._remove_for_quota(plan.victims)
+            if not plan.declined:
+                outcome = await self._run(kind, job, admitted, abandon)
+                stored = outcome.result.ok_keys
+                return outcome
+            gate.book.note_declined(tenant_name(tenant), len(plan.declined))
+            reason = (
+                f"tenant {tenant_name(tenant)!r} holds its quota of tier {self.name} "
+                "(tenants.quotas) and none of its own blocks there can give way"
+            )
+            declined = tuple(plan.declined)
+            out = set(declined)
+            keep = [i for i, key in enumerate(job.keys) if key not in out]
+            if not keep:  # nothing to send: the tier is not asked, its health not judged
+                return JobOutcome(JobResult.failure(job, reason), "keys_failed", declined)
+            sent = replace(
+                job, keys=tuple(job.keys[i] for i in keep), slots=tuple(job.slots[i] for i in keep)
+            )
+            outcome = await self._run(kind, sent, admitted, abandon)
+            stored = outcome.result.ok_keys
+            failed = dict.fromkeys(outcome.result.failed_keys, outcome.result.error or "failed")
+            failed.update(dict.fromkeys(declined, reason))
+            result = JobResult.partial(job, failed)
+            failure = outcome.failure or "keys_failed"
+            return JobOutcome(result, failure, declined, outcome.abandoned)
+        finally:
+            gate.stored(tenant, plan, stored)
 
     async def _remove_for_quota(self, victims: list[OffloadKey]) -> None:
         """Remove the blocks a quota chose to make room (so the tier's own eviction,
@@ -322,10 +374,14 @@ class GuardedTier:
                 len(victims),
                 exc,
             )
+            if self.quotas is not None:
+                self.quotas.unmark(victims)
             return
         self.tier.report_removed(victims)
 
-    async def _run(self, kind: JobKind, job: JobMetadata, admitted: bool) -> JobOutcome:
+    async def _run(
+        self, kind: JobKind, job: JobMetadata, admitted: bool, abandon: bool = False
+    ) -> JobOutcome:
         """`run` without quotas."""
         stats = self.stats
         if not admitted:
@@ -340,7 +396,7 @@ class GuardedTier:
         if kind == "store":
             self._removed_during[job.job_id] = set()
         try:
-            outcome = await self._call(kind, job)
+            outcome = await self._call(kind, job, abandon)
         finally:
             stats.inflight_jobs -= 1
             removed = self._removed_during.pop(job.job_id, None)
@@ -356,14 +412,21 @@ class GuardedTier:
         if removed:
             result = without_removed(job, result, removed, self.name)
             failure = outcome.failure or ("keys_failed" if result.failed_keys else None)
-            outcome = JobOutcome(result, failure)
+            outcome = JobOutcome(result, failure, outcome.declined, outcome.abandoned)
         self._count(kind, result, elapsed)
         return outcome
 
-    async def _call(self, kind: JobKind, job: JobMetadata) -> JobOutcome:
+    async def _call(self, kind: JobKind, job: JobMetadata, abandon: bool = False) -> JobOutcome:
         op = self.tier.store if kind == "store" else self.tier.load
         limit = backstop_after(self.config.job_timeout)
         answer: object = None
+        if abandon:
+            try:
+                loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            except RuntimeError:  # not asyncio: waited for, as without `abandon`
+                loop = None
+            if loop is not None:
+                return await self._call_abandoning(kind, job, loop.create_task(op(job)), limit)
         try:
             # the backstop's own scope: a TimeoutError the tier raises is its error
             with anyio.move_on_after(limit) as backstop:
@@ -378,6 +441,57 @@ class GuardedTier:
             return JobOutcome(self._breach(kind, job, limit), "timeout")
         result = checked_result(job, answer, self.name)
         return JobOutcome(result, "keys_failed" if result.failed_keys else None)
+
+    async def _call_abandoning(
+        self, kind: JobKind, job: JobMetadata, task: asyncio.Task[Any], limit: float
+    ) -> JobOutcome:
+        """`_call` with the tier's job as a task of its own, left running at the
+        backstop (`run`'s `abandon`). A cancelled caller cancels the job and waits for
+        it, as without `abandon`: its slots must be free of it when the caller ends."""
+        try:
+            done, _ = await asyncio.wait((task,), timeout=limit)
+        except BaseException:
+            task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait((task,))
+            self._record(kind, None)
+            raise
+        if not done:
+            self._abandon_job(kind, task)
+            return JobOutcome(
+                self._breach(kind, job, limit), "timeout", abandoned=AbandonedJob(task)
+            )
+        try:
+            answer = task.result()
+        except (Exception, asyncio.CancelledError) as exc:
+            error = f"tier {self.name}: {kind} failed: {type(exc).__name__}: {exc}"
+            return JobOutcome(JobResult.failure(job, error), "error")
+        result = checked_result(job, answer, self.name)
+        return JobOutcome(result, "keys_failed" if result.failed_keys else None)
+
+    def _abandon_job(self, kind: JobKind, task: asyncio.Task[Any]) -> None:
+        """Leave a stuck load or store running: count it, hold its side back while
+        MAX_ABANDONED_JOBS are out, drop what it answers. It is never cancelled: a
+        cancelled task may end while a worker thread it started still writes its
+        slots, and its end is what gives the slots back."""
+        self.stats.abandoned_jobs += 1
+        stuck = self._stuck[kind]
+        stuck.add(task)
+
+        def ended(done: asyncio.Task[Any]) -> None:
+            stuck.discard(done)
+            if not done.cancelled():
+                done.exception()  # retrieved: a late error is not logged as unhandled
+
+        task.add_done_callback(ended)
+        if len(stuck) == MAX_ABANDONED_JOBS:
+            logger.warning(
+                "tier %s: %d %s jobs stuck past their deadline; none is sent until one "
+                "returns (their slots stay held meanwhile)",
+                self.name,
+                MAX_ABANDONED_JOBS,
+                kind,
+            )
 
     def _breach(self, kind: JobKind, job: JobMetadata, limit: float) -> JobResult:
         """The tier gave no answer by the backstop: its job fails whole."""

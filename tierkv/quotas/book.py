@@ -91,6 +91,10 @@ class QuotaBook:
         self.owner: dict[OffloadKey, str] = {}
         self.held: dict[str, int] = {}
         self._unnamed_held = 0  # blocks of tenants not named (no guarantee)
+        # blocks planned for a tenant whose store has not answered yet (a tier's
+        # stores run concurrently: each plans with the others' blocks counted)
+        self.pending: dict[str, int] = {}
+        self.leaving: dict[str, int] = {}  # blocks chosen as victims, not yet removed
         self.declined: dict[str, int] = {}  # blocks declined for a quota, per tenant
         self.declined_total = 0
 
@@ -100,9 +104,14 @@ class QuotaBook:
         return self.limits.get(tenant, self.default_cap)
 
     def headroom(self, tenant: str) -> int | None:
-        """Blocks `tenant` may add before its cap (negative past it; None: no cap)."""
+        """Blocks `tenant` may add before its cap (negative past it; None: no cap),
+        counting the blocks on their way (`pending`) as held and the victims being
+        removed (`leaving`) as gone."""
         cap = self.cap(tenant)
-        return None if cap is None else cap - self.held.get(tenant, 0)
+        if cap is None:
+            return None
+        held = self.held.get(tenant, 0) + self.pending.get(tenant, 0)
+        return cap - held + self.leaving.get(tenant, 0)
 
     def over(self, tenant: str) -> bool:
         """Whether `tenant` holds its cap or more (a store then needs its own victims)."""

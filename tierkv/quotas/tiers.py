@@ -28,6 +28,7 @@ from itertools import islice
 from typing import NamedTuple
 
 from tierkv.contract.keys import OffloadKey
+from tierkv.contract.tenants import DEFAULT_TENANT
 from tierkv.contract.tier import SecondaryTierManager
 from tierkv.quotas.book import CanEvict, QuotaBook, tenant_name
 from tierkv.quotas.config import TierQuotas
@@ -46,6 +47,7 @@ class Plan(NamedTuple):
     send: list[OffloadKey]  # keys to store, in key order
     victims: list[OffloadKey]  # keys to remove from the tier first
     declined: list[OffloadKey]  # keys the quota keeps out of the tier
+    grows: int = 0  # new blocks for the tenant, pending until the store answers
 
 
 def can_enforce(tier: type[SecondaryTierManager] | SecondaryTierManager) -> bool:
@@ -65,6 +67,7 @@ class TierQuotaGate:
         self.name = name
         self.enforced = can_enforce(tier)
         self._book: QuotaBook | None = None
+        self._victims: set[OffloadKey] = set()  # chosen by a plan, not yet removed
 
     @property
     def book(self) -> QuotaBook:
@@ -92,9 +95,19 @@ class TierQuotaGate:
         """The book if made yet (reports never make it: a tier may be closed)."""
         return self._book
 
-    def plan(self, keys: Sequence[OffloadKey], tenant: str | None, pending: int) -> Plan:
+    def plan(
+        self,
+        keys: Sequence[OffloadKey],
+        tenant: str | None,
+        pending: int,
+        *,
+        reserve: bool = True,
+    ) -> Plan:
         """How a cascade of `keys` (in key order) for `tenant` fits the tier's quotas,
-        with `pending` blocks already on their way to the tier."""
+        with `pending` blocks already on their way to the tier. With `reserve`, the
+        plan's new blocks count as the tenant's and its victims as gone until `stored`
+        settles it (stores run concurrently); without, it changes nothing (a look
+        ahead, as admission's)."""
         book = self.book
         if not self.enforced:
             return Plan(list(keys), [], [])
@@ -109,7 +122,7 @@ class TierQuotaGate:
         need = len(fresh) - took
         victims: list[OffloadKey] = []
         if need > 0:
-            mine = set(keys)
+            mine = set(keys) | self._victims  # nor a block another plan is removing
             # the first blocks the writes in flight will displace are theirs
             skip = max(0, -free)
             walk = 1024 + _WALK * need
@@ -125,20 +138,52 @@ class TierQuotaGate:
                 return found
 
             victims = book.choose_victims(name, took, need, candidates, lambda k: k not in mine)
-        admitted = took + len(victims)
+        admitted = min(took + len(victims), len(fresh))
+        if reserve:
+            self._mark(victims)
+            _bump(book.pending, name, admitted)
         if admitted >= len(fresh):
-            return Plan(list(keys), victims, [])
+            return Plan(list(keys), victims, [], admitted)
         declined = fresh[admitted:]  # the fresh keys from the first one without room
         out = set(declined)
-        return Plan([k for k in keys if k not in out], victims, declined)
+        return Plan([k for k in keys if k not in out], victims, declined, admitted)
 
-    def stored(self, tenant: str | None, keys: Sequence[OffloadKey]) -> None:
-        """The tier took `keys` for `tenant` (keys it held already keep their owner)."""
+    def _mark(self, victims: list[OffloadKey]) -> None:
+        """`victims` are being removed: no other plan takes them, and their owners
+        count them gone already."""
         book = self.book
+        for key in victims:
+            _bump(book.leaving, book.owner.get(key, DEFAULT_TENANT), 1)
+        self._victims.update(victims)
+
+    def unmark(self, victims: Sequence[OffloadKey]) -> None:
+        """`victims` were not removed after all (the tier failed to): theirs again."""
+        book = self.book
+        for key in victims:
+            if key in self._victims:
+                self._victims.discard(key)
+                _bump(book.leaving, book.owner.get(key, DEFAULT_TENANT), -1)
+
+    def stored(self, tenant: str | None, plan: Plan, keys: Sequence[OffloadKey]) -> None:
+        """The store `plan` was for answered: the tier took `keys` for `tenant` (keys
+        it held already keep their owner); the plan's blocks are pending no more."""
+        book = self.book
+        name = tenant_name(tenant)
         owner = book.owner
-        book.add(tenant_name(tenant), [k for k in keys if k not in owner])
+        _bump(book.pending, name, -plan.grows)
+        book.add(name, [k for k in keys if k not in owner])
 
     def removed(self, keys: Sequence[OffloadKey]) -> None:
         """The tier no longer holds `keys`."""
         if self._book is not None:
+            self.unmark(keys)  # removed: gone for real now
             self._book.remove(keys)
+
+
+def _bump(counts: dict[str, int], name: str, by: int) -> None:
+    """Add `by` to `counts[name]`, dropping the entry at zero."""
+    left = counts.get(name, 0) + by
+    if left > 0:
+        counts[name] = left
+    else:
+        counts.pop(name, None)

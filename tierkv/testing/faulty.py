@@ -3,6 +3,7 @@ for the cache's own tests and for demos of failure handling."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
@@ -38,8 +39,11 @@ class FaultyTier(MemoryTier):
     `down` (every call raises TierUnavailable), `fail_jobs` (the next N jobs raise),
     `hang` (jobs wait until `hang` is cleared... or forever), `gate` (jobs wait for this
     event), `lie_about` (lookup claims these keys; their loads fail), `full` (stores
-    fail every key as a full disk does, lookups and loads still served). `calls` logs
-    (operation, keys) of every call, `tenants` (operation, `ctx.tenant`).
+    fail every key as a full disk does, lookups and loads still served), `stuck` (a
+    `threading.Event`: jobs block in a worker thread until it is set, as in a client
+    library that ignores cancellation; a load then writes 0xEE over its slots before
+    answering, as a late write would). `calls` logs (operation, keys) of every call,
+    `tenants` (operation, `ctx.tenant`).
     """
 
     Config = FaultyTierConfig
@@ -54,6 +58,7 @@ class FaultyTier(MemoryTier):
         self.gate: anyio.Event | None = None
         self.lie_about: set[OffloadKey] = set()
         self.full = False
+        self.stuck: threading.Event | None = None
         self.calls: list[tuple[str, tuple[OffloadKey, ...]]] = []
         self.tenants: list[tuple[str, str | None]] = []
 
@@ -71,6 +76,8 @@ class FaultyTier(MemoryTier):
                 raise TierUnavailable("faulty tier failed this job")
             if self.gate is not None:
                 await self.gate.wait()
+            if self.stuck is not None:  # a worker thread cancellation waits for
+                await anyio.to_thread.run_sync(self.stuck.wait)
             while self.hang:
                 await anyio.sleep(0.01)
             if self.config.delay:
@@ -121,6 +128,10 @@ class FaultyTier(MemoryTier):
             result = await self._key_by_key(job, super().load)
         else:
             result = await super().load(job)
+        if self.stuck is not None:  # the late write of a job its caller left behind
+            for slot in job.slots:
+                block = self.primary.block(slot)
+                block[:] = b"\xee" * len(block)
         if not lies:
             return result
         return JobResult.partial(job, {k: "faulty tier lied" for k in result.failed_keys})
