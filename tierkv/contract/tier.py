@@ -39,6 +39,12 @@ from tierkv.contract.framing import Framer
 from tierkv.contract.jobs import JobMetadata, JobResult, ReqContext
 from tierkv.contract.keys import OffloadKey
 from tierkv.contract.mac import MacKey, load_mac_key
+from tierkv.contract.private import (
+    DIRECTORY_MODE,
+    FILE_MODE,
+    directory_problem,
+    make_directories,
+)
 from tierkv.contract.redact import redact_url
 from tierkv.contract.runner import (
     Batch,
@@ -59,7 +65,10 @@ __all__ = [
     "ClaimTable",
     "CorruptBlock",
     "detached",
+    "directory_problem",
+    "DIRECTORY_MODE",
     "Duration",
+    "FILE_MODE",
     "ForeignBlock",
     "Framer",
     "InFlightJobs",
@@ -85,6 +94,7 @@ __all__ = [
     "WritePolicy",
     "in_batches",
     "in_thread",
+    "make_directories",
     "per_key",
     "run_job",
 ]

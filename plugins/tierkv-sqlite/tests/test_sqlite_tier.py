@@ -133,3 +133,40 @@ async def test_namespaces_sharing_a_database_never_see_each_other(tmp_path: Path
     finally:
         await tier_a.close()
         await tier_b.close()
+
+
+async def test_the_database_is_private_whatever_the_umask(tmp_path: Path) -> None:
+    """Blocks encode prompts: under umask 0000 the database and its WAL files are 0600
+    and the directories made for them 0700; a database left 0644 is tightened."""
+    import os
+    import stat
+
+    primary = PrimaryTier(4, 1024, pin_memory=False)
+    path = tmp_path / "made" / "kv.db"
+    old = os.umask(0)
+    try:
+        tier = _tier(path, primary)
+        await tier.open()
+        assert (await tier.store(_job(random_keys(2), 0))).ok
+        files = [p for p in path.parent.iterdir() if p.name.startswith("kv.db")]
+        assert {p.name for p in files} >= {"kv.db", "kv.db-wal"}
+        assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o600}
+        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+        await tier.close()
+        path.chmod(0o644)
+        again = _tier(path, primary)
+        await again.open()
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        await again.close()
+    finally:
+        os.umask(old)
+
+
+async def test_a_directory_others_may_write_is_refused(tmp_path: Path) -> None:
+    primary = PrimaryTier(2, 1024, pin_memory=False)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(TierUnavailable, match=r"can be written by every user .*chmod go-w"):
+        await _tier(shared / "kv.db", primary).open()
+    assert not (shared / "kv.db").exists()

@@ -31,7 +31,9 @@ How it keeps the contract:
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
+import stat
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,6 +43,7 @@ import anyio
 from pydantic import Field
 
 from tierkv.tier import (
+    FILE_MODE,
     NO_ROOM,
     Batch,
     CorruptBlock,
@@ -54,7 +57,9 @@ from tierkv.tier import (
     Size,
     TierConfig,
     TierUnavailable,
+    directory_problem,
     in_thread,
+    make_directories,
     run_job,
 )
 
@@ -241,7 +246,7 @@ class SqliteTier(SecondaryTierManager):
             ) from exc
 
     def _open_db(self) -> None:
-        self.config.path.parent.mkdir(parents=True, exist_ok=True)
+        self._private_file()
         db = sqlite3.connect(self.config.path, isolation_level=None, check_same_thread=False)
         try:
             db.execute("PRAGMA journal_mode=WAL")
@@ -254,6 +259,31 @@ class SqliteTier(SecondaryTierManager):
             db.close()
             raise
         self._db = db
+
+    def _private_file(self) -> None:
+        """The database file, made 0600 whatever the umask (its `-wal` and `-shm` files
+        take its mode), in a directory only the server's user may write: blocks encode
+        prompts (tierkv's private-directory rule, `tierkv.tier.directory_problem`).
+        Missing directories are made 0700. Raises TierUnavailable, saying how to fix
+        it, for a directory others may write or own, or a database file another user
+        owns."""
+        path = self.config.path
+        make_directories(path.parent)
+        problem = directory_problem(path.parent, os.stat(path.parent))
+        if problem is not None:
+            raise TierUnavailable(f"sqlite tier: {problem}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid():
+                raise TierUnavailable(
+                    f"sqlite tier: {path} belongs to uid {st.st_uid}, not to the server's "
+                    f"uid {os.geteuid()}: point `path` at a database of your own"
+                )
+            if stat.S_IMODE(st.st_mode) != FILE_MODE:  # made under a wide umask before
+                os.fchmod(fd, FILE_MODE)
+        finally:
+            os.close(fd)
 
     async def close(self) -> None:
         await self._inflight.drain()
