@@ -140,3 +140,24 @@ async def test_past_the_limit_a_side_is_not_sent_more(faulty_tier_type: str) -> 
         assert stats["skipped_unhealthy"] >= 1
         tier.stuck = None
         release.set()
+
+
+async def test_a_stuck_write_back_keeps_its_block_dirty_and_read(faulty_tier_type: str) -> None:
+    """A write-back job left running at its deadline: the block stays dirty (it is
+    owed to the tier still) and read until the job ends; then it is evictable."""
+    kw = keys(2, "w")
+    back = ", write_policy: write_back"
+    async with stuck_chain(faulty_tier_type, back) as (cache, tier, release):
+        tier.stuck = release
+        await cache.store(kw, blocks(2, 6))
+        started = time.monotonic()
+        await cache.flush()  # offers the dirty blocks: the job is left behind
+        assert time.monotonic() - started < 2 * backstop_after(JOB_TIMEOUT) + 1.0
+        assert all(cache.index.is_dirty(k) for k in kw)
+        assert all(cache.primary.readers(k) == 1 for k in kw)
+        assert cache.stats().tiers[faulty_tier_type]["abandoned_jobs"] >= 1
+        tier.stuck = None
+        release.set()
+        await wait_for(lambda: all(cache.primary.readers(k) == 0 for k in kw))
+        await cache.flush()  # offered again: written now
+        assert all(cache.index.is_clean(k) for k in kw)

@@ -25,6 +25,7 @@ from tierkv.cache.core import CacheCore
 from tierkv.contract.jobs import JobMetadata
 from tierkv.contract.keys import OffloadKey
 from tierkv.driver import GuardedTier
+from tierkv.driver.guarded import AbandonedJob
 
 logger = logging.getLogger(__name__)
 
@@ -152,27 +153,60 @@ class WriteBack:
             return 0
         self.demoting.update(keys)
         primary.prepare_load(keys)
+        stuck: list[tuple[AbandonedJob, list[OffloadKey]]] = []  # jobs left running
         try:
             async with anyio.create_task_group() as tg:
                 for handle in self.handles:
                     mine = [k for k in keys if index.pending_for(k, handle.index)]
                     if mine:
-                        tg.start_soon(self._demote_to, handle, mine)
+                        tg.start_soon(self._demote_to, handle, mine, stuck)
         finally:
             self.demoting.difference_update(keys)
-            primary.complete_load(keys)
+            self._release(keys, stuck)
             core.released.notify()
         return sum(1 for k in keys if index.is_clean(k))
 
-    async def _demote_to(self, handle: GuardedTier, keys: list[OffloadKey]) -> None:
-        """One write-back job. A tier that is down costs no attempt."""
+    def _release(
+        self, keys: list[OffloadKey], stuck: list[tuple[AbandonedJob, list[OffloadKey]]]
+    ) -> None:
+        """Drop the readers `demote` took: at once, but for the keys of jobs left
+        running in their tier (`stuck`), whose readers stay until every such job of
+        theirs has ended (the tier may still read the slots)."""
+        primary = self.core.primary
+        held = {k for _job, ks in stuck for k in ks}
+        primary.complete_load([k for k in keys if k not in held])
+        if not held:
+            return
+        waiting = [len(stuck)]
+        later = [k for k in keys if k in held]
+
+        def one_ended() -> None:
+            waiting[0] -= 1
+            if waiting[0] == 0:
+                primary.complete_load(later)
+                self.core.released.notify()
+
+        for job, _ks in stuck:
+            self.core.hold_until_ended(job, one_ended)
+
+    async def _demote_to(
+        self,
+        handle: GuardedTier,
+        keys: list[OffloadKey],
+        stuck: list[tuple[AbandonedJob, list[OffloadKey]]],
+    ) -> None:
+        """One write-back job. A tier that is down costs no attempt. A job left
+        running at its deadline goes to `stuck`; its keys stay dirty."""
         core = self.core
         if not handle.usable("store"):
             handle.stats.skipped_unhealthy += len(keys)
             return
         slots = [core.primary.slot_of(k) for k in keys]
         job = JobMetadata(core.next_job_id(), tuple(keys), tuple(s for s in slots if s is not None))
-        outcome = await handle.run("store", job)  # takes the permit (the probe) itself
+        # takes the permit (the probe) itself
+        outcome = await handle.run("store", job, abandon=True)
+        if outcome.abandoned is not None:
+            stuck.append((outcome.abandoned, list(job.keys)))
         if outcome.failure == "refused":  # another call took the probe first: no attempt
             return
         result = outcome.result
