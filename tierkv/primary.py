@@ -523,28 +523,18 @@ class PrimaryTier:
                 self._evictable += len(unread)
                 self.policy.unpin_many(unread)
         else:
-            for key in keys:
-                block = blocks.get(key)
-                if block is None or block.ready:
-                    continue
-                staged += block.staged
-                del blocks[key]
-                self.policy.discard(key)
-                self._free.append(block.slot)
-                if self.quotas is not None:
-                    self.quotas.remove((key,))
+            slots, staged = self._forget_writing(keys)
+            self._free.extend(slots)
         self._staged -= staged
         if done:
             self._emit(OffloadingEvent(tuple(done), MEDIUM, removed=False))
         self._wake()
 
-    def quarantine(self, keys: Iterable[OffloadKey]) -> list[int]:
-        """Forget WRITING `keys` (a promotion whose tier job was abandoned while it may
-        still write their slots) but keep their slots from any use until `release`:
-        not free, not readable, not in the block table; a promotion's share is given
-        back. Returns the slots. Keys not being written are left alone."""
-        keys = list(keys)
-        blocks, slots, staged = self._blocks, [], 0
+    def _forget_writing(self, keys: Iterable[OffloadKey]) -> tuple[list[int], int]:
+        """Take the WRITING keys of `keys` out of the block table, the policy and the
+        quota book (ready and unknown keys are left alone). Returns their slots, not
+        yet freed, and how many of them a promotion's share counted."""
+        blocks, slots, staged, gone = self._blocks, [], 0, []
         for key in keys:
             block = blocks.get(key)
             if block is None or block.ready:
@@ -553,8 +543,17 @@ class PrimaryTier:
             del blocks[key]
             self.policy.discard(key)
             slots.append(block.slot)
-        if self.quotas is not None:
-            self.quotas.remove(keys)
+            gone.append(key)
+        if self.quotas is not None and gone:
+            self.quotas.remove(gone)
+        return slots, staged
+
+    def quarantine(self, keys: Iterable[OffloadKey]) -> list[int]:
+        """Forget WRITING `keys` (a promotion whose tier job was abandoned while it may
+        still write their slots) but keep their slots from any use until `release`:
+        not free, not readable, not in the block table; a promotion's share is given
+        back. Returns the slots. Keys not being written are left alone."""
+        slots, staged = self._forget_writing(keys)
         self._staged -= staged
         self._quarantined += len(slots)
         if staged:
