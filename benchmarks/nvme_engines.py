@@ -3,7 +3,8 @@ beside the native reference in the same run: store then load N blocks in jobs of
 --batch blocks, --concurrency jobs at once, the tier's files under --path (default
 /dev/shm: no disk limit), engines and reference interleaved, round by round.
 
-    .venv/bin/python benchmarks/nvme_engines.py [--block-kib 16,64,1024] [--rounds 3]
+    .venv/bin/python benchmarks/nvme_engines.py [--block-kib 16,64,1024] [--rounds 3] \
+        [--engines python,native,native-slab]
 
 Prints GB/s and CPU µs per block (the process's user + system time over the blocks
 moved: event loop, worker threads and the core's own threads) per engine and round,
@@ -45,8 +46,14 @@ async def one_round(
     primary.view._bytes[:] = os.urandom(256) * (primary.view.num_blocks * block // 256)
     path = Path(args.path) / f"tierkv-nvme-engines-{engine}"
     shutil.rmtree(path, ignore_errors=True)
+    io_engine, _, layout = engine.partition("-")  # "native-slab": the slab layout
     config = NvmeTierConfig(
-        type="nvme", path=path, capacity=4 * n * block, io_engine=engine, fsync="never"
+        type="nvme",
+        path=path,
+        capacity=4 * n * (block + 8192),
+        io_engine=io_engine,
+        fsync="never",
+        layout=layout or "files",
     )
     tier = NvmeTier(config, primary.view)
     await tier.open()
@@ -91,7 +98,7 @@ async def main(args: argparse.Namespace) -> None:
         f"reference: plain C, {args.ref_threads} threads"
     )
     print(
-        "block  engine     round  store GB/s  store CPU us/blk  load GB/s  load CPU us/blk"
+        "block  engine       round  store GB/s  store CPU us/blk  load GB/s  load CPU us/blk"
         "  store/ref  load/ref"
     )
     for block_kib in (int(k) for k in str(args.block_kib).split(",")):
@@ -105,7 +112,7 @@ async def main(args: argparse.Namespace) -> None:
             for name, (sg, sc, lg, lc) in rows:
                 ratio = "" if name == "reference" else f"  {sg / ref[0]:9.2f}  {lg / ref[2]:8.2f}"
                 print(
-                    f"{block_kib:4d}K  {name:9s} {r + 1:5d}  {sg:10.2f}  {sc:16.1f}  {lg:9.2f}"
+                    f"{block_kib:4d}K  {name:11s} {r + 1:5d}  {sg:10.2f}  {sc:16.1f}  {lg:9.2f}"
                     f"  {lc:15.1f}{ratio}"
                 )
 
@@ -119,7 +126,11 @@ if __name__ == "__main__":
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--engines", default="python,native")
+    parser.add_argument(
+        "--engines",
+        default="python,native",
+        help="of python, native, python-slab, native-slab (the slab layout)",
+    )
     parser.add_argument("--ref-threads", type=int, default=2)
     parser.add_argument("--path", default="/dev/shm")
     anyio.run(main, parser.parse_args())

@@ -143,6 +143,13 @@ def rig(tmp_path: Path, io_engine: str) -> Rig:
 
 
 @pytest.fixture
+def make_rig() -> type[Rig]:
+    """The Rig class, for a test that needs rigs of its own (other block sizes, two
+    engines side by side)."""
+    return Rig
+
+
+@pytest.fixture
 def native_core() -> None:
     """For a test of the compiled core: skipped where it is not built (failed under CI)."""
     need_native()

@@ -566,8 +566,8 @@ async def test_a_store_in_flight_when_the_directory_is_made_anew_is_not_counted(
     real = tier._write_files
     removed, retaken = threading.Event(), threading.Event()
 
-    def write_meanwhile(items: Any, victims: Any) -> Any:
-        outcomes = real(items, victims)  # into the old directory
+    def write_meanwhile(*args: Any) -> Any:
+        outcomes = real(*args)  # into the old directory
         shutil.rmtree(tier.directory)
         removed.set()
         retaken.wait(10)  # the lookup below takes the directory again meanwhile

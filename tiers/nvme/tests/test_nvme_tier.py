@@ -364,13 +364,13 @@ async def test_loads_and_unsynced_stores_of_small_blocks_go_in_one_thread_call(
     calls: dict[str, list[int]] = {"read": [], "write": []}
     real_read, real_write = NvmeTier._read_files, NvmeTier._write_files
 
-    def counting_read(self: NvmeTier, keys: Any, slots: Any, touch: Any) -> Any:
+    def counting_read(self: NvmeTier, keys: Any, *rest: Any) -> Any:
         calls["read"].append(len(keys))
-        return real_read(self, keys, slots, touch)
+        return real_read(self, keys, *rest)
 
-    def counting_write(self: NvmeTier, keys: Any, slots: Any, victims: Any) -> Any:
+    def counting_write(self: NvmeTier, keys: Any, *rest: Any) -> Any:
         calls["write"].append(len(keys))
-        return real_write(self, keys, slots, victims)
+        return real_write(self, keys, *rest)
 
     monkeypatch.setattr(NvmeTier, "_read_files", counting_read)
     monkeypatch.setattr(NvmeTier, "_write_files", counting_write)

@@ -72,6 +72,7 @@ enum {
     CORRUPT_KEY = 8,
     CORRUPT_PAYLOAD_LENGTH = 9,
     CORRUPT_CHECKSUM = 10,
+    CORRUPT_SLOT = 11,     /* a slab slot's own header fails (never written, torn, freed) */
 };
 #define NOT_CACHED 100 /* internal: a RWF_NOWAIT read that decided nothing */
 
@@ -97,6 +98,8 @@ typedef struct {
     unsigned char *head;   /* header: built (writes) or read (reads); head_bytes long */
     long code;             /* outcome */
     ssize_t got;           /* reads: bytes the file gave (for CORRUPT_SHORT/LONG) */
+    off_t offset;          /* slab calls: where the block's slot starts in the slab */
+    uint64_t seq;          /* slab calls: the slot's write sequence (reads: 0, or touch) */
 } Item;
 
 typedef struct {
@@ -106,6 +109,8 @@ typedef struct {
     uint64_t ns_hash;
     int fsync;
     size_t group;          /* reads: blocks per group, PREFETCH_BLOCKS at most */
+    int fd;                /* slab calls: the slab file */
+    size_t room;           /* slab calls: payload bytes of a slot (a PAGE multiple) */
 } Batch;
 
 /* -- the frame ------------------------------------------------------------------- */
@@ -198,9 +203,8 @@ static struct iovec *advance(struct iovec *iov, int *n, size_t done) {
     return iov;
 }
 
-/* pwritev all of iov (consumed) at offset 0, continuing after short writes. */
-static int write_all(int fd, struct iovec *iov, int n) {
-    off_t offset = 0;
+/* pwritev all of iov (consumed) at `offset`, continuing after short writes. */
+static int write_all_at(int fd, struct iovec *iov, int n, off_t offset) {
     while (n) {
         ssize_t put = pwritev(fd, iov, n < IOV_MAX ? n : IOV_MAX, offset);
         if (put < 0) {
@@ -214,6 +218,10 @@ static int write_all(int fd, struct iovec *iov, int n) {
         iov = advance(iov, &n, (size_t)put);
     }
     return 0;
+}
+
+static int write_all(int fd, struct iovec *iov, int n) {
+    return write_all_at(fd, iov, n, 0);
 }
 
 /* preadv into iov (consumed) from `offset` until full or end of file; bytes read
@@ -707,7 +715,8 @@ static void name_of(char *out, const unsigned char *key, size_t len) {
  * buffer[offset + slot * stride : ... + size] (tierkv.contract.slab's lanes). Every
  * region is checked to lie inside its buffer. With the GIL held. */
 static int parse_batch(Held *held, int root_fd, PyObject *keys, PyObject *lanes,
-                       PyObject *slots, Py_ssize_t num_blocks, PyObject *touch, int reads) {
+                       PyObject *slots, Py_ssize_t num_blocks, PyObject *touch, int reads,
+                       int named) {
     Py_ssize_t n = PyList_GET_SIZE(keys);
     if (PyList_GET_SIZE(slots) != n) {
         PyErr_Format(PyExc_ValueError, "%zd keys but %zd slots", n, PyList_GET_SIZE(slots));
@@ -730,7 +739,7 @@ static int parse_batch(Held *held, int root_fd, PyObject *keys, PyObject *lanes,
     held->iovs = PyMem_Calloc((size_t)(n * nlanes) + 1, sizeof(struct iovec));
     held->views = PyMem_Calloc((size_t)nlanes, sizeof(Py_buffer));
     held->heads = PyMem_Malloc((size_t)n * (FIXED_HEADER_BYTES + MAX_HEX_KEY_BYTES) + 1);
-    held->names = PyMem_Malloc((size_t)n * (NAME_BYTES + (reads ? 0 : TMP_BYTES)) + 1);
+    held->names = PyMem_Malloc(named ? (size_t)n * (NAME_BYTES + (reads ? 0 : TMP_BYTES)) + 1 : 1);
     /* lane l: (offset, stride, size) at lane[3l..3l+2], its buffer in held->views[l] */
     Py_ssize_t *lane = PyMem_Malloc(sizeof *lane * (size_t)nlanes * 3);
     if (!held->items || !held->iovs || !held->views || !held->heads || !held->names || !lane) {
@@ -798,6 +807,8 @@ static int parse_batch(Held *held, int root_fd, PyObject *keys, PyObject *lanes,
         }
         item->touch = touched ? touched[i] != 0 : 0;
         item->head = held->heads + i * (FIXED_HEADER_BYTES + MAX_HEX_KEY_BYTES);
+        if (!named)
+            continue; /* slab calls: the slot is the place, no name */
         char *name = held->names + i * (NAME_BYTES + (reads ? 0 : TMP_BYTES));
         name_of(name, item->key, item->key_len);
         item->name = name;
@@ -839,7 +850,7 @@ PyDoc_STRVAR(write_blocks_doc,
 /* Write the parsed batch on `threads` threads (GIL released): one outcome per block. */
 static PyObject *run_writes(Held *held, size_t n, unsigned long long ns_hash, int fsync,
                             int threads) {
-    Batch batch = {held->items, n, 0, ns_hash, fsync, 1};
+    Batch batch = {held->items, n, 0, ns_hash, fsync, 1, -1, 0};
     threads = clamp_threads(threads, batch.n);
     Py_BEGIN_ALLOW_THREADS
     run_threads(write_worker, &batch, threads);
@@ -888,7 +899,7 @@ static PyObject *py_write_batch(PyObject *self, PyObject *args) {
         return NULL;
     Held held = {0};
     PyObject *result = NULL;
-    if (parse_batch(&held, root_fd, keys, lanes, slots, num_blocks, Py_None, 0) == 0)
+    if (parse_batch(&held, root_fd, keys, lanes, slots, num_blocks, Py_None, 0, 1) == 0)
         result = run_writes(&held, (size_t)PyList_GET_SIZE(keys), ns_hash, fsync, threads);
     held_release(&held);
     return result;
@@ -902,9 +913,11 @@ PyDoc_STRVAR(read_blocks_doc,
 "touch. One outcome per block: 0, -errno, or a CORRUPT_* code (the file deleted if its\n"
 "name still holds it); for those, {index: (bytes the file gave, header read)}.");
 
+static PyObject *outcomes_of(Held *held, size_t n);
+
 /* Read the parsed batch on `threads` threads (GIL released): (codes, details). */
 static PyObject *run_reads(Held *held, size_t n, unsigned long long ns_hash, int threads) {
-    Batch batch = {held->items, n, 0, ns_hash, 0, 1};
+    Batch batch = {held->items, n, 0, ns_hash, 0, 1, -1, 0};
     /* groups of PREFETCH_BLOCKS, smaller when that gives each thread one */
     threads = clamp_threads(threads, batch.n);
     size_t share = (batch.n + (size_t)threads - 1) / (size_t)threads;
@@ -912,10 +925,16 @@ static PyObject *run_reads(Held *held, size_t n, unsigned long long ns_hash, int
     Py_BEGIN_ALLOW_THREADS
     run_threads(read_worker, &batch, threads);
     Py_END_ALLOW_THREADS
-    PyObject *codes = PyList_New((Py_ssize_t)batch.n);
+    return outcomes_of(held, batch.n);
+}
+
+/* A read call's (codes, details): details for each block that failed a check, its
+ * (bytes read, frame header read). */
+static PyObject *outcomes_of(Held *held, size_t n) {
+    PyObject *codes = PyList_New((Py_ssize_t)n);
     PyObject *details = PyDict_New();
     PyObject *result = NULL;
-    for (size_t i = 0; codes && details && i < batch.n; i++) {
+    for (size_t i = 0; codes && details && i < n; i++) {
         Item *item = &held->items[i];
         PyObject *code = PyLong_FromLong(item->code);
         if (code == NULL)
@@ -973,9 +992,257 @@ static PyObject *py_read_batch(PyObject *self, PyObject *args) {
         return NULL;
     Held held = {0};
     PyObject *result = NULL;
-    if (parse_batch(&held, root_fd, keys, lanes, slots, num_blocks, touch, 1) == 0)
+    if (parse_batch(&held, root_fd, keys, lanes, slots, num_blocks, touch, 1, 1) == 0)
         result = run_reads(&held, (size_t)PyList_GET_SIZE(keys), ns_hash, threads);
     held_release(&held);
+    return result;
+}
+
+/* -- slab calls: blocks in fixed slots of one preallocated file ------------------------- */
+
+/* A slab (slabfile.py, the format's description) is a superblock page, then slot after
+ * slot of `room + PAGE` bytes: the payload from the slot's start (page aligned), zeros
+ * to `room`, then the slot's header page:
+ *     check u64 | magic "TKVSLOT1" | seq u64 | frame length u32 | 0 u32 | frame header
+ * where the frame header is the file frame's (`build_header`, byte for byte) and check
+ * is the xxh3_64 of everything after it up to the frame header's end. A block is one
+ * pwritev (payload, zeros, header page) and one preadv of the same; no open, close,
+ * rename, inode or allocation per block. A slot torn by a crash fails the header's
+ * check or the payload's checksum: a miss, never wrong bytes. */
+#define SLOT_HEAD_BYTES 32
+static const unsigned char SLOT_MAGIC[8] = {'T', 'K', 'V', 'S', 'L', 'O', 'T', '1'};
+static const unsigned char zero_page[PAGE];
+
+/* The slot header into page (frame header already at page + SLOT_HEAD_BYTES). */
+static void seal_slot(unsigned char *page, uint64_t seq, size_t frame_len) {
+    memcpy(page + 8, SLOT_MAGIC, 8);
+    put_le(page + 16, seq, 8);
+    put_le(page + 24, frame_len, 4);
+    put_le(page + 28, 0, 4);
+    put_le(page, XXH3_64bits(page + 8, SLOT_HEAD_BYTES - 8 + frame_len), 8);
+}
+
+/* The frame header's length if page holds a whole slot header, else 0. */
+static size_t slot_frame_len(const unsigned char *page) {
+    if (memcmp(page + 8, SLOT_MAGIC, 8) != 0 || get_le(page + 28, 4) != 0)
+        return 0;
+    size_t frame_len = (size_t)get_le(page + 24, 4);
+    if (frame_len < FIXED_HEADER_BYTES || frame_len > PAGE - SLOT_HEAD_BYTES)
+        return 0;
+    if (XXH3_64bits(page + 8, SLOT_HEAD_BYTES - 8 + frame_len) != get_le(page, 8))
+        return 0;
+    return frame_len;
+}
+
+/* The iovecs of a slot: the regions, zeros (or `pad`) to `room`, the header page. */
+static struct iovec *slot_iov(const Batch *batch, const Item *item, unsigned char *pad,
+                              unsigned char *page, struct iovec *local, int *n) {
+    size_t gap = batch->room - item->payload_len;
+    *n = item->nregions + (gap ? 2 : 1);
+    struct iovec *iov = *n <= 16 ? local : malloc(sizeof *iov * (size_t)*n);
+    if (iov == NULL)
+        return NULL;
+    memcpy(iov, item->regions, sizeof *iov * (size_t)item->nregions);
+    int at = item->nregions;
+    if (gap) {
+        iov[at].iov_base = pad;
+        iov[at++].iov_len = gap;
+    }
+    iov[at].iov_base = page;
+    iov[at].iov_len = PAGE;
+    return iov;
+}
+
+static long slab_write_one(const Batch *batch, Item *item, unsigned char *page) {
+    memset(page, 0, PAGE);
+    unsigned char *head = item->head;
+    item->head = page + SLOT_HEAD_BYTES;
+    long err = build_header(batch, item);
+    item->head = head;
+    if (err)
+        return err;
+    seal_slot(page, item->seq, FIXED_HEADER_BYTES + item->key_len);
+    struct iovec local[16];
+    int n;
+    struct iovec *iov = slot_iov(batch, item, (unsigned char *)zero_page, page, local, &n);
+    if (iov == NULL)
+        return -ENOMEM;
+    err = write_all_at(batch->fd, iov, n, item->offset);
+    if (iov != local)
+        free(iov);
+    return err;
+}
+
+/* Read one slot into the item's regions and check it; a touch (item->seq) rewrites its
+ * header page with the new sequence (a failed touch fails nothing). The frame header
+ * read is copied to item->head (for the caller's message on a failed check). */
+static long slab_read_one(const Batch *batch, Item *item, unsigned char *page, unsigned char *pad) {
+    struct iovec local[16];
+    int n;
+    struct iovec *iov = slot_iov(batch, item, pad, page, local, &n);
+    if (iov == NULL)
+        return -ENOMEM;
+    ssize_t got = read_all(batch->fd, iov, n, item->offset, 0);
+    if (iov != local)
+        free(iov);
+    if (got < 0)
+        return got;
+    item->got = got;
+    if ((size_t)got < batch->room + PAGE)
+        return CORRUPT_SLOT; /* past the slab's end: never written */
+    size_t frame_len = slot_frame_len(page);
+    if (frame_len != FIXED_HEADER_BYTES + item->key_len) {
+        memset(item->head, 0, FIXED_HEADER_BYTES + item->key_len);
+        return CORRUPT_SLOT;
+    }
+    memcpy(item->head, page + SLOT_HEAD_BYTES, frame_len);
+    long code = check_frame(batch, item);
+    if (code == 0 && item->seq) {
+        seal_slot(page, item->seq, frame_len);
+        (void)!pwrite(batch->fd, page, PAGE, item->offset + (off_t)batch->room);
+    }
+    return code;
+}
+
+static void *slab_worker(void *arg, int reads) {
+    Batch *batch = arg;
+    unsigned char *page = aligned_alloc(PAGE, 2 * PAGE);
+    size_t i;
+    while ((i = atomic_fetch_add(&batch->next, 1)) < batch->n) {
+        Item *item = &batch->items[i];
+        if (page == NULL)
+            item->code = -ENOMEM;
+        else if (reads)
+            item->code = slab_read_one(batch, item, page, page + PAGE);
+        else
+            item->code = slab_write_one(batch, item, page);
+    }
+    free(page);
+    return NULL;
+}
+
+static void *slab_write_worker(void *arg) {
+    return slab_worker(arg, 0);
+}
+
+static void *slab_read_worker(void *arg) {
+    return slab_worker(arg, 1);
+}
+
+/* Parse a slab call's places and sequences (bytes of u64, one per key) into the items.
+ * room: a positive PAGE multiple that holds the payload. With the GIL held. */
+static int parse_slab(Held *held, Py_ssize_t n, Py_buffer *places, Py_buffer *seqs,
+                      Py_ssize_t room, Py_ssize_t num_places) {
+    if (places->len != n * 8 || (seqs->buf != NULL && seqs->len != n * 8)) {
+        PyErr_SetString(PyExc_ValueError, "places and seqs: 8 bytes (u64) per key");
+        return -1;
+    }
+    if (n && (room <= 0 || room % PAGE || (size_t)room < held->items[0].payload_len)) {
+        PyErr_Format(PyExc_ValueError, "room %zd: a multiple of %d that holds the payload", room, PAGE);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t place = get_le((const unsigned char *)places->buf + 8 * i, 8);
+        if (place >= (uint64_t)num_places) {
+            PyErr_Format(PyExc_IndexError, "place %llu is out of range 0..%zd",
+                         (unsigned long long)place, num_places - 1);
+            return -1;
+        }
+        Item *item = &held->items[i];
+        item->offset = (off_t)(PAGE + place * (uint64_t)(room + PAGE));
+        item->seq = seqs->buf ? get_le((const unsigned char *)seqs->buf + 8 * i, 8) : 0;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(slab_write_doc,
+"slab_write(fd, keys, lanes, slots, num_blocks, places, seqs, room, num_places, ns_hash,\n"
+"           fsync, threads) -> list[int]\n\n"
+"Each keys[i] (bytes of 1 to 100) from slot slots[i] of `lanes` (as write_batch's) into\n"
+"slab slot places[i] of file fd (places, seqs: bytes, a little-endian u64 per key), the\n"
+"slot's header sealed with seqs[i]; room: payload bytes of a slot (a PAGE multiple).\n"
+"With fsync, one fdatasync after the whole batch (its failure fails every block).\n"
+"One outcome per block: 0 or -errno.");
+
+static PyObject *py_slab_write(PyObject *self, PyObject *args) {
+    int fd, fsync, threads;
+    PyObject *keys, *lanes, *slots;
+    Py_buffer places = {0}, seqs = {0};
+    Py_ssize_t num_blocks, room, num_places;
+    unsigned long long ns_hash;
+    if (!PyArg_ParseTuple(args, "iO!O!O!ny*y*nnKpi", &fd, &PyList_Type, &keys, &PyTuple_Type,
+                          &lanes, &PyList_Type, &slots, &num_blocks, &places, &seqs, &room,
+                          &num_places, &ns_hash, &fsync, &threads))
+        return NULL;
+    Held held = {0};
+    PyObject *result = NULL;
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    if (parse_batch(&held, fd, keys, lanes, slots, num_blocks, Py_None, 0, 0) == 0 &&
+        parse_slab(&held, n, &places, &seqs, room, num_places) == 0) {
+        Batch batch = {held.items, (size_t)n, 0, ns_hash, fsync, 1, fd, (size_t)room};
+        threads = clamp_threads(threads, batch.n);
+        Py_BEGIN_ALLOW_THREADS
+        run_threads(slab_write_worker, &batch, threads);
+        if (fsync && batch.n && fdatasync(fd) != 0) {
+            long err = -errno;
+            for (size_t i = 0; i < batch.n; i++)
+                if (held.items[i].code == 0)
+                    held.items[i].code = err;
+        }
+        Py_END_ALLOW_THREADS
+        result = PyList_New(n);
+        for (Py_ssize_t i = 0; result && i < n; i++) {
+            PyObject *code = PyLong_FromLong(held.items[i].code);
+            if (code == NULL)
+                Py_CLEAR(result);
+            else
+                PyList_SET_ITEM(result, i, code);
+        }
+    }
+    held_release(&held);
+    PyBuffer_Release(&places);
+    PyBuffer_Release(&seqs);
+    return result;
+}
+
+PyDoc_STRVAR(slab_read_doc,
+"slab_read(fd, keys, lanes, slots, num_blocks, places, seqs, room, num_places, ns_hash,\n"
+"          threads) -> (list[int], dict[int, tuple[int, bytes]])\n\n"
+"Each keys[i] from slab slot places[i] of file fd into slot slots[i] of `lanes`, checked\n"
+"(the slot's header, then the frame as read_batch checks it); seqs: b'' or a u64 per\n"
+"key, non-zero to rewrite the slot's header with that sequence once read (a touch).\n"
+"Outcomes as read_batch's, CORRUPT_SLOT for a slot whose own header fails.");
+
+static PyObject *py_slab_read(PyObject *self, PyObject *args) {
+    int fd, threads;
+    PyObject *keys, *lanes, *slots;
+    Py_buffer places = {0}, seqs = {0};
+    Py_ssize_t num_blocks, room, num_places;
+    unsigned long long ns_hash;
+    if (!PyArg_ParseTuple(args, "iO!O!O!ny*y*nnKi", &fd, &PyList_Type, &keys, &PyTuple_Type,
+                          &lanes, &PyList_Type, &slots, &num_blocks, &places, &seqs, &room,
+                          &num_places, &ns_hash, &threads))
+        return NULL;
+    if (seqs.len == 0) {
+        PyBuffer_Release(&seqs);
+        seqs.buf = NULL;
+    }
+    Held held = {0};
+    PyObject *result = NULL;
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    if (parse_batch(&held, fd, keys, lanes, slots, num_blocks, Py_None, 1, 0) == 0 &&
+        parse_slab(&held, n, &places, &seqs, room, num_places) == 0) {
+        Batch batch = {held.items, (size_t)n, 0, ns_hash, 0, 1, fd, (size_t)room};
+        threads = clamp_threads(threads, batch.n);
+        Py_BEGIN_ALLOW_THREADS
+        run_threads(slab_read_worker, &batch, threads);
+        Py_END_ALLOW_THREADS
+        result = outcomes_of(&held, batch.n);
+    }
+    held_release(&held);
+    PyBuffer_Release(&places);
+    if (seqs.buf != NULL)
+        PyBuffer_Release(&seqs);
     return result;
 }
 
@@ -1101,7 +1368,7 @@ static PyObject *py_encode_header(PyObject *self, PyObject *args) {
     Held held = {0};
     PyObject *result = NULL;
     if (parse_items(one, &held, 0) == 0) {
-        Batch batch = {held.items, 1, 0, ns_hash, 0, 1};
+        Batch batch = {held.items, 1, 0, ns_hash, 0, 1, -1, 0};
         int err = build_header(&batch, &held.items[0]);
         if (err)
             PyErr_SetFromErrno(PyExc_OSError);
@@ -1122,6 +1389,8 @@ static PyMethodDef methods[] = {
     {"write_batch", py_write_batch, METH_VARARGS, write_batch_doc},
     {"reference", py_reference, METH_VARARGS, reference_doc},
     {"read_batch", py_read_batch, METH_VARARGS, read_batch_doc},
+    {"slab_write", py_slab_write, METH_VARARGS, slab_write_doc},
+    {"slab_read", py_slab_read, METH_VARARGS, slab_read_doc},
     {"beneath_works", py_beneath_works, METH_VARARGS,
      "beneath_works(dir_fd=-1) -> bool: whether the batch calls can open below a directory\n"
      "(openat2); with dir_fd, tried on it first (a refusal turns the batch calls off)."},
@@ -1144,6 +1413,8 @@ PyMODINIT_FUNC PyInit__batchio(void) {
         PyModule_AddIntConstant(m, "CORRUPT_SHORT", CORRUPT_SHORT) ||
         PyModule_AddIntConstant(m, "CORRUPT_LONG", CORRUPT_LONG) ||
         PyModule_AddIntConstant(m, "CORRUPT_CHECKSUM", CORRUPT_CHECKSUM) ||
+        PyModule_AddIntConstant(m, "CORRUPT_SLOT", CORRUPT_SLOT) ||
+        PyModule_AddIntConstant(m, "SLOT_HEAD_BYTES", SLOT_HEAD_BYTES) ||
         PyModule_AddIntConstant(m, "XXHASH_VERSION", (long)XXH_versionNumber())) {
         Py_DECREF(m);
         return NULL;

@@ -33,6 +33,7 @@ from tierkv.tier import TierConfig
 
 FsyncMode = Literal["always", "never"]
 IoEngine = Literal["auto", "native", "python"]
+Layout = Literal["files", "slab"]
 
 
 class NvmeTierConfig(TierConfig):
@@ -71,6 +72,13 @@ class NvmeTierConfig(TierConfig):
         "into place and its store reports ok; never: the kernel flushes when it likes. "
         "Either way a power loss costs at most recent blocks, which then read as misses "
         "(checksums and the rebuild on open see to that), never as wrong data",
+    )
+    layout: Layout = Field(
+        default="files",
+        description="how blocks lie on the disk: files, one checksummed file per block "
+        "(named by its key); slab, fixed slots of one preallocated file per namespace "
+        "(no file created or deleted per block: several times faster stores of small "
+        "blocks; `capacity` becomes a slot count). docs/data-path.md compares them",
     )
     io_engine: IoEngine = Field(
         default="auto",

@@ -65,6 +65,7 @@ CORRUPT_KINDS = {
     8: "key",
     9: "payload length",
     10: "checksum",
+    11: "slab slot",
 }
 """The core's outcome codes for a frame that fails a check, by what failed."""
 MAX_DEFAULT_THREADS = 2
@@ -270,6 +271,75 @@ def read_batch(
     return outcomes
 
 
+def slab_write(
+    fd: int,
+    keys: list[bytes],
+    slots: list[int],
+    primary: PrimaryView,
+    lanes: tuple[Lane, ...],
+    framer: Framer,
+    places: bytes,
+    seqs: bytes,
+    room: int,
+    num_places: int,
+    *,
+    fsync: bool,
+    threads: int | None = None,
+) -> list[Exception | None]:
+    """`slabfile.write_slots` for `keys[i]` from `slots[i]` of `primary` (geometry
+    `lanes`) into slab slot `places[i]` sealed with `seqs[i]` (both bytes of
+    little-endian u64s), in one call of the core: no Python per block. One
+    `fdatasync` after the batch when `fsync`. Keys must pass `batch_keys`."""
+    if framer.mac:
+        raise ValueError("frames with a MAC are written by slabfile.write_slots")
+    core = _core_or_raise()
+    wanted = default_threads(len(keys)) if threads is None else threads
+    codes = core.slab_write(
+        fd, keys, lanes, slots, primary.num_blocks, places, seqs, room, num_places,
+        framer.namespace_tag, fsync, wanted,
+    )  # fmt: skip
+    if not any(codes):
+        return [None] * len(keys)
+    return [_os_error(-code, ("slab",)) if code else None for code in codes]
+
+
+def slab_read(
+    fd: int,
+    keys: list[bytes],
+    slots: list[int],
+    primary: PrimaryView,
+    lanes: tuple[Lane, ...],
+    framer: Framer,
+    places: bytes,
+    seqs: bytes,
+    room: int,
+    num_places: int,
+    *,
+    threads: int | None = None,
+) -> list[Exception | None]:
+    """`slabfile.read_slots` for `keys[i]` into `slots[i]` of `primary` from slab slot
+    `places[i]`, in one call of the core; `seqs`: b"" or a u64 per key, non-zero to
+    refresh that slot's sequence once read. Outcomes as `read_batch`'s."""
+    if framer.mac:
+        raise ValueError("frames with a MAC are read by slabfile.read_slots")
+    core = _core_or_raise()
+    wanted = default_threads(len(keys)) if threads is None else threads
+    codes, details = core.slab_read(
+        fd, keys, lanes, slots, primary.num_blocks, places, seqs, room, num_places,
+        framer.namespace_tag, wanted,
+    )  # fmt: skip
+    if not any(codes):
+        return [None] * len(keys)
+    outcomes: list[Exception | None] = [None] * len(keys)
+    for i, code in enumerate(codes):
+        if code < 0:
+            outcomes[i] = _os_error(-code, ("slab",))
+        elif code > 0:
+            got, head = details[i]
+            outcomes[i] = _corrupt(code, got, head, keys[i], primary.payload(slots[i]), framer)
+    return outcomes
+
+
 def _corrupt(
     code: int, got: int, head: bytes, key: OffloadKey, dest: Slot, framer: Framer
 ) -> CorruptBlock:
@@ -280,6 +350,10 @@ def _corrupt(
         return CorruptBlock(f"file ended after {got} of {expected} bytes")
     if code == 2:
         return CorruptBlock(f"file is longer than a frame of this block ({expected} bytes)")
+    if code == 11:
+        return CorruptBlock(
+            "slab slot holds no whole block (never written, torn by a crash, or freed)"
+        )
     try:
         framer.check_frame(head, key, dest)
     except CorruptBlock as exc:
@@ -306,6 +380,8 @@ __all__ = [
     "read_batch",
     "read_blocks",
     "reason",
+    "slab_read",
+    "slab_write",
     "write_batch",
     "write_blocks",
 ]

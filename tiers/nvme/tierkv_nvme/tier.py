@@ -97,6 +97,7 @@ def usable_cpus() -> int:
     except (AttributeError, OSError):
         return os.cpu_count() or 1
 
+
 DEFAULT_FS_BLOCK = 4096
 MAX_CHUNK = 4
 """Blocks per worker-thread call at most when a job is spread over `io_concurrency`
@@ -160,14 +161,17 @@ class _Entry:
     """One indexed block. Compared by identity, so a slow reader that finds its file
     corrupt forgets that entry only, not a newer one stored under the same key."""
 
-    __slots__ = ("footprint", "read_errors", "touched_ns")
+    __slots__ = ("footprint", "place", "read_errors", "touched_ns")
 
-    def __init__(self, footprint: int, touched_ns: int) -> None:
+    def __init__(self, footprint: int, touched_ns: int, place: int = -1) -> None:
         self.footprint = footprint
         self.read_errors = 0  # OS errors of the reads in a row before this one
         self.touched_ns = touched_ns
         """The file's mtime as this tier last set or found it: a load refreshes it
         when older than `blockfile.TOUCH_AFTER_NS` (no `fstat` per read to learn it)."""
+        self.place = place
+        """Where the block lies in its medium when the key does not say (the slab
+        layout's slot, `tierkv_nvme.slab`); -1 for a file named by its key."""
 
 
 class NvmeTier(SecondaryTierManager):
@@ -192,6 +196,10 @@ class NvmeTier(SecondaryTierManager):
             from tierkv_nvme.striped import StripedNvmeTier  # it imports this module
 
             return StripedNvmeTier(config, primary)  # type: ignore[return-value]
+        if cls is NvmeTier and getattr(config, "layout", "files") == "slab":
+            from tierkv_nvme.slab import SlabNvmeTier  # it imports this module
+
+            return SlabNvmeTier(config, primary)
         return super().__new__(cls)
 
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
@@ -272,10 +280,7 @@ class NvmeTier(SecondaryTierManager):
         capacity is: the last block stored, or one of a 36-byte key before any) that
         fit before `_make_room` must evict, and that fit in all."""
         capacity = int(self.config.capacity)
-        block = self._block_footprint or disk_footprint(
-            self.framer.frame_bytes(bytes(_TYPICAL_KEY_BYTES), self.primary.block_bytes),
-            self._fs_block,
-        )
+        block = self._block_footprint or self.footprint(bytes(_TYPICAL_KEY_BYTES))
         free = max(0, capacity - self._used - self._reserved)
         return TierRoom(free // block, capacity // block)
 
@@ -300,6 +305,7 @@ class NvmeTier(SecondaryTierManager):
             "mac": self.framer.mac,
             "io_engine": self._io_engine,
             "batch_calls": self._lanes is not None,
+            "layout": self.config.layout,
         }
 
     # -- life cycle ---------------------------------------------------------------
@@ -322,8 +328,7 @@ class NvmeTier(SecondaryTierManager):
                 f"nvme tier cannot use {self.directory}: {exc.strerror or exc}; check that "
                 "`path` is a directory tierkv may create and write"
             ) from exc
-        if self._io_engine == "native" and native.batch_ready(self._root_fd):
-            self._lanes = self.primary.lanes
+        self._lanes = self._batch_lanes()
         if self._io_engine == "native" and self._lanes is None:
             self.data_path = "native-blocks"  # the core's per-block calls (`_write_files`)
             logger.info(
@@ -366,6 +371,13 @@ class NvmeTier(SecondaryTierManager):
             evicted,
             scan.moved_up,
         )
+
+    def _batch_lanes(self) -> tuple[Lane, ...] | None:
+        """The primary's geometry when the core's batch calls can move the blocks
+        (native, and the kernel opens below a directory without links), else None."""
+        if self._io_engine == "native" and native.batch_ready(self._root_fd):
+            return self.primary.lanes
+        return None
 
     def _take_directory(self) -> int:
         """Create and lock the namespace directory; return its filesystem block size.
@@ -548,8 +560,7 @@ class NvmeTier(SecondaryTierManager):
             self._used -= entry.footprint
             victims.append(key)
         if victims:
-            rels = [self.rel_of(k) for k in victims]
-            await in_thread(self._delete_files, rels)
+            await in_thread(self._delete_files, [self.rel_of(k) for k in victims])
             self.report_removed(victims)
         return len(victims)
 
@@ -615,24 +626,20 @@ class NvmeTier(SecondaryTierManager):
     async def remove(self, keys: Sequence[OffloadKey]) -> None:
         self._check_open()
         async with self._inflight.job():
-            targets: list[OffloadKey] = []
+            targets: list[tuple[OffloadKey, _Entry]] = []
             for key in dict.fromkeys(keys):
                 entry = self._index.pop(key, None)
                 if entry is not None:
                     self._used -= entry.footprint
                     self._deleting[key] = anyio.Event()
-                    targets.append(key)
+                    targets.append((key, entry))
             if not targets:
                 return
             try:
-                await in_thread(
-                    self._delete_files,
-                    [self.rel_of(k) for k in targets],
-                    limiter=self._threads,
-                    shield=True,
-                )
+                await in_thread(self._delete_blocks, targets, limiter=self._threads, shield=True)
             finally:
-                self._finish_deleting(targets)
+                self._finish_deleting([key for key, _entry in targets])
+                self._dropped(targets)
 
     # -- per chunk of blocks ------------------------------------------------------
     async def _in_chunks(
@@ -772,13 +779,15 @@ class NvmeTier(SecondaryTierManager):
                         self._reserved += footprint
                         writes.append((key, slot, footprint))
                 generation = self._generation
+                places = self._take_places(len(writes))
                 self._calls += 1
                 try:
                     outcomes = await in_thread(
                         self._write_files,
                         [key for key, _slot, _footprint in writes],
                         [slot for _key, slot, _footprint in writes],
-                        [self.rel_of(v) for v in victims],
+                        victims,
+                        places,
                         limiter=self._threads,
                         shield=True,
                     )
@@ -791,15 +800,17 @@ class NvmeTier(SecondaryTierManager):
             if generation != self._generation:  # written into a directory now gone
                 gone = FileNotFoundError(errno.ENOENT, "the tier's directory was removed")
                 outcomes = [error or gone for error in outcomes]
-            for (key, _slot, footprint), error in zip(writes, outcomes):
+            for i, ((key, _slot, footprint), error) in enumerate(zip(writes, outcomes)):
                 if error is None:
-                    self._index[key] = _Entry(footprint, written_ns)
+                    self._index[key] = _Entry(footprint, written_ns, places[i] if places else -1)
                     self._used += footprint
                     self._block_footprint = footprint
                     self._pins[key] = self._pins.get(key, 0) + 1
                     written.append(key)
                 else:
                     failed[key] = self._describe_error(error, "write", key)
+                    if places:
+                        self._give_back(places[i], generation)
             return failed
         finally:
             for key, _slot, _footprint in claimed:
@@ -807,17 +818,34 @@ class NvmeTier(SecondaryTierManager):
                 if waited is not None:
                     waited.set()
 
+    def _take_places(self, count: int) -> Sequence[int] | None:
+        """Where `count` blocks about to be written go, when the key does not say (the
+        slab layout's free slots); None for files named by their keys."""
+        return None
+
+    def _give_back(self, place: int, generation: int) -> None:
+        """A place `_take_places` gave whose write failed (the slab layout frees it)."""
+
+    def _dropped(self, entries: Sequence[tuple[OffloadKey, _Entry]]) -> None:
+        """Blocks that left the index and whose medium is done with them (deleted, or
+        found gone or corrupt): the slab layout frees their slots. Files: nothing."""
+
     def _write_files(
-        self, keys: list[OffloadKey], slots: list[int], victims: list[RelPath]
+        self,
+        keys: list[OffloadKey],
+        slots: list[int],
+        victims: list[OffloadKey],
+        places: Sequence[int] | None,
     ) -> list[Exception | None]:
         """Worker thread: delete `victims`, then write each block (keys[i] from
         slots[i]); one outcome each. The whole chunk is one call of the compiled core
-        when it is the engine: a batch call when the geometry allows (`_lanes`)."""
+        when it is the engine: a batch call when the geometry allows (`_lanes`).
+        `places`: `_take_places`' (None here)."""
         fsync = self.config.fsync == "always"
         outcomes: list[Exception | None] = []
         with self._dirs.leaves() as leaves:
             if victims:
-                blockfile.delete_files(leaves, victims)
+                blockfile.delete_files(leaves, [self.rel_of(v) for v in victims])
             lanes = self._lanes
             if lanes is not None and native.batch_keys(keys):
                 return native.write_batch(
@@ -848,6 +876,11 @@ class NvmeTier(SecondaryTierManager):
         with self._dirs.leaves() as leaves:
             return blockfile.delete_files(leaves, rels)
 
+    def _delete_blocks(self, entries: list[tuple[OffloadKey, _Entry]]) -> None:
+        """Worker thread: delete the blocks of `entries` (already out of the index)
+        from the medium: their files here."""
+        self._delete_files([self.rel_of(key) for key, _entry in entries])
+
     def _make_room(self, footprint: int) -> list[OffloadKey] | None:
         """Evict least recently used blocks neither pinned nor claimed until `footprint`
         more bytes fit.
@@ -870,9 +903,15 @@ class NvmeTier(SecondaryTierManager):
         if freed < excess:
             return None
         for key in victims:
-            self._used -= self._index.pop(key).footprint
+            entry = self._index.pop(key)
+            self._used -= entry.footprint
             self._deleting[key] = anyio.Event()
+            self._evicted(entry)
         return victims
+
+    def _evicted(self, entry: _Entry) -> None:
+        """A block `_make_room` took (never one being read): the slab layout frees
+        its slot for the write that made room. Files: deleted by that write's call."""
 
     def _unpin(self, keys: Sequence[OffloadKey]) -> None:
         for key in keys:
@@ -890,7 +929,7 @@ class NvmeTier(SecondaryTierManager):
 
     async def _load_chunk(self, chunk: Batch) -> dict[OffloadKey, str]:
         failed: dict[OffloadKey, str] = {}
-        reads: list[tuple[OffloadKey, _Entry]] = []
+        reads: list[tuple[OffloadKey, _Entry]] = []  # and their entries (places)
         keys: list[OffloadKey] = []
         slots: list[int] = []
         touch = bytearray()
@@ -919,6 +958,7 @@ class NvmeTier(SecondaryTierManager):
                         keys,
                         slots,
                         bytes(touch),
+                        reads,
                         limiter=self._threads,
                         shield=True,
                     )
@@ -926,8 +966,8 @@ class NvmeTier(SecondaryTierManager):
                     self._calls -= 1
         finally:
             self._unpin(keys)
-        unreadable: list[OffloadKey] = []
-        forgotten: list[OffloadKey] = []
+        unreadable: list[tuple[OffloadKey, _Entry]] = []
+        forgotten: list[tuple[OffloadKey, _Entry]] = []
         for (key, entry), error in zip(reads, outcomes):
             if error is None:
                 if entry.read_errors:
@@ -953,31 +993,35 @@ class NvmeTier(SecondaryTierManager):
             # missing one is gone, an unreadable one is deleted here (or it would take
             # disk space nothing counts)
             if self._forget(key, entry):
-                forgotten.append(key)
+                forgotten.append((key, entry))
                 if not isinstance(error, (CorruptBlock, FileNotFoundError)):
                     self._deleting[key] = anyio.Event()
-                    unreadable.append(key)
+                    unreadable.append((key, entry))
         try:
             if unreadable:
                 try:
                     await in_thread(
-                        self._delete_files,
-                        [self.rel_of(k) for k in unreadable],
-                        limiter=self._threads,
-                        shield=True,
+                        self._delete_blocks, unreadable, limiter=self._threads, shield=True
                     )
                 finally:
-                    self._finish_deleting(unreadable)
+                    self._finish_deleting([key for key, _entry in unreadable])
         finally:
-            self.report_removed(forgotten)
+            if forgotten:
+                self._dropped(forgotten)
+                self.report_removed([key for key, _entry in forgotten])
         return failed
 
     def _read_files(
-        self, keys: list[OffloadKey], slots: list[int], touch: bytes
+        self,
+        keys: list[OffloadKey],
+        slots: list[int],
+        touch: bytes,
+        entries: Sequence[tuple[OffloadKey, _Entry]],
     ) -> list[Exception | None]:
         """Worker thread: read and check each block (keys[i] into slots[i], its mtime
         refreshed where touch[i]); one outcome each. The whole chunk is one call of the
-        compiled core when it is the engine: a batch call when the geometry allows."""
+        compiled core when it is the engine: a batch call when the geometry allows.
+        `entries`: each key's index entry (where the slab layout finds the block)."""
         lanes = self._lanes
         if lanes is not None and native.batch_keys(keys):
             return native.read_batch(
@@ -991,9 +1035,7 @@ class NvmeTier(SecondaryTierManager):
                 threads=self._core_threads(len(keys)),
             )
         payload = self.primary.payload
-        items = [
-            (block_relpath(k), k, payload(s), bool(t)) for k, s, t in zip(keys, slots, touch)
-        ]
+        items = [(block_relpath(k), k, payload(s), bool(t)) for k, s, t in zip(keys, slots, touch)]
         read = native.read_blocks if self._io_engine == "native" else blockfile.read_blocks
         with self._dirs.leaves() as leaves:
             return read(leaves, items, self.framer, self.primary.placement)
@@ -1013,6 +1055,8 @@ class NvmeTier(SecondaryTierManager):
             return f"corrupt block deleted: {error}"
         if isinstance(error, FileNotFoundError):
             return "block file is gone from the nvme tier (deleted outside tierkv?)"
+        if isinstance(error, ValueError):  # a block this layout cannot hold (its key)
+            return str(error)
         if isinstance(error, OSError):
             return self._io_error(error, action)
         logger.error("nvme tier: unexpected error on %s", key.hex(), exc_info=error)

@@ -1,0 +1,490 @@
+"""`layout: slab`: the slot format, the rebuild, slot reuse, crash safety.
+
+The contract itself (round trips, capacity, corruption, MAC frames) is the conformance
+suite's (`test_nvme_slab_conformance.py`); these are what slots add: both engines
+write the same bytes, a restart finds the newest copy of each key in its write order,
+torn and removed slots stay misses, a slot is never rewritten under a reader, a shrunk
+capacity or a slab of another block size is dealt with at open, and a writer killed
+mid-batch leaves only whole blocks."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tierkv_nvme import NvmeTier, NvmeTierConfig, slabfile
+from tierkv_nvme.slab import SlabNvmeTier
+
+from tierkv.contract.framing import Framer
+from tierkv.contract.jobs import JobMetadata, ReqContext
+from tierkv.contract.slab import PrimaryView
+from tierkv.testing import random_keys
+
+pytestmark = pytest.mark.anyio
+CTX = ReqContext(request_id="nvme-slab")
+Rig = Any  # the conftest's Rig (the `rig` and `make_rig` fixtures)
+
+
+def slab_tier(rig: Rig, slots: int = 64, **fields: Any) -> SlabNvmeTier:
+    tier = rig.tier(capacity=slots * slabfile.slot_bytes(rig.block_bytes), layout="slab", **fields)
+    assert isinstance(tier, SlabNvmeTier)
+    return tier
+
+
+# -- the format ------------------------------------------------------------------------
+
+
+def test_a_header_page_seals_and_unseals_and_any_flipped_bit_fails_it() -> None:
+    head = Framer("ns").encode_header(b"k" * 20, b"x" * 100)
+    page = slabfile.seal(head, 7)
+    assert len(page) == slabfile.PAGE
+    assert slabfile.unseal(page) == (7, head)
+    rng = random.Random(1)
+    for _ in range(64):
+        bit = rng.randrange((slabfile.SLOT_HEAD_BYTES + len(head)) * 8)
+        torn = bytearray(page)
+        torn[bit // 8] ^= 1 << (bit % 8)
+        assert slabfile.unseal(torn) is None, bit
+    assert slabfile.unseal(bytes(slabfile.PAGE)) is None
+
+
+def test_a_key_too_long_for_a_slot_header_is_refused_naming_the_files_layout() -> None:
+    head = Framer("ns").encode_header(b"k" * 5000, b"x")
+    with pytest.raises(ValueError, match="layout: files"):
+        slabfile.seal(head, 1)
+
+
+@pytest.mark.parametrize("block_bytes", [1000, 4096, 5000, 16 << 10])
+async def test_both_engines_write_the_same_slab_bytes(
+    tmp_path: Path, block_bytes: int, make_rig: Any, native_core: None
+) -> None:
+    """The same blocks stored by the Python path and by the compiled core give slab
+    files equal byte for byte, and each engine reads the other's."""
+    keys = random_keys(12, random.Random(block_bytes))
+    payloads = [random.Random(k).randbytes(block_bytes) for k in keys]
+    files = {}
+    for engine in ("python", "native"):
+        rig = make_rig(tmp_path / engine, block_bytes=block_bytes, io_engine=engine)
+        for slot, payload in enumerate(payloads):
+            rig.view.block(slot)[:] = payload
+        tier = slab_tier(rig, slots=16)
+        await tier.open()
+        result = await tier.store(rig.job(keys, range(len(keys))))
+        assert result.ok, result.error
+        assert tier.describe()["batch_calls"] == (engine == "native")
+        await tier.close()
+        files[engine] = tier.slab_path.read_bytes()
+    assert files["python"] == files["native"]
+    for engine, other in (("python", "native"), ("native", "python")):
+        rig = make_rig(tmp_path / other, block_bytes=block_bytes, io_engine=engine)
+        tier = slab_tier(rig, slots=16)
+        await tier.open()
+        result, got = await rig.load(tier, keys, first_slot=16)
+        assert result.ok, result.error
+        assert [got[k] for k in keys] == payloads
+        await tier.close()
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    block_bytes=st.integers(1, 9000),
+    key_bytes=st.integers(1, 100),
+    seq=st.integers(1, 2**64 - 1),
+)
+def test_python_and_core_slots_are_identical_for_any_block_key_and_seq(
+    tmp_path_factory: pytest.TempPathFactory,
+    native_core: None,
+    block_bytes: int,
+    key_bytes: int,
+    seq: int,
+) -> None:
+    """Property: one slot written by `slabfile.write_slot` and by the core's
+    `slab_write` is the same bytes, for any block size, key length and sequence."""
+    from tierkv_nvme import native
+
+    where = tmp_path_factory.mktemp("slot")
+    framer = Framer("prop")
+    rng = random.Random(block_bytes * 131 + key_bytes)
+    key = rng.randbytes(key_bytes)
+    view = PrimaryView(bytearray(rng.randbytes(2 * block_bytes)), block_bytes, "prop")
+    room = slabfile.room_for(block_bytes)
+    made = []
+    for name in ("py", "c"):
+        fd = os.open(where / name, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if name == "py":
+                slabfile.write_slot(fd, 1, room, key, view.block(1), framer, seq)
+            else:
+                codes = native.slab_write(
+                    fd, [key], [1], view, view.lanes or (), framer,
+                    (1).to_bytes(8, "little"), seq.to_bytes(8, "little"), room, 2, fsync=False,
+                )  # fmt: skip
+                assert codes == [None]
+        finally:
+            os.close(fd)
+        made.append((where / name).read_bytes())
+    assert made[0] == made[1]
+
+
+# -- the rebuild -------------------------------------------------------------------------
+
+
+async def test_a_reopened_slab_serves_every_block_in_write_order(rig: Rig) -> None:
+    tier = slab_tier(rig)
+    await tier.open()
+    keys = rig.keys(10)
+    _result, stored = await rig.store(tier, keys)
+    await tier.close()
+    again = slab_tier(rig)
+    await again.open()
+    assert again.recovery is not None and again.recovery.blocks == 10
+    assert list(again._index) == keys  # the LRU order: oldest sequence first
+    result, got = await rig.load(again, keys)
+    assert result.ok and got == stored
+    await again.close()
+
+
+async def test_the_newest_copy_of_a_key_wins_and_the_older_slot_is_free(rig: Rig) -> None:
+    tier = slab_tier(rig, slots=8)
+    await tier.open()
+    [key] = rig.keys(1)
+    await rig.store(tier, [key])
+    first = tier._index[key].place
+    await tier.close()
+    newer = rig.rng.randbytes(rig.block_bytes)  # as a crash between a rewrite and a free
+    fd = os.open(tier.slab_path, os.O_RDWR)
+    try:
+        slabfile.write_slot(fd, 5, slabfile.room_for(rig.block_bytes), key, newer, tier.framer, 99)
+    finally:
+        os.close(fd)
+    again = slab_tier(rig, slots=8)
+    await again.open()
+    assert again._index[key].place == 5 and first != 5
+    assert first in again._free and 5 not in again._free
+    result, got = await rig.load(again, [key])
+    assert result.ok and got[key] == newer
+    await again.close()
+
+
+async def test_a_torn_header_is_a_miss_and_a_torn_payload_fails_its_load(rig: Rig) -> None:
+    tier = slab_tier(rig)
+    await tier.open()
+    keys = rig.keys(3)
+    _result, stored = await rig.store(tier, keys)
+    room = slabfile.room_for(rig.block_bytes)
+    places = [tier._index[k].place for k in keys]
+    await tier.close()
+    fd = os.open(tier.slab_path, os.O_RDWR)
+    try:  # key 0: a byte of its header page; key 1: a byte of its payload
+        os.pwrite(fd, b"\xff", slabfile.slot_offset(places[0], room) + room + 40)
+        os.pwrite(fd, b"\xff\xfe", slabfile.slot_offset(places[1], room) + 17)
+    finally:
+        os.close(fd)
+    again = slab_tier(rig)
+    await again.open()
+    assert await again.lookup(keys, CTX) == [False, True, True]
+    result, got = await rig.load(again, keys[1:])
+    assert result.failed_keys == (keys[1],) and "checksum" in (result.error or "")
+    assert got[keys[2]] == stored[keys[2]]
+    assert await again.lookup(keys, CTX) == [False, False, True]
+    await again.close()
+
+
+async def test_removed_blocks_stay_gone_after_a_restart(rig: Rig) -> None:
+    tier = slab_tier(rig)
+    await tier.open()
+    keys = rig.keys(4)
+    await rig.store(tier, keys)
+    await tier.remove(keys[:2])
+    await tier.close()
+    again = slab_tier(rig)
+    await again.open()
+    assert await again.lookup(keys, CTX) == [False, False, True, True]
+    await again.close()
+
+
+async def test_a_shrunk_capacity_evicts_the_slots_past_the_new_end(rig: Rig) -> None:
+    tier = slab_tier(rig, slots=16)
+    await tier.open()
+    keys = rig.keys(16)
+    _result, stored = await rig.store(tier, keys)
+    places = {k: tier._index[k].place for k in keys}
+    await tier.close()
+    small = slab_tier(rig, slots=6)
+    await small.open()
+    assert small.recovery is not None
+    kept = [k for k in keys if places[k] < 6]
+    assert sorted(small._index) == sorted(kept) and len(kept) == 6
+    assert small.recovery.evicted_over_capacity == 10
+    assert small.slab_path.stat().st_size == slabfile.file_bytes(6, slabfile.room_for(4096))
+    result, got = await rig.load(small, kept)
+    assert result.ok and all(got[k] == stored[k] for k in kept)
+    await small.close()
+
+
+async def test_a_slab_of_another_block_size_is_started_anew(tmp_path: Path, make_rig: Any) -> None:
+    rig = make_rig(tmp_path / "nvme", block_bytes=4096)
+    tier = slab_tier(rig)
+    await tier.open()
+    await rig.store(tier, rig.keys(4))
+    await tier.close()
+    other = make_rig(tmp_path / "nvme", block_bytes=8192)  # same namespace, new geometry
+    again = slab_tier(other)
+    await again.open()
+    assert len(again) == 0
+    keys = other.keys(2)
+    _result, stored = await other.store(again, keys)
+    result, got = await other.load(again, keys)
+    assert result.ok and got == stored
+    await again.close()
+
+
+# -- slots and readers -------------------------------------------------------------------
+
+
+async def test_a_slot_removed_under_a_reader_is_reused_only_after_the_read(rig: Rig) -> None:
+    tier = slab_tier(rig, slots=4)
+    await tier.open()
+    [key] = rig.keys(1)
+    await rig.store(tier, [key])
+    place = tier._index[key].place
+    tier._pins[key] = 1  # a load of it in flight
+    await tier.remove([key])
+    assert place not in tier._free
+    assert tier.room().free_blocks == 3  # the held-back slot is not offered
+    others = rig.keys(3)
+    result, _ = await rig.store(tier, others)
+    assert result.ok and place not in {tier._index[k].place for k in others}
+    tier._unpin([key])
+    assert tier._free == [place] and tier.room().free_blocks == 1
+    await tier.close()
+
+
+async def test_a_full_slab_rewrites_the_slots_its_evictions_free(rig: Rig) -> None:
+    tier = slab_tier(rig, slots=8)
+    await tier.open()
+    first = rig.keys(8)
+    await rig.store(tier, first)
+    places = {tier._index[k].place for k in first}
+    second = rig.keys(8)
+    result, stored = await rig.store(tier, second)
+    assert result.ok
+    assert {tier._index[k].place for k in second} == places
+    assert tier.used_bytes == 8 * slabfile.slot_bytes(rig.block_bytes)
+    assert tier.slab_path.stat().st_size == slabfile.file_bytes(8, 4096)
+    loaded, got = await rig.load(tier, second)
+    assert loaded.ok and got == stored
+    await tier.close()
+
+
+async def test_a_stale_load_refreshes_the_recency_a_restart_sees(rig: Rig) -> None:
+    tier = slab_tier(rig)
+    await tier.open()
+    keys = rig.keys(3)
+    await rig.store(tier, keys)
+    tier._index[keys[0]].touched_ns = 0  # stale: this load rewrites its sequence
+    result, _ = await rig.load(tier, keys[:1])
+    assert result.ok
+    await tier.close()
+    again = slab_tier(rig)
+    await again.open()
+    assert list(again._index) == [keys[1], keys[2], keys[0]]
+    await again.close()
+
+
+async def test_a_vanished_directory_is_made_anew_with_an_empty_slab(rig: Rig) -> None:
+    import shutil
+
+    tier = slab_tier(rig, slots=8)
+    await tier.open()
+    keys = rig.keys(4)
+    await rig.store(tier, keys)
+    shutil.rmtree(tier.directory)
+    assert await tier.lookup(keys, CTX) == [False] * 4
+    assert len(tier._free) == 8
+    more = rig.keys(8)
+    result, stored = await rig.store(tier, more)
+    assert result.ok, result.error
+    loaded, got = await rig.load(tier, more)
+    assert loaded.ok and got == stored
+    await tier.close()
+
+
+async def test_a_long_key_fails_its_store_and_the_rest_are_stored(rig: Rig) -> None:
+    tier = slab_tier(rig)
+    await tier.open()
+    keys = [rig.keys(1)[0], b"L" * 5000, rig.keys(1)[0]]
+    result, stored = await rig.store(tier, keys)
+    assert result.failed_keys == (keys[1],)
+    assert "layout: files" in (result.error or "")
+    assert len(tier._free) == 62  # the refused key's slot went back
+    loaded, got = await rig.load(tier, [keys[0], keys[2]])
+    assert loaded.ok and got[keys[0]] == stored[keys[0]]
+    await tier.close()
+
+
+async def test_slab_stripes_each_keep_their_own_slab(tmp_path: Path, rig: Rig) -> None:
+    config = NvmeTierConfig(
+        type="nvme",
+        paths=[tmp_path / "a", tmp_path / "b"],
+        capacity=32 * slabfile.slot_bytes(4096),
+        layout="slab",
+        io_engine=rig.io_engine,
+    )
+    tier = NvmeTier(config, rig.view)
+    await tier.open()
+    keys = rig.keys(12)
+    _result, stored = await rig.store(tier, keys)  # type: ignore[arg-type]
+    result, got = await rig.load(tier, keys)  # type: ignore[arg-type]
+    assert result.ok and got == stored
+    assert all(
+        len(list(p.rglob(slabfile.SLAB_NAME))) == 1 for p in (tmp_path / "a", tmp_path / "b")
+    )
+    await tier.close()
+
+
+# -- a writer killed mid-batch -----------------------------------------------------------
+
+KILL_BLOCK = 16 << 10
+KILL_JOB = 64
+KILL_SLOTS = 200
+
+
+def kill_key(i: int) -> bytes:
+    """Key `i` of the writer: a hash, then `i` (so the checker knows the writer made it)."""
+    return hashlib.blake2b(i.to_bytes(8, "big"), digest_size=12).digest() + i.to_bytes(8, "big")
+
+
+def kill_payload(key: bytes) -> bytes:
+    return random.Random(key).randbytes(KILL_BLOCK)
+
+
+SLAB_WRITER = """
+import sys
+from pathlib import Path
+
+import anyio
+from tierkv_nvme import NvmeTier, NvmeTierConfig, slabfile
+
+from tierkv.contract.jobs import JobMetadata, ReqContext
+from tierkv.contract.slab import PrimaryView
+
+
+async def main(path: str, first: int) -> None:
+    view = PrimaryView(bytearray(KILL_JOB * KILL_BLOCK), KILL_BLOCK, "slab-kill")
+    config = NvmeTierConfig(
+        type="nvme", path=Path(path), layout="slab", io_engine="native", fsync="never",
+        capacity=KILL_SLOTS * slabfile.slot_bytes(KILL_BLOCK),
+    )
+    tier = NvmeTier(config, view)
+    await tier.open()
+    i, job = first, 0
+    while True:  # until killed
+        keys = [kill_key(j) for j in range(i, i + KILL_JOB)]
+        for slot, key in enumerate(keys):
+            view.block(slot)[:] = kill_payload(key)
+        job += 1
+        result = await tier.store(JobMetadata(job, tuple(keys), tuple(range(KILL_JOB))))
+        if not result.ok:
+            sys.exit(f"store failed: {result.error}")
+        if job == 1:
+            print("started", flush=True)
+        i += KILL_JOB
+
+
+anyio.run(main, sys.argv[1], int(sys.argv[2]))
+"""
+
+
+def kill_writer(path: Path, first: int, delay: float, log: Path) -> None:
+    source = "\n\n".join(
+        textwrap.dedent(__import__("inspect").getsource(f)) for f in (kill_key, kill_payload)
+    )
+    head = (
+        "import hashlib\nimport random\n\n"
+        f"KILL_BLOCK, KILL_JOB, KILL_SLOTS = {KILL_BLOCK}, {KILL_JOB}, {KILL_SLOTS}\n\n"
+    )
+    with log.open("w") as errors:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", head + source + SLAB_WRITER, str(path), str(first)],
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+        )
+        try:
+            assert proc.stdout is not None
+            ready, _, _ = select.select([proc.stdout], [], [], 120)
+            line = proc.stdout.readline() if ready else ""
+            assert line.strip() == "started", f"writer did not start: {log.read_text()}"
+            time.sleep(delay)
+            assert proc.poll() is None, f"writer exited early: {log.read_text()}"
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL
+
+
+async def test_a_slab_writer_killed_mid_batch_leaves_only_whole_blocks(
+    tmp_path: Path, native_core: None
+) -> None:
+    """A writer process storing 16 KiB blocks in jobs of 64 into a slab of 200 slots
+    (native, fsync never, eviction rewriting slots) is SIGKILLed at a random moment,
+    three times on the same directory. Each time the reopened tier holds only the
+    writer's blocks, each loads byte-identical to what was stored under its key or
+    fails its checksum (a slot torn by the kill: a miss, never wrong bytes), it uses
+    no more than its slots, and the file is exactly its slots' size."""
+    path = tmp_path / "nvme"
+    rng = random.Random()
+    view = PrimaryView(bytearray(KILL_JOB * KILL_BLOCK), KILL_BLOCK, "slab-kill")
+    job_ids = iter(range(1, 10**6))
+    for round_, (low, high) in enumerate(((0.0, 0.1), (0.1, 0.3), (0.3, 0.6))):
+        kill_writer(path, round_ * 10**7, rng.uniform(low, high), tmp_path / "log")
+        config = NvmeTierConfig(
+            type="nvme", path=path, layout="slab", io_engine="native", fsync="never",
+            capacity=KILL_SLOTS * slabfile.slot_bytes(KILL_BLOCK),
+        )  # fmt: skip
+        tier = NvmeTier(config, view)
+        assert isinstance(tier, SlabNvmeTier)
+        await tier.open()
+        try:
+            held = list(tier._index)
+            assert held, "the writer's first job was stored whole before the kill"
+            assert len(held) <= KILL_SLOTS
+            assert tier.slab_path.stat().st_size == slabfile.file_bytes(
+                KILL_SLOTS, slabfile.room_for(KILL_BLOCK)
+            )
+            for key in held:
+                assert key == kill_key(int.from_bytes(key[12:], "big")), key.hex()
+            for first in range(0, len(held), KILL_JOB):
+                keys = held[first : first + KILL_JOB]
+                slots = tuple(range(len(keys)))
+                for slot in slots:
+                    view.block(slot)[:] = bytes(KILL_BLOCK)
+                result = await tier.load(JobMetadata(next(job_ids), tuple(keys), slots))
+                assert len(result.failed_keys) <= 2 * 2, result.error  # torn: 2 threads
+                for key, slot in zip(keys, slots):
+                    if key not in result.failed_keys:
+                        assert bytes(view.block(slot)) == kill_payload(key), key.hex()
+        finally:
+            await tier.close()

@@ -1,0 +1,340 @@
+"""`nvme` with `layout: slab`: blocks in the fixed slots of one file per namespace.
+
+The tier is `NvmeTier` in every other respect (index, LRU, pins, claims, chunks,
+quotas, the directory's lock and privacy, a directory removed under it); only where a
+block lies differs: a slot of `slabfile.SLAB_NAME`, written in place, instead of a file
+named by its key. The format, and why it is crash safe, are in `slabfile`.
+
+What the slots change:
+
+- Capacity is a slot count, `capacity // slot_bytes` (a slot is the block rounded up
+  to pages plus a header page), and each block's footprint is one slot. The file is
+  sized to its slots at `open` (sparse: pages are allocated by the first write of a
+  slot; a disk that fills fails those writes, per block, as for files).
+- A store takes a free slot (most recently freed first, so a full tier rewrites the
+  slots its evictions just freed); an evicted block's slot is free at once (it is never
+  one being read: eviction passes over pinned keys), and is overwritten by the write
+  that made the room. A removed block's header is invalidated first, so it does not
+  come back after a restart; a slot freed while a load still reads its block is held
+  back until that load ends, so no write lands under a reader.
+- Loads refresh recency across restarts by rewriting the slot's header page with a new
+  sequence (as often as the file layout's mtime refresh: `blockfile.TOUCH_AFTER_NS`).
+  The rebuild orders blocks by sequence and keeps the newest copy of a key.
+- The compiled core moves a chunk in one call (`native.slab_write`/`slab_read`) when
+  the primary has one geometry (`PrimaryView.lanes`) and every key is at most 100
+  bytes; else the Python path (`slabfile.write_slots`/`read_slots`), which also signs
+  (`mac_key_env`). Either writes the same bytes.
+- A key longer than a slot's header page holds (about 4 KiB) fails its store with a
+  message naming `layout: files`.
+- Shrinking `capacity` evicts the blocks of the slots past the new end at `open`
+  (`RecoveryReport.evicted_over_capacity`) and truncates the file; a slab written for
+  another block size or namespace (or torn in its first page) is started anew, logged.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from array import array
+from collections.abc import Sequence
+from pathlib import Path
+
+from tierkv.contract.units import format_size
+from tierkv.tier import Lane, OffloadKey, PrimaryView, TierConfig, in_thread
+from tierkv_nvme import native, slabfile
+from tierkv_nvme.recovery import ScanResult
+from tierkv_nvme.tier import NvmeTier, _Entry
+
+logger = logging.getLogger(__name__)
+
+
+class _SlabScan(ScanResult):
+    """A scan of the slab: the slots found (`blocks` stays empty)."""
+
+    def __init__(self, slots: list[slabfile.FoundSlot], bad: int) -> None:
+        super().__init__()
+        self.slots = slots
+        self.bad = bad
+
+
+class _Places(list[int]):
+    """The slots a chunk's writes go to, and their sequences (taken on the event
+    loop, so that blocks stored in one order are sealed in that order)."""
+
+    seqs = array("Q")
+
+
+class SlabNvmeTier(NvmeTier):
+    """Blocks in the slots of `<path>/<namespace>/slots.kvslab`, LRU-evicted past
+    `capacity // slot_bytes` slots."""
+
+    def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
+        super().__init__(config, primary)
+        self._room = slabfile.room_for(primary.block_bytes)
+        self._slot_bytes = self._room + slabfile.PAGE
+        self._places = int(self.config.capacity) // self._slot_bytes
+        self._slab_fd = -1
+        self._retired_slabs: list[int] = []
+        self._free: list[int] = []  # free slots, taken from the end
+        self._held_back: dict[OffloadKey, list[int]] = {}
+        """Slots freed while their key was still pinned by a load: free once unpinned."""
+        self._seqs = itertools.count(1)
+        """Write (and refresh) sequences: `next` is one step under the GIL, so worker
+        threads take them without a lock."""
+        self._over: list[OffloadKey] = []  # blocks past the slots `capacity` allows (open)
+
+    @property
+    def slab_path(self) -> Path:
+        """The file that holds this tier's slots."""
+        return self.directory / slabfile.SLAB_NAME
+
+    @property
+    def slots(self) -> int:
+        """Slots the slab has (`capacity // slot_bytes`)."""
+        return self._places
+
+    def path_of(self, key: OffloadKey) -> Path:
+        """The file that holds `key` (the slab: every block's)."""
+        return self.slab_path
+
+    def footprint(self, key: OffloadKey) -> int:
+        """One slot, whatever the key."""
+        return self._slot_bytes
+
+    def describe(self) -> dict[str, object]:
+        return {**super().describe(), "slots": self._places, "slot_bytes": self._slot_bytes}
+
+    # -- life cycle ---------------------------------------------------------------
+    def _batch_lanes(self) -> tuple[Lane, ...] | None:
+        """The slab calls need no `openat2`: one descriptor, kept open."""
+        return self.primary.lanes if self._io_engine == "native" else None
+
+    def _take_directory(self) -> int:
+        fs_block = super()._take_directory()
+        try:
+            self._slab_fd = self._open_slab()
+        except BaseException:  # give back what was just taken (not the retired ones)
+            assert self._lock_fd is not None
+            os.close(self._lock_fd)
+            self._dirs.close()
+            os.close(self._root_fd)
+            self._lock_fd, self._root_fd = None, -1
+            raise
+        return fs_block
+
+    def _open_slab(self) -> int:
+        """Open (or create) the slab below the namespace directory, without following a
+        link; start it anew when its superblock is not this tier's (logged)."""
+        fd = os.open(
+            slabfile.SLAB_NAME,
+            os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+            0o600,
+            dir_fd=self._root_fd,
+        )
+        try:
+            tag = self.framer.namespace_tag
+            block = self.primary.block_bytes
+            want = slabfile.superblock(block, self._room, tag)
+            page = os.pread(fd, slabfile.PAGE, 0)
+            problem = slabfile.superblock_problem(page, block, self._room, tag)
+            if problem:
+                if page:
+                    logger.warning(
+                        "nvme tier: %s is started anew (its %s of slots dropped): %s",
+                        self.slab_path,
+                        format_size(os.fstat(fd).st_size),
+                        problem,
+                    )
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, want, 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _release_lock(self) -> None:
+        for fd in (self._slab_fd, *self._retired_slabs):
+            if fd >= 0:
+                os.close(fd)
+        self._slab_fd = -1
+        self._retired_slabs.clear()
+        super()._release_lock()
+
+    async def _retake(self) -> None:
+        """The directory vanished: the slab went with it (its descriptor is retired,
+        as the directory's are: a worker thread may still use it)."""
+        if self._slab_fd >= 0:
+            self._retired_slabs.append(self._slab_fd)
+            self._slab_fd = -1
+        self._held_back.clear()
+        self._free = []
+        try:
+            await super()._retake()
+        finally:
+            if self._slab_fd >= 0:
+                await in_thread(self._size_slab)
+            self._free = list(range(self._places - 1, -1, -1))
+
+    async def _scan(self) -> ScanResult:
+        slots, bad = await in_thread(
+            slabfile.scan, self._slab_fd, self._room, self.framer, self.primary.block_bytes
+        )
+        return _SlabScan(slots, bad)
+
+    def _rebuild(self, scan: ScanResult) -> None:
+        """Index the slots found, oldest sequence first (the LRU end); of a key found
+        twice the newest copy; blocks of slots past the slab's new end are evicted
+        (`_enforce_capacity`)."""
+        assert isinstance(scan, _SlabScan)
+        self._index.clear()
+        self._used = 0
+        self._over = []
+        newest: dict[OffloadKey, slabfile.FoundSlot] = {}
+        for found in scan.slots:
+            held = newest.get(found.key)
+            if held is None or found.seq > held.seq:
+                newest[found.key] = found
+        dropped = len(scan.slots) - len(newest)
+        taken: set[int] = set()
+        now = time.time_ns()  # a load refreshes a slot's sequence only once it is stale
+        for found in sorted(newest.values(), key=lambda f: f.seq):
+            if found.place >= self._places:
+                self._over.append(found.key)
+                continue
+            self._index[found.key] = _Entry(self._slot_bytes, now, found.place)
+            self._used += self._slot_bytes
+            taken.add(found.place)
+        self._free = [p for p in range(self._places - 1, -1, -1) if p not in taken]
+        self._seqs = itertools.count(max((f.seq for f in scan.slots), default=0) + 1)
+        if scan.bad or dropped:
+            logger.warning(
+                "nvme tier: %s: %d slots with a bad frame header and %d older copies of "
+                "blocks stored again later are free",
+                self.slab_path,
+                scan.bad,
+                dropped,
+            )
+
+    async def _enforce_capacity(self) -> int:
+        """Size the slab to its slots (a shrunk `capacity` cuts the slots past the new
+        end: their blocks are evicted)."""
+        await in_thread(self._size_slab)
+        over, self._over = self._over, []
+        if over:
+            self.report_removed(over)
+        return len(over)
+
+    def _size_slab(self) -> None:
+        os.ftruncate(self._slab_fd, slabfile.file_bytes(self._places, self._room))
+
+    # -- slots --------------------------------------------------------------------
+    def _take_places(self, count: int) -> Sequence[int] | None:
+        """`count` free slots: room was made by the caller (a slot per footprint), so
+        they are there; the ones held back for readers are counted as reserved."""
+        free = self._free
+        taken = _Places(reversed(free[-count:] if count else []))
+        del free[len(free) - count :]
+        if len(taken) < count:  # cannot happen while the byte counts hold: say so loudly
+            raise RuntimeError(f"slab of {self._places} slots: {count} wanted, {len(taken)} free")
+        taken.seqs = array("Q", itertools.islice(self._seqs, count))
+        return taken
+
+    def _give_back(self, place: int, generation: int) -> None:
+        if generation == self._generation:  # else a slot of a slab now gone
+            self._free.append(place)
+
+    def _evicted(self, entry: _Entry) -> None:
+        self._free.append(entry.place)
+
+    def _dropped(self, entries: Sequence[tuple[OffloadKey, _Entry]]) -> None:
+        pins = self._pins
+        for key, entry in entries:
+            if pins.get(key):  # a load still reads it: free when it ends
+                self._held_back.setdefault(key, []).append(entry.place)
+                self._reserved += self._slot_bytes
+            else:
+                self._free.append(entry.place)
+
+    def _unpin(self, keys: Sequence[OffloadKey]) -> None:
+        super()._unpin(keys)
+        held = self._held_back
+        if held:
+            for key in keys:
+                if key in held and not self._pins.get(key):
+                    places = held.pop(key)
+                    self._free.extend(places)
+                    self._reserved -= self._slot_bytes * len(places)
+
+    # -- the medium ---------------------------------------------------------------
+    def _write_files(
+        self,
+        keys: list[OffloadKey],
+        slots: list[int],
+        victims: list[OffloadKey],
+        places: Sequence[int] | None,
+    ) -> list[Exception | None]:
+        """Worker thread: write keys[i] from slots[i] into slab slot places[i] (the
+        victims' slots are among them: nothing to delete)."""
+        assert isinstance(places, _Places)
+        fsync = self.config.fsync == "always"
+        seqs = places.seqs
+        lanes = self._lanes
+        if lanes is not None and native.batch_keys(keys):
+            return native.slab_write(
+                self._slab_fd,
+                keys,
+                slots,
+                self.primary,
+                lanes,
+                self.framer,
+                array("Q", places).tobytes(),
+                seqs.tobytes(),
+                self._room,
+                self._places,
+                fsync=fsync,
+                threads=self._core_threads(len(keys)),
+            )
+        payload = self.primary.payload
+        items = [(p, k, payload(s), q) for p, k, s, q in zip(places, keys, slots, seqs)]
+        return slabfile.write_slots(self._slab_fd, items, self._room, self.framer, fsync=fsync)
+
+    def _read_files(
+        self,
+        keys: list[OffloadKey],
+        slots: list[int],
+        touch: bytes,
+        entries: Sequence[tuple[OffloadKey, _Entry]],
+    ) -> list[Exception | None]:
+        """Worker thread: read keys[i] from its slot into slots[i]; a slot whose
+        touch[i] is set gets a new sequence (its recency after a restart)."""
+        places = [entry.place for _key, entry in entries]
+        seqs = array("Q", bytes(8 * len(keys)))
+        if any(touch):
+            for i, flag in enumerate(touch):
+                if flag:
+                    seqs[i] = next(self._seqs)
+        lanes = self._lanes
+        if lanes is not None and native.batch_keys(keys):
+            return native.slab_read(
+                self._slab_fd,
+                keys,
+                slots,
+                self.primary,
+                lanes,
+                self.framer,
+                array("Q", places).tobytes(),
+                seqs.tobytes() if any(touch) else b"",
+                self._room,
+                self._places,
+                threads=self._core_threads(len(keys)),
+            )
+        payload = self.primary.payload
+        items = [(p, k, payload(s), q) for p, k, s, q in zip(places, keys, slots, seqs)]
+        return slabfile.read_slots(self._slab_fd, items, self._room, self.framer)
+
+    def _delete_blocks(self, entries: list[tuple[OffloadKey, _Entry]]) -> None:
+        """Worker thread: invalidate the slots' headers (the blocks stay gone after a
+        restart); the slots are freed by `_dropped` once this returns."""
+        slabfile.invalidate(self._slab_fd, [entry.place for _key, entry in entries], self._room)

@@ -1,0 +1,296 @@
+"""The slab layout's file: blocks in fixed slots of one file per namespace.
+
+Why: a file per block costs an inode, a name and a page allocation to create and as
+much to delete, on every store of a full tier; measured on the dev VM that is most of
+a small block's store time (`benchmarks/nvme_layouts.py`, `benchmarks/README.md`). A
+slot is written in place with one `pwritev` and read with one `preadv`, through a
+descriptor the tier keeps open.
+
+`SLAB_NAME` in the namespace directory:
+
+    superblock (PAGE bytes): magic "TKVSLABS" | version u32 | 0 u32 | block bytes u64
+        | room u64 | namespace hash u64 | xxh3_64 of the 40 bytes before it | zeros
+    slot p at PAGE + p * (room + PAGE), for p = 0, 1, ...:
+        payload (block bytes) | zeros to `room` (block bytes rounded up to PAGE)
+        | header page: check u64 | magic "TKVSLOT1" | seq u64 | frame length u32 | 0 u32
+                       | frame header | zeros to PAGE
+
+The frame header is the file layout's (`tierkv.contract.framing`, with its MAC when the
+tier signs), byte for byte; the compiled core writes the same slots
+(`_batchio.c`: `slab_write`, `slab_read`). `check` is the xxh3_64 of the header page
+from its 8th byte to the frame header's end; `seq` orders writes (and loads that
+refresh a slot), so the rebuild knows which copy of a key is newest and the LRU order.
+
+Crash safety comes from the checksums, not from write order: a slot torn by a crash
+(some pages new, some old) fails its header's check or its payload's checksum, so it
+reads as a miss, never as wrong bytes. The one mix that passes is all old: the
+evicted block that lay there, whole, which may come back after a restart as a correct
+block. Removed blocks have their header's check zeroed (`invalidate`), so a block a
+user removed does not come back.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from tierkv.contract.framing import Framer, payload_length
+from tierkv.tier import CorruptBlock, OffloadKey, detached
+from tierkv_nvme.blockfile import Slot
+
+SLAB_NAME = "slots.kvslab"
+PAGE = 4096
+SLAB_VERSION = 1
+_SUPER = struct.Struct("<8sIIQQQ")
+_SUPER_MAGIC = b"TKVSLABS"
+_SLOT = struct.Struct("<Q8sQII")  # check, magic, seq, frame length, 0
+SLOT_HEAD_BYTES = _SLOT.size
+_SLOT_MAGIC = b"TKVSLOT1"
+MAX_FRAME_HEADER = PAGE - SLOT_HEAD_BYTES
+"""The longest frame header a slot holds: keys up to ~4 KiB (less a MAC's 40 bytes)."""
+_ZEROS = bytes(PAGE)
+
+
+def room_for(block_bytes: int) -> int:
+    """Payload bytes of a slot: the block rounded up to whole pages, so that every
+    slot's payload and header page start on a page."""
+    return -(-block_bytes // PAGE) * PAGE
+
+
+def slot_bytes(block_bytes: int) -> int:
+    """Bytes one slot takes in the file: its payload room and its header page."""
+    return room_for(block_bytes) + PAGE
+
+
+def slot_offset(place: int, room: int) -> int:
+    """Where slot `place` starts in the file."""
+    return PAGE + place * (room + PAGE)
+
+
+def file_bytes(places: int, room: int) -> int:
+    """The slab's size with `places` slots."""
+    return slot_offset(places, room)
+
+
+# -- the superblock ------------------------------------------------------------------
+def superblock(block_bytes: int, room: int, namespace_tag: int) -> bytes:
+    """The first page of a slab for blocks of `block_bytes` in slots of `room`."""
+    fields = _SUPER.pack(_SUPER_MAGIC, SLAB_VERSION, 0, block_bytes, room, namespace_tag)
+    return (fields + struct.pack("<Q", xxhash.xxh3_64_intdigest(fields))).ljust(PAGE, b"\0")
+
+
+def superblock_problem(page: bytes, block_bytes: int, room: int, namespace_tag: int) -> str:
+    """Why `page` is not the superblock of this tier's slab ("" when it is)."""
+    if len(page) < _SUPER.size + 8:
+        return "the file is shorter than its superblock"
+    magic, version, _zero, blocks, slots, tag = _SUPER.unpack_from(page)
+    (check,) = struct.unpack_from("<Q", page, _SUPER.size)
+    if magic != _SUPER_MAGIC or check != xxhash.xxh3_64_intdigest(page[: _SUPER.size]):
+        return "its superblock is not a tierkv slab's"
+    if version != SLAB_VERSION:
+        return f"slab format version {version} (this tierkv reads {SLAB_VERSION})"
+    if tag != namespace_tag:
+        return "it belongs to another namespace"
+    if (blocks, slots) != (block_bytes, room):
+        return f"its slots hold blocks of {blocks} bytes, this tier's are {block_bytes}"
+    return ""
+
+
+# -- a slot's header page ---------------------------------------------------------------
+def seal(frame_header: bytes, seq: int) -> bytes:
+    """The header page of a slot holding a frame with `frame_header`, written `seq`."""
+    if len(frame_header) > MAX_FRAME_HEADER:
+        raise ValueError(
+            f"a key of {len(frame_header) - 34} bytes does not fit a slab slot's header "
+            f"(frame header {len(frame_header)} of at most {MAX_FRAME_HEADER} bytes); "
+            "use `layout: files` for such keys"
+        )
+    body = _SLOT.pack(0, _SLOT_MAGIC, seq, len(frame_header), 0)[8:] + frame_header
+    check = struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+    return (check + body).ljust(PAGE, b"\0")
+
+
+def unseal(page: bytes | bytearray | memoryview) -> tuple[int, bytes] | None:
+    """(seq, frame header) of a whole slot header page; None for a slot never written,
+    freed (`invalidate`), or torn."""
+    check, magic, seq, frame_len, zero = _SLOT.unpack_from(page)
+    if magic != _SLOT_MAGIC or zero or not 34 <= frame_len <= MAX_FRAME_HEADER:
+        return None
+    end = SLOT_HEAD_BYTES + frame_len
+    if xxhash.xxh3_64_intdigest(bytes(page[8:end])) != check:
+        return None
+    return seq, bytes(page[SLOT_HEAD_BYTES:end])
+
+
+# -- the Python path: one block at a time ------------------------------------------------
+def _parts(payload: Slot) -> list[memoryview]:
+    return [memoryview(p) for p in (payload if isinstance(payload, tuple) else (payload,))]
+
+
+def _pwrite_all(fd: int, parts: list[memoryview], offset: int) -> None:
+    while parts:
+        put = os.pwritev(fd, parts, offset)
+        if put <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        offset += put
+        while parts and put >= len(parts[0]):
+            put -= len(parts[0])
+            parts.pop(0)
+        if put:
+            parts[0] = parts[0][put:]
+
+
+def write_slot(
+    fd: int, place: int, room: int, key: OffloadKey, payload: Slot, framer: Framer, seq: int
+) -> None:
+    """Write one block into slot `place` (payload, zeros, header page): one `pwritev`."""
+    page = seal(framer.encode_header(key, payload), seq)
+    gap = room - payload_length(payload)
+    parts = [*_parts(payload), memoryview(_ZEROS)[:gap], memoryview(page)]
+    _pwrite_all(fd, [p for p in parts if len(p)], slot_offset(place, room))
+
+
+def read_slot(
+    fd: int, place: int, room: int, key: OffloadKey, dest: Slot, framer: Framer, touch: int
+) -> None:
+    """Read slot `place` into `dest` and check it (its header's check, then the frame
+    as a file's is checked: key, length, checksum, MAC); `touch`: non-zero to rewrite
+    its header page with that sequence once read. CorruptBlock when it fails."""
+    regions = _parts(dest)
+    page = bytearray(PAGE)
+    gap = room - sum(map(len, regions))
+    parts = [*regions, memoryview(bytearray(gap)), memoryview(page)]
+    got = os.preadv(fd, [p for p in parts if len(p)], slot_offset(place, room))
+    if got < room + PAGE:
+        raise CorruptBlock("slab slot was never written (past the slab's end)")
+    sealed = unseal(page)
+    if sealed is None:
+        raise CorruptBlock(
+            "slab slot holds no whole block (never written, torn by a crash, or freed)"
+        )
+    _seq, frame_header = sealed
+    framer.check_frame(frame_header, key, dest)
+    if touch:
+        os.pwrite(fd, seal(frame_header, touch), slot_offset(place, room) + room)
+
+
+def write_slots(
+    fd: int,
+    items: Sequence[tuple[int, OffloadKey, Slot, int]],
+    room: int,
+    framer: Framer,
+    *,
+    fsync: bool,
+) -> list[Exception | None]:
+    """`write_slot` for each (place, key, payload, seq), one `fdatasync` after all
+    when `fsync` (its failure fails every block); one outcome each (None: written)."""
+    outcomes: list[Exception | None] = []
+    for place, key, payload, seq in items:
+        try:
+            write_slot(fd, place, room, key, payload, framer, seq)
+        except Exception as exc:  # reported per key by the caller
+            outcomes.append(detached(exc))
+        else:
+            outcomes.append(None)
+    if fsync and any(outcome is None for outcome in outcomes):
+        try:
+            os.fdatasync(fd)
+        except OSError as exc:
+            outcomes = [outcome or detached(exc) for outcome in outcomes]
+    return outcomes
+
+
+def read_slots(
+    fd: int, items: Sequence[tuple[int, OffloadKey, Slot, int]], room: int, framer: Framer
+) -> list[Exception | None]:
+    """`read_slot` for each (place, key, dest, touch seq); one outcome each."""
+    outcomes: list[Exception | None] = []
+    for place, key, dest, touch in items:
+        try:
+            read_slot(fd, place, room, key, dest, framer, touch)
+        except Exception as exc:  # reported per key by the caller
+            outcomes.append(detached(exc))
+        else:
+            outcomes.append(None)
+    return outcomes
+
+
+def invalidate(fd: int, places: Sequence[int], room: int) -> None:
+    """Zero the check and magic of each slot's header page: its block is gone for good
+    (not back after a restart). One 16-byte write each."""
+    for place in places:
+        os.pwrite(fd, _ZEROS[:16], slot_offset(place, room) + room)
+
+
+# -- the rebuild ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class FoundSlot:
+    """A slot whose header passed the scan's checks."""
+
+    place: int
+    seq: int
+    key: OffloadKey
+
+
+def scan(fd: int, room: int, framer: Framer, block_bytes: int) -> tuple[list[FoundSlot], int]:
+    """Every slot of the slab whose header page is whole and names a block of this
+    namespace and size: (found, slots with a header that failed a frame check). Reads
+    one page per slot; holes (slots never written) are skipped with SEEK_DATA."""
+    size = os.fstat(fd).st_size
+    places = max(0, (size - PAGE) // (room + PAGE))
+    found: list[FoundSlot] = []
+    bad = 0
+    place = 0
+    while place < places:
+        head = slot_offset(place, room) + room
+        page = os.pread(fd, PAGE, head)
+        sealed = unseal(page) if len(page) == PAGE else None
+        if sealed is None:
+            if not any(page[:SLOT_HEAD_BYTES]):  # never written: skip the hole after it
+                try:
+                    data = os.lseek(fd, head + PAGE, os.SEEK_DATA)
+                except OSError:  # ENXIO: no data past here
+                    break
+                place = max(place + 1, (data - PAGE) // (room + PAGE))
+                continue
+            place += 1
+            continue
+        seq, frame_header = sealed
+        try:
+            header = framer.parse_header(frame_header)
+        except CorruptBlock:
+            bad += 1
+        else:
+            if header.payload_length == block_bytes and header.size == len(frame_header):
+                found.append(FoundSlot(place, seq, header.key))
+            else:
+                bad += 1
+        place += 1
+    return found, bad
+
+
+__all__ = [
+    "MAX_FRAME_HEADER",
+    "PAGE",
+    "SLAB_NAME",
+    "FoundSlot",
+    "file_bytes",
+    "invalidate",
+    "read_slot",
+    "read_slots",
+    "room_for",
+    "scan",
+    "seal",
+    "slot_bytes",
+    "slot_offset",
+    "superblock",
+    "superblock_problem",
+    "unseal",
+    "write_slot",
+    "write_slots",
+]
