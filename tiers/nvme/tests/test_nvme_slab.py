@@ -37,6 +37,30 @@ CTX = ReqContext(request_id="nvme-slab")
 Rig = Any  # the conftest's Rig (the `rig` and `make_rig` fixtures)
 
 
+def slab_bytes(tier: SlabNvmeTier) -> list[bytes]:
+    return [path.read_bytes() for path in tier.slab_paths]
+
+
+def slab_sizes(tier: SlabNvmeTier) -> list[int]:
+    return [path.stat().st_size for path in tier.slab_paths]
+
+
+def sized(slots: int, block_bytes: int) -> list[int]:
+    """What the slab files' sizes must be with `slots` slots."""
+    room = slabfile.room_for(block_bytes)
+    return [slabfile.file_bytes(slots, i, room) for i in range(slabfile.SLAB_FILES)]
+
+
+def poke(tier: SlabNvmeTier, place: int, at: int, data: bytes) -> None:
+    """Write `data` at byte `at` of slot `place` (0: its payload's first byte)."""
+    index, offset = slabfile.locate(place, slabfile.room_for(tier.primary.block_bytes))
+    fd = os.open(tier.slab_paths[index], os.O_RDWR)
+    try:
+        os.pwrite(fd, data, offset + at)
+    finally:
+        os.close(fd)
+
+
 def slab_tier(rig: Rig, slots: int = 64, **fields: Any) -> SlabNvmeTier:
     tier = rig.tier(capacity=slots * slabfile.slot_bytes(rig.block_bytes), layout="slab", **fields)
     assert isinstance(tier, SlabNvmeTier)
@@ -85,7 +109,7 @@ async def test_both_engines_write_the_same_slab_bytes(
         assert result.ok, result.error
         assert tier.describe()["batch_calls"] == (engine == "native")
         await tier.close()
-        files[engine] = tier.slab_path.read_bytes()
+        files[engine] = slab_bytes(tier)
     assert files["python"] == files["native"]
     for engine, other in (("python", "native"), ("native", "python")):
         rig = make_rig(tmp_path / other, block_bytes=block_bytes, io_engine=engine)
@@ -124,22 +148,26 @@ def test_python_and_core_slots_are_identical_for_any_block_key_and_seq(
     key = rng.randbytes(key_bytes)
     view = PrimaryView(bytearray(rng.randbytes(2 * block_bytes)), block_bytes, "prop")
     room = slabfile.room_for(block_bytes)
+    place = slabfile.SLAB_FILES + 1  # file 1, its second slot
     made = []
     for name in ("py", "c"):
-        fd = os.open(where / name, os.O_RDWR | os.O_CREAT, 0o600)
+        paths = [where / f"{name}{i}" for i in range(slabfile.SLAB_FILES)]
+        fds = tuple(os.open(p, os.O_RDWR | os.O_CREAT, 0o600) for p in paths)
         try:
             if name == "py":
-                slabfile.write_slot(fd, 1, room, key, view.block(1), framer, seq)
+                slabfile.write_slot(fds, place, room, key, view.block(1), framer, seq)
             else:
                 codes = native.slab_write(
-                    fd, [key], [1], view, view.lanes or (), framer,
-                    (1).to_bytes(8, "little"), seq.to_bytes(8, "little"), room, 2, fsync=False,
+                    fds, [key], [1], view, view.lanes or (), framer,
+                    place.to_bytes(8, "little"), seq.to_bytes(8, "little"), room, 64,
+                    fsync=False,
                 )  # fmt: skip
                 assert codes == [None]
         finally:
-            os.close(fd)
-        made.append((where / name).read_bytes())
-    assert made[0] == made[1]
+            for fd in fds:
+                os.close(fd)
+        made.append([p.read_bytes() for p in paths])
+    assert made[0] == made[1] and made[0][1] and not made[0][0]
 
 
 # -- the rebuild -------------------------------------------------------------------------
@@ -168,11 +196,13 @@ async def test_the_newest_copy_of_a_key_wins_and_the_older_slot_is_free(rig: Rig
     first = tier._index[key].place
     await tier.close()
     newer = rig.rng.randbytes(rig.block_bytes)  # as a crash between a rewrite and a free
-    fd = os.open(tier.slab_path, os.O_RDWR)
+    fds = [os.open(p, os.O_RDWR) for p in tier.slab_paths]
     try:
-        slabfile.write_slot(fd, 5, slabfile.room_for(rig.block_bytes), key, newer, tier.framer, 99)
+        room = slabfile.room_for(rig.block_bytes)
+        slabfile.write_slot(fds, 5, room, key, newer, tier.framer, 99)
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
     again = slab_tier(rig, slots=8)
     await again.open()
     assert again._index[key].place == 5 and first != 5
@@ -190,12 +220,8 @@ async def test_a_torn_header_is_a_miss_and_a_torn_payload_fails_its_load(rig: Ri
     room = slabfile.room_for(rig.block_bytes)
     places = [tier._index[k].place for k in keys]
     await tier.close()
-    fd = os.open(tier.slab_path, os.O_RDWR)
-    try:  # key 0: a byte of its header page; key 1: a byte of its payload
-        os.pwrite(fd, b"\xff", slabfile.slot_offset(places[0], room) + room + 40)
-        os.pwrite(fd, b"\xff\xfe", slabfile.slot_offset(places[1], room) + 17)
-    finally:
-        os.close(fd)
+    poke(tier, places[0], room + 40, b"\xff")  # key 0: a byte of its header page
+    poke(tier, places[1], 17, b"\xff\xfe")  # key 1: bytes of its payload
     again = slab_tier(rig)
     await again.open()
     assert await again.lookup(keys, CTX) == [False, True, True]
@@ -232,7 +258,7 @@ async def test_a_shrunk_capacity_evicts_the_slots_past_the_new_end(rig: Rig) -> 
     kept = [k for k in keys if places[k] < 6]
     assert sorted(small._index) == sorted(kept) and len(kept) == 6
     assert small.recovery.evicted_over_capacity == 10
-    assert small.slab_path.stat().st_size == slabfile.file_bytes(6, slabfile.room_for(4096))
+    assert slab_sizes(small) == sized(6, 4096)
     result, got = await rig.load(small, kept)
     assert result.ok and all(got[k] == stored[k] for k in kept)
     await small.close()
@@ -287,7 +313,7 @@ async def test_a_full_slab_rewrites_the_slots_its_evictions_free(rig: Rig) -> No
     assert result.ok
     assert {tier._index[k].place for k in second} == places
     assert tier.used_bytes == 8 * slabfile.slot_bytes(rig.block_bytes)
-    assert tier.slab_path.stat().st_size == slabfile.file_bytes(8, 4096)
+    assert slab_sizes(tier) == sized(8, 4096)
     loaded, got = await rig.load(tier, second)
     assert loaded.ok and got == stored
     await tier.close()
@@ -353,9 +379,8 @@ async def test_slab_stripes_each_keep_their_own_slab(tmp_path: Path, rig: Rig) -
     _result, stored = await rig.store(tier, keys)  # type: ignore[arg-type]
     result, got = await rig.load(tier, keys)  # type: ignore[arg-type]
     assert result.ok and got == stored
-    assert all(
-        len(list(p.rglob(slabfile.SLAB_NAME))) == 1 for p in (tmp_path / "a", tmp_path / "b")
-    )
+    for drive in (tmp_path / "a", tmp_path / "b"):
+        assert len(list(drive.rglob("*.kvslab"))) == slabfile.SLAB_FILES
     await tier.close()
 
 
@@ -471,9 +496,7 @@ async def test_a_slab_writer_killed_mid_batch_leaves_only_whole_blocks(
             held = list(tier._index)
             assert held, "the writer's first job was stored whole before the kill"
             assert len(held) <= KILL_SLOTS
-            assert tier.slab_path.stat().st_size == slabfile.file_bytes(
-                KILL_SLOTS, slabfile.room_for(KILL_BLOCK)
-            )
+            assert slab_sizes(tier) == sized(KILL_SLOTS, KILL_BLOCK)
             for key in held:
                 assert key == kill_key(int.from_bytes(key[12:], "big")), key.hex()
             for first in range(0, len(held), KILL_JOB):

@@ -48,27 +48,24 @@ class TestSlabTierConformance(TierConformanceSuite):
     async def corrupt(self, tier: SecondaryTierManager, key: OffloadKey) -> None:
         """Flip the last payload byte of the key's slot."""
         assert isinstance(tier, SlabNvmeTier)
-        place = tier._index[key].place
-        at = slabfile.slot_offset(place, slabfile.room_for(tier.primary.block_bytes))
-        at += tier.primary.block_bytes - 1
-        fd = os.open(tier.slab_path, os.O_RDWR)
+        block = tier.primary.block_bytes
+        index, at = slabfile.locate(tier._index[key].place, slabfile.room_for(block))
+        fd = os.open(tier.slab_paths[index], os.O_RDWR)
         try:
-            last = os.pread(fd, 1, at)[0]
-            os.pwrite(fd, bytes([last ^ 0xFF]), at)
+            last = os.pread(fd, 1, at + block - 1)[0]
+            os.pwrite(fd, bytes([last ^ 0xFF]), at + block - 1)
         finally:
             os.close(fd)
 
     async def plant(self, tier: SecondaryTierManager, key: OffloadKey, frame: bytes) -> None:
         """Put `frame` (header + payload) in the slot that holds `key`."""
         assert isinstance(tier, SlabNvmeTier)
-        place = tier._index[key].place
         room = slabfile.room_for(tier.primary.block_bytes)
+        index, at = slabfile.locate(tier._index[key].place, room)
         size = header_length(frame)
-        fd = os.open(tier.slab_path, os.O_RDWR)
+        fd = os.open(tier.slab_paths[index], os.O_RDWR)
         try:
-            os.pwrite(fd, frame[size:], slabfile.slot_offset(place, room))
-            os.pwrite(
-                fd, slabfile.seal(frame[:size], 1 << 40), slabfile.slot_offset(place, room) + room
-            )
+            os.pwrite(fd, frame[size:], at)
+            os.pwrite(fd, slabfile.seal(frame[:size], 1 << 40), at + room)
         finally:
             os.close(fd)

@@ -98,7 +98,8 @@ typedef struct {
     unsigned char *head;   /* header: built (writes) or read (reads); head_bytes long */
     long code;             /* outcome */
     ssize_t got;           /* reads: bytes the file gave (for CORRUPT_SHORT/LONG) */
-    off_t offset;          /* slab calls: where the block's slot starts in the slab */
+    int fd;                /* slab calls: the slab file of the block's slot */
+    off_t offset;          /* slab calls: where the block's slot starts in it */
     uint64_t seq;          /* slab calls: the slot's write sequence (reads: 0, or touch) */
 } Item;
 
@@ -109,7 +110,6 @@ typedef struct {
     uint64_t ns_hash;
     int fsync;
     size_t group;          /* reads: blocks per group, PREFETCH_BLOCKS at most */
-    int fd;                /* slab calls: the slab file */
     size_t room;           /* slab calls: payload bytes of a slot (a PAGE multiple) */
 } Batch;
 
@@ -850,7 +850,7 @@ PyDoc_STRVAR(write_blocks_doc,
 /* Write the parsed batch on `threads` threads (GIL released): one outcome per block. */
 static PyObject *run_writes(Held *held, size_t n, unsigned long long ns_hash, int fsync,
                             int threads) {
-    Batch batch = {held->items, n, 0, ns_hash, fsync, 1, -1, 0};
+    Batch batch = {held->items, n, 0, ns_hash, fsync, 1, 0};
     threads = clamp_threads(threads, batch.n);
     Py_BEGIN_ALLOW_THREADS
     run_threads(write_worker, &batch, threads);
@@ -917,7 +917,7 @@ static PyObject *outcomes_of(Held *held, size_t n);
 
 /* Read the parsed batch on `threads` threads (GIL released): (codes, details). */
 static PyObject *run_reads(Held *held, size_t n, unsigned long long ns_hash, int threads) {
-    Batch batch = {held->items, n, 0, ns_hash, 0, 1, -1, 0};
+    Batch batch = {held->items, n, 0, ns_hash, 0, 1, 0};
     /* groups of PREFETCH_BLOCKS, smaller when that gives each thread one */
     threads = clamp_threads(threads, batch.n);
     size_t share = (batch.n + (size_t)threads - 1) / (size_t)threads;
@@ -1000,8 +1000,9 @@ static PyObject *py_read_batch(PyObject *self, PyObject *args) {
 
 /* -- slab calls: blocks in fixed slots of one preallocated file ------------------------- */
 
-/* A slab (slabfile.py, the format's description) is a superblock page, then slot after
- * slot of `room + PAGE` bytes: the payload from the slot's start (page aligned), zeros
+/* A slab file (slabfile.py, the format's description) is a superblock page, then slot
+ * after slot of `room + PAGE` bytes; slot `place` of the tier is slot place / files of
+ * file place % files (`slabfile.locate`). A slot is the payload from the slot's start (page aligned), zeros
  * to `room`, then the slot's header page:
  *     check u64 | magic "TKVSLOT1" | seq u64 | frame length u32 | 0 u32 | frame header
  * where the frame header is the file frame's (`build_header`, byte for byte) and check
@@ -1067,7 +1068,7 @@ static long slab_write_one(const Batch *batch, Item *item, unsigned char *page) 
     struct iovec *iov = slot_iov(batch, item, (unsigned char *)zero_page, page, local, &n);
     if (iov == NULL)
         return -ENOMEM;
-    err = write_all_at(batch->fd, iov, n, item->offset);
+    err = write_all_at(item->fd, iov, n, item->offset);
     if (iov != local)
         free(iov);
     return err;
@@ -1082,7 +1083,7 @@ static long slab_read_one(const Batch *batch, Item *item, unsigned char *page, u
     struct iovec *iov = slot_iov(batch, item, pad, page, local, &n);
     if (iov == NULL)
         return -ENOMEM;
-    ssize_t got = read_all(batch->fd, iov, n, item->offset, 0);
+    ssize_t got = read_all(item->fd, iov, n, item->offset, 0);
     if (iov != local)
         free(iov);
     if (got < 0)
@@ -1099,7 +1100,7 @@ static long slab_read_one(const Batch *batch, Item *item, unsigned char *page, u
     long code = check_frame(batch, item);
     if (code == 0 && item->seq) {
         seal_slot(page, item->seq, frame_len);
-        (void)!pwrite(batch->fd, page, PAGE, item->offset + (off_t)batch->room);
+        (void)!pwrite(item->fd, page, PAGE, item->offset + (off_t)batch->room);
     }
     return code;
 }
@@ -1129,10 +1130,28 @@ static void *slab_read_worker(void *arg) {
     return slab_worker(arg, 1);
 }
 
-/* Parse a slab call's places and sequences (bytes of u64, one per key) into the items.
- * room: a positive PAGE multiple that holds the payload. With the GIL held. */
-static int parse_slab(Held *held, Py_ssize_t n, Py_buffer *places, Py_buffer *seqs,
-                      Py_ssize_t room, Py_ssize_t num_places) {
+#define MAX_SLAB_FILES 256
+
+/* The slab files' descriptors from a tuple of ints into fds[]; their count, or -1. */
+static int parse_fds(PyObject *tuple, int *fds) {
+    Py_ssize_t k = PyTuple_GET_SIZE(tuple);
+    if (k < 1 || k > MAX_SLAB_FILES) {
+        PyErr_Format(PyExc_ValueError, "fds: 1 to %d slab file descriptors", MAX_SLAB_FILES);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < k; i++) {
+        fds[i] = (int)PyLong_AsLong(PyTuple_GET_ITEM(tuple, i));
+        if (fds[i] == -1 && PyErr_Occurred())
+            return -1;
+    }
+    return (int)k;
+}
+
+/* Parse a slab call's places and sequences (bytes of u64, one per key) into the items:
+ * each block's file and offset (`slabfile.locate`). room: a positive PAGE multiple that
+ * holds the payload. With the GIL held. */
+static int parse_slab(Held *held, Py_ssize_t n, const int *fds, int nfds, Py_buffer *places,
+                      Py_buffer *seqs, Py_ssize_t room, Py_ssize_t num_places) {
     if (places->len != n * 8 || (seqs->buf != NULL && seqs->len != n * 8)) {
         PyErr_SetString(PyExc_ValueError, "places and seqs: 8 bytes (u64) per key");
         return -1;
@@ -1149,44 +1168,52 @@ static int parse_slab(Held *held, Py_ssize_t n, Py_buffer *places, Py_buffer *se
             return -1;
         }
         Item *item = &held->items[i];
-        item->offset = (off_t)(PAGE + place * (uint64_t)(room + PAGE));
+        item->fd = fds[place % (uint64_t)nfds];
+        item->offset = (off_t)(PAGE + (place / (uint64_t)nfds) * (uint64_t)(room + PAGE));
         item->seq = seqs->buf ? get_le((const unsigned char *)seqs->buf + 8 * i, 8) : 0;
     }
     return 0;
 }
 
 PyDoc_STRVAR(slab_write_doc,
-"slab_write(fd, keys, lanes, slots, num_blocks, places, seqs, room, num_places, ns_hash,\n"
+"slab_write(fds, keys, lanes, slots, num_blocks, places, seqs, room, num_places, ns_hash,\n"
 "           fsync, threads) -> list[int]\n\n"
 "Each keys[i] (bytes of 1 to 100) from slot slots[i] of `lanes` (as write_batch's) into\n"
-"slab slot places[i] of file fd (places, seqs: bytes, a little-endian u64 per key), the\n"
-"slot's header sealed with seqs[i]; room: payload bytes of a slot (a PAGE multiple).\n"
-"With fsync, one fdatasync after the whole batch (its failure fails every block).\n"
+"slab slot places[i] (slot places[i] // len(fds) of file fds[places[i] % len(fds)];\n"
+"places, seqs: bytes, a little-endian u64 per key), the slot's header sealed with\n"
+"seqs[i]; room: payload bytes of a slot (a PAGE multiple). With fsync, one fdatasync\n"
+"per file written after the whole batch (its failure fails that file's blocks).\n"
 "One outcome per block: 0 or -errno.");
 
 static PyObject *py_slab_write(PyObject *self, PyObject *args) {
-    int fd, fsync, threads;
-    PyObject *keys, *lanes, *slots;
+    int fsync, threads, fds[MAX_SLAB_FILES], nfds;
+    PyObject *files, *keys, *lanes, *slots;
     Py_buffer places = {0}, seqs = {0};
     Py_ssize_t num_blocks, room, num_places;
     unsigned long long ns_hash;
-    if (!PyArg_ParseTuple(args, "iO!O!O!ny*y*nnKpi", &fd, &PyList_Type, &keys, &PyTuple_Type,
-                          &lanes, &PyList_Type, &slots, &num_blocks, &places, &seqs, &room,
-                          &num_places, &ns_hash, &fsync, &threads))
+    if (!PyArg_ParseTuple(args, "O!O!O!O!ny*y*nnKpi", &PyTuple_Type, &files, &PyList_Type, &keys,
+                          &PyTuple_Type, &lanes, &PyList_Type, &slots, &num_blocks, &places,
+                          &seqs, &room, &num_places, &ns_hash, &fsync, &threads))
         return NULL;
     Held held = {0};
     PyObject *result = NULL;
     Py_ssize_t n = PyList_GET_SIZE(keys);
-    if (parse_batch(&held, fd, keys, lanes, slots, num_blocks, Py_None, 0, 0) == 0 &&
-        parse_slab(&held, n, &places, &seqs, room, num_places) == 0) {
-        Batch batch = {held.items, (size_t)n, 0, ns_hash, fsync, 1, fd, (size_t)room};
+    if ((nfds = parse_fds(files, fds)) > 0 &&
+        parse_batch(&held, -1, keys, lanes, slots, num_blocks, Py_None, 0, 0) == 0 &&
+        parse_slab(&held, n, fds, nfds, &places, &seqs, room, num_places) == 0) {
+        Batch batch = {held.items, (size_t)n, 0, ns_hash, fsync, 1, (size_t)room};
         threads = clamp_threads(threads, batch.n);
         Py_BEGIN_ALLOW_THREADS
         run_threads(slab_write_worker, &batch, threads);
-        if (fsync && batch.n && fdatasync(fd) != 0) {
+        for (int f = 0; fsync && f < nfds; f++) { /* each file a block was written to */
+            size_t i = 0;
+            while (i < batch.n && (held.items[i].fd != fds[f] || held.items[i].code))
+                i++;
+            if (i == batch.n || fdatasync(fds[f]) == 0)
+                continue;
             long err = -errno;
-            for (size_t i = 0; i < batch.n; i++)
-                if (held.items[i].code == 0)
+            for (i = 0; i < batch.n; i++)
+                if (held.items[i].fd == fds[f] && held.items[i].code == 0)
                     held.items[i].code = err;
         }
         Py_END_ALLOW_THREADS
@@ -1206,22 +1233,22 @@ static PyObject *py_slab_write(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(slab_read_doc,
-"slab_read(fd, keys, lanes, slots, num_blocks, places, seqs, room, num_places, ns_hash,\n"
+"slab_read(fds, keys, lanes, slots, num_blocks, places, seqs, room, num_places, ns_hash,\n"
 "          threads) -> (list[int], dict[int, tuple[int, bytes]])\n\n"
-"Each keys[i] from slab slot places[i] of file fd into slot slots[i] of `lanes`, checked\n"
+"Each keys[i] from slab slot places[i] (as slab_write's) into slot slots[i] of `lanes`, checked\n"
 "(the slot's header, then the frame as read_batch checks it); seqs: b'' or a u64 per\n"
 "key, non-zero to rewrite the slot's header with that sequence once read (a touch).\n"
 "Outcomes as read_batch's, CORRUPT_SLOT for a slot whose own header fails.");
 
 static PyObject *py_slab_read(PyObject *self, PyObject *args) {
-    int fd, threads;
-    PyObject *keys, *lanes, *slots;
+    int threads, fds[MAX_SLAB_FILES], nfds;
+    PyObject *files, *keys, *lanes, *slots;
     Py_buffer places = {0}, seqs = {0};
     Py_ssize_t num_blocks, room, num_places;
     unsigned long long ns_hash;
-    if (!PyArg_ParseTuple(args, "iO!O!O!ny*y*nnKi", &fd, &PyList_Type, &keys, &PyTuple_Type,
-                          &lanes, &PyList_Type, &slots, &num_blocks, &places, &seqs, &room,
-                          &num_places, &ns_hash, &threads))
+    if (!PyArg_ParseTuple(args, "O!O!O!O!ny*y*nnKi", &PyTuple_Type, &files, &PyList_Type, &keys,
+                          &PyTuple_Type, &lanes, &PyList_Type, &slots, &num_blocks, &places,
+                          &seqs, &room, &num_places, &ns_hash, &threads))
         return NULL;
     if (seqs.len == 0) {
         PyBuffer_Release(&seqs);
@@ -1230,9 +1257,10 @@ static PyObject *py_slab_read(PyObject *self, PyObject *args) {
     Held held = {0};
     PyObject *result = NULL;
     Py_ssize_t n = PyList_GET_SIZE(keys);
-    if (parse_batch(&held, fd, keys, lanes, slots, num_blocks, Py_None, 1, 0) == 0 &&
-        parse_slab(&held, n, &places, &seqs, room, num_places) == 0) {
-        Batch batch = {held.items, (size_t)n, 0, ns_hash, 0, 1, fd, (size_t)room};
+    if ((nfds = parse_fds(files, fds)) > 0 &&
+        parse_batch(&held, -1, keys, lanes, slots, num_blocks, Py_None, 1, 0) == 0 &&
+        parse_slab(&held, n, fds, nfds, &places, &seqs, room, num_places) == 0) {
+        Batch batch = {held.items, (size_t)n, 0, ns_hash, 0, 1, (size_t)room};
         threads = clamp_threads(threads, batch.n);
         Py_BEGIN_ALLOW_THREADS
         run_threads(slab_read_worker, &batch, threads);
@@ -1368,7 +1396,7 @@ static PyObject *py_encode_header(PyObject *self, PyObject *args) {
     Held held = {0};
     PyObject *result = NULL;
     if (parse_items(one, &held, 0) == 0) {
-        Batch batch = {held.items, 1, 0, ns_hash, 0, 1, -1, 0};
+        Batch batch = {held.items, 1, 0, ns_hash, 0, 1, 0};
         int err = build_header(&batch, &held.items[0]);
         if (err)
             PyErr_SetFromErrno(PyExc_OSError);

@@ -272,7 +272,7 @@ def read_batch(
 
 
 def slab_write(
-    fd: int,
+    fds: tuple[int, ...],
     keys: list[bytes],
     slots: list[int],
     primary: PrimaryView,
@@ -287,15 +287,16 @@ def slab_write(
     threads: int | None = None,
 ) -> list[Exception | None]:
     """`slabfile.write_slots` for `keys[i]` from `slots[i]` of `primary` (geometry
-    `lanes`) into slab slot `places[i]` sealed with `seqs[i]` (both bytes of
-    little-endian u64s), in one call of the core: no Python per block. One
-    `fdatasync` after the batch when `fsync`. Keys must pass `batch_keys`."""
+    `lanes`) into slab slot `places[i]` of the files `fds` sealed with `seqs[i]` (both
+    bytes of little-endian u64s), in one call of the core: no Python per block. One
+    `fdatasync` per file written after the batch when `fsync`. Keys must pass
+    `batch_keys`."""
     if framer.mac:
         raise ValueError("frames with a MAC are written by slabfile.write_slots")
     core = _core_or_raise()
     wanted = default_threads(len(keys)) if threads is None else threads
     codes = core.slab_write(
-        fd, keys, lanes, slots, primary.num_blocks, places, seqs, room, num_places,
+        fds, keys, lanes, slots, primary.num_blocks, places, seqs, room, num_places,
         framer.namespace_tag, fsync, wanted,
     )  # fmt: skip
     if not any(codes):
@@ -304,7 +305,7 @@ def slab_write(
 
 
 def slab_read(
-    fd: int,
+    fds: tuple[int, ...],
     keys: list[bytes],
     slots: list[int],
     primary: PrimaryView,
@@ -325,7 +326,7 @@ def slab_read(
     core = _core_or_raise()
     wanted = default_threads(len(keys)) if threads is None else threads
     codes, details = core.slab_read(
-        fd, keys, lanes, slots, primary.num_blocks, places, seqs, room, num_places,
+        fds, keys, lanes, slots, primary.num_blocks, places, seqs, room, num_places,
         framer.namespace_tag, wanted,
     )  # fmt: skip
     if not any(codes):

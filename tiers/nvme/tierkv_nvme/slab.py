@@ -1,15 +1,17 @@
-"""`nvme` with `layout: slab`: blocks in the fixed slots of one file per namespace.
+"""`nvme` with `layout: slab`: blocks in the fixed slots of a few files per namespace.
 
 The tier is `NvmeTier` in every other respect (index, LRU, pins, claims, chunks,
 quotas, the directory's lock and privacy, a directory removed under it); only where a
-block lies differs: a slot of `slabfile.SLAB_NAME`, written in place, instead of a file
-named by its key. The format, and why it is crash safe, are in `slabfile`.
+block lies differs: a slot of the slab files (`slabfile.SLAB_FILES` of them, slots
+dealt round-robin so that concurrent writes take different files' locks), written in
+place, instead of a file named by its key. The format, and why it is crash safe, are
+in `slabfile`.
 
 What the slots change:
 
 - Capacity is a slot count, `capacity // slot_bytes` (a slot is the block rounded up
-  to pages plus a header page), and each block's footprint is one slot. The file is
-  sized to its slots at `open` (sparse: pages are allocated by the first write of a
+  to pages plus a header page), and each block's footprint is one slot. The files are
+  sized to their slots at `open` (sparse: pages are allocated by the first write of a
   slot; a disk that fills fails those writes, per block, as for files).
 - A store takes a free slot (most recently freed first, so a full tier rewrites the
   slots its evictions just freed); an evicted block's slot is free at once (it is never
@@ -27,8 +29,9 @@ What the slots change:
 - A key longer than a slot's header page holds (about 4 KiB) fails its store with a
   message naming `layout: files`.
 - Shrinking `capacity` evicts the blocks of the slots past the new end at `open`
-  (`RecoveryReport.evicted_over_capacity`) and truncates the file; a slab written for
-  another block size or namespace (or torn in its first page) is started anew, logged.
+  (`RecoveryReport.evicted_over_capacity`) and truncates the files; a slab file written
+  for another block size or namespace (or torn in its first page) is started anew,
+  logged.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ class SlabNvmeTier(NvmeTier):
         self._room = slabfile.room_for(primary.block_bytes)
         self._slot_bytes = self._room + slabfile.PAGE
         self._places = int(self.config.capacity) // self._slot_bytes
-        self._slab_fd = -1
+        self._slab_fds: tuple[int, ...] = ()
         self._retired_slabs: list[int] = []
         self._free: list[int] = []  # free slots, taken from the end
         self._held_back: dict[OffloadKey, list[int]] = {}
@@ -86,9 +89,9 @@ class SlabNvmeTier(NvmeTier):
         self._over: list[OffloadKey] = []  # blocks past the slots `capacity` allows (open)
 
     @property
-    def slab_path(self) -> Path:
-        """The file that holds this tier's slots."""
-        return self.directory / slabfile.SLAB_NAME
+    def slab_paths(self) -> list[Path]:
+        """The files that hold this tier's slots."""
+        return [self.directory / slabfile.slab_name(i) for i in range(slabfile.SLAB_FILES)]
 
     @property
     def slots(self) -> int:
@@ -96,8 +99,10 @@ class SlabNvmeTier(NvmeTier):
         return self._places
 
     def path_of(self, key: OffloadKey) -> Path:
-        """The file that holds `key` (the slab: every block's)."""
-        return self.slab_path
+        """The slab file that holds `key`'s slot (the first when it is not held)."""
+        entry = self._index.get(key)
+        index = slabfile.locate(entry.place, self._room)[0] if entry is not None else 0
+        return self.directory / slabfile.slab_name(index)
 
     def footprint(self, key: OffloadKey) -> int:
         """One slot, whatever the key."""
@@ -106,6 +111,12 @@ class SlabNvmeTier(NvmeTier):
     def describe(self) -> dict[str, object]:
         return {**super().describe(), "slots": self._places, "slot_bytes": self._slot_bytes}
 
+    def chunk_size(self, pairs: int, verb: str) -> int:
+        """Stores in chunks as large as loads': a slot's write creates no file for
+        other threads to overlap, and `fsync: always` costs one `fdatasync` per file
+        and chunk, so fewer, larger calls are cheaper either way."""
+        return super().chunk_size(pairs, "load")
+
     # -- life cycle ---------------------------------------------------------------
     def _batch_lanes(self) -> tuple[Lane, ...] | None:
         """The slab calls need no `openat2`: one descriptor, kept open."""
@@ -113,22 +124,28 @@ class SlabNvmeTier(NvmeTier):
 
     def _take_directory(self) -> int:
         fs_block = super()._take_directory()
+        fds: list[int] = []
         try:
-            self._slab_fd = self._open_slab()
+            for index in range(slabfile.SLAB_FILES):
+                fds.append(self._open_slab(index))
         except BaseException:  # give back what was just taken (not the retired ones)
+            for fd in fds:
+                os.close(fd)
             assert self._lock_fd is not None
             os.close(self._lock_fd)
             self._dirs.close()
             os.close(self._root_fd)
             self._lock_fd, self._root_fd = None, -1
             raise
+        self._slab_fds = tuple(fds)
         return fs_block
 
-    def _open_slab(self) -> int:
-        """Open (or create) the slab below the namespace directory, without following a
-        link; start it anew when its superblock is not this tier's (logged)."""
+    def _open_slab(self, index: int) -> int:
+        """Open (or create) slab file `index` below the namespace directory, without
+        following a link; start it anew when its superblock is not this tier's
+        (logged)."""
         fd = os.open(
-            slabfile.SLAB_NAME,
+            slabfile.slab_name(index),
             os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
             0o600,
             dir_fd=self._root_fd,
@@ -136,14 +153,14 @@ class SlabNvmeTier(NvmeTier):
         try:
             tag = self.framer.namespace_tag
             block = self.primary.block_bytes
-            want = slabfile.superblock(block, self._room, tag)
+            want = slabfile.superblock(index, block, self._room, tag)
             page = os.pread(fd, slabfile.PAGE, 0)
-            problem = slabfile.superblock_problem(page, block, self._room, tag)
+            problem = slabfile.superblock_problem(page, index, block, self._room, tag)
             if problem:
                 if page:
                     logger.warning(
                         "nvme tier: %s is started anew (its %s of slots dropped): %s",
-                        self.slab_path,
+                        self.directory / slabfile.slab_name(index),
                         format_size(os.fstat(fd).st_size),
                         problem,
                     )
@@ -155,33 +172,35 @@ class SlabNvmeTier(NvmeTier):
         return fd
 
     def _release_lock(self) -> None:
-        for fd in (self._slab_fd, *self._retired_slabs):
-            if fd >= 0:
-                os.close(fd)
-        self._slab_fd = -1
+        for fd in (*self._slab_fds, *self._retired_slabs):
+            os.close(fd)
+        self._slab_fds = ()
         self._retired_slabs.clear()
         super()._release_lock()
 
     async def _retake(self) -> None:
         """The directory vanished: the slab went with it (its descriptor is retired,
         as the directory's are: a worker thread may still use it)."""
-        if self._slab_fd >= 0:
-            self._retired_slabs.append(self._slab_fd)
-            self._slab_fd = -1
+        self._retired_slabs.extend(self._slab_fds)
+        self._slab_fds = ()
         self._held_back.clear()
         self._free = []
         try:
             await super()._retake()
         finally:
-            if self._slab_fd >= 0:
+            if self._slab_fds:
                 await in_thread(self._size_slab)
             self._free = list(range(self._places - 1, -1, -1))
 
     async def _scan(self) -> ScanResult:
-        slots, bad = await in_thread(
-            slabfile.scan, self._slab_fd, self._room, self.framer, self.primary.block_bytes
-        )
-        return _SlabScan(slots, bad)
+        found = _SlabScan([], 0)
+        for index, fd in enumerate(self._slab_fds):
+            slots, bad = await in_thread(
+                slabfile.scan, fd, index, self._room, self.framer, self.primary.block_bytes
+            )
+            found.slots += slots
+            found.bad += bad
+        return found
 
     def _rebuild(self, scan: ScanResult) -> None:
         """Index the slots found, oldest sequence first (the LRU end); of a key found
@@ -212,7 +231,7 @@ class SlabNvmeTier(NvmeTier):
             logger.warning(
                 "nvme tier: %s: %d slots with a bad frame header and %d older copies of "
                 "blocks stored again later are free",
-                self.slab_path,
+                self.directory,
                 scan.bad,
                 dropped,
             )
@@ -227,7 +246,8 @@ class SlabNvmeTier(NvmeTier):
         return len(over)
 
     def _size_slab(self) -> None:
-        os.ftruncate(self._slab_fd, slabfile.file_bytes(self._places, self._room))
+        for index, fd in enumerate(self._slab_fds):
+            os.ftruncate(fd, slabfile.file_bytes(self._places, index, self._room))
 
     # -- slots --------------------------------------------------------------------
     def _take_places(self, count: int) -> Sequence[int] | None:
@@ -283,7 +303,7 @@ class SlabNvmeTier(NvmeTier):
         lanes = self._lanes
         if lanes is not None and native.batch_keys(keys):
             return native.slab_write(
-                self._slab_fd,
+                self._slab_fds,
                 keys,
                 slots,
                 self.primary,
@@ -298,7 +318,7 @@ class SlabNvmeTier(NvmeTier):
             )
         payload = self.primary.payload
         items = [(p, k, payload(s), q) for p, k, s, q in zip(places, keys, slots, seqs)]
-        return slabfile.write_slots(self._slab_fd, items, self._room, self.framer, fsync=fsync)
+        return slabfile.write_slots(self._slab_fds, items, self._room, self.framer, fsync=fsync)
 
     def _read_files(
         self,
@@ -318,7 +338,7 @@ class SlabNvmeTier(NvmeTier):
         lanes = self._lanes
         if lanes is not None and native.batch_keys(keys):
             return native.slab_read(
-                self._slab_fd,
+                self._slab_fds,
                 keys,
                 slots,
                 self.primary,
@@ -332,9 +352,10 @@ class SlabNvmeTier(NvmeTier):
             )
         payload = self.primary.payload
         items = [(p, k, payload(s), q) for p, k, s, q in zip(places, keys, slots, seqs)]
-        return slabfile.read_slots(self._slab_fd, items, self._room, self.framer)
+        return slabfile.read_slots(self._slab_fds, items, self._room, self.framer)
 
     def _delete_blocks(self, entries: list[tuple[OffloadKey, _Entry]]) -> None:
         """Worker thread: invalidate the slots' headers (the blocks stay gone after a
         restart); the slots are freed by `_dropped` once this returns."""
-        slabfile.invalidate(self._slab_fd, [entry.place for _key, entry in entries], self._room)
+        places = [entry.place for _key, entry in entries]
+        slabfile.invalidate(self._slab_fds, places, self._room)

@@ -1,4 +1,4 @@
-"""The slab layout's file: blocks in fixed slots of one file per namespace.
+"""The slab layout's files: blocks in fixed slots of SLAB_FILES files per namespace.
 
 Why: a file per block costs an inode, a name and a page allocation to create and as
 much to delete, on every store of a full tier; measured on the dev VM that is most of
@@ -6,14 +6,20 @@ a small block's store time (`benchmarks/nvme_layouts.py`, `benchmarks/README.md`
 slot is written in place with one `pwritev` and read with one `preadv`, through a
 descriptor the tier keeps open.
 
-`SLAB_NAME` in the namespace directory:
+`slab_name(f)` for f = 0 .. SLAB_FILES - 1 in the namespace directory, each:
 
-    superblock (PAGE bytes): magic "TKVSLABS" | version u32 | 0 u32 | block bytes u64
-        | room u64 | namespace hash u64 | xxh3_64 of the 40 bytes before it | zeros
-    slot p at PAGE + p * (room + PAGE), for p = 0, 1, ...:
+    superblock (PAGE bytes): magic "TKVSLABS" | version u16 | file index u16
+        | files u32 | block bytes u64 | room u64 | namespace hash u64
+        | xxh3_64 of the 40 bytes before it | zeros
+    its slots, one after another from PAGE, each `room + PAGE` bytes:
         payload (block bytes) | zeros to `room` (block bytes rounded up to PAGE)
         | header page: check u64 | magic "TKVSLOT1" | seq u64 | frame length u32 | 0 u32
                        | frame header | zeros to PAGE
+
+Slot `place` of the tier is slot `place // SLAB_FILES` of file `place % SLAB_FILES`
+(`locate`): consecutive places are in different files, because writes into one file
+take its inode's lock one at a time (Linux, buffered writes: measured on tmpfs, one
+file held a store of 1 MiB blocks to one core's copying).
 
 The frame header is the file layout's (`tierkv.contract.framing`, with its MAC when the
 tier signs), byte for byte; the compiled core writes the same slots
@@ -43,10 +49,10 @@ from tierkv.contract.framing import Framer, payload_length
 from tierkv.tier import CorruptBlock, OffloadKey, detached
 from tierkv_nvme.blockfile import Slot
 
-SLAB_NAME = "slots.kvslab"
+SLAB_FILES = 8
 PAGE = 4096
 SLAB_VERSION = 1
-_SUPER = struct.Struct("<8sIIQQQ")
+_SUPER = struct.Struct("<8sHHIQQQ")
 _SUPER_MAGIC = b"TKVSLABS"
 _SLOT = struct.Struct("<Q8sQII")  # check, magic, seq, frame length, 0
 SLOT_HEAD_BYTES = _SLOT.size
@@ -67,28 +73,44 @@ def slot_bytes(block_bytes: int) -> int:
     return room_for(block_bytes) + PAGE
 
 
-def slot_offset(place: int, room: int) -> int:
-    """Where slot `place` starts in the file."""
-    return PAGE + place * (room + PAGE)
+def slab_name(index: int) -> str:
+    """The name of slab file `index` in the namespace directory."""
+    return f"slots-{index:02d}.kvslab"
 
 
-def file_bytes(places: int, room: int) -> int:
-    """The slab's size with `places` slots."""
-    return slot_offset(places, room)
+def locate(place: int, room: int) -> tuple[int, int]:
+    """(file index, offset in it) where slot `place` starts."""
+    return place % SLAB_FILES, PAGE + (place // SLAB_FILES) * (room + PAGE)
+
+
+def file_slots(places: int, index: int) -> int:
+    """Slots file `index` holds when the tier has `places`."""
+    return len(range(index, places, SLAB_FILES))
+
+
+def file_bytes(places: int, index: int, room: int) -> int:
+    """The size of file `index` when the tier has `places` slots."""
+    return PAGE + file_slots(places, index) * (room + PAGE)
 
 
 # -- the superblock ------------------------------------------------------------------
-def superblock(block_bytes: int, room: int, namespace_tag: int) -> bytes:
-    """The first page of a slab for blocks of `block_bytes` in slots of `room`."""
-    fields = _SUPER.pack(_SUPER_MAGIC, SLAB_VERSION, 0, block_bytes, room, namespace_tag)
+def superblock(index: int, block_bytes: int, room: int, namespace_tag: int) -> bytes:
+    """The first page of slab file `index` for blocks of `block_bytes` in slots of
+    `room`."""
+    fields = _SUPER.pack(
+        _SUPER_MAGIC, SLAB_VERSION, index, SLAB_FILES, block_bytes, room, namespace_tag
+    )
     return (fields + struct.pack("<Q", xxhash.xxh3_64_intdigest(fields))).ljust(PAGE, b"\0")
 
 
-def superblock_problem(page: bytes, block_bytes: int, room: int, namespace_tag: int) -> str:
-    """Why `page` is not the superblock of this tier's slab ("" when it is)."""
+def superblock_problem(
+    page: bytes, index: int, block_bytes: int, room: int, namespace_tag: int
+) -> str:
+    """Why `page` is not the superblock of this tier's slab file `index` ("" when
+    it is)."""
     if len(page) < _SUPER.size + 8:
         return "the file is shorter than its superblock"
-    magic, version, _zero, blocks, slots, tag = _SUPER.unpack_from(page)
+    magic, version, at, files, blocks, slots, tag = _SUPER.unpack_from(page)
     (check,) = struct.unpack_from("<Q", page, _SUPER.size)
     if magic != _SUPER_MAGIC or check != xxhash.xxh3_64_intdigest(page[: _SUPER.size]):
         return "its superblock is not a tierkv slab's"
@@ -96,6 +118,8 @@ def superblock_problem(page: bytes, block_bytes: int, room: int, namespace_tag: 
         return f"slab format version {version} (this tierkv reads {SLAB_VERSION})"
     if tag != namespace_tag:
         return "it belongs to another namespace"
+    if (at, files) != (index, SLAB_FILES):
+        return f"it is file {at} of {files}, this tier's slabs are {SLAB_FILES} files"
     if (blocks, slots) != (block_bytes, room):
         return f"its slots hold blocks of {blocks} bytes, this tier's are {block_bytes}"
     return ""
@@ -146,17 +170,31 @@ def _pwrite_all(fd: int, parts: list[memoryview], offset: int) -> None:
 
 
 def write_slot(
-    fd: int, place: int, room: int, key: OffloadKey, payload: Slot, framer: Framer, seq: int
+    fds: Sequence[int],
+    place: int,
+    room: int,
+    key: OffloadKey,
+    payload: Slot,
+    framer: Framer,
+    seq: int,
 ) -> None:
-    """Write one block into slot `place` (payload, zeros, header page): one `pwritev`."""
+    """Write one block into slot `place` of the slab files `fds` (payload, zeros,
+    header page): one `pwritev`."""
     page = seal(framer.encode_header(key, payload), seq)
     gap = room - payload_length(payload)
     parts = [*_parts(payload), memoryview(_ZEROS)[:gap], memoryview(page)]
-    _pwrite_all(fd, [p for p in parts if len(p)], slot_offset(place, room))
+    index, offset = locate(place, room)
+    _pwrite_all(fds[index], [p for p in parts if len(p)], offset)
 
 
 def read_slot(
-    fd: int, place: int, room: int, key: OffloadKey, dest: Slot, framer: Framer, touch: int
+    fds: Sequence[int],
+    place: int,
+    room: int,
+    key: OffloadKey,
+    dest: Slot,
+    framer: Framer,
+    touch: int,
 ) -> None:
     """Read slot `place` into `dest` and check it (its header's check, then the frame
     as a file's is checked: key, length, checksum, MAC); `touch`: non-zero to rewrite
@@ -165,7 +203,9 @@ def read_slot(
     page = bytearray(PAGE)
     gap = room - sum(map(len, regions))
     parts = [*regions, memoryview(bytearray(gap)), memoryview(page)]
-    got = os.preadv(fd, [p for p in parts if len(p)], slot_offset(place, room))
+    index, offset = locate(place, room)
+    fd = fds[index]
+    got = os.preadv(fd, [p for p in parts if len(p)], offset)
     if got < room + PAGE:
         raise CorruptBlock("slab slot was never written (past the slab's end)")
     sealed = unseal(page)
@@ -176,11 +216,11 @@ def read_slot(
     _seq, frame_header = sealed
     framer.check_frame(frame_header, key, dest)
     if touch:
-        os.pwrite(fd, seal(frame_header, touch), slot_offset(place, room) + room)
+        os.pwrite(fd, seal(frame_header, touch), offset + room)
 
 
 def write_slots(
-    fd: int,
+    fds: Sequence[int],
     items: Sequence[tuple[int, OffloadKey, Slot, int]],
     room: int,
     framer: Framer,
@@ -192,27 +232,31 @@ def write_slots(
     outcomes: list[Exception | None] = []
     for place, key, payload, seq in items:
         try:
-            write_slot(fd, place, room, key, payload, framer, seq)
+            write_slot(fds, place, room, key, payload, framer, seq)
         except Exception as exc:  # reported per key by the caller
             outcomes.append(detached(exc))
         else:
             outcomes.append(None)
     if fsync and any(outcome is None for outcome in outcomes):
         try:
-            os.fdatasync(fd)
+            for index in sorted({place % SLAB_FILES for place, _k, _p, _s in items}):
+                os.fdatasync(fds[index])
         except OSError as exc:
             outcomes = [outcome or detached(exc) for outcome in outcomes]
     return outcomes
 
 
 def read_slots(
-    fd: int, items: Sequence[tuple[int, OffloadKey, Slot, int]], room: int, framer: Framer
+    fds: Sequence[int],
+    items: Sequence[tuple[int, OffloadKey, Slot, int]],
+    room: int,
+    framer: Framer,
 ) -> list[Exception | None]:
     """`read_slot` for each (place, key, dest, touch seq); one outcome each."""
     outcomes: list[Exception | None] = []
     for place, key, dest, touch in items:
         try:
-            read_slot(fd, place, room, key, dest, framer, touch)
+            read_slot(fds, place, room, key, dest, framer, touch)
         except Exception as exc:  # reported per key by the caller
             outcomes.append(detached(exc))
         else:
@@ -220,11 +264,12 @@ def read_slots(
     return outcomes
 
 
-def invalidate(fd: int, places: Sequence[int], room: int) -> None:
+def invalidate(fds: Sequence[int], places: Sequence[int], room: int) -> None:
     """Zero the check and magic of each slot's header page: its block is gone for good
     (not back after a restart). One 16-byte write each."""
     for place in places:
-        os.pwrite(fd, _ZEROS[:16], slot_offset(place, room) + room)
+        index, offset = locate(place, room)
+        os.pwrite(fds[index], _ZEROS[:16], offset + room)
 
 
 # -- the rebuild ----------------------------------------------------------------------
@@ -237,17 +282,19 @@ class FoundSlot:
     key: OffloadKey
 
 
-def scan(fd: int, room: int, framer: Framer, block_bytes: int) -> tuple[list[FoundSlot], int]:
-    """Every slot of the slab whose header page is whole and names a block of this
-    namespace and size: (found, slots with a header that failed a frame check). Reads
-    one page per slot; holes (slots never written) are skipped with SEEK_DATA."""
+def scan(
+    fd: int, index: int, room: int, framer: Framer, block_bytes: int
+) -> tuple[list[FoundSlot], int]:
+    """Every slot of slab file `index` whose header page is whole and names a block of
+    this namespace and size: (found, slots with a header that failed a frame check).
+    Reads one page per slot; holes (slots never written) are skipped with SEEK_DATA."""
     size = os.fstat(fd).st_size
-    places = max(0, (size - PAGE) // (room + PAGE))
+    slots = max(0, (size - PAGE) // (room + PAGE))
     found: list[FoundSlot] = []
     bad = 0
-    place = 0
-    while place < places:
-        head = slot_offset(place, room) + room
+    slot = 0
+    while slot < slots:
+        head = PAGE + slot * (room + PAGE) + room
         page = os.pread(fd, PAGE, head)
         sealed = unseal(page) if len(page) == PAGE else None
         if sealed is None:
@@ -256,9 +303,9 @@ def scan(fd: int, room: int, framer: Framer, block_bytes: int) -> tuple[list[Fou
                     data = os.lseek(fd, head + PAGE, os.SEEK_DATA)
                 except OSError:  # ENXIO: no data past here
                     break
-                place = max(place + 1, (data - PAGE) // (room + PAGE))
+                slot = max(slot + 1, (data - PAGE) // (room + PAGE))
                 continue
-            place += 1
+            slot += 1
             continue
         seq, frame_header = sealed
         try:
@@ -267,27 +314,29 @@ def scan(fd: int, room: int, framer: Framer, block_bytes: int) -> tuple[list[Fou
             bad += 1
         else:
             if header.payload_length == block_bytes and header.size == len(frame_header):
-                found.append(FoundSlot(place, seq, header.key))
+                found.append(FoundSlot(slot * SLAB_FILES + index, seq, header.key))
             else:
                 bad += 1
-        place += 1
+        slot += 1
     return found, bad
 
 
 __all__ = [
     "MAX_FRAME_HEADER",
     "PAGE",
-    "SLAB_NAME",
+    "SLAB_FILES",
     "FoundSlot",
     "file_bytes",
+    "file_slots",
     "invalidate",
+    "locate",
     "read_slot",
     "read_slots",
     "room_for",
     "scan",
     "seal",
+    "slab_name",
     "slot_bytes",
-    "slot_offset",
     "superblock",
     "superblock_problem",
     "unseal",
