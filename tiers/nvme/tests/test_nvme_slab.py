@@ -511,3 +511,31 @@ async def test_a_slab_writer_killed_mid_batch_leaves_only_whole_blocks(
                         assert bytes(view.block(slot)) == kill_payload(key), key.hex()
         finally:
             await tier.close()
+
+
+# -- from the file layout ----------------------------------------------------------------
+
+
+async def test_a_directory_of_block_files_keeps_its_blocks_as_slots(rig: Rig) -> None:
+    """A tier switched from `layout: files` to `layout: slab` on the same directory
+    moves each block file into a slot (newest first while slots last, in their mtime
+    order), deletes the files, and serves every block it kept."""
+    files = rig.tier(capacity=64 * rig.footprint(), layout="files")
+    await files.open()
+    keys = rig.keys(12)
+    _result, stored = await rig.store(files, keys)
+    await files.close()
+    for age, key in enumerate(reversed(keys)):  # stored in key order, a second apart
+        os.utime(files.path_of(key), (time.time() - age, time.time() - age))
+    slab = slab_tier(rig, slots=8)
+    await slab.open()
+    assert slab.recovery is not None and slab.recovery.converted == 8
+    assert not rig.files(files, ".blk")
+    assert list(slab._index) == keys[4:]  # the 8 newest, oldest first
+    result, got = await rig.load(slab, keys[4:])
+    assert result.ok and all(got[k] == stored[k] for k in keys[4:])
+    await slab.close()
+    again = slab_tier(rig, slots=8)
+    await again.open()
+    assert again.recovery is not None and again.recovery.converted == 0 and len(again) == 8
+    await again.close()

@@ -68,6 +68,8 @@ class ScanResult:
     ignored: list[Path] = field(default_factory=list)
     moved_up: int = 0
     """Blocks found in the two-level layout and moved to the one-level path."""
+    converted: int = 0
+    """Block files moved into a slab's slots (`convert.files_into_slots`)."""
 
     def merge(self, other: ScanResult) -> None:
         self.blocks.extend(other.blocks)
@@ -75,6 +77,7 @@ class ScanResult:
         self.removed_bad.extend(other.removed_bad)
         self.ignored.extend(other.ignored)
         self.moved_up += other.moved_up
+        self.converted += other.converted
 
 
 def _remove(path: Path) -> bool:

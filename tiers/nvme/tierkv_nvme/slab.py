@@ -28,6 +28,8 @@ What the slots change:
   (`mac_key_env`). Either writes the same bytes.
 - A key longer than a slot's header page holds (about 4 KiB) fails its store with a
   message naming `layout: files`.
+- Block files of the file layout found at `open` move into free slots
+  (`tierkv_nvme.convert`): switching an existing directory to slabs keeps its blocks.
 - Shrinking `capacity` evicts the blocks of the slots past the new end at `open`
   (`RecoveryReport.evicted_over_capacity`) and truncates the files; a slab file written
   for another block size or namespace (or torn in its first page) is started anew,
@@ -46,7 +48,7 @@ from pathlib import Path
 
 from tierkv.contract.units import format_size
 from tierkv.tier import Lane, OffloadKey, PrimaryView, TierConfig, in_thread
-from tierkv_nvme import native, slabfile
+from tierkv_nvme import convert, native, slabfile
 from tierkv_nvme.recovery import ScanResult
 from tierkv_nvme.tier import NvmeTier, _Entry
 
@@ -200,6 +202,22 @@ class SlabNvmeTier(NvmeTier):
             )
             found.slots += slots
             found.bad += bad
+        taken = {slot.place for slot in found.slots}
+        free = [p for p in range(self._places - 1, -1, -1) if p not in taken]
+        moved, files = await in_thread(
+            convert.files_into_slots,
+            self.directory,
+            self._slab_fds,
+            self._room,
+            self.framer,
+            self.primary.block_bytes,
+            free,
+            max((slot.seq for slot in found.slots), default=0) + 1,
+            self.config.fsync == "always",
+        )
+        found.merge(files)
+        found.blocks.clear()  # the files' blocks are slots now (or were evicted)
+        found.slots += moved
         return found
 
     def _rebuild(self, scan: ScanResult) -> None:

@@ -155,6 +155,8 @@ class RecoveryReport:
     evicted_over_capacity: int
     moved_up: int = 0
     """Blocks found in the two-level layout of earlier tiers and moved up a level."""
+    converted: int = 0
+    """Block files moved into the slots of `layout: slab` (`tierkv_nvme.convert`)."""
 
 
 class _Entry:
@@ -357,12 +359,13 @@ class NvmeTier(SecondaryTierManager):
             removed_bad=len(scan.removed_bad),
             evicted_over_capacity=evicted,
             moved_up=scan.moved_up,
+            converted=scan.converted,
         )
         self._state = "open"
         logger.info(
             "nvme tier %s: %d blocks (%s) recovered; deleted %d temporary and %d bad "
             "files; evicted %d blocks over capacity; moved %d blocks of the two-level "
-            "layout up a level",
+            "layout up a level and %d block files into slab slots",
             self.directory,
             self.recovery.blocks,
             format_size(self._used),
@@ -370,6 +373,7 @@ class NvmeTier(SecondaryTierManager):
             self.recovery.removed_bad,
             evicted,
             scan.moved_up,
+            scan.converted,
         )
 
     def _batch_lanes(self) -> tuple[Lane, ...] | None:
