@@ -198,6 +198,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--dir", default=None, help="the disk to use (a temp dir on /tmp)")
     parser.add_argument("--fsync", default="never", choices=("never", "always"))
+    parser.add_argument(
+        "--nvme-layout", default="slab", choices=("slab", "files"), help="the nvme tier's layout"
+    )
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
 
@@ -231,7 +234,13 @@ def compare(medium: str, size: int, args: Any, work: Path, server: Any) -> dict[
     }
     if medium == "nvme":
         tdir, ldir = work / f"tierkv-{size}", work / f"fs-{size}"
-        tier = {"type": "nvme", "path": str(tdir), "capacity": "16GiB", "fsync": args.fsync}
+        tier = {
+            "type": "nvme",
+            "path": str(tdir),
+            "capacity": "16GiB",
+            "fsync": args.fsync,
+            "layout": args.nvme_layout,
+        }
         specs = {
             "tierkv": {**plugin, "adapter_params": {"tiers": [tier]}},
             "lmcache-fs": {"type": "fs", "base_path": str(ldir)},

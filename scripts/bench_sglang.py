@@ -29,7 +29,7 @@ keeps the MHA pool and does exactly the work it does by default (its file per pa
 the whole page either way).
 
     python scripts/bench_sglang.py [--pages-kib 64,1024] [--batches 8] [--rounds 5]
-        [--io-concurrency 8] [--fsync never] [--regions 2]
+        [--io-concurrency 8] [--fsync never] [--regions 2] [--nvme-layout slab|files]
 """
 
 from __future__ import annotations
@@ -174,6 +174,7 @@ def bench(
     io_concurrency: int,
     regions: int = 2,
     layout: str = "page_first",
+    nvme_layout: str = "slab",
 ) -> dict[str, Any]:
     """`regions` per page on tierkv's side; the `file` backend's pool is always MHA;
     both laid out as `layout`."""
@@ -187,7 +188,7 @@ def bench(
     runs = [
         Run("tierkv", build("dynamic", {**TIERKV, "tiers": [
             {"type": "nvme", "path": str(tierkv_dir), "capacity": capacity, "fsync": fsync,
-             "io_concurrency": io_concurrency}
+             "io_concurrency": io_concurrency, "layout": nvme_layout}
         ]}, pools["tierkv"]), pools["tierkv"], zero_copy=True),
         Run("file", build("file", {"file_storage_path": str(file_dir)}, pools["file"]),
             pools["file"], zero_copy=False),
@@ -223,6 +224,8 @@ def main() -> int:
     parser.add_argument("--layout", default="page_first", choices=("page_first", "layer_first"),
                         help="SGLang's --hicache-mem-layout of both pools (page_first; "
                         "layer_first is SGLang's own default)")
+    parser.add_argument("--nvme-layout", default="slab", choices=("slab", "files"),
+                        help="the nvme tier's layout (its default: slab)")
     parser.add_argument("--dir", default=None, help="where both write (default: a temp dir)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -232,7 +235,7 @@ def main() -> int:
         for kib in (int(k) for k in args.pages_kib.split(",")):
             rows.append(
                 bench(kib, args.batches, args.rounds, root, args.fsync, args.io_concurrency,
-                      args.regions, args.layout)
+                      args.regions, args.layout, args.nvme_layout)
             )
     finally:
         if args.dir is None:
@@ -242,7 +245,8 @@ def main() -> int:
         return 0
     print(f"128-page batches, {args.rounds} interleaved rounds, median pages/s; tierkv nvme "
           f"fsync={args.fsync}, io_concurrency={args.io_concurrency}, checksums on, "
-          f"{args.regions} region(s) per tierkv page, {args.layout}")
+          f"{args.regions} region(s) per tierkv page, {args.layout}, nvme layout "
+          f"{args.nvme_layout}")
     print("| page | tierkv set | file set | set ratio | tierkv get | file get | get ratio |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for row in rows:

@@ -275,7 +275,11 @@ def tier_fault(request: Any, tmp_path: Path) -> Iterator[TierFault]:
             disk = fault._stack.enter_context(tiny_disk(where, 8 << 20))
             fault.inject, fault.clear = disk.fill, disk.free
         elif request.param == "immutable":
-            fault = TierFault("immutable", {**nvme, "capacity": "64MiB"}, keeps_reads=True)
+            # an immutable directory stops new files, not writes into files that exist:
+            # the slab layout's slots are not stopped by it, so this fault is the file
+            # layout's (the disk filled is both layouts': the default is slab)
+            section = {**nvme, "capacity": "64MiB", "layout": "files"}
+            fault = TierFault("immutable", section, keeps_reads=True)
             frozen = contextlib.ExitStack()
             fault._stack.enter_context(frozen)
             fault.inject = lambda: frozen.enter_context(immutable(where))

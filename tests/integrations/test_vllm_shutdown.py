@@ -33,7 +33,7 @@ def region_of(engine: Any) -> Any:
 
 
 def nvme(path: Path) -> dict[str, Any]:
-    return {"type": "nvme", "path": str(path), "capacity": "4MiB"}
+    return {"type": "nvme", "path": str(path), "capacity": "4MiB", "layout": "files"}
 
 
 def corrupt_every_block(root: Path) -> int:

@@ -43,7 +43,7 @@ def test_round_trip_over_sglang_host_pools(
     hashes = rig.page_hashes(4, "real")
     first = build(real_pools, mla, layout)
     rig.fill(first, [0, 1, 2, 3], f"real-{layout}")  # through SGLang's set_from_flat_data_page
-    writer = rig.backend(first, [rig.nvme()], mla=mla)
+    writer = rig.backend(first, [rig.nvme(layout="files")], mla=mla)
     # a page of several regions is one block of them all (one file), in every layout:
     # K and V one half-buffer apart (MHA page_first), K and V of each layer (MHA
     # layer_first: 4 regions here), one region per layer (MLA layer_first); an MLA
@@ -54,7 +54,7 @@ def test_round_trip_over_sglang_host_pools(
     assert len([p for p in rig.tmp_path.joinpath("nvme").rglob("*.blk")]) == 4
     writer.close()
     second = build(real_pools, mla, layout)
-    reader = rig.backend(second, [rig.nvme()], mla=mla)
+    reader = rig.backend(second, [rig.nvme(layout="files")], mla=mla)
     assert reader.batch_exists(hashes) == 4
     assert reader.batch_get_v1(hashes, indices([7, 6, 5, 4])) == [True] * 4
     for i in range(4):
@@ -87,7 +87,7 @@ def test_mamba_state_over_sglang_mamba_pool(rig: Any, real_pools: Any) -> None:
     from tierkv.integrations.sglang.stand_in import MambaPoolStandIn
 
     mamba = real_pools.mamba_host_pool(slots=8)
-    backend = rig.backend(rig.pool(pages=4), [rig.nvme()])
+    backend = rig.backend(rig.pool(pages=4), [rig.nvme(layout="files")])
     backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
     buffers = [mamba.temporal_buffer, *mamba.conv_buffer]
     for buffer in buffers:

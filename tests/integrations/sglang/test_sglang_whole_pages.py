@@ -7,6 +7,7 @@ does not (the sqlite plugin), region by region as before."""
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,21 @@ PAGES = 6
 
 
 def nvme_files(root: Path) -> list[Path]:
+    """The block files under `root` (these tests ask for the file layout: a page is
+    one file there; the slab layout's slots are counted by its own tests)."""
     return [p for p in root.rglob("*.blk") if p.is_file()]
+
+
+def slab_blocks(root: Path) -> int:
+    """The slots written in the slab files under `root` (`layout: slab`): their disk
+    bytes, less each file's superblock page, over the slot size its superblock names."""
+    written = 0
+    slot = 0
+    for path in root.rglob("*.kvslab"):
+        head = path.read_bytes()[:40]
+        slot = struct.unpack_from("<Q", head, 24)[0] + 4096  # room + the header page
+        written += path.stat().st_blocks * 512 - 4096
+    return written // slot if slot else 0
 
 
 def round_trip(rig: Any, pool: Any, backend: Any) -> None:
@@ -34,7 +49,7 @@ def round_trip(rig: Any, pool: Any, backend: Any) -> None:
 
 def test_a_page_first_mha_page_is_one_nvme_file(rig: Any) -> None:
     pool = rig.pool(pages=2 * PAGES, layout="page_first")
-    backend = rig.backend(pool, [rig.nvme("whole")])
+    backend = rig.backend(pool, [rig.nvme("whole", layout="files")])
     kv = backend.kv
     assert kv.parts == 2 and kv.key_parts == 1 and kv.whole
     assert kv.lanes is not None
@@ -50,7 +65,7 @@ def test_a_layer_first_mha_page_is_one_nvme_file(rig: Any, layers: int) -> None:
     each layer, 2 x layers regions in one buffer; one block, one file of one frame
     (header + the page's bytes), read back byte for byte, in place."""
     pool = rig.pool(pages=2 * PAGES, layout="layer_first", layer_num=layers)
-    backend = rig.backend(pool, [rig.nvme(f"layers{layers}")])
+    backend = rig.backend(pool, [rig.nvme(f"layers{layers}", layout="files")])
     kv = backend.kv
     assert kv.parts == 2 * layers and kv.key_parts == 1 and len(kv.components) == 1
     assert kv.components[0].view.region_count == 2 * layers
@@ -74,7 +89,7 @@ def sqlite(rig: Any, name: str) -> dict[str, Any]:
 
 def test_a_tier_that_moves_one_run_of_bytes_keeps_regions_apart(rig: Any) -> None:
     pool = rig.pool(pages=2 * PAGES, layout="page_first")
-    backend = rig.backend(pool, [rig.nvme("mixed"), sqlite(rig, "mixed")])
+    backend = rig.backend(pool, [rig.nvme("mixed", layout="files"), sqlite(rig, "mixed")])
     assert not backend.kv.whole and backend.kv.key_parts == 2
     round_trip(rig, pool, backend)
     assert len(nvme_files(rig.tmp_path / "mixed")) == 2 * PAGES
@@ -87,22 +102,26 @@ def test_a_tier_that_moves_one_run_of_bytes_keeps_regions_apart(rig: Any) -> Non
      ("page_first_direct", True), ("page_first_kv_split", True)],
 )
 @pytest.mark.parametrize("whole", [True, False])
+@pytest.mark.parametrize("on_disk", ["files", "slab"])
 def test_every_layout_round_trips_one_block_a_page_or_region_by_region(
-    rig: Any, layout: str, mla: bool, whole: bool
+    rig: Any, layout: str, mla: bool, whole: bool, on_disk: str
 ) -> None:
-    """Every layout of the stand-in, byte for byte: one block (one file) a page where
-    every tier accepts regions; one block a region next to a tier that does not. An
-    MLA page_first page is one region anyway (its region's own key)."""
+    """Every layout of the stand-in, byte for byte: one block (one file, or one slab
+    slot) a page where every tier accepts regions; one block a region next to a tier
+    that does not. An MLA page_first page is one region anyway (its region's own key)."""
     pool = rig.pool(pages=2 * PAGES, layout=layout, mla=mla, layer_num=3)
     name = f"{layout}-{mla}-{whole}"
-    tiers = [rig.nvme(name)] if whole else [rig.nvme(name), sqlite(rig, name)]
+    nvme = rig.nvme(name, layout=on_disk)
+    tiers = [nvme] if whole else [nvme, sqlite(rig, name)]
     backend = rig.backend(pool, tiers, mla=mla)
     kv = backend.kv
     one_region = kv.parts == 1
     assert kv.whole == (whole and not one_region)
     assert kv.key_parts == (1 if kv.whole or one_region else kv.parts)
     round_trip(rig, pool, backend)
-    assert len(nvme_files(rig.tmp_path / name)) == PAGES * kv.key_parts
+    root = rig.tmp_path / name
+    held = len(nvme_files(root)) if on_disk == "files" else slab_blocks(root)
+    assert held == PAGES * kv.key_parts
 
 
 def test_a_page_stored_region_by_region_is_not_read_as_a_whole_page(rig: Any) -> None:
@@ -111,10 +130,10 @@ def test_a_page_stored_region_by_region_is_not_read_as_a_whole_page(rig: Any) ->
     pool = rig.pool(pages=2 * PAGES, layout="page_first")
     hashes = rig.page_hashes(PAGES, "apart")
     rig.fill(pool, list(range(PAGES)), "apart")
-    apart = rig.backend(pool, [rig.nvme("shared"), sqlite(rig, "shared")])
+    apart = rig.backend(pool, [rig.nvme("shared", layout="files"), sqlite(rig, "shared")])
     assert apart.batch_set_v1(hashes, pool.indices(list(range(PAGES)))) == [True] * PAGES
     apart.close()
-    whole = rig.backend(pool, [rig.nvme("shared")])
+    whole = rig.backend(pool, [rig.nvme("shared", layout="files")])
     assert whole.kv.key_parts == 1
     assert whole.batch_exists(hashes) == 0
 
@@ -126,7 +145,7 @@ def test_a_page_whose_regions_moved_is_refused_not_misread(
     (its layout changed under the backend): the call answers False and writes nothing,
     and the log says why."""
     pool = rig.pool(pages=2 * PAGES, layout="page_first")
-    backend = rig.backend(pool, [rig.nvme("moved")])
+    backend = rig.backend(pool, [rig.nvme("moved", layout="files")])
     assert backend.kv.key_parts == 1
     real = pool.get_page_buffer_meta
 
@@ -180,7 +199,7 @@ def test_the_adapter_reads_whole_pages_straight_into_the_pool(
     monkeypatch.setattr(blockfile._Scratch, "_frame_of_regions", spy)
     pool = rig.pool(pages=2 * PAGES, layout="page_first")
     assert pool.kv_buffer.data_ptr() % 64 == 0
-    backend = rig.backend(pool, [rig.nvme("aligned")])
+    backend = rig.backend(pool, [rig.nvme("aligned", layout="files")])
     round_trip(rig, pool, backend)
     assert framed == []
     files = nvme_files(rig.tmp_path / "aligned")
@@ -195,7 +214,7 @@ def test_a_page_asked_twice_in_one_load_fills_its_first_copy_only(
     """SGLang never asks so, but a call that does gets its first copy filled and
     False for the second (one tier job has each key once), whole pages or not."""
     pool = rig.pool(pages=2 * PAGES, layout=layout)
-    backend = rig.backend(pool, [rig.nvme(f"twice-{layout}")])
+    backend = rig.backend(pool, [rig.nvme(f"twice-{layout}", layout="files")])
     assert backend.kv.whole
     hashes = rig.page_hashes(2, "twice")
     rig.fill(pool, [0, 1], "twice")

@@ -98,6 +98,7 @@ class Rig:
     def tier(self, capacity_blocks: int = 1024, **fields: Any) -> NvmeTier:
         fields.setdefault("capacity", capacity_blocks * self.footprint())
         fields.setdefault("io_engine", self.io_engine)
+        fields.setdefault("layout", "files")  # the slab layout's own tests ask for it
         config = NvmeTierConfig(type="nvme", path=self.path, **fields)
         return NvmeTier(config, self.view)
 

@@ -704,7 +704,8 @@ from tierkv.contract.slab import PrimaryView
 async def main(path: str, first: int, capacity: int, block: int, job: int) -> None:
     view = PrimaryView(bytearray(job * block), block, NAMESPACE)
     config = NvmeTierConfig(
-        type="nvme", path=Path(path), capacity=capacity, io_engine="native", fsync="never"
+        type="nvme", layout="files", path=Path(path), capacity=capacity, io_engine="native",
+        fsync="never",
     )
     tier = NvmeTier(config, view)
     await tier.open()
@@ -790,7 +791,12 @@ async def test_a_writer_killed_mid_run_leaves_only_whole_blocks(
     for round_, (low, high) in enumerate(((0.0, 0.1), (0.1, 0.3), (0.3, 0.6))):
         run_writer_and_kill(path, round_ * 10**7, rng.uniform(low, high), tmp_path / "log")
         config = NvmeTierConfig(
-            type="nvme", path=path, capacity=crash_capacity(), io_engine="native", fsync="never"
+            type="nvme",
+            layout="files",
+            path=path,
+            capacity=crash_capacity(),
+            io_engine="native",
+            fsync="never",
         )
         tier = NvmeTier(config, view)
         await tier.open()
@@ -955,7 +961,11 @@ async def test_no_batch_calls_without_lanes_or_on_the_python_engine(
         (plain, "native", True),
     ):
         config = NvmeTierConfig(
-            type="nvme", path=tmp_path / engine / str(expected), capacity="1MiB", io_engine=engine
+            type="nvme",
+            layout="files",
+            path=tmp_path / engine / str(expected),
+            capacity="1MiB",
+            io_engine=engine,
         )
         tier = NvmeTier(config, primary)
         assert tier.describe()["batch_calls"] is False, "not before open"

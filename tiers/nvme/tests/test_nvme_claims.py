@@ -38,6 +38,7 @@ def cache_over_nvme(path: Path, capacity_blocks: int, lease: float) -> TieredCac
     footprint = disk_footprint(header_bytes(keys(1, "x")[0]) + BLOCK, fs_block)
     tier = {
         "type": "nvme",
+        "layout": "files",
         "path": str(path),
         "capacity": capacity_blocks * footprint,
         "fsync": "never",

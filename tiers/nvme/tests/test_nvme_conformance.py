@@ -38,6 +38,7 @@ class TestNvmeTierConformance(TierConformanceSuite):
             path=self.root / f"tier{next(_dirs)}",
             capacity=(capacity_blocks or 1024) * block,
             io_concurrency=4,
+            layout="files",
             **{"io_engine": self._engine(fields), **fields},
         )
         return NvmeTier(config, primary)

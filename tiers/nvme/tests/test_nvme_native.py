@@ -494,8 +494,9 @@ async def test_the_data_path_in_use_is_reported(rig) -> None:
     try:
         assert rig.io_engine == tier.describe()["io_engine"]
         batch = tier.describe()["batch_calls"]
-        assert tier.data_path == ("native-blocks" if rig.io_engine == "native" and not batch
-                                  else rig.io_engine)
+        assert tier.data_path == (
+            "native-blocks" if rig.io_engine == "native" and not batch else rig.io_engine
+        )
     finally:
         await tier.close()
     fact = NvmeTier.installation()["io engine"]

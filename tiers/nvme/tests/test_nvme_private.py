@@ -52,7 +52,11 @@ def as_root() -> None:
 
 def plain(rig: Any, path: Path) -> NvmeTier:
     config = NvmeTierConfig(
-        type="nvme", path=path, capacity=64 * rig.footprint(), io_engine=rig.io_engine
+        type="nvme",
+        layout="files",
+        path=path,
+        capacity=64 * rig.footprint(),
+        io_engine=rig.io_engine,
     )
     return NvmeTier(config, rig.view)
 
@@ -80,7 +84,11 @@ async def test_a_striped_tier_under_umask_0000_keeps_every_file_and_directory_pr
     paths = [tmp_path / "drives" / f"d{i}" / "tierkv" for i in range(3)]
     tier = NvmeTier(
         NvmeTierConfig(
-            type="nvme", paths=paths, capacity=300 * rig.footprint(), io_engine=rig.io_engine
+            type="nvme",
+            layout="files",
+            paths=paths,
+            capacity=300 * rig.footprint(),
+            io_engine=rig.io_engine,
         ),
         rig.view,
     )
@@ -140,7 +148,9 @@ async def test_a_striped_tier_refuses_the_one_directory_others_can_write(
         path.mkdir(mode=0o700)
     paths[1].chmod(0o777)
     tier = NvmeTier(
-        NvmeTierConfig(type="nvme", paths=paths, capacity="1MiB", io_engine=rig.io_engine),
+        NvmeTierConfig(
+            type="nvme", layout="files", paths=paths, capacity="1MiB", io_engine=rig.io_engine
+        ),
         rig.view,
     )
     with pytest.raises(TierUnavailable, match=r"cannot open 1 of them: .*") as refused:

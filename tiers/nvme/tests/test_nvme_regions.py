@@ -65,7 +65,9 @@ async def test_a_two_region_block_is_one_file_and_reads_back_byte_identical(
     view = strided(buffer, offset)
     rng = random.Random(offset)
     keys = random_keys(6, rng)
-    config = NvmeTierConfig(type="nvme", path=tmp_path, capacity="64MiB", io_engine="python")
+    config = NvmeTierConfig(
+        type="nvme", layout="files", path=tmp_path, capacity="64MiB", io_engine="python"
+    )
     tier = NvmeTier(config, view)  # the Python path's scratch buffer (test_nvme_native's too)
     await tier.open()
     try:
@@ -90,7 +92,9 @@ async def test_a_changed_byte_in_the_second_region_fails_the_block(tmp_path: Pat
     view = strided(bytearray(2 * PAGES * REGION))
     rng = random.Random(1)
     [key] = random_keys(1, rng)
-    tier = NvmeTier(NvmeTierConfig(type="nvme", path=tmp_path, capacity="64MiB"), view)
+    tier = NvmeTier(
+        NvmeTierConfig(type="nvme", layout="files", path=tmp_path, capacity="64MiB"), view
+    )
     await tier.open()
     try:
         fill(view, [0], rng)

@@ -232,12 +232,21 @@ async def test_a_torn_header_is_a_miss_and_a_torn_payload_fails_its_load(rig: Ri
     await again.close()
 
 
-async def test_removed_blocks_stay_gone_after_a_restart(rig: Rig) -> None:
+def disk_bytes(tier: SlabNvmeTier) -> int:
+    return sum(path.stat().st_blocks * 512 for path in tier.slab_paths)
+
+
+async def test_removed_blocks_stay_gone_after_a_restart_and_give_their_disk_back(
+    rig: Rig,
+) -> None:
     tier = slab_tier(rig)
     await tier.open()
     keys = rig.keys(4)
     await rig.store(tier, keys)
+    full = disk_bytes(tier)
     await tier.remove(keys[:2])
+    slot = slabfile.slot_bytes(rig.block_bytes)
+    assert disk_bytes(tier) == full - 2 * slot  # holes punched (tmpfs and ext4 can)
     await tier.close()
     again = slab_tier(rig)
     await again.open()
@@ -539,3 +548,19 @@ async def test_a_directory_of_block_files_keeps_its_blocks_as_slots(rig: Rig) ->
     await again.open()
     assert again.recovery is not None and again.recovery.converted == 0 and len(again) == 8
     await again.close()
+
+
+async def test_slab_files_are_private_whatever_the_umask(rig: Rig) -> None:
+    """Slab files hold prompts' KV as block files do: 0600, in 0700 directories, under
+    umask 0000 too."""
+    old = os.umask(0)
+    try:
+        tier = slab_tier(rig)
+        await tier.open()
+        await rig.store(tier, rig.keys(3))
+        await tier.close()
+    finally:
+        os.umask(old)
+    for path in tier.slab_paths:
+        assert path.stat().st_mode & 0o777 == 0o600, path
+    assert tier.directory.stat().st_mode & 0o777 == 0o700

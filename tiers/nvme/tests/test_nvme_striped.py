@@ -45,7 +45,9 @@ def striped(rig: Any, paths: Sequence[Path], capacity_blocks: int = 1024, **fiel
     """A tier over `paths` on the rig's primary, sized in blocks of the rig's keys."""
     fields.setdefault("capacity", capacity_blocks * rig.footprint())
     fields.setdefault("io_engine", rig.io_engine)
-    tier = NvmeTier(NvmeTierConfig(type="nvme", paths=list(paths), **fields), rig.view)
+    tier = NvmeTier(
+        NvmeTierConfig(type="nvme", layout="files", paths=list(paths), **fields), rig.view
+    )
     assert isinstance(tier, StripedNvmeTier)
     return tier
 
@@ -110,7 +112,7 @@ async def test_blocks_spread_over_three_directories_and_read_back(rig, dirs) -> 
 
 
 async def test_one_entry_in_paths_is_a_plain_tier_on_it(rig, tmp_path: Path) -> None:
-    config = NvmeTierConfig(type="nvme", paths=[tmp_path / "one"], capacity="1MiB")
+    config = NvmeTierConfig(type="nvme", layout="files", paths=[tmp_path / "one"], capacity="1MiB")
     tier = NvmeTier(config, rig.view)
     assert type(tier) is NvmeTier
     assert tier.directory.parent == tmp_path / "one"
@@ -275,7 +277,9 @@ async def test_a_directory_that_cannot_be_taken_fails_the_open_naming_it(rig, di
     with pytest.raises(TierUnavailable, match=f"cannot open 1 of them: .*{dirs[2]}"):
         await tier.open()
     dirs[2].unlink()
-    plain = NvmeTier(NvmeTierConfig(type="nvme", path=dirs[0], capacity="1MiB"), rig.view)
+    plain = NvmeTier(
+        NvmeTierConfig(type="nvme", layout="files", path=dirs[0], capacity="1MiB"), rig.view
+    )
     await plain.open()  # the stripes that opened let their directories go again
     await plain.close()
 
@@ -301,7 +305,7 @@ def test_paths_in_yaml_read_expanded_and_dump_as_written(tmp_path: Path) -> None
     dumped = tier.model_dump()
     assert "path" not in dumped and dumped["paths"] == tier.paths
     assert NvmeTierConfig.model_validate(dumped) == tier
-    plain = NvmeTierConfig(type="nvme", path=tmp_path, capacity="1GiB")
+    plain = NvmeTierConfig(type="nvme", layout="files", path=tmp_path, capacity="1GiB")
     assert plain.paths is None and plain.directories() == [tmp_path]
     assert plain.model_dump()["path"] == tmp_path
 
@@ -309,7 +313,7 @@ def test_paths_in_yaml_read_expanded_and_dump_as_written(tmp_path: Path) -> None
 def test_a_config_whose_path_was_moved_without_its_paths_is_refused(rig, dirs) -> None:
     """A tool that knows only `path` (moving a tier's files into a scratch directory)
     must not leave the stripes on the real drives: the tier refuses to be built."""
-    config = NvmeTierConfig(type="nvme", paths=dirs, capacity="1MiB")
+    config = NvmeTierConfig(type="nvme", layout="files", paths=dirs, capacity="1MiB")
     moved = config.model_copy(update={"path": dirs[0].parent / "scratch"})
     with pytest.raises(ConfigError, match="must change both"):
         NvmeTier(moved, rig.view)
@@ -492,6 +496,7 @@ class TestStripedNvmeConformance(TierConformanceSuite):
         at = self.root / f"tier{next(_dirs)}"
         config = NvmeTierConfig(
             type="nvme",
+            layout="files",
             paths=[at / "a", at / "b", at / "c"],
             capacity=(capacity_blocks or 1024) * block,
             io_concurrency=2,

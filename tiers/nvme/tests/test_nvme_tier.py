@@ -66,7 +66,7 @@ async def test_namespaces_sharing_a_path_never_see_each_others_blocks(tmp_path: 
     tiers = []
     for namespace in ("model-a", "model-b"):
         primary = PrimaryTier(4, 1024, pin_memory=False, namespace=namespace)
-        config = NvmeTierConfig(type="nvme", path=tmp_path, capacity="1MiB")
+        config = NvmeTierConfig(type="nvme", layout="files", path=tmp_path, capacity="1MiB")
         tiers.append(NvmeTier(config, primary.view))
         await tiers[-1].open()
     a, b = tiers
@@ -107,7 +107,7 @@ async def test_a_second_tier_on_the_same_directory_is_refused(rig) -> None:
 async def test_open_fails_clearly_when_path_is_not_a_directory(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("not a directory")
     primary = PrimaryTier(2, 1024, pin_memory=False)
-    config = NvmeTierConfig(type="nvme", path=tmp_path / "file", capacity="1MiB")
+    config = NvmeTierConfig(type="nvme", layout="files", path=tmp_path / "file", capacity="1MiB")
     with pytest.raises(TierUnavailable, match=r"cannot use .*file.*check that `path`"):
         await NvmeTier(config, primary.view).open()
 
@@ -401,7 +401,12 @@ def test_chunk_size_per_direction_fsync_and_block_size(tmp_path: Path) -> None:
     def tier(block_bytes: int, fsync: str) -> NvmeTier:
         primary = PrimaryTier(1, block_bytes, pin_memory=False, namespace="chunks")
         config = NvmeTierConfig(
-            type="nvme", path=tmp_path / "kv", capacity="1GiB", io_concurrency=8, fsync=fsync
+            type="nvme",
+            layout="files",
+            path=tmp_path / "kv",
+            capacity="1GiB",
+            io_concurrency=8,
+            fsync=fsync,
         )
         return NvmeTier(config, primary.view)
 
@@ -443,7 +448,12 @@ def test_a_load_of_many_large_blocks_runs_no_more_calls_than_cpus(
     def tier(block_bytes: int) -> NvmeTier:
         primary = PrimaryTier(1, block_bytes, pin_memory=False, namespace="calls")
         config = NvmeTierConfig(
-            type="nvme", path=tmp_path / "kv", capacity="1GiB", io_concurrency=8, fsync="never"
+            type="nvme",
+            layout="files",
+            path=tmp_path / "kv",
+            capacity="1GiB",
+            io_concurrency=8,
+            fsync="never",
         )
         return NvmeTier(config, primary.view)
 

@@ -8,9 +8,10 @@ or, to stripe the tier over several drives (`tierkv_nvme.striped`):
     tiers:
       - {type: nvme, paths: [/mnt/nvme0/tierkv, /mnt/nvme1/tierkv], capacity: 1TiB}
 
-Every field but `path` (or `paths`) and `capacity` has a default; unknown fields are
-rejected (inherited from `TierConfig`), so a typo such as `capactiy` is an error, not a
-silently ignored line.
+Every field but `path` (or `paths`) and `capacity` has a default (`layout: slab`:
+blocks in the slots of a few files; `layout: files`: a file per block); unknown
+fields are rejected (inherited from `TierConfig`), so a typo such as `capactiy` is an
+error, not a silently ignored line.
 """
 
 from __future__ import annotations
@@ -68,17 +69,19 @@ class NvmeTierConfig(TierConfig):
     )
     fsync: FsyncMode = Field(
         default="always",
-        description="always: a block's bytes are on stable storage before it is renamed "
-        "into place and its store reports ok; never: the kernel flushes when it likes. "
+        description="always: a block's bytes are on stable storage before its store "
+        "reports ok (slab: one fdatasync per file a chunk wrote; files: per file, before "
+        "it is renamed into place); never: the kernel flushes when it likes. "
         "Either way a power loss costs at most recent blocks, which then read as misses "
         "(checksums and the rebuild on open see to that), never as wrong data",
     )
     layout: Layout = Field(
-        default="files",
-        description="how blocks lie on the disk: files, one checksummed file per block "
-        "(named by its key); slab, fixed slots of one preallocated file per namespace "
-        "(no file created or deleted per block: several times faster stores of small "
-        "blocks; `capacity` becomes a slot count). docs/data-path.md compares them",
+        default="slab",
+        description="how blocks lie on the disk: slab, fixed slots of 8 sparse files per "
+        "namespace written in place (no file created or deleted per block; `capacity` "
+        "becomes a slot count); files, one checksummed file per block named by its key "
+        "(earlier versions' layout: a directory of them is moved into slots when opened "
+        "as slab). docs/data-path.md compares them",
     )
     io_engine: IoEngine = Field(
         default="auto",

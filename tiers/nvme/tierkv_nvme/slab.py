@@ -16,9 +16,11 @@ What the slots change:
 - A store takes a free slot (most recently freed first, so a full tier rewrites the
   slots its evictions just freed); an evicted block's slot is free at once (it is never
   one being read: eviction passes over pinned keys), and is overwritten by the write
-  that made the room. A removed block's header is invalidated first, so it does not
-  come back after a restart; a slot freed while a load still reads its block is held
-  back until that load ends, so no write lands under a reader.
+  that made the room. A removed block's slot is punched out first (`slabfile.release`),
+  so it does not come back after a restart and its disk space is given back (an
+  LMCache adapter's chains of several object sizes share one budget this way); a slot
+  freed while a load still reads its block is held back until that load ends, so no
+  write lands under a reader.
 - Loads refresh recency across restarts by rewriting the slot's header page with a new
   sequence (as often as the file layout's mtime refresh: `blockfile.TOUCH_AFTER_NS`).
   The rebuild orders blocks by sequence and keeps the newest copy of a key.
@@ -38,6 +40,7 @@ What the slots change:
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -181,18 +184,19 @@ class SlabNvmeTier(NvmeTier):
         super()._release_lock()
 
     async def _retake(self) -> None:
-        """The directory vanished: the slab went with it (its descriptor is retired,
-        as the directory's are: a worker thread may still use it)."""
+        """The directory vanished: the slab went with it (its descriptors are retired,
+        as the directory's are: a worker thread may still use them). Every slot is free
+        from now, as the index is empty (writes still in flight go to the old files and
+        are not given back: `_give_back` checks the generation); until the new files
+        are open, reads and writes fail per key (`_no_slab`)."""
         self._retired_slabs.extend(self._slab_fds)
         self._slab_fds = ()
+        held = sum(len(places) for places in self._held_back.values())
+        self._reserved -= held * self._slot_bytes
         self._held_back.clear()
-        self._free = []
-        try:
-            await super()._retake()
-        finally:
-            if self._slab_fds:
-                await in_thread(self._size_slab)
-            self._free = list(range(self._places - 1, -1, -1))
+        self._free = list(range(self._places - 1, -1, -1))
+        await super()._retake()
+        await in_thread(self._size_slab)
 
     async def _scan(self) -> ScanResult:
         found = _SlabScan([], 0)
@@ -272,10 +276,10 @@ class SlabNvmeTier(NvmeTier):
         """`count` free slots: room was made by the caller (a slot per footprint), so
         they are there; the ones held back for readers are counted as reserved."""
         free = self._free
-        taken = _Places(reversed(free[-count:] if count else []))
+        if len(free) < count:  # cannot happen while the byte counts hold: say so loudly
+            raise RuntimeError(f"slab of {self._places} slots: {count} wanted, {len(free)} free")
+        taken = _Places(reversed(free[len(free) - count :]))
         del free[len(free) - count :]
-        if len(taken) < count:  # cannot happen while the byte counts hold: say so loudly
-            raise RuntimeError(f"slab of {self._places} slots: {count} wanted, {len(taken)} free")
         taken.seqs = array("Q", itertools.islice(self._seqs, count))
         return taken
 
@@ -316,6 +320,8 @@ class SlabNvmeTier(NvmeTier):
         """Worker thread: write keys[i] from slots[i] into slab slot places[i] (the
         victims' slots are among them: nothing to delete)."""
         assert isinstance(places, _Places)
+        if not self._slab_fds:
+            return self._no_slab(keys)
         fsync = self.config.fsync == "always"
         seqs = places.seqs
         lanes = self._lanes
@@ -347,6 +353,8 @@ class SlabNvmeTier(NvmeTier):
     ) -> list[Exception | None]:
         """Worker thread: read keys[i] from its slot into slots[i]; a slot whose
         touch[i] is set gets a new sequence (its recency after a restart)."""
+        if not self._slab_fds:
+            return self._no_slab(keys)
         places = [entry.place for _key, entry in entries]
         seqs = array("Q", bytes(8 * len(keys)))
         if any(touch):
@@ -373,7 +381,14 @@ class SlabNvmeTier(NvmeTier):
         return slabfile.read_slots(self._slab_fds, items, self._room, self.framer)
 
     def _delete_blocks(self, entries: list[tuple[OffloadKey, _Entry]]) -> None:
-        """Worker thread: invalidate the slots' headers (the blocks stay gone after a
-        restart); the slots are freed by `_dropped` once this returns."""
-        places = [entry.place for _key, entry in entries]
-        slabfile.invalidate(self._slab_fds, places, self._room)
+        """Worker thread: release the slots (the blocks stay gone after a restart and
+        their disk space is given back); the slots are freed by `_dropped` once this
+        returns."""
+        if self._slab_fds:  # else they went with the directory
+            places = [entry.place for _key, entry in entries]
+            slabfile.release(self._slab_fds, places, self._room)
+
+    def _no_slab(self, keys: Sequence[OffloadKey]) -> list[Exception | None]:
+        """Every key failed: the slab files are being made anew (`_retake`)."""
+        gone = OSError(errno.EBADF, "the tier's directory is being made anew")
+        return [gone] * len(keys)

@@ -31,16 +31,17 @@ Crash safety comes from the checksums, not from write order: a slot torn by a cr
 (some pages new, some old) fails its header's check or its payload's checksum, so it
 reads as a miss, never as wrong bytes. The one mix that passes is all old: the
 evicted block that lay there, whole, which may come back after a restart as a correct
-block. Removed blocks have their header's check zeroed (`invalidate`), so a block a
-user removed does not come back.
+block. Removed blocks have their slot punched out (`release`), so a block a user
+removed does not come back, and its bytes stop counting on the disk.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -141,7 +142,7 @@ def seal(frame_header: bytes, seq: int) -> bytes:
 
 def unseal(page: bytes | bytearray | memoryview) -> tuple[int, bytes] | None:
     """(seq, frame header) of a whole slot header page; None for a slot never written,
-    freed (`invalidate`), or torn."""
+    released (`release`), or torn."""
     check, magic, seq, frame_len, zero = _SLOT.unpack_from(page)
     if magic != _SLOT_MAGIC or zero or not 34 <= frame_len <= MAX_FRAME_HEADER:
         return None
@@ -264,11 +265,38 @@ def read_slots(
     return outcomes
 
 
-def invalidate(fds: Sequence[int], places: Sequence[int], room: int) -> None:
-    """Zero the check and magic of each slot's header page: its block is gone for good
-    (not back after a restart). One 16-byte write each."""
+_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE (linux/falloc.h)
+
+
+def _fallocate() -> Callable[[int, int, int, int], int] | None:
+    """libc's `fallocate(fd, mode, offset, length)` (Python's os has no mode flags)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.fallocate
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    call.restype = ctypes.c_int
+    return call
+
+
+_fallocate_call = _fallocate()
+
+
+def release(fds: Sequence[int], places: Sequence[int], room: int) -> None:
+    """Give each slot's disk space back (a hole punched over the whole slot, which also
+    makes its header read as never written), so a removed block stays gone after a
+    restart and its bytes stop counting on the disk. Where the filesystem cannot punch
+    holes, its header's check and magic are zeroed instead (the space stays used until
+    the slot is written again; the slot count still bounds it)."""
     for place in places:
         index, offset = locate(place, room)
+        if _fallocate_call is not None:
+            if _fallocate_call(fds[index], _PUNCH_HOLE, offset, room + PAGE) == 0:
+                continue
+            code = ctypes.get_errno()
+            if code not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise OSError(code, os.strerror(code))
         os.pwrite(fds[index], _ZEROS[:16], offset + room)
 
 
@@ -328,7 +356,7 @@ __all__ = [
     "FoundSlot",
     "file_bytes",
     "file_slots",
-    "invalidate",
+    "release",
     "locate",
     "read_slot",
     "read_slots",
