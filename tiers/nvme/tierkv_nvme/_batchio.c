@@ -1023,21 +1023,21 @@ static void seal_slot(unsigned char *page, uint64_t seq, size_t frame_len) {
     put_le(page, XXH3_64bits(page + 8, SLOT_HEAD_BYTES - 8 + frame_len), 8);
 }
 
-/* The frame header's length if page holds a whole slot header, else 0. */
-static size_t slot_frame_len(const unsigned char *page) {
+/* Whether page holds a whole slot header with a frame header of `frame_len` bytes (the
+ * length is compared before anything past it is read: only that much was read). */
+static int slot_holds(const unsigned char *page, size_t frame_len) {
     if (memcmp(page + 8, SLOT_MAGIC, 8) != 0 || get_le(page + 28, 4) != 0)
         return 0;
-    size_t frame_len = (size_t)get_le(page + 24, 4);
-    if (frame_len < FIXED_HEADER_BYTES || frame_len > PAGE - SLOT_HEAD_BYTES)
+    if ((size_t)get_le(page + 24, 4) != frame_len || frame_len > PAGE - SLOT_HEAD_BYTES)
         return 0;
-    if (XXH3_64bits(page + 8, SLOT_HEAD_BYTES - 8 + frame_len) != get_le(page, 8))
-        return 0;
-    return frame_len;
+    return XXH3_64bits(page + 8, SLOT_HEAD_BYTES - 8 + frame_len) == get_le(page, 8);
 }
 
-/* The iovecs of a slot: the regions, zeros (or `pad`) to `room`, the header page. */
+/* The iovecs of a slot: the regions, zeros (or `pad`) to `room`, `tail` bytes of the
+ * header page (writes: all of it, so that no page is read to be rewritten in part;
+ * reads: the slot header and the frame header only). */
 static struct iovec *slot_iov(const Batch *batch, const Item *item, unsigned char *pad,
-                              unsigned char *page, struct iovec *local, int *n) {
+                              unsigned char *page, size_t tail, struct iovec *local, int *n) {
     size_t gap = batch->room - item->payload_len;
     *n = item->nregions + (gap ? 2 : 1);
     struct iovec *iov = *n <= 16 ? local : malloc(sizeof *iov * (size_t)*n);
@@ -1050,7 +1050,7 @@ static struct iovec *slot_iov(const Batch *batch, const Item *item, unsigned cha
         iov[at++].iov_len = gap;
     }
     iov[at].iov_base = page;
-    iov[at].iov_len = PAGE;
+    iov[at].iov_len = tail;
     return iov;
 }
 
@@ -1065,7 +1065,7 @@ static long slab_write_one(const Batch *batch, Item *item, unsigned char *page) 
     seal_slot(page, item->seq, FIXED_HEADER_BYTES + item->key_len);
     struct iovec local[16];
     int n;
-    struct iovec *iov = slot_iov(batch, item, (unsigned char *)zero_page, page, local, &n);
+    struct iovec *iov = slot_iov(batch, item, (unsigned char *)zero_page, page, PAGE, local, &n);
     if (iov == NULL)
         return -ENOMEM;
     err = write_all_at(item->fd, iov, n, item->offset);
@@ -1080,7 +1080,9 @@ static long slab_write_one(const Batch *batch, Item *item, unsigned char *page) 
 static long slab_read_one(const Batch *batch, Item *item, unsigned char *page, unsigned char *pad) {
     struct iovec local[16];
     int n;
-    struct iovec *iov = slot_iov(batch, item, pad, page, local, &n);
+    size_t frame_len = FIXED_HEADER_BYTES + item->key_len;
+    size_t want = SLOT_HEAD_BYTES + frame_len;
+    struct iovec *iov = slot_iov(batch, item, pad, page, want, local, &n);
     if (iov == NULL)
         return -ENOMEM;
     ssize_t got = read_all(item->fd, iov, n, item->offset, 0);
@@ -1089,16 +1091,16 @@ static long slab_read_one(const Batch *batch, Item *item, unsigned char *page, u
     if (got < 0)
         return got;
     item->got = got;
-    if ((size_t)got < batch->room + PAGE)
+    if ((size_t)got < batch->room + want)
         return CORRUPT_SLOT; /* past the slab's end: never written */
-    size_t frame_len = slot_frame_len(page);
-    if (frame_len != FIXED_HEADER_BYTES + item->key_len) {
-        memset(item->head, 0, FIXED_HEADER_BYTES + item->key_len);
+    if (!slot_holds(page, frame_len)) {
+        memset(item->head, 0, frame_len);
         return CORRUPT_SLOT;
     }
     memcpy(item->head, page + SLOT_HEAD_BYTES, frame_len);
     long code = check_frame(batch, item);
-    if (code == 0 && item->seq) {
+    if (code == 0 && item->seq) { /* the rest of the page was not read: zeros, as written */
+        memset(page + want, 0, PAGE - want);
         seal_slot(page, item->seq, frame_len);
         (void)!pwrite(item->fd, page, PAGE, item->offset + (off_t)batch->room);
     }

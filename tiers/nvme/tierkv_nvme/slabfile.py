@@ -141,12 +141,14 @@ def seal(frame_header: bytes, seq: int) -> bytes:
 
 
 def unseal(page: bytes | bytearray | memoryview) -> tuple[int, bytes] | None:
-    """(seq, frame header) of a whole slot header page; None for a slot never written,
-    released (`release`), or torn."""
+    """(seq, frame header) of a slot header page (or its first part, up to the frame
+    header's end); None for a slot never written, released (`release`), or torn."""
     check, magic, seq, frame_len, zero = _SLOT.unpack_from(page)
     if magic != _SLOT_MAGIC or zero or not 34 <= frame_len <= MAX_FRAME_HEADER:
         return None
     end = SLOT_HEAD_BYTES + frame_len
+    if len(page) < end:  # only part of the header was read: not the frame expected
+        return None
     if xxhash.xxh3_64_intdigest(bytes(page[8:end])) != check:
         return None
     return seq, bytes(page[SLOT_HEAD_BYTES:end])
@@ -201,13 +203,13 @@ def read_slot(
     as a file's is checked: key, length, checksum, MAC); `touch`: non-zero to rewrite
     its header page with that sequence once read. CorruptBlock when it fails."""
     regions = _parts(dest)
-    page = bytearray(PAGE)
+    page = bytearray(SLOT_HEAD_BYTES + framer.header_bytes(key))  # the page's used part
     gap = room - sum(map(len, regions))
     parts = [*regions, memoryview(bytearray(gap)), memoryview(page)]
     index, offset = locate(place, room)
     fd = fds[index]
     got = os.preadv(fd, [p for p in parts if len(p)], offset)
-    if got < room + PAGE:
+    if got < room + len(page):
         raise CorruptBlock("slab slot was never written (past the slab's end)")
     sealed = unseal(page)
     if sealed is None:
