@@ -564,3 +564,44 @@ async def test_slab_files_are_private_whatever_the_umask(rig: Rig) -> None:
     for path in tier.slab_paths:
         assert path.stat().st_mode & 0o777 == 0o600, path
     assert tier.directory.stat().st_mode & 0o777 == 0o700
+
+
+class LentView(PrimaryView):
+    """A primary whose slots have no one geometry (as LMCache's lent objects): the core
+    takes each block's buffers one by one (`slab_write_items`, `slab_read_items`)."""
+
+    @property
+    def lanes(self) -> None:  # type: ignore[override]
+        return None
+
+
+async def test_blocks_lent_one_by_one_go_through_the_core_with_the_same_bytes(
+    tmp_path: Path, native_core: None
+) -> None:
+    block = 5000
+    keys = random_keys(9, random.Random(3))
+    made = {}
+    for engine in ("python", "native"):
+        view = LentView(bytearray(32 * block), block, "lent")
+        for slot, key in enumerate(keys):
+            view.block(slot)[:] = random.Random(key).randbytes(block)
+        config = NvmeTierConfig(
+            type="nvme", path=tmp_path / engine, capacity=16 * slabfile.slot_bytes(block),
+            layout="slab", io_engine=engine, fsync="always",
+        )  # fmt: skip
+        tier = NvmeTier(config, view)
+        assert isinstance(tier, SlabNvmeTier)
+        await tier.open()
+        assert not tier.describe()["batch_calls"]
+        long_key = b"L" * 5000
+        result = await tier.store(JobMetadata(1, (*keys, long_key), tuple(range(10))))
+        assert result.failed_keys == (long_key,) and "layout: files" in (result.error or "")
+        for slot in range(16, 25):
+            view.block(slot)[:] = bytes(block)
+        loaded = await tier.load(JobMetadata(2, tuple(keys), tuple(range(16, 25))))
+        assert loaded.ok, loaded.error
+        for i, key in enumerate(keys):
+            assert bytes(view.block(16 + i)) == random.Random(key).randbytes(block)
+        await tier.close()
+        made[engine] = slab_bytes(tier)
+    assert made["python"] == made["native"]

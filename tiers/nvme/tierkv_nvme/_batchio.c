@@ -1158,9 +1158,18 @@ static int parse_slab(Held *held, Py_ssize_t n, const int *fds, int nfds, Py_buf
         PyErr_SetString(PyExc_ValueError, "places and seqs: 8 bytes (u64) per key");
         return -1;
     }
-    if (n && (room <= 0 || room % PAGE || (size_t)room < held->items[0].payload_len)) {
-        PyErr_Format(PyExc_ValueError, "room %zd: a multiple of %d that holds the payload", room, PAGE);
+    if (room <= 0 || room % PAGE) {
+        PyErr_Format(PyExc_ValueError, "room %zd: a positive multiple of %d", room, PAGE);
         return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const Item *item = &held->items[i];
+        if ((size_t)room < item->payload_len ||
+            FIXED_HEADER_BYTES + item->key_len > PAGE - SLOT_HEAD_BYTES) {
+            PyErr_Format(PyExc_ValueError, "block %zd: its payload does not fit a slot's room "
+                         "of %zd or its key a slot's header page", i, room);
+            return -1;
+        }
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t place = get_le((const unsigned char *)places->buf + 8 * i, 8);
@@ -1177,6 +1186,59 @@ static int parse_slab(Held *held, Py_ssize_t n, const int *fds, int nfds, Py_buf
     return 0;
 }
 
+/* Run a parsed slab call (GIL released while the blocks move): writes' codes, with one
+ * fdatasync per file written when `fsync` (its failure fails that file's blocks), or
+ * reads' (codes, details). Releases the buffers it was given. */
+static PyObject *slab_run(Held *held, Py_ssize_t n, const int *fds, int nfds, Py_buffer *places,
+                          Py_buffer *seqs, Py_ssize_t room, Py_ssize_t num_places,
+                          unsigned long long ns_hash, int fsync, int threads, int reads) {
+    PyObject *result = NULL;
+    if (parse_slab(held, n, fds, nfds, places, seqs, room, num_places) != 0)
+        return NULL;
+    Batch batch = {held->items, (size_t)n, 0, ns_hash, fsync, 1, (size_t)room};
+    threads = clamp_threads(threads, batch.n);
+    Py_BEGIN_ALLOW_THREADS
+    run_threads(reads ? slab_read_worker : slab_write_worker, &batch, threads);
+    for (int f = 0; !reads && fsync && f < nfds; f++) { /* each file a block was written to */
+        size_t i = 0;
+        while (i < batch.n && (held->items[i].fd != fds[f] || held->items[i].code))
+            i++;
+        if (i == batch.n || fdatasync(fds[f]) == 0)
+            continue;
+        long err = -errno;
+        for (i = 0; i < batch.n; i++)
+            if (held->items[i].fd == fds[f] && held->items[i].code == 0)
+                held->items[i].code = err;
+    }
+    Py_END_ALLOW_THREADS
+    if (reads)
+        return outcomes_of(held, batch.n);
+    result = PyList_New(n);
+    for (Py_ssize_t i = 0; result && i < n; i++) {
+        PyObject *code = PyLong_FromLong(held->items[i].code);
+        if (code == NULL)
+            Py_CLEAR(result);
+        else
+            PyList_SET_ITEM(result, i, code);
+    }
+    return result;
+}
+
+/* A slab call's tail arguments: places, seqs (b"" for none), room, num_places, ns_hash. */
+#define SLAB_TAIL "y*y*nnK"
+
+static void slab_release(Held *held, Py_buffer *places, Py_buffer *seqs) {
+    held_release(held);
+    PyBuffer_Release(places);
+    PyBuffer_Release(seqs);
+}
+
+/* seqs of b"": none (reads without touches). */
+static void no_empty_seqs(Py_buffer *seqs) {
+    if (seqs->obj != NULL && seqs->len == 0)
+        seqs->buf = NULL;
+}
+
 PyDoc_STRVAR(slab_write_doc,
 "slab_write(fds, keys, lanes, slots, num_blocks, places, seqs, room, num_places, ns_hash,\n"
 "           fsync, threads) -> list[int]\n\n"
@@ -1189,90 +1251,95 @@ PyDoc_STRVAR(slab_write_doc,
 
 static PyObject *py_slab_write(PyObject *self, PyObject *args) {
     int fsync, threads, fds[MAX_SLAB_FILES], nfds;
-    PyObject *files, *keys, *lanes, *slots;
+    PyObject *files, *keys, *lanes, *slots, *result = NULL;
     Py_buffer places = {0}, seqs = {0};
     Py_ssize_t num_blocks, room, num_places;
     unsigned long long ns_hash;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!ny*y*nnKpi", &PyTuple_Type, &files, &PyList_Type, &keys,
-                          &PyTuple_Type, &lanes, &PyList_Type, &slots, &num_blocks, &places,
-                          &seqs, &room, &num_places, &ns_hash, &fsync, &threads))
+    if (!PyArg_ParseTuple(args, "O!O!O!O!n" SLAB_TAIL "pi", &PyTuple_Type, &files, &PyList_Type,
+                          &keys, &PyTuple_Type, &lanes, &PyList_Type, &slots, &num_blocks,
+                          &places, &seqs, &room, &num_places, &ns_hash, &fsync, &threads))
         return NULL;
     Held held = {0};
-    PyObject *result = NULL;
-    Py_ssize_t n = PyList_GET_SIZE(keys);
     if ((nfds = parse_fds(files, fds)) > 0 &&
-        parse_batch(&held, -1, keys, lanes, slots, num_blocks, Py_None, 0, 0) == 0 &&
-        parse_slab(&held, n, fds, nfds, &places, &seqs, room, num_places) == 0) {
-        Batch batch = {held.items, (size_t)n, 0, ns_hash, fsync, 1, (size_t)room};
-        threads = clamp_threads(threads, batch.n);
-        Py_BEGIN_ALLOW_THREADS
-        run_threads(slab_write_worker, &batch, threads);
-        for (int f = 0; fsync && f < nfds; f++) { /* each file a block was written to */
-            size_t i = 0;
-            while (i < batch.n && (held.items[i].fd != fds[f] || held.items[i].code))
-                i++;
-            if (i == batch.n || fdatasync(fds[f]) == 0)
-                continue;
-            long err = -errno;
-            for (i = 0; i < batch.n; i++)
-                if (held.items[i].fd == fds[f] && held.items[i].code == 0)
-                    held.items[i].code = err;
-        }
-        Py_END_ALLOW_THREADS
-        result = PyList_New(n);
-        for (Py_ssize_t i = 0; result && i < n; i++) {
-            PyObject *code = PyLong_FromLong(held.items[i].code);
-            if (code == NULL)
-                Py_CLEAR(result);
-            else
-                PyList_SET_ITEM(result, i, code);
-        }
-    }
-    held_release(&held);
-    PyBuffer_Release(&places);
-    PyBuffer_Release(&seqs);
+        parse_batch(&held, -1, keys, lanes, slots, num_blocks, Py_None, 0, 0) == 0)
+        result = slab_run(&held, PyList_GET_SIZE(keys), fds, nfds, &places, &seqs, room,
+                          num_places, ns_hash, fsync, threads, 0);
+    slab_release(&held, &places, &seqs);
+    return result;
+}
+
+PyDoc_STRVAR(slab_write_items_doc,
+"slab_write_items(fds, items, places, seqs, room, num_places, ns_hash, fsync, threads)\n"
+"    -> list[int]\n\n"
+"slab_write for blocks lent one by one: items is a list of (-1, b'', b'', key, payload),\n"
+"payload a buffer or a tuple of buffers (write_blocks' items, no directory or name).");
+
+static PyObject *py_slab_write_items(PyObject *self, PyObject *args) {
+    int fsync, threads, fds[MAX_SLAB_FILES], nfds;
+    PyObject *files, *items, *result = NULL;
+    Py_buffer places = {0}, seqs = {0};
+    Py_ssize_t room, num_places;
+    unsigned long long ns_hash;
+    if (!PyArg_ParseTuple(args, "O!O!" SLAB_TAIL "pi", &PyTuple_Type, &files, &PyList_Type, &items,
+                          &places, &seqs, &room, &num_places, &ns_hash, &fsync, &threads))
+        return NULL;
+    Held held = {0};
+    if ((nfds = parse_fds(files, fds)) > 0 && parse_items(items, &held, 0) == 0)
+        result = slab_run(&held, PyList_GET_SIZE(items), fds, nfds, &places, &seqs, room,
+                          num_places, ns_hash, fsync, threads, 0);
+    slab_release(&held, &places, &seqs);
     return result;
 }
 
 PyDoc_STRVAR(slab_read_doc,
 "slab_read(fds, keys, lanes, slots, num_blocks, places, seqs, room, num_places, ns_hash,\n"
 "          threads) -> (list[int], dict[int, tuple[int, bytes]])\n\n"
-"Each keys[i] from slab slot places[i] (as slab_write's) into slot slots[i] of `lanes`, checked\n"
-"(the slot's header, then the frame as read_batch checks it); seqs: b'' or a u64 per\n"
-"key, non-zero to rewrite the slot's header with that sequence once read (a touch).\n"
-"Outcomes as read_batch's, CORRUPT_SLOT for a slot whose own header fails.");
+"Each keys[i] from slab slot places[i] (as slab_write's) into slot slots[i] of `lanes`,\n"
+"checked (the slot's header, then the frame as read_batch checks it); seqs: b'' or a\n"
+"u64 per key, non-zero to rewrite the slot's header with that sequence once read (a\n"
+"touch). Outcomes as read_batch's, CORRUPT_SLOT for a slot whose own header fails.");
 
 static PyObject *py_slab_read(PyObject *self, PyObject *args) {
     int threads, fds[MAX_SLAB_FILES], nfds;
-    PyObject *files, *keys, *lanes, *slots;
+    PyObject *files, *keys, *lanes, *slots, *result = NULL;
     Py_buffer places = {0}, seqs = {0};
     Py_ssize_t num_blocks, room, num_places;
     unsigned long long ns_hash;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!ny*y*nnKi", &PyTuple_Type, &files, &PyList_Type, &keys,
-                          &PyTuple_Type, &lanes, &PyList_Type, &slots, &num_blocks, &places,
-                          &seqs, &room, &num_places, &ns_hash, &threads))
+    if (!PyArg_ParseTuple(args, "O!O!O!O!n" SLAB_TAIL "i", &PyTuple_Type, &files, &PyList_Type,
+                          &keys, &PyTuple_Type, &lanes, &PyList_Type, &slots, &num_blocks,
+                          &places, &seqs, &room, &num_places, &ns_hash, &threads))
         return NULL;
-    if (seqs.len == 0) {
-        PyBuffer_Release(&seqs);
-        seqs.buf = NULL;
-    }
+    no_empty_seqs(&seqs);
     Held held = {0};
-    PyObject *result = NULL;
-    Py_ssize_t n = PyList_GET_SIZE(keys);
     if ((nfds = parse_fds(files, fds)) > 0 &&
-        parse_batch(&held, -1, keys, lanes, slots, num_blocks, Py_None, 1, 0) == 0 &&
-        parse_slab(&held, n, fds, nfds, &places, &seqs, room, num_places) == 0) {
-        Batch batch = {held.items, (size_t)n, 0, ns_hash, 0, 1, (size_t)room};
-        threads = clamp_threads(threads, batch.n);
-        Py_BEGIN_ALLOW_THREADS
-        run_threads(slab_read_worker, &batch, threads);
-        Py_END_ALLOW_THREADS
-        result = outcomes_of(&held, batch.n);
-    }
-    held_release(&held);
-    PyBuffer_Release(&places);
-    if (seqs.buf != NULL)
-        PyBuffer_Release(&seqs);
+        parse_batch(&held, -1, keys, lanes, slots, num_blocks, Py_None, 1, 0) == 0)
+        result = slab_run(&held, PyList_GET_SIZE(keys), fds, nfds, &places, &seqs, room,
+                          num_places, ns_hash, 0, threads, 1);
+    slab_release(&held, &places, &seqs);
+    return result;
+}
+
+PyDoc_STRVAR(slab_read_items_doc,
+"slab_read_items(fds, items, places, seqs, room, num_places, ns_hash, threads)\n"
+"    -> (list[int], dict[int, tuple[int, bytes]])\n\n"
+"slab_read for blocks lent one by one: items is a list of (-1, b'', key, dest, False),\n"
+"dest a writable buffer or a tuple of them (read_blocks' items, no directory or name).");
+
+static PyObject *py_slab_read_items(PyObject *self, PyObject *args) {
+    int threads, fds[MAX_SLAB_FILES], nfds;
+    PyObject *files, *items, *result = NULL;
+    Py_buffer places = {0}, seqs = {0};
+    Py_ssize_t room, num_places;
+    unsigned long long ns_hash;
+    if (!PyArg_ParseTuple(args, "O!O!" SLAB_TAIL "i", &PyTuple_Type, &files, &PyList_Type, &items,
+                          &places, &seqs, &room, &num_places, &ns_hash, &threads))
+        return NULL;
+    no_empty_seqs(&seqs);
+    Held held = {0};
+    if ((nfds = parse_fds(files, fds)) > 0 && parse_items(items, &held, 1) == 0)
+        result = slab_run(&held, PyList_GET_SIZE(items), fds, nfds, &places, &seqs, room,
+                          num_places, ns_hash, 0, threads, 1);
+    slab_release(&held, &places, &seqs);
     return result;
 }
 
@@ -1421,6 +1488,8 @@ static PyMethodDef methods[] = {
     {"read_batch", py_read_batch, METH_VARARGS, read_batch_doc},
     {"slab_write", py_slab_write, METH_VARARGS, slab_write_doc},
     {"slab_read", py_slab_read, METH_VARARGS, slab_read_doc},
+    {"slab_write_items", py_slab_write_items, METH_VARARGS, slab_write_items_doc},
+    {"slab_read_items", py_slab_read_items, METH_VARARGS, slab_read_items_doc},
     {"beneath_works", py_beneath_works, METH_VARARGS,
      "beneath_works(dir_fd=-1) -> bool: whether the batch calls can open below a directory\n"
      "(openat2); with dir_fd, tried on it first (a refusal turns the batch calls off)."},

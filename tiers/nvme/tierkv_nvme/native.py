@@ -341,6 +341,64 @@ def slab_read(
     return outcomes
 
 
+def slab_write_items(
+    fds: tuple[int, ...],
+    items: Sequence[tuple[OffloadKey, Slot]],
+    framer: Framer,
+    places: bytes,
+    seqs: bytes,
+    room: int,
+    num_places: int,
+    *,
+    fsync: bool,
+    threads: int | None = None,
+) -> list[Exception | None]:
+    """`slab_write` for blocks lent one by one (a primary with no one geometry, such as
+    LMCache's objects): (key, payload) each, payload a buffer or regions. Keys must fit
+    a slot's header page (`slabfile.MAX_FRAME_HEADER`)."""
+    if framer.mac:
+        raise ValueError("frames with a MAC are written by slabfile.write_slots")
+    core = _core_or_raise()
+    batch = [(-1, b"", b"", bytes(key), payload) for key, payload in items]
+    wanted = default_threads(len(batch)) if threads is None else threads
+    codes = core.slab_write_items(
+        fds, batch, places, seqs, room, num_places, framer.namespace_tag, fsync, wanted
+    )
+    return [_os_error(-code, ("slab",)) if code else None for code in codes]
+
+
+def slab_read_items(
+    fds: tuple[int, ...],
+    items: Sequence[tuple[OffloadKey, Slot]],
+    framer: Framer,
+    places: bytes,
+    seqs: bytes,
+    room: int,
+    num_places: int,
+    *,
+    threads: int | None = None,
+) -> list[Exception | None]:
+    """`slab_read` for blocks lent one by one: (key, dest) each. Outcomes as
+    `slab_read`'s."""
+    if framer.mac:
+        raise ValueError("frames with a MAC are read by slabfile.read_slots")
+    core = _core_or_raise()
+    batch = [(-1, b"", bytes(key), dest, False) for key, dest in items]
+    wanted = default_threads(len(batch)) if threads is None else threads
+    codes, details = core.slab_read_items(
+        fds, batch, places, seqs, room, num_places, framer.namespace_tag, wanted
+    )
+    outcomes: list[Exception | None] = [None] * len(batch)
+    for i, code in enumerate(codes):
+        if code < 0:
+            outcomes[i] = _os_error(-code, ("slab",))
+        elif code > 0:
+            got, head = details[i]
+            key, dest = items[i]
+            outcomes[i] = _corrupt(code, got, head, key, dest, framer)
+    return outcomes
+
+
 def _corrupt(
     code: int, got: int, head: bytes, key: OffloadKey, dest: Slot, framer: Framer
 ) -> CorruptBlock:
@@ -382,7 +440,9 @@ __all__ = [
     "read_blocks",
     "reason",
     "slab_read",
+    "slab_read_items",
     "slab_write",
+    "slab_write_items",
     "write_batch",
     "write_blocks",
 ]

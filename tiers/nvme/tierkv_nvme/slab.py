@@ -24,10 +24,12 @@ What the slots change:
 - Loads refresh recency across restarts by rewriting the slot's header page with a new
   sequence (as often as the file layout's mtime refresh: `blockfile.TOUCH_AFTER_NS`).
   The rebuild orders blocks by sequence and keeps the newest copy of a key.
-- The compiled core moves a chunk in one call (`native.slab_write`/`slab_read`) when
+- The compiled core moves a chunk in one call: `native.slab_write`/`slab_read` when
   the primary has one geometry (`PrimaryView.lanes`) and every key is at most 100
-  bytes; else the Python path (`slabfile.write_slots`/`read_slots`), which also signs
-  (`mac_key_env`). Either writes the same bytes.
+  bytes, with no Python per block; else `slab_write_items`/`slab_read_items`, the
+  blocks' buffers handed over one by one (LMCache's lent objects). The Python path
+  (`slabfile.write_slots`/`read_slots`) is for `io_engine: python` and signed frames
+  (`mac_key_env`). Each writes the same bytes.
 - A key longer than a slot's header page holds (about 4 KiB) fails its store with a
   message naming `layout: files`.
 - Block files of the file layout found at `open` move into free slots
@@ -46,7 +48,7 @@ import logging
 import os
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tierkv.contract.units import format_size
@@ -341,8 +343,39 @@ class SlabNvmeTier(NvmeTier):
                 threads=self._core_threads(len(keys)),
             )
         payload = self.primary.payload
+        if self._io_engine == "native":  # blocks lent one by one (LMCache's objects)
+            return self._in_core(keys, places, lambda fit: native.slab_write_items(
+                self._slab_fds, [(k, payload(slots[i])) for i, k in fit], self.framer,
+                array("Q", [places[i] for i, _k in fit]).tobytes(),
+                array("Q", [seqs[i] for i, _k in fit]).tobytes(), self._room, self._places,
+                fsync=fsync, threads=self._core_threads(len(fit)),
+            ))  # fmt: skip
         items = [(p, k, payload(s), q) for p, k, s, q in zip(places, keys, slots, seqs)]
         return slabfile.write_slots(self._slab_fds, items, self._room, self.framer, fsync=fsync)
+
+    def _in_core(
+        self,
+        keys: Sequence[OffloadKey],
+        places: Sequence[int],
+        call: Callable[[list[tuple[int, OffloadKey]]], list[Exception | None]],
+    ) -> list[Exception | None]:
+        """`call` the core's per-item slab calls with the (index, key) of every key
+        whose frame header fits a slot's header page; the others fail, naming
+        `layout: files` (`slabfile.seal`'s message)."""
+        outcomes: list[Exception | None] = [None] * len(keys)
+        fit: list[tuple[int, OffloadKey]] = []
+        for i, key in enumerate(keys):
+            if self.framer.header_bytes(key) > slabfile.MAX_FRAME_HEADER:
+                try:
+                    slabfile.seal(bytes(self.framer.header_bytes(key)), 0)
+                except ValueError as exc:
+                    outcomes[i] = exc
+            else:
+                fit.append((i, key))
+        if fit:
+            for (i, _key), outcome in zip(fit, call(fit)):
+                outcomes[i] = outcome
+        return outcomes
 
     def _read_files(
         self,
@@ -377,6 +410,13 @@ class SlabNvmeTier(NvmeTier):
                 threads=self._core_threads(len(keys)),
             )
         payload = self.primary.payload
+        if self._io_engine == "native":  # blocks lent one by one (LMCache's objects)
+            return self._in_core(keys, places, lambda fit: native.slab_read_items(
+                self._slab_fds, [(k, payload(slots[i])) for i, k in fit], self.framer,
+                array("Q", [places[i] for i, _k in fit]).tobytes(),
+                array("Q", [seqs[i] for i, _k in fit]).tobytes() if any(touch) else b"",
+                self._room, self._places, threads=self._core_threads(len(fit)),
+            ))  # fmt: skip
         items = [(p, k, payload(s), q) for p, k, s, q in zip(places, keys, slots, seqs)]
         return slabfile.read_slots(self._slab_fds, items, self._room, self.framer)
 
