@@ -3,7 +3,8 @@
 Store then load N blocks (8,192, or 512 MiB of large ones) in jobs of 128 blocks (8 of
 8 MiB), 4 jobs at once, the slab filled with data first, `fsync: never`, `io_engine:
 auto`; under /dev/shm the loads read the page cache, elsewhere the files are synced
-and dropped from it first (cold loads). It imports only what every tree since the
+and dropped from it first (cold loads). Each tree's default layout (slab since
+2026-11-29, a file per block before). It imports only what every tree since the
 nvme tier's jobs API has, so the same file measures an older checkout:
 
     for tree in /path/to/old /path/to/new; do
@@ -70,7 +71,9 @@ async def main(kib, where, label):
     s = await run("store")
     if not where.startswith("/dev/shm"):  # cold loads from the disk
         os.sync()
-        for p in path.rglob("*.blk"):
+        for p in path.rglob("*"):  # block files or slab files
+            if not p.is_file() or not p.name.endswith((".blk", ".kvslab")):
+                continue
             fd = os.open(p, os.O_RDONLY)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)

@@ -1343,6 +1343,138 @@ static PyObject *py_slab_read_items(PyObject *self, PyObject *args) {
     return result;
 }
 
+
+PyDoc_STRVAR(slab_scan_doc,
+"slab_scan(fd, index, files, room, ns_hash, block_bytes) -> (list[tuple[int, int, bytes]], int)\n\n"
+"slabfile.scan for unsigned frames: every slot of slab file `index` (of `files`) whose\n"
+"header page is whole and names a block of this namespace and size, as (place, seq,\n"
+"key); and the count of slots whose header is whole but whose frame header fails.\n"
+"Holes (slots never written) are skipped with SEEK_DATA. The GIL is released.");
+
+typedef struct {
+    uint64_t place, seq;
+    size_t key_at, key_len;
+} Found;
+
+static PyObject *py_slab_scan(PyObject *self, PyObject *args) {
+    int fd, index, files;
+    Py_ssize_t room, block_bytes;
+    unsigned long long ns_hash;
+    if (!PyArg_ParseTuple(args, "iiinKn", &fd, &index, &files, &room, &ns_hash, &block_bytes))
+        return NULL;
+    if (room <= 0 || room % PAGE || files < 1 || index < 0 || index >= files) {
+        PyErr_SetString(PyExc_ValueError, "room: a positive PAGE multiple; 0 <= index < files");
+        return NULL;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    size_t slot_bytes = (size_t)room + PAGE;
+    uint64_t slots = st.st_size > PAGE ? (uint64_t)(st.st_size - PAGE) / slot_bytes : 0;
+    Found *found = NULL;
+    unsigned char *keys = NULL, *page = NULL;
+    size_t nfound = 0, cap = 0, keys_used = 0, keys_cap = 0;
+    long bad = 0;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    page = aligned_alloc(PAGE, PAGE);
+    if (page == NULL)
+        err = ENOMEM;
+    for (uint64_t slot = 0; !err && slot < slots;) {
+        off_t head = (off_t)(PAGE + slot * slot_bytes + (size_t)room);
+        ssize_t got = pread(fd, page, PAGE, head);
+        if (got < 0) {
+            if (errno == EINTR)
+                continue;
+            err = errno;
+            break;
+        }
+        if (got < PAGE)
+            break;
+        if (memcmp(page + 8, SLOT_MAGIC, 8) != 0) {
+            int hole = 1;
+            for (int i = 0; i < SLOT_HEAD_BYTES; i++)
+                hole &= page[i] == 0;
+            if (hole) { /* never written: go to the next slot with data */
+                off_t data = lseek(fd, head + PAGE, SEEK_DATA);
+                if (data < 0)
+                    break; /* ENXIO: no data past here */
+                uint64_t next = data > PAGE ? (uint64_t)(data - PAGE) / slot_bytes : 0;
+                slot = next > slot ? next : slot + 1;
+                continue;
+            }
+            slot++;
+            continue;
+        }
+        size_t frame_len = (size_t)get_le(page + 24, 4);
+        if (!slot_holds(page, frame_len)) {
+            slot++;
+            continue;
+        }
+        const unsigned char *h = page + SLOT_HEAD_BYTES;
+        size_t key_len = frame_len - FIXED_HEADER_BYTES;
+        if (memcmp(h, MAGIC, 4) != 0 || get_le(h + 4, 2) != FORMAT_VERSION ||
+            get_le(h + 6, 2) != 0 || get_le(h + 8, 8) != ns_hash ||
+            get_le(h + 16, 8) != (uint64_t)block_bytes || get_le(h + 32, 2) != key_len ||
+            key_len == 0) {
+            bad++;
+            slot++;
+            continue;
+        }
+        if (nfound == cap) {
+            cap = cap ? 2 * cap : 1024;
+            Found *more = realloc(found, cap * sizeof *found);
+            if (more == NULL) {
+                err = ENOMEM;
+                break;
+            }
+            found = more;
+        }
+        if (keys_used + key_len > keys_cap) {
+            keys_cap = (keys_cap ? 2 * keys_cap : 65536) + key_len;
+            unsigned char *more = realloc(keys, keys_cap);
+            if (more == NULL) {
+                err = ENOMEM;
+                break;
+            }
+            keys = more;
+        }
+        memcpy(keys + keys_used, h + FIXED_HEADER_BYTES, key_len);
+        found[nfound].place = slot * (uint64_t)files + (uint64_t)index;
+        found[nfound].seq = get_le(page + 16, 8);
+        found[nfound].key_at = keys_used;
+        found[nfound].key_len = key_len;
+        keys_used += key_len;
+        nfound++;
+        slot++;
+    }
+    free(page);
+    Py_END_ALLOW_THREADS
+    PyObject *list = NULL, *result = NULL;
+    if (err) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
+    list = PyList_New((Py_ssize_t)nfound);
+    for (size_t i = 0; list && i < nfound; i++) {
+        PyObject *one = Py_BuildValue("(KKy#)", (unsigned long long)found[i].place,
+                                      (unsigned long long)found[i].seq,
+                                      (const char *)keys + found[i].key_at,
+                                      (Py_ssize_t)found[i].key_len);
+        if (one == NULL)
+            Py_CLEAR(list);
+        else
+            PyList_SET_ITEM(list, (Py_ssize_t)i, one);
+    }
+    if (list != NULL)
+        result = Py_BuildValue("(Nl)", list, bad);
+done:
+    free(found);
+    free(keys);
+    return result;
+}
+
 /* -- the native reference: the same block files, plain C ----------------------------- */
 
 /* What a per-block data path can reach on this machine's filesystem, measured in the
@@ -1489,6 +1621,7 @@ static PyMethodDef methods[] = {
     {"slab_write", py_slab_write, METH_VARARGS, slab_write_doc},
     {"slab_read", py_slab_read, METH_VARARGS, slab_read_doc},
     {"slab_write_items", py_slab_write_items, METH_VARARGS, slab_write_items_doc},
+    {"slab_scan", py_slab_scan, METH_VARARGS, slab_scan_doc},
     {"slab_read_items", py_slab_read_items, METH_VARARGS, slab_read_items_doc},
     {"beneath_works", py_beneath_works, METH_VARARGS,
      "beneath_works(dir_fd=-1) -> bool: whether the batch calls can open below a directory\n"

@@ -37,6 +37,7 @@ from tierkv.tier import CorruptBlock, Lane, OffloadKey, PrimaryView, TierUnavail
 from tierkv_nvme.blockfile import ReadItem, RelPath, Slot
 from tierkv_nvme.dirs import Leaves, no_link
 from tierkv_nvme.layout import MAX_HEX_KEY_BYTES, block_relpath, temp_name
+from tierkv_nvme.slabfile import SLAB_FILES, FoundSlot
 
 _core: ModuleType | None
 try:  # by name: "No module named ..." rather than a "partially initialized" package
@@ -399,6 +400,20 @@ def slab_read_items(
     return outcomes
 
 
+def slab_scan(
+    fd: int, index: int, room: int, framer: Framer, block_bytes: int
+) -> tuple[list[FoundSlot], int]:
+    """`slabfile.scan` in the core, the GIL released: one `pread` of a header page per
+    slot, no Python per slot but the result's. Unsigned frames only (a signing tier's
+    frames are checked by `slabfile.scan`, which knows MACs and key ids)."""
+    if framer.mac:
+        raise ValueError("frames with a MAC are scanned by slabfile.scan")
+    found, bad = _core_or_raise().slab_scan(
+        fd, index, SLAB_FILES, room, framer.namespace_tag, block_bytes
+    )
+    return [FoundSlot(place, seq, key) for place, seq, key in found], bad
+
+
 def _corrupt(
     code: int, got: int, head: bytes, key: OffloadKey, dest: Slot, framer: Framer
 ) -> CorruptBlock:
@@ -441,6 +456,7 @@ __all__ = [
     "reason",
     "slab_read",
     "slab_read_items",
+    "slab_scan",
     "slab_write",
     "slab_write_items",
     "write_batch",

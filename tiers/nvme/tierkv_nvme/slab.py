@@ -202,9 +202,10 @@ class SlabNvmeTier(NvmeTier):
 
     async def _scan(self) -> ScanResult:
         found = _SlabScan([], 0)
+        scan = native.slab_scan if self._io_engine == "native" else slabfile.scan
         for index, fd in enumerate(self._slab_fds):
             slots, bad = await in_thread(
-                slabfile.scan, fd, index, self._room, self.framer, self.primary.block_bytes
+                scan, fd, index, self._room, self.framer, self.primary.block_bytes
             )
             found.slots += slots
             found.bad += bad
