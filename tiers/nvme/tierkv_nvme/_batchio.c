@@ -1397,8 +1397,12 @@ static PyObject *py_slab_scan(PyObject *self, PyObject *args) {
                 hole &= page[i] == 0;
             if (hole) { /* never written: go to the next slot with data */
                 off_t data = lseek(fd, head + PAGE, SEEK_DATA);
-                if (data < 0)
-                    break; /* ENXIO: no data past here */
+                if (data < 0 && errno == ENXIO)
+                    break; /* no data past here */
+                if (data < 0) { /* SEEK_DATA unsupported here: the next slot */
+                    slot++;
+                    continue;
+                }
                 uint64_t next = data > PAGE ? (uint64_t)(data - PAGE) / slot_bytes : 0;
                 slot = next > slot ? next : slot + 1;
                 continue;

@@ -331,8 +331,10 @@ def scan(
             if not any(page[:SLOT_HEAD_BYTES]):  # never written: skip the hole after it
                 try:
                     data = os.lseek(fd, head + PAGE, os.SEEK_DATA)
-                except OSError:  # ENXIO: no data past here
-                    break
+                except OSError as exc:
+                    if exc.errno == errno.ENXIO:  # no data past here
+                        break
+                    data = head + PAGE  # SEEK_DATA unsupported here: the next slot
                 slot = max(slot + 1, (data - PAGE) // (room + PAGE))
                 continue
             slot += 1
