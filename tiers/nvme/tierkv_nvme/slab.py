@@ -77,7 +77,7 @@ class _Places(list[int]):
 
 
 class SlabNvmeTier(NvmeTier):
-    """Blocks in the slots of `<path>/<namespace>/slots.kvslab`, LRU-evicted past
+    """Blocks in the slots of `<path>/<namespace>/slots-NN.kvslab`, LRU-evicted past
     `capacity // slot_bytes` slots."""
 
     def __init__(self, config: TierConfig, primary: PrimaryView) -> None:
@@ -126,7 +126,7 @@ class SlabNvmeTier(NvmeTier):
 
     # -- life cycle ---------------------------------------------------------------
     def _batch_lanes(self) -> tuple[Lane, ...] | None:
-        """The slab calls need no `openat2`: one descriptor, kept open."""
+        """The slab calls need no `openat2`: the slab files' descriptors stay open."""
         return self.primary.lanes if self._io_engine == "native" else None
 
     def _take_directory(self) -> int:
