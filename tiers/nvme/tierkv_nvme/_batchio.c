@@ -1077,7 +1077,8 @@ static long slab_write_one(const Batch *batch, Item *item, unsigned char *page) 
 /* Read one slot into the item's regions and check it; a touch (item->seq) rewrites its
  * header page with the new sequence (a failed touch fails nothing). The frame header
  * read is copied to item->head (for the caller's message on a failed check). */
-static long slab_read_one(const Batch *batch, Item *item, unsigned char *page, unsigned char *pad) {
+static long slab_read_one(const Batch *batch, Item *item, unsigned char *page, unsigned char *pad,
+                          int nowait) {
     struct iovec local[16];
     int n;
     size_t frame_len = FIXED_HEADER_BYTES + item->key_len;
@@ -1085,9 +1086,15 @@ static long slab_read_one(const Batch *batch, Item *item, unsigned char *page, u
     struct iovec *iov = slot_iov(batch, item, pad, page, want, local, &n);
     if (iov == NULL)
         return -ENOMEM;
-    ssize_t got = read_all(item->fd, iov, n, item->offset, 0);
+    ssize_t got = read_all(item->fd, iov, n, item->offset, nowait ? RWF_NOWAIT : 0);
     if (iov != local)
         free(iov);
+    if (nowait && (got == -EAGAIN || (got >= 0 && (size_t)got < batch->room + want)))
+        return NOT_CACHED; /* not all in the page cache (or past the end): read it plainly */
+    if (nowait && (got == -EOPNOTSUPP || got == -EINVAL)) {
+        atomic_store(&nowait_works, 0);
+        return NOT_CACHED;
+    }
     if (got < 0)
         return got;
     item->got = got;
@@ -1107,29 +1114,58 @@ static long slab_read_one(const Batch *batch, Item *item, unsigned char *page, u
     return code;
 }
 
-static void *slab_worker(void *arg, int reads) {
-    Batch *batch = arg;
-    unsigned char *page = aligned_alloc(PAGE, 2 * PAGE);
-    size_t i;
-    while ((i = atomic_fetch_add(&batch->next, 1)) < batch->n) {
-        Item *item = &batch->items[i];
-        if (page == NULL)
-            item->code = -ENOMEM;
-        else if (reads)
-            item->code = slab_read_one(batch, item, page, page + PAGE);
-        else
-            item->code = slab_write_one(batch, item, page);
+/* Read blocks [first, end) of a slab call, as read_group does files: each at once if
+ * the page cache holds its slot whole (RWF_NOWAIT); from the first it does not, advise
+ * the rest's slots together (POSIX_FADV_WILLNEED: the slab files are FADV_RANDOM, so
+ * nothing else is read ahead) and read them, so the disk works on all at once. */
+static void slab_read_group(const Batch *batch, size_t first, size_t end, unsigned char *page,
+                            unsigned char *pad) {
+    size_t cold[PREFETCH_BLOCKS];
+    size_t ncold = 0;
+    int cached = atomic_load(&nowait_works);
+    for (size_t i = first; i < end; i++) {
+        long code = cached ? slab_read_one(batch, &batch->items[i], page, pad, 1) : NOT_CACHED;
+        if (code == NOT_CACHED) {
+            cold[ncold++] = i;
+            cached = 0; /* the rest is likely cold too: advised and read with it */
+        } else {
+            batch->items[i].code = code;
+        }
     }
+    if (ncold > 1)
+        for (size_t c = 0; c < ncold; c++) {
+            const Item *item = &batch->items[cold[c]];
+            posix_fadvise(item->fd, item->offset, (off_t)(batch->room + PAGE), POSIX_FADV_WILLNEED);
+        }
+    for (size_t c = 0; c < ncold; c++)
+        batch->items[cold[c]].code = slab_read_one(batch, &batch->items[cold[c]], page, pad, 0);
+}
+
+static void *slab_write_worker(void *arg) {
+    Batch *batch = arg;
+    unsigned char *page = aligned_alloc(PAGE, PAGE);
+    size_t i;
+    while ((i = atomic_fetch_add(&batch->next, 1)) < batch->n)
+        batch->items[i].code = page ? slab_write_one(batch, &batch->items[i], page) : -ENOMEM;
     free(page);
     return NULL;
 }
 
-static void *slab_write_worker(void *arg) {
-    return slab_worker(arg, 0);
-}
-
 static void *slab_read_worker(void *arg) {
-    return slab_worker(arg, 1);
+    Batch *batch = arg;
+    unsigned char *page = aligned_alloc(PAGE, 2 * PAGE);
+    size_t g;
+    while ((g = atomic_fetch_add(&batch->next, 1)) * batch->group < batch->n) {
+        size_t first = g * batch->group;
+        size_t end = first + batch->group < batch->n ? first + batch->group : batch->n;
+        if (page == NULL)
+            for (size_t i = first; i < end; i++)
+                batch->items[i].code = -ENOMEM;
+        else
+            slab_read_group(batch, first, end, page, page + PAGE);
+    }
+    free(page);
+    return NULL;
 }
 
 #define MAX_SLAB_FILES 256
@@ -1197,6 +1233,10 @@ static PyObject *slab_run(Held *held, Py_ssize_t n, const int *fds, int nfds, Py
         return NULL;
     Batch batch = {held->items, (size_t)n, 0, ns_hash, fsync, 1, (size_t)room};
     threads = clamp_threads(threads, batch.n);
+    if (reads) { /* groups of PREFETCH_BLOCKS, smaller when that gives each thread one */
+        size_t share = (batch.n + (size_t)threads - 1) / (size_t)threads;
+        batch.group = share < PREFETCH_BLOCKS ? (share ? share : 1) : PREFETCH_BLOCKS;
+    }
     Py_BEGIN_ALLOW_THREADS
     run_threads(reads ? slab_read_worker : slab_write_worker, &batch, threads);
     for (int f = 0; !reads && fsync && f < nfds; f++) { /* each file a block was written to */
