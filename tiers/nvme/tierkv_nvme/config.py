@@ -52,8 +52,9 @@ class NvmeTierConfig(TierConfig):
     )
     capacity: Size = Field(
         gt=0,
-        description="disk bytes this tier may fill (each block file counted rounded up "
-        "to the filesystem block); past it the least recently used blocks are deleted. "
+        description="disk bytes this tier may fill (slab: a slot per block, the block "
+        "rounded up to 4 KiB plus a 4 KiB header page; files: each block file counted "
+        "rounded up to the filesystem block); past it the least recently used blocks go. "
         "With `paths`, the whole tier's: each directory takes an even share",
     )
     eviction: Literal["lru"] = Field(
