@@ -15,8 +15,13 @@ import errno
 import itertools
 import os
 import random
+import select
+import signal
+import subprocess
+import sys
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -141,6 +146,38 @@ class Rig:
 @pytest.fixture
 def rig(tmp_path: Path, io_engine: str) -> Rig:
     return Rig(tmp_path / "nvme", io_engine=io_engine)
+
+
+def run_until_killed(source: str, args: Sequence[str], delay: float, log: Path) -> None:
+    """Run `python -c source *args` (a writer that prints "started" once its first job
+    is stored, then writes until killed), let it write on for `delay` seconds after
+    that line, SIGKILL it; its stderr goes to `log`."""
+    with log.open("w") as errors:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", source, *args], stdout=subprocess.PIPE, stderr=errors, text=True
+        )
+        try:
+            assert proc.stdout is not None
+            ready, _, _ = select.select([proc.stdout], [], [], 120)
+            line = proc.stdout.readline() if ready else ""
+            assert line.strip() == "started", f"writer did not start: {log.read_text()}"
+            time.sleep(delay)
+            assert proc.poll() is None, f"writer exited early: {log.read_text()}"
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL
+
+
+@pytest.fixture
+def killed_writer() -> Callable[[str, Sequence[str], float, Path], None]:
+    """`run_until_killed`, for the crash tests of both layouts."""
+    return run_until_killed
 
 
 @pytest.fixture

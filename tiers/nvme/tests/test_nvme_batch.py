@@ -19,12 +19,8 @@ import hashlib
 import inspect
 import os
 import random
-import select
-import signal
 import stat
 import struct
-import subprocess
-import sys
 import tempfile
 import textwrap
 import time
@@ -742,38 +738,13 @@ def crash_capacity() -> int:
     return CRASH_CAPACITY_BLOCKS * disk_footprint(header_bytes(crash_key(0)) + CRASH_BLOCK)
 
 
-def run_writer_and_kill(path: Path, first: int, delay: float, log: Path) -> None:
-    """Start a writer process, wait until it has stored its first job, let it write
-    on for `delay` seconds, SIGKILL it."""
-    args = [str(path), str(first), str(crash_capacity()), str(CRASH_BLOCK), str(CRASH_JOB)]
-    with log.open("w") as errors:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", crash_writer_source(), *args],
-            stdout=subprocess.PIPE,
-            stderr=errors,
-            text=True,
-        )
-        try:
-            assert proc.stdout is not None
-            ready, _, _ = select.select([proc.stdout], [], [], 120)
-            line = proc.stdout.readline() if ready else ""
-            assert line.strip() == "started", f"writer did not start: {log.read_text()}"
-            time.sleep(delay)
-            assert proc.poll() is None, f"writer exited early: {log.read_text()}"
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
-    assert proc.returncode == -signal.SIGKILL
+def writer_args(path: Path, first: int) -> list[str]:
+    return [str(path), str(first), str(crash_capacity()), str(CRASH_BLOCK), str(CRASH_JOB)]
 
 
 @pytest.mark.anyio
 async def test_a_writer_killed_mid_run_leaves_only_whole_blocks(
-    native_core: None, tmp_path: Path
+    native_core: None, tmp_path: Path, killed_writer: Callable[..., None]
 ) -> None:
     """A writer process storing 64 KiB blocks in jobs of 128 (native engine, batch
     calls, fsync never, eviction running) is SIGKILLed at a random moment, three
@@ -789,7 +760,8 @@ async def test_a_writer_killed_mid_run_leaves_only_whole_blocks(
     frame_bytes = header_bytes(crash_key(0)) + CRASH_BLOCK
     job_ids = iter(range(1, 10**6))
     for round_, (low, high) in enumerate(((0.0, 0.1), (0.1, 0.3), (0.3, 0.6))):
-        run_writer_and_kill(path, round_ * 10**7, rng.uniform(low, high), tmp_path / "log")
+        args = writer_args(path, round_ * 10**7)
+        killed_writer(crash_writer_source(), args, rng.uniform(low, high), tmp_path / "log")
         config = NvmeTierConfig(
             type="nvme",
             layout="files",

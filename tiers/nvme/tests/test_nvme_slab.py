@@ -10,13 +10,9 @@ mid-batch leaves only whole blocks."""
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 import random
-import select
-import signal
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -462,41 +458,18 @@ anyio.run(main, sys.argv[1], int(sys.argv[2]))
 """
 
 
-def kill_writer(path: Path, first: int, delay: float, log: Path) -> None:
-    source = "\n\n".join(
-        textwrap.dedent(__import__("inspect").getsource(f)) for f in (kill_key, kill_payload)
-    )
+def slab_writer_source() -> str:
+    """The writer script: the same key and payload functions as the checker's."""
+    functions = "\n\n".join(inspect.getsource(f) for f in (kill_key, kill_payload))
     head = (
         "import hashlib\nimport random\n\n"
         f"KILL_BLOCK, KILL_JOB, KILL_SLOTS = {KILL_BLOCK}, {KILL_JOB}, {KILL_SLOTS}\n\n"
     )
-    with log.open("w") as errors:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", head + source + SLAB_WRITER, str(path), str(first)],
-            stdout=subprocess.PIPE,
-            stderr=errors,
-            text=True,
-        )
-        try:
-            assert proc.stdout is not None
-            ready, _, _ = select.select([proc.stdout], [], [], 120)
-            line = proc.stdout.readline() if ready else ""
-            assert line.strip() == "started", f"writer did not start: {log.read_text()}"
-            time.sleep(delay)
-            assert proc.poll() is None, f"writer exited early: {log.read_text()}"
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
-    assert proc.returncode == -signal.SIGKILL
+    return head + functions + SLAB_WRITER
 
 
 async def test_a_slab_writer_killed_mid_batch_leaves_only_whole_blocks(
-    tmp_path: Path, native_core: None
+    tmp_path: Path, native_core: None, killed_writer: Any
 ) -> None:
     """A writer process storing 16 KiB blocks in jobs of 64 into a slab of 200 slots
     (native, fsync never, eviction rewriting slots) is SIGKILLed at a random moment,
@@ -509,7 +482,8 @@ async def test_a_slab_writer_killed_mid_batch_leaves_only_whole_blocks(
     view = PrimaryView(bytearray(KILL_JOB * KILL_BLOCK), KILL_BLOCK, "slab-kill")
     job_ids = iter(range(1, 10**6))
     for round_, (low, high) in enumerate(((0.0, 0.1), (0.1, 0.3), (0.3, 0.6))):
-        kill_writer(path, round_ * 10**7, rng.uniform(low, high), tmp_path / "log")
+        args = [str(path), str(round_ * 10**7)]
+        killed_writer(slab_writer_source(), args, rng.uniform(low, high), tmp_path / "log")
         config = NvmeTierConfig(
             type="nvme", path=path, layout="slab", io_engine="native", fsync="never",
             capacity=KILL_SLOTS * slabfile.slot_bytes(KILL_BLOCK),

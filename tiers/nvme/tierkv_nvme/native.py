@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 from tierkv.contract.framing import MAX_KEY_BYTES, Framer, payload_length
@@ -259,16 +259,31 @@ def read_batch(
     codes, details = core.read_batch(
         root_fd, keys, lanes, slots, primary.num_blocks, touch, framer.namespace_tag, wanted
     )
+    return _read_outcomes(
+        codes, details, keys, lambda i: primary.payload(slots[i]), framer, block_relpath
+    )
+
+
+def _read_outcomes(
+    codes: list[int],
+    details: dict[int, tuple[int, bytes]],
+    keys: Sequence[OffloadKey],
+    dest_of: Callable[[int], Slot],
+    framer: Framer,
+    rel_of: Callable[[OffloadKey], RelPath] = lambda _key: ("slab",),
+) -> list[Exception | None]:
+    """A read call's outcomes: None per block read whole, the OSError of a failed
+    system call (naming `rel_of(key)`), the CorruptBlock of a failed check (of the
+    bytes now in `dest_of(i)`)."""
     if not any(codes):
         return [None] * len(keys)
     outcomes: list[Exception | None] = [None] * len(keys)
     for i, code in enumerate(codes):
         if code < 0:
-            outcomes[i] = _os_error(-code, block_relpath(keys[i]))
+            outcomes[i] = _os_error(-code, rel_of(keys[i]))
         elif code > 0:
             got, head = details[i]
-            dest = primary.payload(slots[i])
-            outcomes[i] = _corrupt(code, got, head, keys[i], dest, framer)
+            outcomes[i] = _corrupt(code, got, head, keys[i], dest_of(i), framer)
     return outcomes
 
 
@@ -330,16 +345,7 @@ def slab_read(
         fds, keys, lanes, slots, primary.num_blocks, places, seqs, room, num_places,
         framer.namespace_tag, wanted,
     )  # fmt: skip
-    if not any(codes):
-        return [None] * len(keys)
-    outcomes: list[Exception | None] = [None] * len(keys)
-    for i, code in enumerate(codes):
-        if code < 0:
-            outcomes[i] = _os_error(-code, ("slab",))
-        elif code > 0:
-            got, head = details[i]
-            outcomes[i] = _corrupt(code, got, head, keys[i], primary.payload(slots[i]), framer)
-    return outcomes
+    return _read_outcomes(codes, details, keys, lambda i: primary.payload(slots[i]), framer)
 
 
 def slab_write_items(
@@ -389,15 +395,8 @@ def slab_read_items(
     codes, details = core.slab_read_items(
         fds, batch, places, seqs, room, num_places, framer.namespace_tag, wanted
     )
-    outcomes: list[Exception | None] = [None] * len(batch)
-    for i, code in enumerate(codes):
-        if code < 0:
-            outcomes[i] = _os_error(-code, ("slab",))
-        elif code > 0:
-            got, head = details[i]
-            key, dest = items[i]
-            outcomes[i] = _corrupt(code, got, head, key, dest, framer)
-    return outcomes
+    keys = [key for key, _dest in items]
+    return _read_outcomes(codes, details, keys, lambda i: items[i][1], framer)
 
 
 def slab_scan(
