@@ -391,6 +391,62 @@ async def test_loads_and_unsynced_stores_of_small_blocks_go_in_one_thread_call(
         await tier.close()
 
 
+@pytest.mark.parametrize("layout", ["slab", "files"])
+async def test_a_job_alone_is_spread_over_the_cpus_one_beside_others_is_not(
+    tmp_path: Path, make_rig: Any, monkeypatch: pytest.MonkeyPatch, layout: str, native_core: None
+) -> None:
+    """A job of small blocks running alone goes as one thread call per CPU (the event
+    loop books one call while another copies); jobs side by side stay whole (they
+    overlap already); large blocks, small jobs, fsynced stores and the Python path
+    are as before."""
+    from tierkv_nvme import tier as tier_module
+    from tierkv_nvme.tier import SPREAD_MIN_BLOCKS
+
+    monkeypatch.setattr(tier_module, "usable_cpus", lambda: 2)
+    rig = make_rig(tmp_path / "nvme", slots=144, io_engine="native")  # loads land from 16
+    tier = rig.tier(layout=layout, io_concurrency=8)
+    calls: list[int] = []
+    real_read = type(tier)._read_files
+
+    def counting_read(self: NvmeTier, keys: Any, *rest: Any) -> Any:
+        calls.append(len(keys))
+        return real_read(self, keys, *rest)
+
+    monkeypatch.setattr(type(tier), "_read_files", counting_read)
+    await tier.open()
+    keys = rig.keys(128)
+    stored, data = await rig.store(tier, keys)
+    assert stored.ok, stored.error
+
+    loaded, got = await rig.load(tier, keys)
+    assert loaded.ok and got == data
+    assert sorted(calls) == [64, 64]
+
+    calls.clear()
+    halves = (keys[:64], keys[64:])
+    async with anyio.create_task_group() as group:
+        for part, first in zip(halves, (0, 64)):
+            group.start_soon(tier.load, rig.job(part, range(first, first + 64)))
+    assert sorted(calls) == [32, 32, 64]  # the first started alone, the second beside it
+
+    calls.clear()
+    loaded, got = await rig.load(tier, keys[: 2 * SPREAD_MIN_BLOCKS - 1])
+    assert loaded.ok and calls == [2 * SPREAD_MIN_BLOCKS - 1]
+    await tier.close()
+
+    assert tier.spread_alone(128, 128, "load") == 64
+    assert tier.spread_alone(128, 20, "store") == 128  # too few blocks to cut
+    synced = rig.tier(layout=layout, fsync="always")
+    assert synced.spread_alone(4, 128, "store") == 4
+    monkeypatch.setattr(tier_module, "usable_cpus", lambda: 1)
+    assert tier.spread_alone(128, 128, "load") == 128
+    monkeypatch.setattr(tier_module, "usable_cpus", lambda: 2)
+    large = make_rig(tmp_path / "large", block_bytes=1 << 20, slots=1, io_engine="native")
+    assert large.tier().spread_alone(16, 128, "load") == 16
+    python = make_rig(tmp_path / "python", slots=1, io_engine="python")
+    assert python.tier().spread_alone(128, 128, "load") == 128
+
+
 def test_chunk_size_per_direction_fsync_and_block_size(tmp_path: Path) -> None:
     """Small blocks go up to 8 MiB (loads) or 2 MiB (stores) to a call; fsynced stores
     and large blocks spread over io_concurrency calls, up to MAX_CHUNK blocks a call
