@@ -3,6 +3,7 @@ interface, in one process, interleaved.
 
     python benchmarks/lmcache_l2_compare.py                       # nvme and redis, 1 and 8 MiB
     python benchmarks/lmcache_l2_compare.py --media nvme --sizes 1MiB --rounds 5
+    python benchmarks/lmcache_l2_compare.py --media nvme --sizes 1MiB --full   # tier full
 
 Both systems are built by LMCache 0.5.6's own factory from `--l2-adapter` JSON and
 driven the same way, as LMCache's controllers drive an adapter: a store task of
@@ -201,6 +202,13 @@ def main() -> None:
     parser.add_argument(
         "--nvme-layout", default="slab", choices=("slab", "files"), help="the nvme tier's layout"
     )
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="tierkv's nvme tier holds one round's objects and keeps them (no delete "
+        "between rounds): after the warm-up, every store evicts one (a server's steady "
+        "state). LMCache's fs adapter, which has no capacity, is deleted as before",
+    )
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
 
@@ -237,7 +245,8 @@ def compare(medium: str, size: int, args: Any, work: Path, server: Any) -> dict[
         tier = {
             "type": "nvme",
             "path": str(tdir),
-            "capacity": "16GiB",
+            # full: one round's objects, each a slot (or a file) with a 4 KiB header
+            "capacity": f"{count * (size // 1024 + 4)}KiB" if args.full else "16GiB",
             "fsync": args.fsync,
             "layout": args.nvme_layout,
         }
@@ -266,7 +275,7 @@ def compare(medium: str, size: int, args: Any, work: Path, server: Any) -> dict[
                     server._command("FLUSHALL")
                 keys = keys_for(name, round_, count)
                 stored, loaded = run_round(adapters[name], keys, l1, drops[name])
-                if medium == "nvme":
+                if medium == "nvme" and not (args.full and name == "tierkv"):
                     adapters[name].delete(keys)
                 if round_ >= args.warmup:
                     times[name]["store"].append(count * size / stored / 1e9)

@@ -30,6 +30,7 @@ the whole page either way).
 
     python scripts/bench_sglang.py [--pages-kib 64,1024] [--batches 8] [--rounds 5]
         [--io-concurrency 8] [--fsync never] [--regions 2] [--nvme-layout slab|files]
+        [--full]
 """
 
 from __future__ import annotations
@@ -175,9 +176,12 @@ def bench(
     regions: int = 2,
     layout: str = "page_first",
     nvme_layout: str = "slab",
+    full: bool = False,
 ) -> dict[str, Any]:
     """`regions` per page on tierkv's side; the `file` backend's pool is always MHA;
-    both laid out as `layout`."""
+    both laid out as `layout`. `full`: the nvme tier holds one round's pages, and an
+    unmeasured round fills it first, so every measured set evicts a page (a server's
+    steady state: the tier is full)."""
     pages = 2 * batches * BATCH
     pools = {
         "tierkv": pool_of(page_kib, pages, regions, layout),
@@ -185,6 +189,8 @@ def bench(
     }
     tierkv_dir, file_dir = root / f"tierkv-{page_kib}", root / f"file-{page_kib}"
     capacity = f"{4 * rounds * batches * BATCH * page_kib}KiB"
+    if full:  # one round's pages, each a slot or a file of the page and a 4 KiB header
+        capacity = f"{batches * BATCH * (page_kib + 4)}KiB"
     runs = [
         Run("tierkv", build("dynamic", {**TIERKV, "tiers": [
             {"type": "nvme", "path": str(tierkv_dir), "capacity": capacity, "fsync": fsync,
@@ -194,6 +200,11 @@ def bench(
             pools["file"], zero_copy=False),
     ]
     try:
+        if full:  # fill the tier (and the file backend's directory alike), unmeasured
+            for run in runs:
+                run.round(-1, batches)
+                run.set_rate.clear()
+                run.get_rate.clear()
         for r in range(rounds):
             for run in runs if r % 2 == 0 else runs[::-1]:
                 run.round(r, batches)
@@ -226,6 +237,9 @@ def main() -> int:
                         "layer_first is SGLang's own default)")
     parser.add_argument("--nvme-layout", default="slab", choices=("slab", "files"),
                         help="the nvme tier's layout (its default: slab)")
+    parser.add_argument("--full", action="store_true",
+                        help="the nvme tier holds one round's pages and is filled by an "
+                        "unmeasured round first: every measured set evicts (steady state)")
     parser.add_argument("--dir", default=None, help="where both write (default: a temp dir)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -235,7 +249,7 @@ def main() -> int:
         for kib in (int(k) for k in args.pages_kib.split(",")):
             rows.append(
                 bench(kib, args.batches, args.rounds, root, args.fsync, args.io_concurrency,
-                      args.regions, args.layout, args.nvme_layout)
+                      args.regions, args.layout, args.nvme_layout, args.full)
             )
     finally:
         if args.dir is None:
@@ -246,7 +260,7 @@ def main() -> int:
     print(f"128-page batches, {args.rounds} interleaved rounds, median pages/s; tierkv nvme "
           f"fsync={args.fsync}, io_concurrency={args.io_concurrency}, checksums on, "
           f"{args.regions} region(s) per tierkv page, {args.layout}, nvme layout "
-          f"{args.nvme_layout}")
+          f"{args.nvme_layout}{', full tier (every set evicts)' if args.full else ''}")
     print("| page | tierkv set | file set | set ratio | tierkv get | file get | get ratio |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for row in rows:
