@@ -355,6 +355,15 @@ class SecondaryTierManager(ABC):
     async def remove(self, keys: Sequence[OffloadKey]) -> None:
         """Delete `keys`; keys not held are ignored."""
 
+    async def evict(self, keys: Sequence[OffloadKey]) -> None:
+        """Drop `keys` to make room for this tier's own next store: what a caller that
+        bounds several tiers' bytes together does (LMCache's shared budget, evicting
+        for a store of this tier). Like `remove`, but the tier may keep their space
+        for that store (the nvme slab reuses the slots in place rather than punch
+        them out and allocate them again) and gives back what its next store did not
+        reuse once that store ends. Keys not held are ignored. Default: `remove`."""
+        await self.remove(keys)
+
     async def touch(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 - optional hook
         """These blocks were just reused, served from a tier above this one: a tier
         that evicts by recency counts it as a use (a block hot in the primary is not

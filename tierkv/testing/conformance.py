@@ -252,6 +252,32 @@ class TierConformanceSuite(ClaimConformance, CandidateConformance):
             assert set(result.failed_keys) == set(keys[1:3])
             await tier.remove([])
 
+    async def test_evict_drops_blocks_and_their_room_takes_new_ones(self) -> None:
+        """`evict` (room for this tier's next store) drops the blocks as `remove`
+        does; the store after it writes new blocks, the evicted keys included, and
+        every block held reads back whole."""
+        rng = random.Random(14)
+        view = self.view()
+        async with self.opened(view) as tier:
+            stored = await self.store_random(tier, view, 4, rng)
+            keys = list(stored)
+            await tier.evict([keys[0], keys[1], *random_keys(1, rng)])
+            assert await tier.lookup(keys, CTX) == [False, False, True, True]
+            result = await tier.load(self.job(keys[:2], [20, 21]))
+            assert set(result.failed_keys) == set(keys[:2])
+            again = [keys[0], *random_keys(2, rng)]
+            written = fill_slots(view, [4, 5, 6], rng)
+            result = await tier.store(self.job(again, [4, 5, 6]))
+            assert result.ok, f"store after evict failed: {result.error}"
+            stored.update({k: written[s] for k, s in zip(again, (4, 5, 6))})
+            stored.pop(keys[1])
+            held = list(stored)
+            result = await tier.load(self.job(held, list(range(20, 20 + len(held)))))
+            assert result.ok, f"load after evict failed: {result.error}"
+            for key, slot in zip(held, range(20, 20 + len(held))):
+                assert bytes(view.block(slot)) == stored[key]
+            await tier.evict([])
+
     async def test_capacity_evicts_older_blocks(self) -> None:
         if not self.supports_capacity:
             pytest.skip(f"{type(self).__name__} declares no capacity bound")

@@ -211,6 +211,45 @@ def test_twenty_sizes_stay_within_the_nvme_capacity(rig: Any, tmp_path: Path, la
     assert usage.usage_fraction == pytest.approx(budget.used / CAPACITY, abs=0.15)
 
 
+def test_a_full_section_rewrites_its_own_slots_in_place(
+    rig: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stores of one size into its full section evict that size's oldest blocks for
+    their own room (`evict`): the slab slots are rewritten in place, none punched out
+    and allocated again; another size's store removes them (punched out, their disk
+    given back). Every step within the capacity, every object held loads whole."""
+    from tierkv_nvme import slabfile
+
+    punched: list[int] = []
+    release = slabfile.release
+
+    def counting(fds: Any, places: Any, room: int) -> None:
+        punched.extend(places)
+        release(fds, places, room)
+
+    monkeypatch.setattr(slabfile, "release", counting)
+    l1 = rig.L1(48 << 20)
+    adapter = rig.adapter([rig.nvme(capacity="1MiB", fsync="never")], l1)
+    drive = rig.Driver(adapter)
+    made: dict[Any, tuple[int, str]] = {}
+    for i in range(40):  # 40 x 64 KiB: 2.5x the capacity
+        key = rig.key(i)
+        assert drive.store([key], [l1.obj(SIZE, f"a{i}")]).is_successful()
+        made[key] = (SIZE, f"a{i}")
+        assert disk_bytes(tmp_path / "nvme")[0] <= 1 << 20
+    assert budget_of(adapter).evicted > 20
+    assert punched == []  # the evicted slots were the stores' own
+    held = check_held(rig, adapter, l1, made)
+    assert rig.key(39) in held and rig.key(0) not in held
+    for i in range(10):  # another size: the first size's blocks are removed for it
+        key = rig.key(100 + i, group=1)
+        assert drive.store([key], [l1.obj(48 << 10, f"b{i}")]).is_successful()
+        made[key] = (48 << 10, f"b{i}")
+        assert disk_bytes(tmp_path / "nvme")[0] <= 1 << 20
+    assert punched
+    check_held(rig, adapter, l1, made)
+
+
 def test_a_locked_object_outlives_other_sizes_stores(rig: Any) -> None:
     """A looked-up (locked) object is claimed in its tier: the shared budget passes
     over it however much another size stores, until it is unlocked."""

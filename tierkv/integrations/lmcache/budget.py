@@ -15,7 +15,12 @@ instance of it answers to:
   blocks are gone (`remove` returned: their files deleted) before the job writes, and
   evictions run one at a time per section, so the blocks held, being written and
   being deleted never take more than `capacity`. A key that cannot get room (the rest
-  claimed, read or written now) fails `no room`, as a full tier fails it.
+  claimed, read or written now) fails `no room`, as a full tier fails it. Blocks of
+  the storing instance itself are `evict`ed rather than removed: an nvme slab keeps
+  their slots allocated for that very store to rewrite in place (punching them out
+  made every store of a full section allocate its pages anew: 1 MiB objects stored
+  at the speed of a first fill), and punches out, when the store ends, those it did
+  not reuse.
 - **Least recently used across sizes.** The budget stamps a key when a store or load
   job of its instance moves it; each instance names its next candidates
   (`eviction_candidates`: it passes over blocks a lookup claimed, i.e. LMCache's
@@ -182,7 +187,7 @@ class SharedBudget:
             # tier's to refuse (it says how to fix it)
             costs = [0 if was else cost for was, cost in zip(held, (_cost(tier, k) for k in keys))]
             costs = [0 if c > self.capacity else c for c in costs]
-            admitted, reserved = await self._reserve(costs)
+            admitted, reserved = await self._reserve(costs, guarded)
             if all(admitted):
                 result = await store(job)
             else:
@@ -215,9 +220,9 @@ class SharedBudget:
             failed.update(dict.fromkeys(failing, getattr(done, "error", None) or "failed"))
         return JobResult.partial(job, failed)
 
-    async def _reserve(self, costs: Sequence[int]) -> tuple[list[bool], int]:
-        """Which keys of a job get room, and the bytes reserved for them (evicting
-        first where needed)."""
+    async def _reserve(self, costs: Sequence[int], storing: GuardedTier) -> tuple[list[bool], int]:
+        """Which keys of a job of `storing` get room, and the bytes reserved for them
+        (evicting first where needed)."""
         need = sum(costs)
         lock = self._evicting()
         if not lock.locked() and self.total() + need <= self.capacity:
@@ -229,7 +234,7 @@ class SharedBudget:
                 _, freed = self._choose(self.total() + need - self.capacity)
                 admitted = _fit(costs, self.capacity - self.total() + freed)
                 need = sum(c for c, ok in zip(costs, admitted) if ok)
-                await self._shrink(self.capacity - need)
+                await self._shrink(self.capacity - need, storing)
             admitted = _fit(costs, self.capacity - self.total())
             need = sum(c for c, ok in zip(costs, admitted) if ok)
             self._reserved += need
@@ -241,9 +246,12 @@ class SharedBudget:
             self._lock = anyio.Lock()
         return self._lock
 
-    async def _shrink(self, limit: int) -> None:
+    async def _shrink(self, limit: int, storing: GuardedTier | None = None) -> None:
         """Under the lock: evict the least recently used blocks of every size until the
-        section's total is within `limit` (or nothing more may go)."""
+        section's total is within `limit` (or nothing more may go). Blocks of the
+        instance `storing` (whose store the room is for) are `evict`ed: that store
+        reuses their space (an nvme slab's slots, in place); others are `remove`d,
+        their space given back, since another instance's store takes its own."""
         for _ in range(ROUNDS):
             excess = self.total() - limit
             if excess <= 0:
@@ -253,7 +261,10 @@ class SharedBudget:
                 return
             for guarded, keys in victims.items():
                 try:
-                    await guarded.tier.remove(keys)
+                    if guarded is storing:  # its slots go to the store that evicts
+                        await guarded.tier.evict(keys)
+                    else:
+                        await guarded.tier.remove(keys)
                 except anyio.get_cancelled_exc_class():
                     # memory and nvme drop the keys before their first await (nvme
                     # deletes the files shielded): they are gone, say so

@@ -340,6 +340,39 @@ async def test_a_full_slab_rewrites_the_slots_its_evictions_free(rig: Rig) -> No
     await tier.close()
 
 
+async def test_evicted_slots_are_rewritten_in_place_and_the_unused_punched_out(
+    rig: Rig,
+) -> None:
+    """`evict` (a shared budget making room for this tier's store) leaves the slots
+    allocated for the next store to rewrite; what that store does not take is
+    punched out when it ends, so the disk holds what the blocks take."""
+    tier = slab_tier(rig, slots=8)
+    await tier.open()
+    first = rig.keys(8)
+    await rig.store(tier, first)
+    full = disk_bytes(tier)
+    places = {k: tier._index[k].place for k in first}
+    await tier.evict(first[:3])
+    assert await tier.lookup(first, CTX) == [False] * 3 + [True] * 5
+    assert tier.used_bytes == 5 * slabfile.slot_bytes(rig.block_bytes)
+    assert disk_bytes(tier) == full  # not punched: kept for the next store
+    [new] = rig.keys(1)
+    result, stored = await rig.store(tier, [new])
+    assert result.ok
+    assert tier._index[new].place in {places[k] for k in first[:3]}  # rewritten in place
+    slot = slabfile.slot_bytes(rig.block_bytes)
+    if punches(tier.directory):  # the two the store left are punched out
+        assert disk_bytes(tier) == full - 2 * slot
+    assert not tier._reusable
+    assert tier.room().free_blocks == 2  # back in the free list once punched
+    loaded, got = await rig.load(tier, [new, *first[3:]], first_slot=8)
+    assert loaded.ok and got[new] == stored[new]
+    more = rig.keys(2)
+    result, _ = await rig.store(tier, more)
+    assert result.ok and len(tier) == 8
+    await tier.close()
+
+
 async def test_a_stale_load_refreshes_the_recency_a_restart_sees(rig: Rig) -> None:
     tier = slab_tier(rig)
     await tier.open()

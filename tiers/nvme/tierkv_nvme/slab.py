@@ -52,7 +52,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tierkv.contract.units import format_size
-from tierkv.tier import Lane, OffloadKey, PrimaryView, TierConfig, in_thread
+from tierkv.tier import (
+    JobMetadata,
+    JobResult,
+    Lane,
+    OffloadKey,
+    PrimaryView,
+    TierConfig,
+    in_thread,
+)
 from tierkv_nvme import convert, native, slabfile
 from tierkv_nvme.recovery import ScanResult
 from tierkv_nvme.tier import NvmeTier, _Entry
@@ -94,6 +102,9 @@ class SlabNvmeTier(NvmeTier):
         """Write (and refresh) sequences: `next` is one step under the GIL, so worker
         threads take them without a lock."""
         self._over: list[OffloadKey] = []  # blocks past the slots `capacity` allows (open)
+        self._reusable: set[int] = set()
+        """Slots `evict` freed without punching them out, kept for the next store to
+        rewrite in place; what that store did not take is punched out when it ends."""
 
     @property
     def slab_paths(self) -> list[Path]:
@@ -200,6 +211,7 @@ class SlabNvmeTier(NvmeTier):
         held = sum(len(places) for places in self._held_back.values())
         self._reserved -= held * self._slot_bytes
         self._held_back.clear()
+        self._reusable.clear()
         self._free = list(range(self._places - 1, -1, -1))
         await super()._retake()
         await in_thread(self._size_slab)
@@ -287,12 +299,72 @@ class SlabNvmeTier(NvmeTier):
             raise RuntimeError(f"slab of {self._places} slots: {count} wanted, {len(free)} free")
         taken = _Places(reversed(free[len(free) - count :]))
         del free[len(free) - count :]
+        if self._reusable:
+            self._reusable.difference_update(taken)
         taken.seqs = array("Q", itertools.islice(self._seqs, count))
         return taken
 
     def _give_back(self, place: int, generation: int) -> None:
         if generation == self._generation:  # else a slot of a slab now gone
             self._free.append(place)
+
+    # -- eviction for a store of this tier (a shared budget's) -------------------
+    async def evict(self, keys: Sequence[OffloadKey]) -> None:
+        """Drop `keys` for the room of this tier's next store, their slots left as they
+        are (not punched out): that store rewrites them in place, where a punched slot
+        would have its pages (or extents) allocated anew. The slots the next store does
+        not take are punched out when it ends (`_trim`), so the tier's bytes on the
+        disk stay what its blocks take. Until a slot is rewritten its old block could
+        come back after a crash, whole and checked, as an evicted slot's can."""
+        self._check_open()
+        async with self._inflight.job():
+            targets: list[tuple[OffloadKey, _Entry]] = []
+            for key in dict.fromkeys(keys):
+                entry = self._index.pop(key, None)
+                if entry is not None:
+                    self._used -= entry.footprint
+                    targets.append((key, entry))
+            self._reusable.update(entry.place for _key, entry in targets)
+            self._dropped(targets)
+
+    async def store(self, job: JobMetadata) -> JobResult:
+        try:
+            return await super().store(job)
+        finally:
+            if self._reusable:
+                await self._trim()
+
+    async def _trim(self) -> None:
+        """Punch out the free slots `evict` kept that no store took (out of the free
+        list meanwhile, counted as reserved, so no store takes one being punched)."""
+        kept, self._reusable = self._reusable, set()
+        punch = [place for place in self._free if place in kept]
+        if not punch:
+            return
+        generation = self._generation
+        self._free = [place for place in self._free if place not in kept]
+        self._reserved += self._slot_bytes * len(punch)
+        try:
+            if self._slab_fds:
+                await in_thread(
+                    slabfile.release,
+                    self._slab_fds,
+                    punch,
+                    self._room,
+                    limiter=self._threads,
+                    shield=True,
+                )
+        except OSError as exc:  # the space stays used until the slots are written again
+            logger.warning(
+                "nvme tier: %s: punching out %d evicted slots failed: %s",
+                self.directory,
+                len(punch),
+                exc,
+            )
+        finally:
+            self._reserved -= self._slot_bytes * len(punch)
+            if generation == self._generation:  # else the slab was made anew meanwhile
+                self._free[:0] = punch  # taken last: the slots evictions leave come first
 
     def _evicted(self, entry: _Entry) -> None:
         self._free.append(entry.place)
