@@ -65,6 +65,14 @@ from tierkv_nvme.tier import NvmeTier, _Entry
 
 logger = logging.getLogger(__name__)
 
+DIRECT_THREADS = 8
+"""Threads of the core per call with O_DIRECT (`direct: true`). A direct read or write
+waits for the disk in its thread (no read-ahead, no write-back to hide it), so the
+disk has as many requests in flight as there are threads, and threads waiting cost no
+CPU: on the dev VM's virtio disk (4 jobs of 128 blocks at once, 2,048 blocks) cold
+loads went 0.41 / 0.51 / 0.58 GB/s at 16 KiB and 0.83 / 0.87 / 1.00 at 64 KiB with 1 /
+8 / 16 threads a call, stores 0.25 / 0.35 / 0.42 and 0.71 / 0.93 / 1.01."""
+
 
 class _SlabScan(ScanResult):
     """A scan of the slab: the slots found (`blocks` stays empty)."""
@@ -96,6 +104,9 @@ class SlabNvmeTier(NvmeTier):
         """The slab files opened O_DIRECT (`direct: true`), one per `_slab_fds`; empty:
         every block buffered (not asked for, or the filesystem refuses it)."""
         self._direct_refused = ""  # why O_DIRECT could not be opened (logged once)
+        self._direct_memory = False
+        """Whether the primary's blocks may go direct (its one geometry is whole aligned
+        pages, or its blocks are lent and checked one by one): set by `open`."""
         self._retired_slabs: list[int] = []
         self._free: list[int] = []  # free slots, taken from the end
         self._held_back: dict[OffloadKey, list[int]] = {}
@@ -139,9 +150,20 @@ class SlabNvmeTier(NvmeTier):
         and chunk, so fewer, larger calls are cheaper either way."""
         return super().chunk_size(pairs, "load")
 
+    def _core_threads(self, blocks: int) -> int:
+        """With O_DIRECT, up to DIRECT_THREADS a call (MIN_BLOCKS_PER_THREAD blocks
+        each at least), whatever runs beside it: its threads wait on the disk, not on
+        the CPUs. Else `NvmeTier`'s."""
+        if self._direct_fds and self._direct_memory:
+            return max(1, min(DIRECT_THREADS, blocks // native.MIN_BLOCKS_PER_THREAD))
+        return super()._core_threads(blocks)
+
     # -- life cycle ---------------------------------------------------------------
     async def open(self) -> None:
         await super().open()
+        self._direct_memory = bool(self._direct_fds) and (
+            self._lanes is None or native.direct_aligned(self._lanes)
+        )
         if self.config.direct:
             self.data_path = self._direct_path(self.data_path or self._io_engine)
             logger.info("nvme tier %s: data path %s", self.directory, self.data_path)
@@ -151,7 +173,7 @@ class SlabNvmeTier(NvmeTier):
         blocks, or why not (a user who asked for it sees that it is not in use)."""
         if self._direct_fds and self._lanes is None:
             return f"{engine}, O_DIRECT where a block's memory is 4 KiB aligned"
-        if self._direct_fds and native.direct_aligned(self._lanes or ()):
+        if self._direct_fds and self._direct_memory:
             return f"{engine}, O_DIRECT"
         if self._direct_fds:
             why = "the primary's blocks are not whole 4 KiB aligned pages"
