@@ -4,13 +4,21 @@ beside the native reference in the same run: store then load N blocks in jobs of
 /dev/shm: no disk limit), engines and reference interleaved, round by round.
 
     .venv/bin/python benchmarks/nvme_engines.py [--block-kib 16,64,1024] [--rounds 3] \
-        [--engines python,native,native-slab]
+        [--engines python,native,native-slab,native-slab-direct] [--cold]
 
 Prints GB/s and CPU µs per block (the process's user + system time over the blocks
 moved: event loop, worker threads and the core's own threads) per engine and round,
 and the reference's (`tierkv_nvme.reference`: the same number of block files written
 and read by plain C, open + pwrite|pread + close each, --ref-threads threads), with
 the native engine's ratio to it.
+
+Engines: `python` and `native` (`io_engine`), a `-slab` suffix for `layout: slab` (else
+`files`), then `-direct` for `direct: true` (O_DIRECT). `--cold` (on a disk, not tmpfs)
+adds, after the stores, `sync` timed with them (synced GB/s: a buffered store's bytes
+are on the disk only then; the kernel's flusher threads' CPU is not the process's),
+and after the warm loads a second load of the same blocks with the tier's files
+dropped from the page cache first (`POSIX_FADV_DONTNEED` on each: only this run's
+files leave the cache, not a neighbour's as `drop_caches` would).
 """
 
 from __future__ import annotations
@@ -36,9 +44,21 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def drop_from_cache(path: Path) -> None:
+    """The tier's block or slab files out of the page cache (synced first)."""
+    os.sync()
+    for file in path.rglob("*"):
+        if file.is_file() and file.name.endswith((".blk", ".kvslab")):
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 async def one_round(
     engine: str, args: argparse.Namespace, block_kib: int, n: int
-) -> tuple[float, float, float, float]:
+) -> tuple[float, ...]:
     block, batch, jobs = block_kib << 10, args.batch, args.concurrency
     primary = PrimaryTier(batch * jobs, block, pin_memory=False, namespace="nvme-engines")
     # KV data, as a server's slab holds: untouched memory would cost the first store a
@@ -46,14 +66,15 @@ async def one_round(
     primary.view._bytes[:] = os.urandom(256) * (primary.view.num_blocks * block // 256)
     path = Path(args.path) / f"tierkv-nvme-engines-{engine}"
     shutil.rmtree(path, ignore_errors=True)
-    io_engine, _, layout = engine.partition("-")  # "native-slab": the slab layout
+    io_engine, *rest = engine.split("-")  # "native-slab-direct": slab, O_DIRECT
     config = NvmeTierConfig(
         type="nvme",
         path=path,
         capacity=4 * n * (block + 8192),
         io_engine=io_engine,
         fsync="never",
-        layout=layout or "files",
+        layout="slab" if "slab" in rest else "files",
+        direct="direct" in rest,
     )
     tier = NvmeTier(config, primary.view)
     await tier.open()
@@ -76,12 +97,19 @@ async def one_round(
         return n * block / wall / 1e9, cpu / n * 1e6
 
     try:
+        wall = time.perf_counter()
         store = await run("store")
+        if args.cold:
+            os.sync()  # a buffered store's bytes reach the disk here
+            synced = n * block / (time.perf_counter() - wall) / 1e9
         load = await run("load")
+        if args.cold:
+            drop_from_cache(path)
+            cold = await run("load")
     finally:
         await tier.close()
         shutil.rmtree(path, ignore_errors=True)
-    return (*store, *load)
+    return (*store, *load, synced, *cold) if args.cold else (*store, *load)
 
 
 def reference(args: argparse.Namespace, block_kib: int, blocks: int) -> tuple[float, ...]:
@@ -98,8 +126,9 @@ async def main(args: argparse.Namespace) -> None:
         f"reference: plain C, {args.ref_threads} threads"
     )
     print(
-        "block  engine       round  store GB/s  store CPU us/blk  load GB/s  load CPU us/blk"
-        "  store/ref  load/ref"
+        "block  engine             round  store GB/s  store CPU us/blk  load GB/s  load CPU us/blk"
+        + ("  synced GB/s  cold load GB/s  cold CPU us/blk" if args.cold else "")
+        + "  store/ref  load/ref"
     )
     for block_kib in (int(k) for k in str(args.block_kib).split(",")):
         n = args.blocks or max(args.batch * args.concurrency, min(8192, (512 << 10) // block_kib))
@@ -109,11 +138,16 @@ async def main(args: argparse.Namespace) -> None:
             rows = [("reference", ref)]
             for engine in engines:
                 rows.append((engine, await one_round(engine, args, block_kib, n)))
-            for name, (sg, sc, lg, lc) in rows:
+            for name, (sg, sc, lg, lc, *cold) in rows:
                 ratio = "" if name == "reference" else f"  {sg / ref[0]:9.2f}  {lg / ref[2]:8.2f}"
+                after = "" if not args.cold else (
+                    f"  {'':11s}  {'':14s}  {'':15s}" if not cold
+                    else f"  {cold[0]:11.2f}  {cold[1]:14.2f}  {cold[2]:15.1f}"
+                )  # fmt: skip
                 print(
-                    f"{block_kib:4d}K  {name:11s} {r + 1:5d}  {sg:10.2f}  {sc:16.1f}  {lg:9.2f}"
-                    f"  {lc:15.1f}{ratio}"
+                    f"{block_kib:4d}K  {name:18s} {r + 1:5d}  {sg:10.2f}  {sc:16.1f}  {lg:9.2f}"
+                    f"  {lc:15.1f}{after}{ratio}",
+                    flush=True,
                 )
 
 
@@ -129,7 +163,14 @@ if __name__ == "__main__":
     parser.add_argument(
         "--engines",
         default="python,native",
-        help="of python, native, python-slab, native-slab (the slab layout)",
+        help="of python, native, python-slab, native-slab (the slab layout), "
+        "native-slab-direct (the slab with O_DIRECT)",
+    )
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="also time sync after the stores and a load with the files dropped from the "
+        "page cache (a disk, not tmpfs)",
     )
     parser.add_argument("--ref-threads", type=int, default=2)
     parser.add_argument("--path", default="/dev/shm")

@@ -83,11 +83,14 @@ async def bench_medium(
             await raw.close()
 
     nbytes = n * options.block_bytes
+    engine = described.get("io_engine")
+    if engine and described.get("direct"):  # the nvme slab's `direct: true`, in use
+        engine = f"{engine}, O_DIRECT"
     result: dict[str, Any] = {
         "medium": medium,
         "type": "primary" if tier is None else tier.type,
         "baseline": raw.description if raw is not None else None,
-        "io_engine": described.get("io_engine"),  # what moved a file tier's bytes
+        "io_engine": engine,  # what moved a file tier's bytes
     }
     for phase in ("store", "load"):
         mine = summarize(nbytes, timings["tierkv", phase])

@@ -58,6 +58,16 @@ def test_a_yaml_nvme_section_reads_units_and_defaults(tmp_path: Path) -> None:
         ("{type: nvme, path: /x, capacity: 1GiB, fsync: sometimes}", "tiers[0].fsync: 'sometimes'"),
         ("{type: nvme, path: /x, capacity: 1GiB, io_concurrency: 0}", "tiers[0].io_concurrency"),
         ("{type: nvme, path: /x, capacity: 1GiB, eviction: random}", "tiers[0].eviction"),
+        (
+            "{type: nvme, path: /x, capacity: 1GiB, layout: files, direct: true}",
+            "tiers[0]: direct: true moves the slab layout's slots; with layout: files it "
+            "would do nothing: set layout: slab, or direct: false",
+        ),
+        (
+            "{type: nvme, path: /x, capacity: 1GiB, io_engine: python, direct: true}",
+            "tiers[0]: direct: true needs the compiled core, which io_engine: python turns "
+            "off: set io_engine: auto (or native), or direct: false",
+        ),
     ],
 )
 def test_bad_nvme_fields_are_named_by_their_yaml_path(section: str, message: str) -> None:

@@ -101,6 +101,7 @@ typedef struct {
     int fd;                /* slab calls: the slab file of the block's slot */
     off_t offset;          /* slab calls: where the block's slot starts in it */
     uint64_t seq;          /* slab calls: the slot's write sequence (reads: 0, or touch) */
+    int dfd;               /* slab calls: the slot's file opened O_DIRECT, or -1 (buffered) */
 } Item;
 
 typedef struct {
@@ -595,6 +596,8 @@ typedef struct {
     Py_ssize_t nviews;
     unsigned char *heads;
     char *names;           /* batch calls: each block's "ab/<hex>.blk" and temp name */
+    int aligned;           /* slab calls: 1 every block's memory may take O_DIRECT (the
+                            * lanes' geometry), 0 none, -1 decided per block (items) */
 } Held;
 
 static void held_release(Held *held) {
@@ -610,6 +613,23 @@ static void held_release(Held *held) {
 /* Regions of a slot: one buffer, or a tuple of buffers (blockfile.Slot). */
 static Py_ssize_t count_regions(PyObject *slot) {
     return PyTuple_Check(slot) ? PyTuple_GET_SIZE(slot) : 1;
+}
+
+/* O_DIRECT's rule here: memory at `base`, then every `stride` bytes, `size` bytes long,
+ * may be moved by O_DIRECT when all three are multiples of PAGE. The kernel asks less
+ * of most devices (the logical block, often 512 bytes), but 4 KiB holds on every
+ * device and filesystem we meet, and a read of whole pages must never write past the
+ * block's memory (a read's length is the payload's, rounded up to nothing). */
+static int region_aligned(const void *base, Py_ssize_t stride, Py_ssize_t size) {
+    return (((uintptr_t)base | (size_t)stride | (size_t)size) % PAGE) == 0;
+}
+
+/* Whether every region of `item` may be moved by O_DIRECT (region_aligned each). */
+static int item_aligned(const Item *item) {
+    for (int r = 0; r < item->nregions; r++)
+        if (!region_aligned(item->regions[r].iov_base, 0, (Py_ssize_t)item->regions[r].iov_len))
+            return 0;
+    return 1;
 }
 
 /* Take the buffers of `slot` (writable for reads) into item->regions. */
@@ -651,6 +671,7 @@ static int parse_items(PyObject *items, Held *held, int reads) {
         nregions += count_regions(slot);
         nhead += FIXED_HEADER_BYTES + PyBytes_GET_SIZE(key);
     }
+    held->aligned = -1; /* lent buffers: each block's own */
     held->items = PyMem_Calloc((size_t)n + 1, sizeof(Item));
     held->iovs = PyMem_Calloc((size_t)nregions + 1, sizeof(struct iovec));
     held->views = PyMem_Calloc((size_t)nregions + 1, sizeof(Py_buffer));
@@ -749,6 +770,7 @@ static int parse_batch(Held *held, int root_fd, PyObject *keys, PyObject *lanes,
     }
     int rc = -1;
     size_t payload_len = 0;
+    held->aligned = 1; /* one geometry: one answer for every block of the call */
     for (Py_ssize_t l = 0; l < nlanes; l++) {
         PyObject *t = PyTuple_GET_ITEM(lanes, l);
         PyObject *buffer;
@@ -765,6 +787,7 @@ static int parse_batch(Held *held, int root_fd, PyObject *keys, PyObject *lanes,
         if (PyObject_GetBuffer(buffer, &held->views[l], reads ? PyBUF_WRITABLE : PyBUF_SIMPLE) != 0)
             goto done;
         held->nviews++;
+        held->aligned &= region_aligned((char *)held->views[l].buf + offset, stride, size);
         lane[3 * l] = offset;
         lane[3 * l + 1] = stride;
         lane[3 * l + 2] = size;
@@ -1054,6 +1077,7 @@ static struct iovec *slot_iov(const Batch *batch, const Item *item, unsigned cha
     return iov;
 }
 
+/* `page` is PAGE aligned (the worker's): a direct write takes it as it is. */
 static long slab_write_one(const Batch *batch, Item *item, unsigned char *page) {
     memset(page, 0, PAGE);
     unsigned char *head = item->head;
@@ -1063,15 +1087,19 @@ static long slab_write_one(const Batch *batch, Item *item, unsigned char *page) 
     if (err)
         return err;
     seal_slot(page, item->seq, FIXED_HEADER_BYTES + item->key_len);
-    struct iovec local[16];
-    int n;
-    struct iovec *iov = slot_iov(batch, item, (unsigned char *)zero_page, page, PAGE, local, &n);
-    if (iov == NULL)
-        return -ENOMEM;
-    err = write_all_at(item->fd, iov, n, item->offset);
-    if (iov != local)
-        free(iov);
-    return err;
+    for (;;) {
+        struct iovec local[16];
+        int n;
+        struct iovec *iov = slot_iov(batch, item, (unsigned char *)zero_page, page, PAGE, local, &n);
+        if (iov == NULL)
+            return -ENOMEM;
+        err = write_all_at(item->dfd >= 0 ? item->dfd : item->fd, iov, n, item->offset);
+        if (iov != local)
+            free(iov);
+        if (err != -EINVAL || item->dfd < 0)
+            return err;
+        item->dfd = -1; /* the filesystem refused this direct write: the whole slot, buffered */
+    }
 }
 
 /* Read one slot into the item's regions and check it; a touch (item->seq) rewrites its
@@ -1082,13 +1110,19 @@ static long slab_read_one(const Batch *batch, Item *item, unsigned char *page, u
     struct iovec local[16];
     int n;
     size_t frame_len = FIXED_HEADER_BYTES + item->key_len;
-    size_t want = SLOT_HEAD_BYTES + frame_len;
+    /* buffered: the used part of the header page only; direct: all of it (whole pages) */
+    size_t want = item->dfd >= 0 ? PAGE : SLOT_HEAD_BYTES + frame_len;
     struct iovec *iov = slot_iov(batch, item, pad, page, want, local, &n);
     if (iov == NULL)
         return -ENOMEM;
-    ssize_t got = read_all(item->fd, iov, n, item->offset, nowait ? RWF_NOWAIT : 0);
+    int fd = item->dfd >= 0 ? item->dfd : item->fd;
+    ssize_t got = read_all(fd, iov, n, item->offset, nowait ? RWF_NOWAIT : 0);
     if (iov != local)
         free(iov);
+    if (got == -EINVAL && item->dfd >= 0) { /* the filesystem refused it: buffered */
+        item->dfd = -1;
+        return slab_read_one(batch, item, page, pad, nowait);
+    }
     if (nowait && (got == -EAGAIN || (got >= 0 && (size_t)got < batch->room + want)))
         return NOT_CACHED; /* not all in the page cache (or past the end): read it plainly */
     if (nowait && (got == -EOPNOTSUPP || got == -EINVAL)) {
@@ -1107,9 +1141,14 @@ static long slab_read_one(const Batch *batch, Item *item, unsigned char *page, u
     memcpy(item->head, page + SLOT_HEAD_BYTES, frame_len);
     long code = check_frame(batch, item);
     if (code == 0 && item->seq) { /* the rest of the page was not read: zeros, as written */
-        memset(page + want, 0, PAGE - want);
+        memset(page + SLOT_HEAD_BYTES + frame_len, 0, PAGE - SLOT_HEAD_BYTES - frame_len);
         seal_slot(page, item->seq, frame_len);
-        (void)!pwrite(item->fd, page, PAGE, item->offset + (off_t)batch->room);
+        /* the same kind of descriptor as the read (page and offset are PAGE aligned);
+         * either kind is coherent with the other (a direct write drops the cached pages
+         * it covers, a direct read writes dirty ones back first) */
+        off_t at = item->offset + (off_t)batch->room;
+        if (item->dfd < 0 || pwrite(item->dfd, page, PAGE, at) < 0)
+            (void)!pwrite(item->fd, page, PAGE, at);
     }
     return code;
 }
@@ -1124,6 +1163,10 @@ static void slab_read_group(const Batch *batch, size_t first, size_t end, unsign
     size_t ncold = 0;
     int cached = atomic_load(&nowait_works);
     for (size_t i = first; i < end; i++) {
+        if (batch->items[i].dfd >= 0) { /* O_DIRECT: past the page cache, nothing to advise */
+            batch->items[i].code = slab_read_one(batch, &batch->items[i], page, pad, 0);
+            continue;
+        }
         long code = cached ? slab_read_one(batch, &batch->items[i], page, pad, 1) : NOT_CACHED;
         if (code == NOT_CACHED) {
             cold[ncold++] = i;
@@ -1170,11 +1213,13 @@ static void *slab_read_worker(void *arg) {
 
 #define MAX_SLAB_FILES 256
 
-/* The slab files' descriptors from a tuple of ints into fds[]; their count, or -1. */
-static int parse_fds(PyObject *tuple, int *fds) {
-    Py_ssize_t k = PyTuple_GET_SIZE(tuple);
-    if (k < 1 || k > MAX_SLAB_FILES) {
-        PyErr_Format(PyExc_ValueError, "fds: 1 to %d slab file descriptors", MAX_SLAB_FILES);
+/* The slab files' descriptors from a tuple of ints into fds[]; their count, or -1.
+ * `least`: 1 for the buffered descriptors, 0 for the O_DIRECT ones (NULL: none). */
+static int parse_fds(PyObject *tuple, int *fds, int least) {
+    Py_ssize_t k = tuple ? PyTuple_GET_SIZE(tuple) : 0;
+    if (k < least || k > MAX_SLAB_FILES) {
+        PyErr_Format(PyExc_ValueError, "fds: %d to %d slab file descriptors", least,
+                     MAX_SLAB_FILES);
         return -1;
     }
     for (Py_ssize_t i = 0; i < k; i++) {
@@ -1188,8 +1233,14 @@ static int parse_fds(PyObject *tuple, int *fds) {
 /* Parse a slab call's places and sequences (bytes of u64, one per key) into the items:
  * each block's file and offset (`slabfile.locate`). room: a positive PAGE multiple that
  * holds the payload. With the GIL held. */
-static int parse_slab(Held *held, Py_ssize_t n, const int *fds, int nfds, Py_buffer *places,
-                      Py_buffer *seqs, Py_ssize_t room, Py_ssize_t num_places) {
+static int parse_slab(Held *held, Py_ssize_t n, const int *fds, int nfds, const int *dfds,
+                      int ndfds, Py_buffer *places, Py_buffer *seqs, Py_ssize_t room,
+                      Py_ssize_t num_places) {
+    if (ndfds && ndfds != nfds) {
+        PyErr_Format(PyExc_ValueError, "direct_fds: none or one per slab file (%d), not %d",
+                     nfds, ndfds);
+        return -1;
+    }
     if (places->len != n * 8 || (seqs->buf != NULL && seqs->len != n * 8)) {
         PyErr_SetString(PyExc_ValueError, "places and seqs: 8 bytes (u64) per key");
         return -1;
@@ -1218,6 +1269,11 @@ static int parse_slab(Held *held, Py_ssize_t n, const int *fds, int nfds, Py_buf
         item->fd = fds[place % (uint64_t)nfds];
         item->offset = (off_t)(PAGE + (place / (uint64_t)nfds) * (uint64_t)(room + PAGE));
         item->seq = seqs->buf ? get_le((const unsigned char *)seqs->buf + 8 * i, 8) : 0;
+        /* O_DIRECT where the block's memory is whole pages filling the slot's room (no
+         * zeros to add, no read past the block); else this block goes buffered */
+        int direct = ndfds && item->payload_len == (size_t)room &&
+                     (held->aligned > 0 || (held->aligned < 0 && item_aligned(item)));
+        item->dfd = direct ? dfds[place % (uint64_t)nfds] : -1;
     }
     return 0;
 }
@@ -1225,11 +1281,12 @@ static int parse_slab(Held *held, Py_ssize_t n, const int *fds, int nfds, Py_buf
 /* Run a parsed slab call (GIL released while the blocks move): writes' codes, with one
  * fdatasync per file written when `fsync` (its failure fails that file's blocks), or
  * reads' (codes, details). Releases the buffers it was given. */
-static PyObject *slab_run(Held *held, Py_ssize_t n, const int *fds, int nfds, Py_buffer *places,
-                          Py_buffer *seqs, Py_ssize_t room, Py_ssize_t num_places,
-                          unsigned long long ns_hash, int fsync, int threads, int reads) {
+static PyObject *slab_run(Held *held, Py_ssize_t n, const int *fds, int nfds, const int *dfds,
+                          int ndfds, Py_buffer *places, Py_buffer *seqs, Py_ssize_t room,
+                          Py_ssize_t num_places, unsigned long long ns_hash, int fsync,
+                          int threads, int reads) {
     PyObject *result = NULL;
-    if (parse_slab(held, n, fds, nfds, places, seqs, room, num_places) != 0)
+    if (parse_slab(held, n, fds, nfds, dfds, ndfds, places, seqs, room, num_places) != 0)
         return NULL;
     Batch batch = {held->items, (size_t)n, 0, ns_hash, fsync, 1, (size_t)room};
     threads = clamp_threads(threads, batch.n);
@@ -1239,7 +1296,9 @@ static PyObject *slab_run(Held *held, Py_ssize_t n, const int *fds, int nfds, Py
     }
     Py_BEGIN_ALLOW_THREADS
     run_threads(reads ? slab_read_worker : slab_write_worker, &batch, threads);
-    for (int f = 0; !reads && fsync && f < nfds; f++) { /* each file a block was written to */
+    /* each file a block was written to, through its buffered descriptor (the same inode:
+     * it flushes what the direct writes allocated, and the device's cache) */
+    for (int f = 0; !reads && fsync && f < nfds; f++) {
         size_t i = 0;
         while (i < batch.n && (held->items[i].fd != fds[f] || held->items[i].code))
             i++;
@@ -1281,104 +1340,116 @@ static void no_empty_seqs(Py_buffer *seqs) {
 
 PyDoc_STRVAR(slab_write_doc,
 "slab_write(fds, keys, lanes, slots, num_blocks, places, seqs, room, num_places, ns_hash,\n"
-"           fsync, threads) -> list[int]\n\n"
+"           fsync, threads, direct_fds=()) -> list[int]\n\n"
 "Each keys[i] (bytes of 1 to 100) from slot slots[i] of `lanes` (as write_batch's) into\n"
 "slab slot places[i] (slot places[i] // len(fds) of file fds[places[i] % len(fds)];\n"
 "places, seqs: bytes, a little-endian u64 per key), the slot's header sealed with\n"
 "seqs[i]; room: payload bytes of a slot (a PAGE multiple). With fsync, one fdatasync\n"
 "per file written after the whole batch (its failure fails that file's blocks).\n"
-"One outcome per block: 0 or -errno.");
+"direct_fds: () or the same files opened O_DIRECT, one per fd: the blocks go through\n"
+"them when the lanes are whole pages (base, stride, size: PAGE multiples) filling a\n"
+"slot's room, else buffered. One outcome per block: 0 or -errno.");
 
 static PyObject *py_slab_write(PyObject *self, PyObject *args) {
-    int fsync, threads, fds[MAX_SLAB_FILES], nfds;
-    PyObject *files, *keys, *lanes, *slots, *result = NULL;
+    int fsync, threads, fds[MAX_SLAB_FILES], nfds, dfds[MAX_SLAB_FILES], ndfds;
+    PyObject *files, *keys, *lanes, *slots, *direct = NULL, *result = NULL;
     Py_buffer places = {0}, seqs = {0};
     Py_ssize_t num_blocks, room, num_places;
     unsigned long long ns_hash;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!n" SLAB_TAIL "pi", &PyTuple_Type, &files, &PyList_Type,
-                          &keys, &PyTuple_Type, &lanes, &PyList_Type, &slots, &num_blocks,
-                          &places, &seqs, &room, &num_places, &ns_hash, &fsync, &threads))
+    if (!PyArg_ParseTuple(args, "O!O!O!O!n" SLAB_TAIL "pi|O!", &PyTuple_Type, &files,
+                          &PyList_Type, &keys, &PyTuple_Type, &lanes, &PyList_Type, &slots,
+                          &num_blocks, &places, &seqs, &room, &num_places, &ns_hash, &fsync,
+                          &threads, &PyTuple_Type, &direct))
         return NULL;
     Held held = {0};
-    if ((nfds = parse_fds(files, fds)) > 0 &&
+    if ((nfds = parse_fds(files, fds, 1)) > 0 && (ndfds = parse_fds(direct, dfds, 0)) >= 0 &&
         parse_batch(&held, -1, keys, lanes, slots, num_blocks, Py_None, 0, 0) == 0)
-        result = slab_run(&held, PyList_GET_SIZE(keys), fds, nfds, &places, &seqs, room,
-                          num_places, ns_hash, fsync, threads, 0);
+        result = slab_run(&held, PyList_GET_SIZE(keys), fds, nfds, dfds, ndfds, &places, &seqs,
+                          room, num_places, ns_hash, fsync, threads, 0);
     slab_release(&held, &places, &seqs);
     return result;
 }
 
 PyDoc_STRVAR(slab_write_items_doc,
-"slab_write_items(fds, items, places, seqs, room, num_places, ns_hash, fsync, threads)\n"
-"    -> list[int]\n\n"
+"slab_write_items(fds, items, places, seqs, room, num_places, ns_hash, fsync, threads,\n"
+"                 direct_fds=()) -> list[int]\n\n"
 "slab_write for blocks lent one by one: items is a list of (-1, b'', b'', key, payload),\n"
-"payload a buffer or a tuple of buffers (write_blocks' items, no directory or name).");
+"payload a buffer or a tuple of buffers (write_blocks' items, no directory or name);\n"
+"O_DIRECT (direct_fds) for each block whose regions are whole, aligned pages.");
 
 static PyObject *py_slab_write_items(PyObject *self, PyObject *args) {
-    int fsync, threads, fds[MAX_SLAB_FILES], nfds;
-    PyObject *files, *items, *result = NULL;
+    int fsync, threads, fds[MAX_SLAB_FILES], nfds, dfds[MAX_SLAB_FILES], ndfds;
+    PyObject *files, *items, *direct = NULL, *result = NULL;
     Py_buffer places = {0}, seqs = {0};
     Py_ssize_t room, num_places;
     unsigned long long ns_hash;
-    if (!PyArg_ParseTuple(args, "O!O!" SLAB_TAIL "pi", &PyTuple_Type, &files, &PyList_Type, &items,
-                          &places, &seqs, &room, &num_places, &ns_hash, &fsync, &threads))
+    if (!PyArg_ParseTuple(args, "O!O!" SLAB_TAIL "pi|O!", &PyTuple_Type, &files, &PyList_Type,
+                          &items, &places, &seqs, &room, &num_places, &ns_hash, &fsync, &threads,
+                          &PyTuple_Type, &direct))
         return NULL;
     Held held = {0};
-    if ((nfds = parse_fds(files, fds)) > 0 && parse_items(items, &held, 0) == 0)
-        result = slab_run(&held, PyList_GET_SIZE(items), fds, nfds, &places, &seqs, room,
-                          num_places, ns_hash, fsync, threads, 0);
+    if ((nfds = parse_fds(files, fds, 1)) > 0 && (ndfds = parse_fds(direct, dfds, 0)) >= 0 &&
+        parse_items(items, &held, 0) == 0)
+        result = slab_run(&held, PyList_GET_SIZE(items), fds, nfds, dfds, ndfds, &places, &seqs,
+                          room, num_places, ns_hash, fsync, threads, 0);
     slab_release(&held, &places, &seqs);
     return result;
 }
 
 PyDoc_STRVAR(slab_read_doc,
 "slab_read(fds, keys, lanes, slots, num_blocks, places, seqs, room, num_places, ns_hash,\n"
-"          threads) -> (list[int], dict[int, tuple[int, bytes]])\n\n"
+"          threads, direct_fds=()) -> (list[int], dict[int, tuple[int, bytes]])\n\n"
 "Each keys[i] from slab slot places[i] (as slab_write's) into slot slots[i] of `lanes`,\n"
 "checked (the slot's header, then the frame as read_batch checks it); seqs: b'' or a\n"
 "u64 per key, non-zero to rewrite the slot's header with that sequence once read (a\n"
-"touch). Outcomes as read_batch's, CORRUPT_SLOT for a slot whose own header fails.");
+"touch). Outcomes as read_batch's, CORRUPT_SLOT for a slot whose own header fails.\n"
+"direct_fds as slab_write's: a direct read takes the payload and the whole header page\n"
+"(into an aligned buffer of the thread's); the page cache is neither asked nor advised.");
 
 static PyObject *py_slab_read(PyObject *self, PyObject *args) {
-    int threads, fds[MAX_SLAB_FILES], nfds;
-    PyObject *files, *keys, *lanes, *slots, *result = NULL;
+    int threads, fds[MAX_SLAB_FILES], nfds, dfds[MAX_SLAB_FILES], ndfds;
+    PyObject *files, *keys, *lanes, *slots, *direct = NULL, *result = NULL;
     Py_buffer places = {0}, seqs = {0};
     Py_ssize_t num_blocks, room, num_places;
     unsigned long long ns_hash;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!n" SLAB_TAIL "i", &PyTuple_Type, &files, &PyList_Type,
-                          &keys, &PyTuple_Type, &lanes, &PyList_Type, &slots, &num_blocks,
-                          &places, &seqs, &room, &num_places, &ns_hash, &threads))
+    if (!PyArg_ParseTuple(args, "O!O!O!O!n" SLAB_TAIL "i|O!", &PyTuple_Type, &files,
+                          &PyList_Type, &keys, &PyTuple_Type, &lanes, &PyList_Type, &slots,
+                          &num_blocks, &places, &seqs, &room, &num_places, &ns_hash, &threads,
+                          &PyTuple_Type, &direct))
         return NULL;
     no_empty_seqs(&seqs);
     Held held = {0};
-    if ((nfds = parse_fds(files, fds)) > 0 &&
+    if ((nfds = parse_fds(files, fds, 1)) > 0 && (ndfds = parse_fds(direct, dfds, 0)) >= 0 &&
         parse_batch(&held, -1, keys, lanes, slots, num_blocks, Py_None, 1, 0) == 0)
-        result = slab_run(&held, PyList_GET_SIZE(keys), fds, nfds, &places, &seqs, room,
-                          num_places, ns_hash, 0, threads, 1);
+        result = slab_run(&held, PyList_GET_SIZE(keys), fds, nfds, dfds, ndfds, &places, &seqs,
+                          room, num_places, ns_hash, 0, threads, 1);
     slab_release(&held, &places, &seqs);
     return result;
 }
 
 PyDoc_STRVAR(slab_read_items_doc,
-"slab_read_items(fds, items, places, seqs, room, num_places, ns_hash, threads)\n"
-"    -> (list[int], dict[int, tuple[int, bytes]])\n\n"
+"slab_read_items(fds, items, places, seqs, room, num_places, ns_hash, threads,\n"
+"                direct_fds=()) -> (list[int], dict[int, tuple[int, bytes]])\n\n"
 "slab_read for blocks lent one by one: items is a list of (-1, b'', key, dest, False),\n"
-"dest a writable buffer or a tuple of them (read_blocks' items, no directory or name).");
+"dest a writable buffer or a tuple of them (read_blocks' items, no directory or name);\n"
+"O_DIRECT (direct_fds) for each block whose regions are whole, aligned pages.");
 
 static PyObject *py_slab_read_items(PyObject *self, PyObject *args) {
-    int threads, fds[MAX_SLAB_FILES], nfds;
-    PyObject *files, *items, *result = NULL;
+    int threads, fds[MAX_SLAB_FILES], nfds, dfds[MAX_SLAB_FILES], ndfds;
+    PyObject *files, *items, *direct = NULL, *result = NULL;
     Py_buffer places = {0}, seqs = {0};
     Py_ssize_t room, num_places;
     unsigned long long ns_hash;
-    if (!PyArg_ParseTuple(args, "O!O!" SLAB_TAIL "i", &PyTuple_Type, &files, &PyList_Type, &items,
-                          &places, &seqs, &room, &num_places, &ns_hash, &threads))
+    if (!PyArg_ParseTuple(args, "O!O!" SLAB_TAIL "i|O!", &PyTuple_Type, &files, &PyList_Type,
+                          &items, &places, &seqs, &room, &num_places, &ns_hash, &threads,
+                          &PyTuple_Type, &direct))
         return NULL;
     no_empty_seqs(&seqs);
     Held held = {0};
-    if ((nfds = parse_fds(files, fds)) > 0 && parse_items(items, &held, 1) == 0)
-        result = slab_run(&held, PyList_GET_SIZE(items), fds, nfds, &places, &seqs, room,
-                          num_places, ns_hash, 0, threads, 1);
+    if ((nfds = parse_fds(files, fds, 1)) > 0 && (ndfds = parse_fds(direct, dfds, 0)) >= 0 &&
+        parse_items(items, &held, 1) == 0)
+        result = slab_run(&held, PyList_GET_SIZE(items), fds, nfds, dfds, ndfds, &places, &seqs,
+                          room, num_places, ns_hash, 0, threads, 1);
     slab_release(&held, &places, &seqs);
     return result;
 }
@@ -1655,6 +1726,36 @@ static PyObject *py_encode_header(PyObject *self, PyObject *args) {
     return result;
 }
 
+PyDoc_STRVAR(direct_aligned_doc,
+"direct_aligned(lanes) -> bool\n\n"
+"Whether the slab calls move blocks of this geometry ((buffer, offset, stride, size)\n"
+"per lane) with O_DIRECT when given direct_fds: every lane's start, stride and size\n"
+"are multiples of 4096 (the same test the calls make).");
+
+static PyObject *py_direct_aligned(PyObject *self, PyObject *lanes) {
+    if (!PyTuple_Check(lanes) || PyTuple_GET_SIZE(lanes) < 1) {
+        PyErr_SetString(PyExc_TypeError, "lanes: a tuple of (buffer, offset, stride, size)");
+        return NULL;
+    }
+    int aligned = 1;
+    for (Py_ssize_t l = 0; aligned && l < PyTuple_GET_SIZE(lanes); l++) {
+        PyObject *buffer;
+        Py_ssize_t offset, stride, size;
+        Py_buffer view;
+        PyObject *t = PyTuple_GET_ITEM(lanes, l);
+        if (!PyTuple_Check(t) || !PyArg_ParseTuple(t, "Onnn", &buffer, &offset, &stride, &size)) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_TypeError, "lane %zd: (buffer, offset, stride, size) expected", l);
+            return NULL;
+        }
+        if (PyObject_GetBuffer(buffer, &view, PyBUF_SIMPLE) != 0)
+            return NULL;
+        aligned = region_aligned((char *)view.buf + offset, stride, size);
+        PyBuffer_Release(&view);
+    }
+    return PyBool_FromLong(aligned);
+}
+
 static PyMethodDef methods[] = {
     {"write_blocks", py_write_blocks, METH_VARARGS, write_blocks_doc},
     {"read_blocks", py_read_blocks, METH_VARARGS, read_blocks_doc},
@@ -1667,6 +1768,7 @@ static PyMethodDef methods[] = {
     {"slab_write_items", py_slab_write_items, METH_VARARGS, slab_write_items_doc},
     {"slab_scan", py_slab_scan, METH_VARARGS, slab_scan_doc},
     {"slab_read_items", py_slab_read_items, METH_VARARGS, slab_read_items_doc},
+    {"direct_aligned", py_direct_aligned, METH_O, direct_aligned_doc},
     {"beneath_works", py_beneath_works, METH_VARARGS,
      "beneath_works(dir_fd=-1) -> bool: whether the batch calls can open below a directory\n"
      "(openat2); with dir_fd, tried on it first (a refusal turns the batch calls off)."},

@@ -92,6 +92,15 @@ class NvmeTierConfig(TierConfig):
         "it is built and the frames carry no MAC (mac_key_env), else python. The same "
         "files either way",
     )
+    direct: bool = Field(
+        default=False,
+        description="O_DIRECT for the slab slots' payload and header I/O, bypassing the "
+        "page cache (the disk's bandwidth without the copy into the cache, and the "
+        "cache left to others; a load is never served from memory). Only with "
+        "`layout: slab` and the native core (io_engine auto or native); where a block's "
+        "memory is not 4 KiB aligned (start, length) it is moved buffered, as are all "
+        "blocks where the filesystem refuses O_DIRECT. The tier's data path says which",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -111,6 +120,22 @@ class NvmeTierConfig(TierConfig):
         # an unusable `paths` fails on its own field; `.` only keeps `path` from adding
         # a second, misleading error ("is required") to that one
         return {**data, "path": first if usable else "."}
+
+    @model_validator(mode="after")
+    def _direct_where_it_works(self) -> NvmeTierConfig:
+        """`direct` is the slab's and the compiled core's: refuse it elsewhere rather
+        than ignore it, naming the fix."""
+        if self.direct and self.layout != "slab":
+            raise ValueError(
+                "direct: true moves the slab layout's slots; with layout: files it would "
+                "do nothing: set layout: slab, or direct: false"
+            )
+        if self.direct and self.io_engine == "python":
+            raise ValueError(
+                "direct: true needs the compiled core, which io_engine: python turns off: "
+                "set io_engine: auto (or native), or direct: false"
+            )
+        return self
 
     @field_validator("path", mode="before")
     @classmethod

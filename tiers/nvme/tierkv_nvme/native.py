@@ -301,19 +301,22 @@ def slab_write(
     *,
     fsync: bool,
     threads: int | None = None,
+    direct_fds: tuple[int, ...] = (),
 ) -> list[Exception | None]:
     """`slabfile.write_slots` for `keys[i]` from `slots[i]` of `primary` (geometry
     `lanes`) into slab slot `places[i]` of the files `fds` sealed with `seqs[i]` (both
     bytes of little-endian u64s), in one call of the core: no Python per block. One
     `fdatasync` per file written after the batch when `fsync`. Keys must pass
-    `batch_keys`."""
+    `batch_keys`. `direct_fds`: the same files opened O_DIRECT (`slabfile.open_direct`),
+    used when `direct_aligned(lanes)`; else, and where the filesystem refuses a direct
+    write (EINVAL), the blocks go through `fds`."""
     if framer.mac:
         raise ValueError("frames with a MAC are written by slabfile.write_slots")
     core = _core_or_raise()
     wanted = default_threads(len(keys)) if threads is None else threads
     codes = core.slab_write(
         fds, keys, lanes, slots, primary.num_blocks, places, seqs, room, num_places,
-        framer.namespace_tag, fsync, wanted,
+        framer.namespace_tag, fsync, wanted, direct_fds,
     )  # fmt: skip
     if not any(codes):
         return [None] * len(keys)
@@ -333,17 +336,21 @@ def slab_read(
     num_places: int,
     *,
     threads: int | None = None,
+    direct_fds: tuple[int, ...] = (),
 ) -> list[Exception | None]:
     """`slabfile.read_slots` for `keys[i]` into `slots[i]` of `primary` from slab slot
     `places[i]`, in one call of the core; `seqs`: b"" or a u64 per key, non-zero to
-    refresh that slot's sequence once read. Outcomes as `read_batch`'s."""
+    refresh that slot's sequence once read. Outcomes as `read_batch`'s. `direct_fds`
+    as `slab_write`'s: a direct read never writes past a block's memory (only whole,
+    aligned pages go direct) and takes the whole header page into the core's own
+    aligned buffer."""
     if framer.mac:
         raise ValueError("frames with a MAC are read by slabfile.read_slots")
     core = _core_or_raise()
     wanted = default_threads(len(keys)) if threads is None else threads
     codes, details = core.slab_read(
         fds, keys, lanes, slots, primary.num_blocks, places, seqs, room, num_places,
-        framer.namespace_tag, wanted,
+        framer.namespace_tag, wanted, direct_fds,
     )  # fmt: skip
     return _read_outcomes(codes, details, keys, lambda i: primary.payload(slots[i]), framer)
 
@@ -359,18 +366,21 @@ def slab_write_items(
     *,
     fsync: bool,
     threads: int | None = None,
+    direct_fds: tuple[int, ...] = (),
 ) -> list[Exception | None]:
     """`slab_write` for blocks lent one by one (a primary with no one geometry, such as
     LMCache's objects): (key, payload) each, payload a buffer or regions. Keys must fit
-    a slot's header page (`slabfile.MAX_FRAME_HEADER`)."""
+    a slot's header page (`slabfile.MAX_FRAME_HEADER`). With `direct_fds`, each block
+    whose regions are whole, 4 KiB aligned pages goes O_DIRECT, the others buffered."""
     if framer.mac:
         raise ValueError("frames with a MAC are written by slabfile.write_slots")
     core = _core_or_raise()
     batch = [(-1, b"", b"", bytes(key), payload) for key, payload in items]
     wanted = default_threads(len(batch)) if threads is None else threads
     codes = core.slab_write_items(
-        fds, batch, places, seqs, room, num_places, framer.namespace_tag, fsync, wanted
-    )
+        fds, batch, places, seqs, room, num_places, framer.namespace_tag, fsync, wanted,
+        direct_fds,
+    )  # fmt: skip
     return [_os_error(-code, ("slab",)) if code else None for code in codes]
 
 
@@ -384,19 +394,27 @@ def slab_read_items(
     num_places: int,
     *,
     threads: int | None = None,
+    direct_fds: tuple[int, ...] = (),
 ) -> list[Exception | None]:
     """`slab_read` for blocks lent one by one: (key, dest) each. Outcomes as
-    `slab_read`'s."""
+    `slab_read`'s; `direct_fds` as `slab_write_items`'."""
     if framer.mac:
         raise ValueError("frames with a MAC are read by slabfile.read_slots")
     core = _core_or_raise()
     batch = [(-1, b"", bytes(key), dest, False) for key, dest in items]
     wanted = default_threads(len(batch)) if threads is None else threads
     codes, details = core.slab_read_items(
-        fds, batch, places, seqs, room, num_places, framer.namespace_tag, wanted
+        fds, batch, places, seqs, room, num_places, framer.namespace_tag, wanted, direct_fds
     )
     keys = [key for key, _dest in items]
     return _read_outcomes(codes, details, keys, lambda i: items[i][1], framer)
+
+
+def direct_aligned(lanes: tuple[Lane, ...]) -> bool:
+    """Whether the slab calls move every block of this geometry with O_DIRECT (given
+    `direct_fds`): each lane's start address, stride and size are 4 KiB multiples. The
+    core applies the same test on every call; this is for saying so (`data_path`)."""
+    return bool(_core_or_raise().direct_aligned(lanes))
 
 
 def slab_scan(
@@ -449,6 +467,7 @@ __all__ = [
     "batch_ready",
     "choose",
     "default_threads",
+    "direct_aligned",
     "encode_header",
     "read_batch",
     "read_blocks",

@@ -94,6 +94,26 @@ def file_bytes(places: int, index: int, room: int) -> int:
     return PAGE + file_slots(places, index) * (room + PAGE)
 
 
+def open_direct(fd: int, index: int, dir_fd: int) -> int:
+    """Slab file `index` (open as `fd`) opened a second time below `dir_fd`, with
+    O_DIRECT, for `direct: true`: its slots' payload and header pages then move
+    between the disk and the blocks' memory without the page cache. The buffered `fd`
+    stays for the rest (superblock, scan, punched holes, truncation, and blocks whose
+    memory is not page aligned); Linux keeps the two coherent (a direct write drops
+    the cached pages it covers, a direct read writes dirty ones back first).
+
+    OSError when it cannot: EINVAL where the filesystem refuses O_DIRECT (the caller
+    stays buffered), EXDEV should the name no longer be `fd`'s file."""
+    direct = os.open(
+        slab_name(index), os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dir_fd
+    )
+    mine, got = os.fstat(fd), os.fstat(direct)
+    if (mine.st_dev, mine.st_ino) != (got.st_dev, got.st_ino):
+        os.close(direct)
+        raise OSError(errno.EXDEV, f"{slab_name(index)} is no longer the slab file opened")
+    return direct
+
+
 # -- the superblock ------------------------------------------------------------------
 def superblock(index: int, block_bytes: int, room: int, namespace_tag: int) -> bytes:
     """The first page of slab file `index` for blocks of `block_bytes` in slots of
@@ -362,6 +382,7 @@ __all__ = [
     "file_slots",
     "release",
     "locate",
+    "open_direct",
     "read_slot",
     "read_slots",
     "room_for",
