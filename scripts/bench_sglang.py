@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import shutil
 import statistics
 import sys
@@ -48,6 +49,7 @@ from typing import Any
 import torch
 
 BATCH = 128
+RUN = secrets.token_hex(4)
 TIERKV = {
     "backend_name": "tierkv",
     "module_path": "tierkv.integrations.sglang",
@@ -130,7 +132,9 @@ class Run:
 
     def round(self, r: int, batches: int) -> None:
         n = batches * BATCH
-        keys = [f"{self.name}-r{r}-{i:08x}" for i in range(n)]
+        # a run's own keys: a tier reopened on a --dir an earlier run filled would hold
+        # the same keys and take each set as a refresh, writing nothing
+        keys = [f"{self.name}-{RUN}-r{r}-{i:08x}" for i in range(n)]
         src, dst = list(range(n)), list(range(n, 2 * n))
         fill(self.pool, src, r)
         # the token indices of each batch, as SGLang's controller holds them (a tensor

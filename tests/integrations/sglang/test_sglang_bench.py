@@ -34,3 +34,14 @@ def test_one_region_pages(rig: Any, tmp_path: Path) -> None:
         assert len(ptrs) == parts and sum(sizes) == 64 << 10
     row = bench.bench(64, 1, 1, tmp_path, "never", 2, regions=1)
     assert row["regions"] == 1 and row["tierkv_get"] > 0 and row["file_get"] > 0
+
+
+def test_a_full_tier_round(rig: Any, tmp_path: Path) -> None:
+    """`--full`: the nvme tier holds one round's pages and is filled first, so every
+    measured set evicts; the script still checks every page it reads back."""
+    spec = importlib.util.spec_from_file_location("bench_sglang", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    row = bench.bench(64, 1, 2, tmp_path, "never", 2, full=True)
+    assert row["tierkv_set"] > 0 and row["tierkv_get"] > 0
