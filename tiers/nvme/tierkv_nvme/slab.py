@@ -399,12 +399,7 @@ class SlabNvmeTier(NvmeTier):
         come back after a crash, whole and checked, as an evicted slot's can."""
         self._check_open()
         async with self._inflight.job():
-            targets: list[tuple[OffloadKey, _Entry]] = []
-            for key in dict.fromkeys(keys):
-                entry = self._index.pop(key, None)
-                if entry is not None:
-                    self._used -= entry.footprint
-                    targets.append((key, entry))
+            targets = self._unindex(keys)
             self._reusable.update(entry.place for _key, entry in targets)
             self._dropped(targets)
 

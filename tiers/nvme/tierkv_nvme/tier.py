@@ -633,13 +633,9 @@ class NvmeTier(SecondaryTierManager):
     async def remove(self, keys: Sequence[OffloadKey]) -> None:
         self._check_open()
         async with self._inflight.job():
-            targets: list[tuple[OffloadKey, _Entry]] = []
-            for key in dict.fromkeys(keys):
-                entry = self._index.pop(key, None)
-                if entry is not None:
-                    self._used -= entry.footprint
-                    self._deleting[key] = anyio.Event()
-                    targets.append((key, entry))
+            targets = self._unindex(keys)
+            for key, _entry in targets:
+                self._deleting[key] = anyio.Event()
             if not targets:
                 return
             try:
@@ -647,6 +643,17 @@ class NvmeTier(SecondaryTierManager):
             finally:
                 self._finish_deleting([key for key, _entry in targets])
                 self._dropped(targets)
+
+    def _unindex(self, keys: Sequence[OffloadKey]) -> list[tuple[OffloadKey, _Entry]]:
+        """Take the held ones of `keys` out of the index (their bytes no longer used):
+        what `remove` deletes and a slab's `evict` frees."""
+        targets: list[tuple[OffloadKey, _Entry]] = []
+        for key in dict.fromkeys(keys):
+            entry = self._index.pop(key, None)
+            if entry is not None:
+                self._used -= entry.footprint
+                targets.append((key, entry))
+        return targets
 
     # -- per chunk of blocks ------------------------------------------------------
     async def _in_chunks(
