@@ -18,6 +18,12 @@
  * Outcome per block: 0 ok, -errno for a system call that failed, or a positive
  * CORRUPT_* code for a frame that fails a check (the file is then deleted if its name
  * still holds it, as `blockfile._discard_corrupt` does).
+ *
+ * Every call takes an optional deadline (CLOCK_MONOTONIC seconds, Python's
+ * time.monotonic(); 0: none): a block not started by then is not touched and answers
+ * -ECANCELED. A job past its deadline thus stops within one block per thread, so its
+ * call does not go on reading into (or copying out of) memory its caller may have
+ * handed back: an engine's page, answered as a miss at the deadline.
  */
 #define PY_SSIZE_T_CLEAN
 #ifndef _GNU_SOURCE
@@ -112,7 +118,19 @@ typedef struct {
     int fsync;
     size_t group;          /* reads: blocks per group, PREFETCH_BLOCKS at most */
     size_t room;           /* slab calls: payload bytes of a slot (a PAGE multiple) */
+    double deadline;       /* CLOCK_MONOTONIC seconds; 0: none (a block not started by
+                            * then answers -ECANCELED, untouched) */
 } Batch;
+
+/* Whether `batch`'s deadline has passed: checked before each block (a vDSO clock read,
+ * tens of nanoseconds). */
+static int past_deadline(const Batch *batch) {
+    if (batch->deadline <= 0)
+        return 0;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + (double)now.tv_nsec * 1e-9 >= batch->deadline;
+}
 
 /* -- the frame ------------------------------------------------------------------- */
 
@@ -377,7 +395,7 @@ static void *write_worker(void *arg) {
     Batch *batch = arg;
     size_t i;
     while ((i = atomic_fetch_add(&batch->next, 1)) < batch->n)
-        batch->items[i].code = write_one(batch, &batch->items[i]);
+        batch->items[i].code = past_deadline(batch) ? -ECANCELED : write_one(batch, &batch->items[i]);
     return NULL;
 }
 
@@ -536,6 +554,11 @@ static void read_group(const Batch *batch, size_t first, size_t end, Scratch *s)
     int cached = atomic_load(&nowait_works);
     for (size_t i = first; i < end; i++) {
         Item *item = &batch->items[i];
+        if (past_deadline(batch)) {
+            fds[i - first] = -1;
+            item->code = -ECANCELED;
+            continue;
+        }
         int fd = fds[i - first] = open_block(item);
         if (fd < 0) {
             item->code = fd;
@@ -552,8 +575,10 @@ static void read_group(const Batch *batch, size_t first, size_t end, Scratch *s)
     if (ncold > 1)
         for (size_t c = 0; c < ncold; c++)
             posix_fadvise(fds[cold[c] - first], 0, 0, POSIX_FADV_WILLNEED);
-    for (size_t c = 0; c < ncold; c++)
-        batch->items[cold[c]].code = read_one(batch, &batch->items[cold[c]], fds[cold[c] - first], s, 0);
+    for (size_t c = 0; c < ncold; c++) {
+        Item *item = &batch->items[cold[c]];
+        item->code = past_deadline(batch) ? -ECANCELED : read_one(batch, item, fds[cold[c] - first], s, 0);
+    }
     for (size_t i = first; i < end; i++)
         if (fds[i - first] >= 0)
             close(fds[i - first]);
@@ -872,8 +897,8 @@ PyDoc_STRVAR(write_blocks_doc,
 
 /* Write the parsed batch on `threads` threads (GIL released): one outcome per block. */
 static PyObject *run_writes(Held *held, size_t n, unsigned long long ns_hash, int fsync,
-                            int threads) {
-    Batch batch = {held->items, n, 0, ns_hash, fsync, 1, 0};
+                            int threads, double deadline) {
+    Batch batch = {held->items, n, 0, ns_hash, fsync, 1, 0, deadline};
     threads = clamp_threads(threads, batch.n);
     Py_BEGIN_ALLOW_THREADS
     run_threads(write_worker, &batch, threads);
@@ -893,12 +918,15 @@ static PyObject *py_write_blocks(PyObject *self, PyObject *args) {
     PyObject *items;
     unsigned long long ns_hash;
     int fsync, threads;
-    if (!PyArg_ParseTuple(args, "O!Kpi", &PyList_Type, &items, &ns_hash, &fsync, &threads))
+    double deadline = 0;
+    if (!PyArg_ParseTuple(args, "O!Kpi|d", &PyList_Type, &items, &ns_hash, &fsync, &threads,
+                          &deadline))
         return NULL;
     Held held = {0};
     PyObject *result = NULL;
     if (parse_items(items, &held, 0) == 0)
-        result = run_writes(&held, (size_t)PyList_GET_SIZE(items), ns_hash, fsync, threads);
+        result = run_writes(&held, (size_t)PyList_GET_SIZE(items), ns_hash, fsync, threads,
+                            deadline);
     held_release(&held);
     return result;
 }
@@ -917,13 +945,16 @@ static PyObject *py_write_batch(PyObject *self, PyObject *args) {
     PyObject *keys, *lanes, *slots;
     Py_ssize_t num_blocks;
     unsigned long long ns_hash;
-    if (!PyArg_ParseTuple(args, "iO!O!O!nKpi", &root_fd, &PyList_Type, &keys, &PyTuple_Type,
-                          &lanes, &PyList_Type, &slots, &num_blocks, &ns_hash, &fsync, &threads))
+    double deadline = 0;
+    if (!PyArg_ParseTuple(args, "iO!O!O!nKpi|d", &root_fd, &PyList_Type, &keys, &PyTuple_Type,
+                          &lanes, &PyList_Type, &slots, &num_blocks, &ns_hash, &fsync, &threads,
+                          &deadline))
         return NULL;
     Held held = {0};
     PyObject *result = NULL;
     if (parse_batch(&held, root_fd, keys, lanes, slots, num_blocks, Py_None, 0, 1) == 0)
-        result = run_writes(&held, (size_t)PyList_GET_SIZE(keys), ns_hash, fsync, threads);
+        result = run_writes(&held, (size_t)PyList_GET_SIZE(keys), ns_hash, fsync, threads,
+                            deadline);
     held_release(&held);
     return result;
 }
@@ -939,8 +970,9 @@ PyDoc_STRVAR(read_blocks_doc,
 static PyObject *outcomes_of(Held *held, size_t n);
 
 /* Read the parsed batch on `threads` threads (GIL released): (codes, details). */
-static PyObject *run_reads(Held *held, size_t n, unsigned long long ns_hash, int threads) {
-    Batch batch = {held->items, n, 0, ns_hash, 0, 1, 0};
+static PyObject *run_reads(Held *held, size_t n, unsigned long long ns_hash, int threads,
+                           double deadline) {
+    Batch batch = {held->items, n, 0, ns_hash, 0, 1, 0, deadline};
     /* groups of PREFETCH_BLOCKS, smaller when that gives each thread one */
     threads = clamp_threads(threads, batch.n);
     size_t share = (batch.n + (size_t)threads - 1) / (size_t)threads;
@@ -987,12 +1019,13 @@ static PyObject *py_read_blocks(PyObject *self, PyObject *args) {
     PyObject *items;
     unsigned long long ns_hash;
     int threads;
-    if (!PyArg_ParseTuple(args, "O!Ki", &PyList_Type, &items, &ns_hash, &threads))
+    double deadline = 0;
+    if (!PyArg_ParseTuple(args, "O!Ki|d", &PyList_Type, &items, &ns_hash, &threads, &deadline))
         return NULL;
     Held held = {0};
     PyObject *result = NULL;
     if (parse_items(items, &held, 1) == 0)
-        result = run_reads(&held, (size_t)PyList_GET_SIZE(items), ns_hash, threads);
+        result = run_reads(&held, (size_t)PyList_GET_SIZE(items), ns_hash, threads, deadline);
     held_release(&held);
     return result;
 }
@@ -1010,13 +1043,15 @@ static PyObject *py_read_batch(PyObject *self, PyObject *args) {
     PyObject *keys, *lanes, *slots, *touch;
     Py_ssize_t num_blocks;
     unsigned long long ns_hash;
-    if (!PyArg_ParseTuple(args, "iO!O!O!nOKi", &root_fd, &PyList_Type, &keys, &PyTuple_Type,
-                          &lanes, &PyList_Type, &slots, &num_blocks, &touch, &ns_hash, &threads))
+    double deadline = 0;
+    if (!PyArg_ParseTuple(args, "iO!O!O!nOKi|d", &root_fd, &PyList_Type, &keys, &PyTuple_Type,
+                          &lanes, &PyList_Type, &slots, &num_blocks, &touch, &ns_hash, &threads,
+                          &deadline))
         return NULL;
     Held held = {0};
     PyObject *result = NULL;
     if (parse_batch(&held, root_fd, keys, lanes, slots, num_blocks, touch, 1, 1) == 0)
-        result = run_reads(&held, (size_t)PyList_GET_SIZE(keys), ns_hash, threads);
+        result = run_reads(&held, (size_t)PyList_GET_SIZE(keys), ns_hash, threads, deadline);
     held_release(&held);
     return result;
 }
@@ -1163,6 +1198,10 @@ static void slab_read_group(const Batch *batch, size_t first, size_t end, unsign
     size_t ncold = 0;
     int cached = atomic_load(&nowait_works);
     for (size_t i = first; i < end; i++) {
+        if (past_deadline(batch)) {
+            batch->items[i].code = -ECANCELED;
+            continue;
+        }
         if (batch->items[i].dfd >= 0) { /* O_DIRECT: past the page cache, nothing to advise */
             batch->items[i].code = slab_read_one(batch, &batch->items[i], page, pad, 0);
             continue;
@@ -1180,8 +1219,10 @@ static void slab_read_group(const Batch *batch, size_t first, size_t end, unsign
             const Item *item = &batch->items[cold[c]];
             posix_fadvise(item->fd, item->offset, (off_t)(batch->room + PAGE), POSIX_FADV_WILLNEED);
         }
-    for (size_t c = 0; c < ncold; c++)
-        batch->items[cold[c]].code = slab_read_one(batch, &batch->items[cold[c]], page, pad, 0);
+    for (size_t c = 0; c < ncold; c++) {
+        Item *item = &batch->items[cold[c]];
+        item->code = past_deadline(batch) ? -ECANCELED : slab_read_one(batch, item, page, pad, 0);
+    }
 }
 
 static void *slab_write_worker(void *arg) {
@@ -1189,7 +1230,9 @@ static void *slab_write_worker(void *arg) {
     unsigned char *page = aligned_alloc(PAGE, PAGE);
     size_t i;
     while ((i = atomic_fetch_add(&batch->next, 1)) < batch->n)
-        batch->items[i].code = page ? slab_write_one(batch, &batch->items[i], page) : -ENOMEM;
+        batch->items[i].code = !page                 ? -ENOMEM
+                               : past_deadline(batch) ? -ECANCELED
+                                                      : slab_write_one(batch, &batch->items[i], page);
     free(page);
     return NULL;
 }
@@ -1284,11 +1327,11 @@ static int parse_slab(Held *held, Py_ssize_t n, const int *fds, int nfds, const 
 static PyObject *slab_run(Held *held, Py_ssize_t n, const int *fds, int nfds, const int *dfds,
                           int ndfds, Py_buffer *places, Py_buffer *seqs, Py_ssize_t room,
                           Py_ssize_t num_places, unsigned long long ns_hash, int fsync,
-                          int threads, int reads) {
+                          int threads, int reads, double deadline) {
     PyObject *result = NULL;
     if (parse_slab(held, n, fds, nfds, dfds, ndfds, places, seqs, room, num_places) != 0)
         return NULL;
-    Batch batch = {held->items, (size_t)n, 0, ns_hash, fsync, 1, (size_t)room};
+    Batch batch = {held->items, (size_t)n, 0, ns_hash, fsync, 1, (size_t)room, deadline};
     threads = clamp_threads(threads, batch.n);
     if (reads) { /* groups of PREFETCH_BLOCKS, smaller when that gives each thread one */
         size_t share = (batch.n + (size_t)threads - 1) / (size_t)threads;
@@ -1353,19 +1396,20 @@ PyDoc_STRVAR(slab_write_doc,
 static PyObject *py_slab_write(PyObject *self, PyObject *args) {
     int fsync, threads, fds[MAX_SLAB_FILES], nfds, dfds[MAX_SLAB_FILES], ndfds;
     PyObject *files, *keys, *lanes, *slots, *direct = NULL, *result = NULL;
+    double deadline = 0;
     Py_buffer places = {0}, seqs = {0};
     Py_ssize_t num_blocks, room, num_places;
     unsigned long long ns_hash;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!n" SLAB_TAIL "pi|O!", &PyTuple_Type, &files,
+    if (!PyArg_ParseTuple(args, "O!O!O!O!n" SLAB_TAIL "pi|O!d", &PyTuple_Type, &files,
                           &PyList_Type, &keys, &PyTuple_Type, &lanes, &PyList_Type, &slots,
                           &num_blocks, &places, &seqs, &room, &num_places, &ns_hash, &fsync,
-                          &threads, &PyTuple_Type, &direct))
+                          &threads, &PyTuple_Type, &direct, &deadline))
         return NULL;
     Held held = {0};
     if ((nfds = parse_fds(files, fds, 1)) > 0 && (ndfds = parse_fds(direct, dfds, 0)) >= 0 &&
         parse_batch(&held, -1, keys, lanes, slots, num_blocks, Py_None, 0, 0) == 0)
         result = slab_run(&held, PyList_GET_SIZE(keys), fds, nfds, dfds, ndfds, &places, &seqs,
-                          room, num_places, ns_hash, fsync, threads, 0);
+                          room, num_places, ns_hash, fsync, threads, 0, deadline);
     slab_release(&held, &places, &seqs);
     return result;
 }
@@ -1380,18 +1424,19 @@ PyDoc_STRVAR(slab_write_items_doc,
 static PyObject *py_slab_write_items(PyObject *self, PyObject *args) {
     int fsync, threads, fds[MAX_SLAB_FILES], nfds, dfds[MAX_SLAB_FILES], ndfds;
     PyObject *files, *items, *direct = NULL, *result = NULL;
+    double deadline = 0;
     Py_buffer places = {0}, seqs = {0};
     Py_ssize_t room, num_places;
     unsigned long long ns_hash;
-    if (!PyArg_ParseTuple(args, "O!O!" SLAB_TAIL "pi|O!", &PyTuple_Type, &files, &PyList_Type,
+    if (!PyArg_ParseTuple(args, "O!O!" SLAB_TAIL "pi|O!d", &PyTuple_Type, &files, &PyList_Type,
                           &items, &places, &seqs, &room, &num_places, &ns_hash, &fsync, &threads,
-                          &PyTuple_Type, &direct))
+                          &PyTuple_Type, &direct, &deadline))
         return NULL;
     Held held = {0};
     if ((nfds = parse_fds(files, fds, 1)) > 0 && (ndfds = parse_fds(direct, dfds, 0)) >= 0 &&
         parse_items(items, &held, 0) == 0)
         result = slab_run(&held, PyList_GET_SIZE(items), fds, nfds, dfds, ndfds, &places, &seqs,
-                          room, num_places, ns_hash, fsync, threads, 0);
+                          room, num_places, ns_hash, fsync, threads, 0, deadline);
     slab_release(&held, &places, &seqs);
     return result;
 }
@@ -1409,20 +1454,21 @@ PyDoc_STRVAR(slab_read_doc,
 static PyObject *py_slab_read(PyObject *self, PyObject *args) {
     int threads, fds[MAX_SLAB_FILES], nfds, dfds[MAX_SLAB_FILES], ndfds;
     PyObject *files, *keys, *lanes, *slots, *direct = NULL, *result = NULL;
+    double deadline = 0;
     Py_buffer places = {0}, seqs = {0};
     Py_ssize_t num_blocks, room, num_places;
     unsigned long long ns_hash;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!n" SLAB_TAIL "i|O!", &PyTuple_Type, &files,
+    if (!PyArg_ParseTuple(args, "O!O!O!O!n" SLAB_TAIL "i|O!d", &PyTuple_Type, &files,
                           &PyList_Type, &keys, &PyTuple_Type, &lanes, &PyList_Type, &slots,
                           &num_blocks, &places, &seqs, &room, &num_places, &ns_hash, &threads,
-                          &PyTuple_Type, &direct))
+                          &PyTuple_Type, &direct, &deadline))
         return NULL;
     no_empty_seqs(&seqs);
     Held held = {0};
     if ((nfds = parse_fds(files, fds, 1)) > 0 && (ndfds = parse_fds(direct, dfds, 0)) >= 0 &&
         parse_batch(&held, -1, keys, lanes, slots, num_blocks, Py_None, 1, 0) == 0)
         result = slab_run(&held, PyList_GET_SIZE(keys), fds, nfds, dfds, ndfds, &places, &seqs,
-                          room, num_places, ns_hash, 0, threads, 1);
+                          room, num_places, ns_hash, 0, threads, 1, deadline);
     slab_release(&held, &places, &seqs);
     return result;
 }
@@ -1437,19 +1483,20 @@ PyDoc_STRVAR(slab_read_items_doc,
 static PyObject *py_slab_read_items(PyObject *self, PyObject *args) {
     int threads, fds[MAX_SLAB_FILES], nfds, dfds[MAX_SLAB_FILES], ndfds;
     PyObject *files, *items, *direct = NULL, *result = NULL;
+    double deadline = 0;
     Py_buffer places = {0}, seqs = {0};
     Py_ssize_t room, num_places;
     unsigned long long ns_hash;
-    if (!PyArg_ParseTuple(args, "O!O!" SLAB_TAIL "i|O!", &PyTuple_Type, &files, &PyList_Type,
+    if (!PyArg_ParseTuple(args, "O!O!" SLAB_TAIL "i|O!d", &PyTuple_Type, &files, &PyList_Type,
                           &items, &places, &seqs, &room, &num_places, &ns_hash, &threads,
-                          &PyTuple_Type, &direct))
+                          &PyTuple_Type, &direct, &deadline))
         return NULL;
     no_empty_seqs(&seqs);
     Held held = {0};
     if ((nfds = parse_fds(files, fds, 1)) > 0 && (ndfds = parse_fds(direct, dfds, 0)) >= 0 &&
         parse_items(items, &held, 1) == 0)
         result = slab_run(&held, PyList_GET_SIZE(items), fds, nfds, dfds, ndfds, &places, &seqs,
-                          room, num_places, ns_hash, 0, threads, 1);
+                          room, num_places, ns_hash, 0, threads, 1, deadline);
     slab_release(&held, &places, &seqs);
     return result;
 }
@@ -1712,7 +1759,7 @@ static PyObject *py_encode_header(PyObject *self, PyObject *args) {
     Held held = {0};
     PyObject *result = NULL;
     if (parse_items(one, &held, 0) == 0) {
-        Batch batch = {held.items, 1, 0, ns_hash, 0, 1, 0};
+        Batch batch = {held.items, 1, 0, ns_hash, 0, 1, 0, 0};
         int err = build_header(&batch, &held.items[0]);
         if (err)
             PyErr_SetFromErrno(PyExc_OSError);

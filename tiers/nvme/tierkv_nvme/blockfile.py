@@ -79,6 +79,21 @@ minute is plenty for the LRU order a restart rebuilds, and a block loaded again 
 again does not dirty its inode (a metadata write) every time."""
 
 
+class PastDeadline(Exception):
+    """A block its call did not start because the job's deadline had passed: nothing
+    of it was read or written, its memory untouched. Not a fault of the medium: the
+    tier fails the key as late and counts no read error against the block."""
+
+    def __init__(self, where: str = "") -> None:
+        super().__init__(f"not started: the job's deadline had passed ({where})")
+
+
+def past(deadline: float) -> bool:
+    """Whether `deadline` (`time.monotonic()` seconds; 0: none) has passed: asked
+    before each block, so a job past its deadline stops within one block."""
+    return deadline > 0 and time.monotonic() >= deadline
+
+
 def _unlink_quietly(name: str, dir_fd: int) -> None:
     try:
         os.unlink(name, dir_fd=dir_fd)
@@ -480,6 +495,8 @@ def read_blocks(
     items: Sequence[ReadItem],
     framer: Framer,
     placement: tuple[int, int] = (1, 0),
+    *,
+    deadline: float = 0.0,
 ) -> list[Exception | None]:
     """`read_opened` for each of `items` (rel, key, slot, touch), one outcome each
     (None: read and checked), in one thread, PREFETCH_BLOCKS files at a time: each
@@ -490,11 +507,12 @@ def read_blocks(
     trips for the same depth of I/O. A block just written or read costs no advice
     call (a third of a 32 KiB block's system calls were directory opens and advice).
     `placement`: where the slots lie (`PrimaryView.placement`; by default unknown, and
-    each slot's distance is tested)."""
+    each slot's distance is tested). A block not started by `deadline` (`past`) is
+    `PastDeadline`."""
     outcomes: list[Exception | None] = [None] * len(items)
     scratch = _Scratch(placement)
     try:
-        _read_groups(leaves, items, framer, outcomes, scratch)
+        _read_groups(leaves, items, framer, outcomes, scratch, deadline)
     finally:
         scratch.close()
     return outcomes
@@ -506,6 +524,7 @@ def _read_groups(
     framer: Framer,
     outcomes: list[Exception | None],
     scratch: _Scratch,
+    deadline: float,
 ) -> None:
     """`read_blocks`' work, PREFETCH_BLOCKS files at a time, into `outcomes`."""
     for first in range(0, len(items), PREFETCH_BLOCKS):
@@ -515,6 +534,9 @@ def _read_groups(
         try:
             for i in range(first, min(first + PREFETCH_BLOCKS, len(items))):
                 rel, key, dest, touch = items[i]
+                if past(deadline):
+                    outcomes[i] = PastDeadline("/".join(rel))
+                    continue
                 try:
                     fd = open_block(leaves, rel)
                 except OSError as exc:
@@ -545,6 +567,9 @@ def _read_groups(
                         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
             for i, fd in cold:
                 rel, key, dest, touch = items[i]
+                if past(deadline):
+                    outcomes[i] = PastDeadline("/".join(rel))
+                    continue
                 try:
                     read_opened(leaves, rel, fd, key, dest, framer, touch=touch, scratch=scratch)
                 except Exception as exc:  # reported per key by the caller
@@ -575,12 +600,14 @@ def read_header(path: Path, framer: Framer, size: int) -> Header:
 
 
 __all__ = [
+    "PastDeadline",
     "ReadItem",
     "RelPath",
     "Slot",
     "TEMP_SUFFIX",
     "delete_files",
     "open_block",
+    "past",
     "read_block",
     "read_blocks",
     "read_opened",

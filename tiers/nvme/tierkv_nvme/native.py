@@ -21,12 +21,18 @@ files are created 0600.
 Frames with a MAC (a `Framer` with a key) are not the core's: the MAC (keyed BLAKE3)
 is per block Python work either way, so such tiers stay on the Python path (`choose`).
 
+Every call takes `deadline` (`time.monotonic()` seconds; 0: none): a block the core
+has not started by then is left untouched and answers `PastDeadline`, so a job past
+its deadline stops within one block per thread instead of finishing its whole call
+(`NvmeTier._in_chunks`).
+
 Not built (no compiler or no `libxxhash-dev` when the package was installed):
 `AVAILABLE` is False and `reason` says why and how to fix it.
 """
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 from collections.abc import Callable, Sequence
@@ -34,7 +40,7 @@ from types import ModuleType
 
 from tierkv.contract.framing import MAX_KEY_BYTES, Framer, payload_length
 from tierkv.tier import CorruptBlock, Lane, OffloadKey, PrimaryView, TierUnavailable, detached
-from tierkv_nvme.blockfile import ReadItem, RelPath, Slot
+from tierkv_nvme.blockfile import PastDeadline, ReadItem, RelPath, Slot
 from tierkv_nvme.dirs import Leaves, no_link
 from tierkv_nvme.layout import MAX_HEX_KEY_BYTES, block_relpath, temp_name
 from tierkv_nvme.slabfile import SLAB_FILES, FoundSlot
@@ -112,9 +118,12 @@ def _core_or_raise() -> ModuleType:
     return _core
 
 
-def _os_error(code: int, rel: RelPath) -> OSError:
-    """The OSError (FileNotFoundError, ... by errno) for the core's outcome -`code`."""
+def _os_error(code: int, rel: RelPath) -> Exception:
+    """The OSError (FileNotFoundError, ... by errno) for the core's outcome -`code`;
+    `PastDeadline` for a block the call did not start (ECANCELED: its deadline)."""
     where = "/".join(rel)
+    if code == errno.ECANCELED:
+        return PastDeadline(where)
     return no_link(OSError(code, os.strerror(code), where), where)
 
 
@@ -125,6 +134,7 @@ def write_blocks(
     *,
     fsync: bool,
     threads: int | None = None,
+    deadline: float = 0.0,
 ) -> list[Exception | None]:
     """`blockfile.write_block` for each of `items` (rel, key, payload), one outcome
     each (None: published), the blocks spread over `threads` threads of the core."""
@@ -148,7 +158,7 @@ def write_blocks(
         where.append(i)
     if batch:
         wanted = default_threads(len(batch)) if threads is None else threads
-        codes = core.write_blocks(batch, framer.namespace_tag, fsync, wanted)
+        codes = core.write_blocks(batch, framer.namespace_tag, fsync, wanted, deadline)
         for i, code in zip(where, codes):
             if code:
                 outcomes[i] = _os_error(-code, items[i][0])
@@ -162,6 +172,7 @@ def read_blocks(
     placement: tuple[int, int] = (1, 0),
     *,
     threads: int | None = None,
+    deadline: float = 0.0,
 ) -> list[Exception | None]:
     """`blockfile.read_blocks` for `items` (rel, key, slot, touch): one outcome each
     (None: read and checked), the blocks spread over `threads` threads of the core.
@@ -184,7 +195,7 @@ def read_blocks(
     if not batch:
         return outcomes
     wanted = default_threads(len(batch)) if threads is None else threads
-    codes, details = core.read_blocks(batch, framer.namespace_tag, wanted)
+    codes, details = core.read_blocks(batch, framer.namespace_tag, wanted, deadline)
     for j, (i, code) in enumerate(zip(where, codes)):
         if code < 0:
             outcomes[i] = _os_error(-code, items[i][0])
@@ -219,6 +230,7 @@ def write_batch(
     *,
     fsync: bool,
     threads: int | None = None,
+    deadline: float = 0.0,
 ) -> list[Exception | None]:
     """`write_blocks` for `keys[i]` from `slots[i]` of `primary` (whose geometry is
     `lanes`), in one call that names, addresses and frames every block in C: no Python
@@ -230,8 +242,9 @@ def write_batch(
     core = _core_or_raise()
     wanted = default_threads(len(keys)) if threads is None else threads
     codes = core.write_batch(
-        root_fd, keys, lanes, slots, primary.num_blocks, framer.namespace_tag, fsync, wanted
-    )
+        root_fd, keys, lanes, slots, primary.num_blocks, framer.namespace_tag, fsync, wanted,
+        deadline,
+    )  # fmt: skip
     if not any(codes):
         return [None] * len(keys)
     return [
@@ -249,6 +262,7 @@ def read_batch(
     framer: Framer,
     *,
     threads: int | None = None,
+    deadline: float = 0.0,
 ) -> list[Exception | None]:
     """`read_blocks` for `keys[i]` into `slots[i]` of `primary` (geometry `lanes`), as
     `write_batch` does writes; `touch`: None, or a flag per key (refresh its mtime)."""
@@ -257,8 +271,9 @@ def read_batch(
     core = _core_or_raise()
     wanted = default_threads(len(keys)) if threads is None else threads
     codes, details = core.read_batch(
-        root_fd, keys, lanes, slots, primary.num_blocks, touch, framer.namespace_tag, wanted
-    )
+        root_fd, keys, lanes, slots, primary.num_blocks, touch, framer.namespace_tag, wanted,
+        deadline,
+    )  # fmt: skip
     return _read_outcomes(
         codes, details, keys, lambda i: primary.payload(slots[i]), framer, block_relpath
     )
@@ -302,6 +317,7 @@ def slab_write(
     fsync: bool,
     threads: int | None = None,
     direct_fds: tuple[int, ...] = (),
+    deadline: float = 0.0,
 ) -> list[Exception | None]:
     """`slabfile.write_slots` for `keys[i]` from `slots[i]` of `primary` (geometry
     `lanes`) into slab slot `places[i]` of the files `fds` sealed with `seqs[i]` (both
@@ -316,7 +332,7 @@ def slab_write(
     wanted = default_threads(len(keys)) if threads is None else threads
     codes = core.slab_write(
         fds, keys, lanes, slots, primary.num_blocks, places, seqs, room, num_places,
-        framer.namespace_tag, fsync, wanted, direct_fds,
+        framer.namespace_tag, fsync, wanted, direct_fds, deadline,
     )  # fmt: skip
     if not any(codes):
         return [None] * len(keys)
@@ -337,6 +353,7 @@ def slab_read(
     *,
     threads: int | None = None,
     direct_fds: tuple[int, ...] = (),
+    deadline: float = 0.0,
 ) -> list[Exception | None]:
     """`slabfile.read_slots` for `keys[i]` into `slots[i]` of `primary` from slab slot
     `places[i]`, in one call of the core; `seqs`: b"" or a u64 per key, non-zero to
@@ -350,7 +367,7 @@ def slab_read(
     wanted = default_threads(len(keys)) if threads is None else threads
     codes, details = core.slab_read(
         fds, keys, lanes, slots, primary.num_blocks, places, seqs, room, num_places,
-        framer.namespace_tag, wanted, direct_fds,
+        framer.namespace_tag, wanted, direct_fds, deadline,
     )  # fmt: skip
     return _read_outcomes(codes, details, keys, lambda i: primary.payload(slots[i]), framer)
 
@@ -367,6 +384,7 @@ def slab_write_items(
     fsync: bool,
     threads: int | None = None,
     direct_fds: tuple[int, ...] = (),
+    deadline: float = 0.0,
 ) -> list[Exception | None]:
     """`slab_write` for blocks lent one by one (a primary with no one geometry, such as
     LMCache's objects): (key, payload) each, payload a buffer or regions. Keys must fit
@@ -379,7 +397,7 @@ def slab_write_items(
     wanted = default_threads(len(batch)) if threads is None else threads
     codes = core.slab_write_items(
         fds, batch, places, seqs, room, num_places, framer.namespace_tag, fsync, wanted,
-        direct_fds,
+        direct_fds, deadline,
     )  # fmt: skip
     return [_os_error(-code, ("slab",)) if code else None for code in codes]
 
@@ -395,6 +413,7 @@ def slab_read_items(
     *,
     threads: int | None = None,
     direct_fds: tuple[int, ...] = (),
+    deadline: float = 0.0,
 ) -> list[Exception | None]:
     """`slab_read` for blocks lent one by one: (key, dest) each. Outcomes as
     `slab_read`'s; `direct_fds` as `slab_write_items`'."""
@@ -404,8 +423,9 @@ def slab_read_items(
     batch = [(-1, b"", bytes(key), dest, False) for key, dest in items]
     wanted = default_threads(len(batch)) if threads is None else threads
     codes, details = core.slab_read_items(
-        fds, batch, places, seqs, room, num_places, framer.namespace_tag, wanted, direct_fds
-    )
+        fds, batch, places, seqs, room, num_places, framer.namespace_tag, wanted, direct_fds,
+        deadline,
+    )  # fmt: skip
     keys = [key for key, _dest in items]
     return _read_outcomes(codes, details, keys, lambda i: items[i][1], framer)
 

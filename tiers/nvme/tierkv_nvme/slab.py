@@ -471,9 +471,11 @@ class SlabNvmeTier(NvmeTier):
         slots: list[int],
         victims: list[OffloadKey],
         places: Sequence[int] | None,
+        deadline: float = 0.0,
     ) -> list[Exception | None]:
         """Worker thread: write keys[i] from slots[i] into slab slot places[i] (the
-        victims' slots are among them: nothing to delete)."""
+        victims' slots are among them: nothing to delete); none started after
+        `deadline` (`NvmeTier._write_files`)."""
         assert isinstance(places, _Places)
         if not self._slab_fds:
             return self._no_slab(keys)
@@ -495,6 +497,7 @@ class SlabNvmeTier(NvmeTier):
                 fsync=fsync,
                 threads=self._core_threads(len(keys)),
                 direct_fds=self._direct_fds,
+                deadline=deadline,
             )
         payload = self.primary.payload
         if self._io_engine == "native":  # blocks lent one by one (LMCache's objects)
@@ -503,9 +506,12 @@ class SlabNvmeTier(NvmeTier):
                 array("Q", [places[i] for i, _k in fit]).tobytes(),
                 array("Q", [seqs[i] for i, _k in fit]).tobytes(), self._room, self._places,
                 fsync=fsync, threads=self._core_threads(len(fit)), direct_fds=self._direct_fds,
+                deadline=deadline,
             ))  # fmt: skip
         items = [(p, k, payload(s), q) for p, k, s, q in zip(places, keys, slots, seqs)]
-        return slabfile.write_slots(self._slab_fds, items, self._room, self.framer, fsync=fsync)
+        return slabfile.write_slots(
+            self._slab_fds, items, self._room, self.framer, fsync=fsync, deadline=deadline
+        )
 
     def _in_core(
         self,
@@ -537,9 +543,11 @@ class SlabNvmeTier(NvmeTier):
         slots: list[int],
         touch: bytes,
         entries: Sequence[tuple[OffloadKey, _Entry]],
+        deadline: float = 0.0,
     ) -> list[Exception | None]:
         """Worker thread: read keys[i] from its slot into slots[i]; a slot whose
-        touch[i] is set gets a new sequence (its recency after a restart)."""
+        touch[i] is set gets a new sequence (its recency after a restart). None
+        started after `deadline` (`NvmeTier._read_files`)."""
         if not self._slab_fds:
             return self._no_slab(keys)
         places = [entry.place for _key, entry in entries]
@@ -563,6 +571,7 @@ class SlabNvmeTier(NvmeTier):
                 self._places,
                 threads=self._core_threads(len(keys)),
                 direct_fds=self._direct_fds,
+                deadline=deadline,
             )
         payload = self.primary.payload
         if self._io_engine == "native":  # blocks lent one by one (LMCache's objects)
@@ -571,10 +580,12 @@ class SlabNvmeTier(NvmeTier):
                 array("Q", [places[i] for i, _k in fit]).tobytes(),
                 array("Q", [seqs[i] for i, _k in fit]).tobytes() if any(touch) else b"",
                 self._room, self._places, threads=self._core_threads(len(fit)),
-                direct_fds=self._direct_fds,
+                direct_fds=self._direct_fds, deadline=deadline,
             ))  # fmt: skip
         items = [(p, k, payload(s), q) for p, k, s, q in zip(places, keys, slots, seqs)]
-        return slabfile.read_slots(self._slab_fds, items, self._room, self.framer)
+        return slabfile.read_slots(
+            self._slab_fds, items, self._room, self.framer, deadline=deadline
+        )
 
     def _delete_blocks(self, entries: list[tuple[OffloadKey, _Entry]]) -> None:
         """Worker thread: release the slots (the blocks stay gone after a restart and

@@ -48,7 +48,7 @@ import xxhash
 
 from tierkv.contract.framing import Framer, payload_length
 from tierkv.tier import CorruptBlock, OffloadKey, detached
-from tierkv_nvme.blockfile import Slot
+from tierkv_nvme.blockfile import PastDeadline, Slot, past
 
 SLAB_FILES = 8
 PAGE = 4096
@@ -249,11 +249,16 @@ def write_slots(
     framer: Framer,
     *,
     fsync: bool,
+    deadline: float = 0.0,
 ) -> list[Exception | None]:
     """`write_slot` for each (place, key, payload, seq), one `fdatasync` after all
-    when `fsync` (its failure fails every block); one outcome each (None: written)."""
+    when `fsync` (its failure fails every block); one outcome each (None: written;
+    `PastDeadline` for a block not started by `deadline`)."""
     outcomes: list[Exception | None] = []
     for place, key, payload, seq in items:
+        if past(deadline):
+            outcomes.append(PastDeadline(f"slab slot {place}"))
+            continue
         try:
             write_slot(fds, place, room, key, payload, framer, seq)
         except Exception as exc:  # reported per key by the caller
@@ -274,10 +279,16 @@ def read_slots(
     items: Sequence[tuple[int, OffloadKey, Slot, int]],
     room: int,
     framer: Framer,
+    *,
+    deadline: float = 0.0,
 ) -> list[Exception | None]:
-    """`read_slot` for each (place, key, dest, touch seq); one outcome each."""
+    """`read_slot` for each (place, key, dest, touch seq); one outcome each
+    (`PastDeadline` for a block not started by `deadline`)."""
     outcomes: list[Exception | None] = []
     for place, key, dest, touch in items:
+        if past(deadline):
+            outcomes.append(PastDeadline(f"slab slot {place}"))
+            continue
         try:
             read_slot(fds, place, room, key, dest, framer, touch)
         except Exception as exc:  # reported per key by the caller

@@ -607,8 +607,8 @@ class NvmeTier(SecondaryTierManager):
         await self._ready()
         written: list[OffloadKey] = []  # pinned until the job ends: never its own victims
 
-        async def store_chunk(chunk: Batch) -> dict[OffloadKey, str]:
-            return await self._store_chunk(chunk, written)
+        async def store_chunk(chunk: Batch, deadline: float) -> dict[OffloadKey, str]:
+            return await self._store_chunk(chunk, written, deadline)
 
         async with self._inflight.job():
             try:
@@ -659,7 +659,7 @@ class NvmeTier(SecondaryTierManager):
     async def _in_chunks(
         self,
         job: JobMetadata,
-        run_chunk: Callable[[Batch], Awaitable[dict[OffloadKey, str]]],
+        run_chunk: Callable[[Batch, float], Awaitable[dict[OffloadKey, str]]],
         verb: str,
     ) -> JobResult:
         """Run `job` as chunks (`chunk_size`), one worker-thread call each,
@@ -667,13 +667,26 @@ class NvmeTier(SecondaryTierManager):
 
         Chunks, not single blocks, because a thread round trip and the event-loop work
         around it cost about as much CPU as reading a 1 MiB block from the page cache;
-        small chunks, so a cancelled job waits for little shielded work."""
+        small chunks, so a cancelled job waits for little shielded work.
+
+        Each call is given the job's deadline (`job_timeout` from now, as the runner
+        keeps it): a call still running then starts no further block (`PastDeadline`),
+        so the job stops within one block per thread rather than finishing its chunks.
+        That matters under an engine, whose pages are its own: the adapter answers a
+        miss at the deadline and may see the page reused while a call would still
+        have read into it, or stored from it."""
         size = self.chunk_size(len(job.keys), verb)
         if self._inflight.count == 1:  # this job alone: spread it over the CPUs
             size = self.spread_alone(size, len(job.keys), verb)
+        timeout = self.config.job_timeout
+        deadline = 0.0 if timeout is None else time.monotonic() + float(timeout)
+
+        async def chunk(pairs: Batch) -> dict[OffloadKey, str]:
+            return await run_chunk(pairs, deadline)
+
         return await run_job(
             job,
-            run_chunk,
+            chunk,
             label=f"nvme {verb}",
             concurrency=self.calls_at_once(size, verb),
             timeout=self.config.job_timeout,
@@ -769,10 +782,13 @@ class NvmeTier(SecondaryTierManager):
                 return True
             await pending.wait()
 
-    async def _store_chunk(self, chunk: Batch, written: list[OffloadKey]) -> dict[OffloadKey, str]:
+    async def _store_chunk(
+        self, chunk: Batch, written: list[OffloadKey], deadline: float
+    ) -> dict[OffloadKey, str]:
         """Write one chunk of a store job; the keys written are pinned and added to
         `written` (the job unpins them when it ends), so that a later chunk of the same
-        job, making room, evicts other blocks or fails rather than evict these."""
+        job, making room, evicts other blocks or fails rather than evict these. A block
+        not started by `deadline` is not written (`_in_chunks`)."""
         failed: dict[OffloadKey, str] = {}
         capacity = int(self.config.capacity)
         claimed: list[tuple[OffloadKey, int, int]] = []  # key, slot, footprint
@@ -824,6 +840,7 @@ class NvmeTier(SecondaryTierManager):
                         [slot for _key, slot, _footprint in writes],
                         victims,
                         places,
+                        deadline,
                         limiter=self._threads,
                         shield=True,
                     )
@@ -872,11 +889,13 @@ class NvmeTier(SecondaryTierManager):
         slots: list[int],
         victims: list[OffloadKey],
         places: Sequence[int] | None,
+        deadline: float = 0.0,
     ) -> list[Exception | None]:
         """Worker thread: delete `victims`, then write each block (keys[i] from
         slots[i]); one outcome each. The whole chunk is one call of the compiled core
         when it is the engine: a batch call when the geometry allows (`_lanes`).
-        `places`: `_take_places`' (None here)."""
+        `places`: `_take_places`' (None here). A block not started by `deadline`
+        (`time.monotonic()`; 0: none) is `PastDeadline`, its slot not read."""
         fsync = self.config.fsync == "always"
         outcomes: list[Exception | None] = []
         with self._dirs.leaves() as leaves:
@@ -893,12 +912,18 @@ class NvmeTier(SecondaryTierManager):
                     self.framer,
                     fsync=fsync,
                     threads=self._core_threads(len(keys)),
+                    deadline=deadline,
                 )
             slot_payload = self.primary.payload
             items = [(self.rel_of(k), k, slot_payload(s)) for k, s in zip(keys, slots)]
             if self._io_engine == "native":
-                return native.write_blocks(leaves, items, self.framer, fsync=fsync)
+                return native.write_blocks(
+                    leaves, items, self.framer, fsync=fsync, deadline=deadline
+                )
             for rel, key, payload in items:
+                if blockfile.past(deadline):
+                    outcomes.append(blockfile.PastDeadline("/".join(rel)))
+                    continue
                 try:
                     blockfile.write_block(leaves, rel, key, payload, self.framer, fsync=fsync)
                 except Exception as exc:  # reported per key by the caller
@@ -963,7 +988,7 @@ class NvmeTier(SecondaryTierManager):
             if event is not None:
                 event.set()
 
-    async def _load_chunk(self, chunk: Batch) -> dict[OffloadKey, str]:
+    async def _load_chunk(self, chunk: Batch, deadline: float) -> dict[OffloadKey, str]:
         failed: dict[OffloadKey, str] = {}
         reads: list[tuple[OffloadKey, _Entry]] = []  # and their entries (places)
         keys: list[OffloadKey] = []
@@ -995,6 +1020,7 @@ class NvmeTier(SecondaryTierManager):
                         slots,
                         bytes(touch),
                         reads,
+                        deadline,
                         limiter=self._threads,
                         shield=True,
                     )
@@ -1012,6 +1038,8 @@ class NvmeTier(SecondaryTierManager):
                     entry.touched_ns = now
                 continue
             failed[key] = self._describe_error(error, "read", key)
+            if isinstance(error, blockfile.PastDeadline):
+                continue  # not read at all: the block is as good as before
             if not isinstance(error, (CorruptBlock, FileNotFoundError)):
                 # an OS error may pass (EIO on a busy device, a link someone put
                 # there): the block stays until it fails READ_ERRORS_BEFORE_DELETE
@@ -1053,11 +1081,13 @@ class NvmeTier(SecondaryTierManager):
         slots: list[int],
         touch: bytes,
         entries: Sequence[tuple[OffloadKey, _Entry]],
+        deadline: float = 0.0,
     ) -> list[Exception | None]:
         """Worker thread: read and check each block (keys[i] into slots[i], its mtime
         refreshed where touch[i]); one outcome each. The whole chunk is one call of the
         compiled core when it is the engine: a batch call when the geometry allows.
-        `entries`: each key's index entry (where the slab layout finds the block)."""
+        `entries`: each key's index entry (where the slab layout finds the block). A
+        block not started by `deadline` is `PastDeadline`, its slot not written."""
         lanes = self._lanes
         if lanes is not None and native.batch_keys(keys):
             return native.read_batch(
@@ -1069,12 +1099,13 @@ class NvmeTier(SecondaryTierManager):
                 touch,
                 self.framer,
                 threads=self._core_threads(len(keys)),
+                deadline=deadline,
             )
         payload = self.primary.payload
         items = [(block_relpath(k), k, payload(s), bool(t)) for k, s, t in zip(keys, slots, touch)]
         read = native.read_blocks if self._io_engine == "native" else blockfile.read_blocks
         with self._dirs.leaves() as leaves:
-            return read(leaves, items, self.framer, self.primary.placement)
+            return read(leaves, items, self.framer, self.primary.placement, deadline=deadline)
 
     def _core_threads(self, blocks: int) -> int:
         """Threads of the core for one call of `blocks` blocks: one while other calls
@@ -1091,6 +1122,11 @@ class NvmeTier(SecondaryTierManager):
             return f"corrupt block deleted: {error}"
         if isinstance(error, FileNotFoundError):
             return "block file is gone from the nvme tier (deleted outside tierkv?)"
+        if isinstance(error, blockfile.PastDeadline):
+            return (
+                f"nvme {action} not started: job_timeout={self.config.job_timeout}s had "
+                "passed (a slow or stalled disk)"
+            )
         if isinstance(error, ValueError):  # a block this layout cannot hold (its key)
             return str(error)
         if isinstance(error, OSError):
