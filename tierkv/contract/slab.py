@@ -56,6 +56,16 @@ class PrimaryView:
     _address: int | None = None
     """Where the buffer starts, when known (a subclass without one slab: unknown)."""
 
+    engine_owned: bool = False
+    """True when an engine owns the slots (`tierkv.driver.SyncChain` sets it): the engine
+    hands a slot to other data as soon as a call answers, at its deadline at the latest,
+    and cannot hold it while a tier's thread still runs. A tier whose worker thread may
+    outlive its job's deadline (a transfer a frozen peer holds up) must then not write a
+    slot from that thread after the deadline: it lands the bytes in memory of its own
+    and copies them in only while the job is on time (`tierkv_mooncake`), or starts no
+    block past the deadline (`tierkv_nvme`). Under `TieredCache` it stays False: the
+    cache holds the slots of a job left running until the job ends."""
+
     def __init__(self, buffer: Any, block_bytes: int, namespace: str) -> None:
         if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
             raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")

@@ -124,6 +124,7 @@ class SyncChain:
                 f"chain ({', '.join(map(repr, names))})"
             )
         self.view = view
+        view.engine_owned = True  # answered pages are the engine's again at once
         self.tiers = [
             GuardedTier.create(config, view, index=i, name=name, on_removed=on_removed)
             for i, (config, name) in enumerate(zip(configs, names))

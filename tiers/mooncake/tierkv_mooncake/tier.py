@@ -27,6 +27,17 @@ lane gives its thread back when another call of the tier waits for one (a lookup
 another job) and queues again for the rest: a long store holds a load up by one batch,
 as it did with one call per batch.
 
+Under an engine (`PrimaryView.engine_owned`: SGLang's and LMCache's adapters) the
+slots are the engine's pages, which it hands out again once a call answers, at the
+deadline at the latest, while a transfer a frozen peer holds up may still be running.
+There a load lands in a staging arena of the tier's own, registered beside the slab
+(2 x `concurrency` parts of `batch_blocks` blocks: one per running lane, and as many
+again for lanes an engine's call left behind in a held-up transfer), is checked there,
+and is copied into the engine's page only while its job is on time: a transfer that
+ends after the deadline writes nothing the engine sees. A lane that finds every part
+taken fails its batch. Stores need no staging: a late put
+of a page the engine reused fails its frame's checksum at the next load, a miss.
+
 A load writes the slot from inside the binding, so its thread is never abandoned: a job
 cancelled, or past its deadline, stops taking batches and waits for the batch in flight
 (the thread sees the cancellation through `anyio.from_thread.check_cancelled` and keeps
@@ -53,9 +64,11 @@ of leased blocks, not down.
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import logging
 import math
+import queue
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -116,7 +129,7 @@ class _Outcome:
     unreachable: str | None = None
 
 
-_Move = Callable[[StoreClient, Batch], _Outcome]
+_Move = Callable[[StoreClient, Batch, "_JobState"], _Outcome]
 """Moves one batch in a worker thread (`_store_batch`, `_load_batch`)."""
 
 
@@ -168,6 +181,11 @@ class MooncakeTier(SecondaryTierManager):
         self._rows = memoryview(self._headers)
         self._header_base = 0
         self._slab_base = 0
+        self._staging: bytearray | None = None
+        """Under an engine (`engine_owned`): where loads land before their pages."""
+        self._staging_base = 0
+        self._staging_parts: queue.SimpleQueue[int] = queue.SimpleQueue()
+        """Parts of the staging arena free for a lane (one per running lane thread)."""
         self._threads = anyio.CapacityLimiter(self.config.concurrency)
         """The tier's `concurrency` threads, taken by `_acquire` (which counts waiters)."""
         self._spare = anyio.CapacityLimiter(self.config.concurrency)
@@ -203,6 +221,13 @@ class MooncakeTier(SecondaryTierManager):
             client.register(self._slab_base, view.num_blocks * view.block_bytes)
             self._header_base = address_of(memoryview(self._headers))
             client.register(self._header_base, len(self._headers))
+            if view.engine_owned:  # loads land here first (the module's docstring)
+                lanes, part = 2 * self.config.concurrency, self._staging_part_bytes
+                self._staging = bytearray(lanes * part)
+                self._staging_base = address_of(memoryview(self._staging))
+                client.register(self._staging_base, len(self._staging))
+                for lane in range(lanes):
+                    self._staging_parts.put(lane)
         except BaseException:
             client.close()
             raise
@@ -350,7 +375,7 @@ class MooncakeTier(SecondaryTierManager):
             except IndexError:
                 return out, None
             first = False
-            part = move(client, batch)
+            part = move(client, batch, state)
             out.removed += part.removed
             out.foreign += part.foreign
             if part.unreachable is not None:
@@ -369,7 +394,12 @@ class MooncakeTier(SecondaryTierManager):
             self._slab_base + slot * self.primary.block_bytes,
         )
 
-    def _store_batch(self, client: StoreClient, batch: Batch) -> _Outcome:
+    @property
+    def _staging_part_bytes(self) -> int:
+        """Staging bytes of one lane: a batch of blocks."""
+        return self.config.batch_blocks * self.primary.block_bytes
+
+    def _store_batch(self, client: StoreClient, batch: Batch, state: _JobState) -> _Outcome:
         """Worker thread: frame each block's header into its row and put the batch."""
         out = _Outcome()
         block_bytes = self.primary.block_bytes
@@ -404,47 +434,80 @@ class MooncakeTier(SecondaryTierManager):
                 out.failed[key] = f"mooncake put of {name}: {describe_code(code)}"
         return out
 
-    def _load_batch(self, client: StoreClient, batch: Batch) -> _Outcome:
+    def _load_batch(self, client: StoreClient, batch: Batch, state: _JobState) -> _Outcome:
         """Worker thread: get the batch into header rows and slots, then check each
         frame where it landed (`Framer.check_frame`: one unpack and compare per header,
-        the payload's checksum, and the MAC where the tier has a key)."""
+        the payload's checksum, and the MAC where the tier has a key). Under an engine
+        the payloads land in the lane's part of the staging arena and reach their pages
+        only while the job is on time (`_copy_in`)."""
         out = _Outcome()
         block_bytes = self.primary.block_bytes
         header_base, slab_base, rows = self._header_base, self._slab_base, self._rows
         prefix = self._names.prefix
         framer = self.framer
         header_size = framer.header_bytes
-        names = [prefix + key.hex() for key, _slot in batch]
-        sizes = [[header_size(key), block_bytes] for key, _slot in batch]
-        pointers = [
-            [header_base + slot * HEADER_ROW, slab_base + slot * block_bytes]
-            for _key, slot in batch
-        ]
-        codes = client.get_into(names, pointers, sizes)
-        bad: list[tuple[OffloadKey, str]] = []
-        for (key, slot), name, (size, _), code in zip(batch, names, sizes, codes):
+        part = None
+        if self._staging is not None:
             try:
-                if code == size + block_bytes:
-                    row = slot * HEADER_ROW
-                    framer.check_frame(rows[row : row + size], key, self.primary.block(slot))
-                elif code == OBJECT_NOT_FOUND:
-                    out.failed[key] = f"{name} is not in mooncake (evicted, expired or removed)"
-                    out.removed.append(key)
-                elif code == RPC_FAIL:
-                    out.unreachable = f"mooncake master {self.config.master} did not answer a get"
-                    out.failed[key] = out.unreachable
-                elif code >= 0 or client.size_of(name) not in (-1, size + block_bytes):
-                    # a value of another size than our frame (the get fails with
-                    # INVALID_PARAMS or TRANSFER_FAIL): read it whole to judge it
-                    framer.decode_into(key, client.get_bytes(name), self.primary.block(slot))
-                else:
-                    out.failed[key] = f"mooncake get of {name}: {describe_code(code)}"
-            except ForeignBlock as exc:
-                out.failed[key] = f"{name}: {exc}"
-                out.foreign.append(key)
-            except CorruptBlock as exc:
-                out.failed[key] = f"corrupt block deleted: {name}: {exc}"
-                bad.append((key, name))
+                part = self._staging_parts.get_nowait()
+            except queue.Empty:
+                why = "not tried: every staging part is held by a transfer past its deadline"
+                out.failed.update((key, why) for key, _slot in batch)
+                return out
+        try:
+            if part is None:
+                landing = [slab_base + slot * block_bytes for _key, slot in batch]
+            else:
+                base = self._staging_base + part * self._staging_part_bytes
+                landing = [base + i * block_bytes for i in range(len(batch))]
+            names = [prefix + key.hex() for key, _slot in batch]
+            sizes = [[header_size(key), block_bytes] for key, _slot in batch]
+            pointers = [
+                [header_base + slot * HEADER_ROW, address]
+                for (_key, slot), address in zip(batch, landing)
+            ]
+            codes = client.get_into(names, pointers, sizes)
+            bad: list[tuple[OffloadKey, str]] = []
+            arrived: list[tuple[OffloadKey, int, int]] = []  # key, page address, landing
+            for i, ((key, slot), name, (size, _), code) in enumerate(
+                zip(batch, names, sizes, codes)
+            ):
+                dest = self._landed(part, i, slot)
+                try:
+                    if code == size + block_bytes:
+                        row = slot * HEADER_ROW
+                        framer.check_frame(rows[row : row + size], key, dest)
+                    elif code == OBJECT_NOT_FOUND:
+                        out.failed[key] = f"{name} is not in mooncake (evicted, expired or removed)"
+                        out.removed.append(key)
+                        continue
+                    elif code == RPC_FAIL:
+                        master = self.config.master
+                        out.unreachable = f"mooncake master {master} did not answer a get"
+                        out.failed[key] = out.unreachable
+                        continue
+                    elif code >= 0 or client.size_of(name) not in (-1, size + block_bytes):
+                        # a value of another size than our frame (the get fails with
+                        # INVALID_PARAMS or TRANSFER_FAIL): read it whole to judge it
+                        framer.decode_into(key, client.get_bytes(name), dest)
+                    else:
+                        out.failed[key] = f"mooncake get of {name}: {describe_code(code)}"
+                        continue
+                except ForeignBlock as exc:
+                    out.failed[key] = f"{name}: {exc}"
+                    out.foreign.append(key)
+                    continue
+                except CorruptBlock as exc:
+                    out.failed[key] = f"corrupt block deleted: {name}: {exc}"
+                    bad.append((key, name))
+                    continue
+                if part is not None:
+                    arrived.append((key, slab_base + slot * block_bytes, landing[i]))
+            if arrived:
+                self._copy_in(arrived, state, out)
+        finally:
+            if part is not None:
+                self._staging_parts.put(part)
         if bad:
             codes = client.remove([name for _key, name in bad])
             for (key, name), code in zip(bad, codes):
@@ -455,6 +518,31 @@ class MooncakeTier(SecondaryTierManager):
                         "mooncake: could not delete corrupt %s: %s", name, describe_code(code)
                     )
         return out
+
+    def _landed(self, part: int | None, index: int, slot: int) -> memoryview:
+        """Where block `index` of a batch landed: its slot, or its place in staging
+        `part`."""
+        if part is None or self._staging is None:
+            return self.primary.block(slot)
+        block_bytes = self.primary.block_bytes
+        start = part * self._staging_part_bytes + index * block_bytes
+        return memoryview(self._staging)[start : start + block_bytes]
+
+    def _copy_in(
+        self, arrived: list[tuple[OffloadKey, int, int]], state: _JobState, out: _Outcome
+    ) -> None:
+        """Worker thread: copy blocks checked in staging into their pages, each only
+        while the job is on time (the engine answers a miss past the deadline and may
+        hand the page out again: a block late here fails its key and writes nothing).
+        The copies release the GIL (`ctypes.memmove`)."""
+        late = f"mooncake load did not finish within job_timeout={self.config.job_timeout}s"
+        cancelled = state.host_cancelled()
+        block_bytes = self.primary.block_bytes
+        for key, page, staged in arrived:
+            if cancelled or state.past_deadline():
+                out.failed[key] = late
+                continue
+            ctypes.memmove(page, staged, block_bytes)
 
     # -- lookup and remove ----------------------------------------------------------
     async def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[bool]:
@@ -500,5 +588,6 @@ class MooncakeTier(SecondaryTierManager):
             "batch_blocks": c.batch_blocks,
             "concurrency": c.concurrency,
             "mac": self.framer.mac,
+            "staged_loads": self._staging is not None,
             "open": self._client is not None,
         }
