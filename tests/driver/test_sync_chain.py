@@ -102,6 +102,37 @@ def test_a_hung_tier_answers_misses_by_the_deadline(faulty: None) -> None:
         chain.close()
 
 
+def test_a_call_left_at_its_margin_ends_when_its_thread_does(faulty: None) -> None:
+    """A tier job waiting for a worker thread whose cancellation waits (a blocking call
+    past the deadline): the engine's call answers by deadline + margin, and the job
+    is left to end with its thread, its bookkeeping done then, not cut short while the
+    thread runs on (a native cancel goes through anyio's shields)."""
+    slab = view()
+    config = FaultyTierConfig(type="faulty", job_timeout=0.2, failure_threshold=5)
+    chain = SyncChain([config], ["faulty"], slab, lookup_timeout=0.2, margin=0.2)
+    try:
+        guarded = chain.tiers[0]
+        tier = guarded.tier
+        assert isinstance(tier, FaultyTier)
+        tier.stuck = threading.Event()
+        started = time.monotonic()
+        assert chain.load(keys(2), [0, 1]) == set()
+        assert time.monotonic() - started < chain.job_deadline + chain.margin + 0.2
+        assert chain.late_answers == 1
+        time.sleep(0.2)
+        assert guarded.stats.inflight_jobs == 1  # still waiting for its thread
+        tier.stuck.set()
+        deadline = time.monotonic() + 5
+        while guarded.stats.inflight_jobs and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert guarded.stats.inflight_jobs == 0  # ended with it, counted
+        tier.stuck = None
+        slab.block(0)[:] = b"\x03" * BLOCK
+        assert chain.store(keys(1), [0]) == set(keys(1))
+    finally:
+        chain.close()
+
+
 def test_one_loop_thread_for_every_chain_of_the_process() -> None:
     before = loops()
     first = SyncChain([MemoryTierConfig(type="memory")], ["memory"], view())

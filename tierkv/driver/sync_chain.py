@@ -8,8 +8,10 @@ to the tiers' event loop (`LoopThread`) and comes back: each call runs as one
 coroutine bounded by its deadline; when the deadline passes the coroutine cancels the
 tier jobs still running (a tier job touches no slot after it was cancelled, by the
 contract) and answers with what finished. The engine's thread waits for that answer
-a little longer than the deadline (`margin`), then answers a miss regardless. Nothing
-raises into the engine: a tier that fails, refuses, is slow or down is a miss.
+a little longer than the deadline (`margin`), then answers a miss regardless; a
+coroutine still waiting then (for a tier's thread) is left to end with that thread,
+never cut through the tier's shields. Nothing raises into the engine: a tier that
+fails, refuses, is slow or down is a miss.
 
 The tiers themselves are driven by `GuardedTier` (breaker, in-flight budget, answer
 checks, deadline backstop, reopen); this class only fans a call out over the chain:
@@ -395,7 +397,11 @@ class SyncChain:
         try:
             future.result(timeout=deadline + self.margin)
         except FutureTimeout:
-            future.cancel()  # cancel it again, in case it still runs
+            # Cancelled at the deadline already; what still runs waits for a thread a
+            # tier shielded (an nvme chunk whose index must agree with the disk). The
+            # future's own cancel would cut through that shield and end the coroutine
+            # with the thread still running and none of its bookkeeping done: it is
+            # left to end when the thread does, as `_begin` leaves it.
             self.late_answers += 1
             logger.error(
                 "tierkv: a tier call gave no answer %gs after its %gs deadline, even "
