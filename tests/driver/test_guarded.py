@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import anyio
@@ -389,3 +390,37 @@ async def test_a_tier_that_answers_from_memory_is_asked_in_the_callers_task(
     assert await guarded.open()
     assert await guarded.lookup(random_keys(1), ReqContext(), 1.0) == [False]
     assert (seen[0] is asyncio.current_task()) is from_memory
+
+
+class _ShieldedThread(MemoryTier):
+    """A load whose copy runs in a worker thread shielded from cancellation (as the
+    nvme tier's chunks are), slow enough to be cancelled in the middle."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.thread_done = False
+
+    async def load(self, job: JobMetadata) -> JobResult:
+        def copy() -> None:
+            time.sleep(0.3)
+            self.thread_done = True
+
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(copy)
+        return await super().load(job)
+
+
+async def test_a_cancelled_caller_of_an_abandonable_job_waits_for_its_shielded_thread() -> None:
+    """`run(..., abandon=True)` cancelled by its caller (a request given up) cancels
+    the tier's job and waits for it: a thread call the tier shields must have
+    returned when the caller's cancellation completes, or it would still write slots
+    the cache hands out again (a native task cancel went through the shield)."""
+    tier = _ShieldedThread(MemoryTierConfig(type="memory", job_timeout=5.0), view())
+    guarded = GuardedTier(tier, name="shielded")
+    await guarded.open()
+    keys = job(2)
+    assert (await guarded.run("store", keys)).result.ok
+    with anyio.move_on_after(0.1):
+        await guarded.run("load", keys, abandon=True)
+    assert tier.thread_done, "the caller ended while the tier's thread still ran"
+    await guarded.close()

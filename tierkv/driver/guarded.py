@@ -426,7 +426,15 @@ class GuardedTier:
             except RuntimeError:  # not asyncio: waited for, as without `abandon`
                 loop = None
             if loop is not None:
-                return await self._call_abandoning(kind, job, loop.create_task(op(job)), limit)
+                scope = anyio.CancelScope()
+
+                async def in_scope() -> object:
+                    with scope:
+                        return await op(job)
+                    return None  # cancelled through the scope: the caller raises
+
+                task = loop.create_task(in_scope())
+                return await self._call_abandoning(kind, job, task, scope, limit)
         try:
             # the backstop's own scope: a TimeoutError the tier raises is its error
             with anyio.move_on_after(limit) as backstop:
@@ -443,15 +451,23 @@ class GuardedTier:
         return JobOutcome(result, "keys_failed" if result.failed_keys else None)
 
     async def _call_abandoning(
-        self, kind: JobKind, job: JobMetadata, task: asyncio.Task[Any], limit: float
+        self,
+        kind: JobKind,
+        job: JobMetadata,
+        task: asyncio.Task[Any],
+        scope: anyio.CancelScope,
+        limit: float,
     ) -> JobOutcome:
         """`_call` with the tier's job as a task of its own, left running at the
         backstop (`run`'s `abandon`). A cancelled caller cancels the job and waits for
-        it, as without `abandon`: its slots must be free of it when the caller ends."""
+        it, as without `abandon`: its slots must be free of it when the caller ends.
+        The job is cancelled through its anyio `scope`, never `task.cancel()`: a native
+        cancel goes through the shields a tier keeps around a thread call (an nvme
+        chunk), so the task would end with its thread still writing slots."""
         try:
             done, _ = await asyncio.wait((task,), timeout=limit)
         except BaseException:
-            task.cancel()
+            scope.cancel()
             with anyio.CancelScope(shield=True):
                 await asyncio.wait((task,))
             self._record(kind, None)
