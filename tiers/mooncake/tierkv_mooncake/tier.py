@@ -35,8 +35,8 @@ There a load lands in a staging arena of the tier's own, registered beside the s
 again for lanes an engine's call left behind in a held-up transfer), is checked there,
 and is copied into the engine's page only while its job is on time: a transfer that
 ends after the deadline writes nothing the engine sees. A lane that finds every part
-taken fails its batch. Stores need no staging: a late put
-of a page the engine reused fails its frame's checksum at the next load, a miss.
+taken fails its batch. Stores need no staging: a late put of a page the engine reused
+fails its frame's checksum at the next load, a miss.
 
 A load writes the slot from inside the binding, so its thread is never abandoned: a job
 cancelled, or past its deadline, stops taking batches and waits for the batch in flight
@@ -455,11 +455,13 @@ class MooncakeTier(SecondaryTierManager):
                 out.failed.update((key, why) for key, _slot in batch)
                 return out
         try:
-            if part is None:
+            if part is None or self._staging is None:
                 landing = [slab_base + slot * block_bytes for _key, slot in batch]
+                staged = None
             else:
-                base = self._staging_base + part * self._staging_part_bytes
-                landing = [base + i * block_bytes for i in range(len(batch))]
+                start = part * self._staging_part_bytes
+                landing = [self._staging_base + start + i * block_bytes for i in range(len(batch))]
+                staged = memoryview(self._staging)[start : start + self._staging_part_bytes]
             names = [prefix + key.hex() for key, _slot in batch]
             sizes = [[header_size(key), block_bytes] for key, _slot in batch]
             pointers = [
@@ -472,7 +474,10 @@ class MooncakeTier(SecondaryTierManager):
             for i, ((key, slot), name, (size, _), code) in enumerate(
                 zip(batch, names, sizes, codes)
             ):
-                dest = self._landed(part, i, slot)
+                if staged is None:
+                    dest = self.primary.block(slot)
+                else:
+                    dest = staged[i * block_bytes : (i + 1) * block_bytes]
                 try:
                     if code == size + block_bytes:
                         row = slot * HEADER_ROW
@@ -501,7 +506,7 @@ class MooncakeTier(SecondaryTierManager):
                     out.failed[key] = f"corrupt block deleted: {name}: {exc}"
                     bad.append((key, name))
                     continue
-                if part is not None:
+                if staged is not None:
                     arrived.append((key, slab_base + slot * block_bytes, landing[i]))
             if arrived:
                 self._copy_in(arrived, state, out)
@@ -518,15 +523,6 @@ class MooncakeTier(SecondaryTierManager):
                         "mooncake: could not delete corrupt %s: %s", name, describe_code(code)
                     )
         return out
-
-    def _landed(self, part: int | None, index: int, slot: int) -> memoryview:
-        """Where block `index` of a batch landed: its slot, or its place in staging
-        `part`."""
-        if part is None or self._staging is None:
-            return self.primary.block(slot)
-        block_bytes = self.primary.block_bytes
-        start = part * self._staging_part_bytes + index * block_bytes
-        return memoryview(self._staging)[start : start + block_bytes]
 
     def _copy_in(
         self, arrived: list[tuple[OffloadKey, int, int]], state: _JobState, out: _Outcome
