@@ -67,7 +67,9 @@ class JobResult:
     def __post_init__(self) -> None:
         object.__setattr__(self, "ok_keys", tuple(self.ok_keys))
         object.__setattr__(self, "failed_keys", tuple(self.failed_keys))
-        overlap = set(self.ok_keys) & set(self.failed_keys)
+        if not (self.ok_keys and self.failed_keys):  # the common case: nothing to cross
+            return
+        overlap = set(self.ok_keys).intersection(self.failed_keys)
         if overlap:
             raise ValueError(f"job {self.job_id}: keys both ok and failed: {sorted(overlap)!r}")
 
@@ -94,7 +96,11 @@ class JobResult:
         """A result where `failed` keys failed and every other key of `job` is ok.
 
         With a mapping of key to reason, the reasons are joined into `error`.
+        Nothing failed costs no pass over the keys (a tier answers a job of hundreds
+        of blocks this way, on the event loop).
         """
+        if not failed:
+            return cls(job.job_id, ok_keys=job.keys)
         failed_set = set(failed)
         unknown = failed_set - set(job.keys)
         if unknown:

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, Literal, NamedTuple
 
 import anyio
@@ -48,6 +47,8 @@ from tierkv.contract.private import (
 from tierkv.contract.redact import redact_url
 from tierkv.contract.runner import (
     Batch,
+    BlockThreads,
+    FreeSlots,
     IOThreads,
     JobAborted,
     SlotGuard,
@@ -62,6 +63,7 @@ from tierkv.contract.units import Duration, Size
 __all__ = [
     "redact_url",
     "Batch",
+    "BlockThreads",
     "ClaimTable",
     "CorruptBlock",
     "detached",
@@ -71,6 +73,7 @@ __all__ = [
     "FILE_MODE",
     "ForeignBlock",
     "Framer",
+    "FreeSlots",
     "InFlightJobs",
     "IOThreads",
     "JobAborted",
@@ -456,21 +459,39 @@ class InFlightJobs:
     def count(self) -> int:
         return self._count
 
-    @asynccontextmanager
-    async def job(self) -> AsyncIterator[None]:
+    def job(self) -> _OneJob:
+        """`async with` around a job: counts it while it runs (a plain object, not an
+        async generator: every job of every tier enters it)."""
+        return _OneJob(self)
+
+    def _enter(self) -> None:
         if self.closing:
             raise TierUnavailable(f"tier {self._tier_name!r} is closed")
         if self._count == 0:
             self._idle = anyio.Event()
         self._count += 1
-        try:
-            yield
-        finally:
-            self._count -= 1
-            if self._count == 0:
-                self._idle.set()
+
+    def _leave(self) -> None:
+        self._count -= 1
+        if self._count == 0:
+            self._idle.set()
 
     async def drain(self) -> None:
         """Refuse new jobs and wait until the running ones have finished."""
         self.closing = True
         await self._idle.wait()
+
+
+class _OneJob:
+    """One job of `InFlightJobs.job()`."""
+
+    __slots__ = ("_jobs",)
+
+    def __init__(self, jobs: InFlightJobs) -> None:
+        self._jobs = jobs
+
+    async def __aenter__(self) -> None:
+        self._jobs._enter()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._jobs._leave()

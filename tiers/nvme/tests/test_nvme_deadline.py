@@ -30,20 +30,17 @@ SENTINEL = 0xA5
 CTX = ReqContext(request_id="deadline-test")
 
 
-def sleep_past(deadline: float) -> None:
-    """In a worker thread: wait until `deadline` (time.monotonic()) has passed."""
-    time.sleep(max(0.0, deadline - time.monotonic()) + 0.02)
-
-
 def slow(real: Any, calls: list[float]) -> Any:
-    """`real` (`_read_files` / `_write_files`), called only once the deadline it is
-    given (its last argument) has passed: a call that waited behind a stalled disk."""
+    """`real` (`_read_chunk` / `_write_chunk`: a block thread's call, or the core's
+    queue), made only once the deadline it is given (its last argument) has passed: a
+    call that waited behind a stalled disk. The wait is shielded, as the call is."""
 
-    def late(self: NvmeTier, *args: Any) -> Any:
+    async def late(self: NvmeTier, *args: Any) -> Any:
         deadline = args[-1]
         calls.append(deadline)
-        sleep_past(deadline)
-        return real(self, *args)
+        with anyio.CancelScope(shield=True):
+            await anyio.sleep(max(0.0, deadline - time.monotonic()) + 0.02)
+        return await real(self, *args)
 
     return late
 
@@ -59,7 +56,7 @@ async def test_a_load_past_its_deadline_leaves_the_slots_alone_and_the_blocks_ke
     assert stored.ok, stored.error
     calls: list[float] = []
     with monkeypatch.context() as m:
-        m.setattr(type(tier), "_read_files", slow(type(tier)._read_files, calls))
+        m.setattr(type(tier), "_read_chunk", slow(type(tier)._read_chunk, calls))
         for _ in range(4):  # more than READ_ERRORS_BEFORE_DELETE: no read error counted
             slots = list(range(16, 24))
             for slot in slots:
@@ -87,7 +84,7 @@ async def test_a_store_past_its_deadline_writes_nothing_and_keeps_no_room(
     keys = rig.keys(8)
     calls: list[float] = []
     with monkeypatch.context() as m:
-        m.setattr(type(tier), "_write_files", slow(type(tier)._write_files, calls))
+        m.setattr(type(tier), "_write_chunk", slow(type(tier)._write_chunk, calls))
         stored, _data = await rig.store(tier, keys)
     assert calls
     assert stored.ok_keys == ()
@@ -155,18 +152,20 @@ def test_an_engine_page_answered_as_a_miss_is_not_written_afterwards(
         assert chain.store(keys, [0, 1, 2, 3]) == set(keys)
         tier = chain.tiers[0].tier
         assert isinstance(tier, NvmeTier)
-        real = type(tier)._read_files
+        real = type(tier)._read_chunk
         ended = threading.Event()
 
-        def held_up(self: NvmeTier, *args: Any) -> Any:
-            # past the chain's answer: job deadline + the driver's grace + margin
-            time.sleep(chain.job_deadline + chain.margin + 0.3)
+        async def held_up(self: NvmeTier, *args: Any) -> Any:
+            # past the chain's answer: job deadline + the driver's grace + margin (the
+            # wait shielded, as the call is: on the core's queue or in a block thread)
             try:
-                return real(self, *args)
+                with anyio.CancelScope(shield=True):
+                    await anyio.sleep(chain.job_deadline + chain.margin + 0.3)
+                return await real(self, *args)
             finally:
                 ended.set()
 
-        monkeypatch.setattr(type(tier), "_read_files", held_up)
+        monkeypatch.setattr(type(tier), "_read_chunk", held_up)
         for slot in range(8, 12):
             view.block(slot)[:] = bytes([SENTINEL]) * block
         started = time.monotonic()
@@ -176,7 +175,7 @@ def test_an_engine_page_answered_as_a_miss_is_not_written_afterwards(
         time.sleep(0.05)
         for slot in range(8, 12):  # the engine's pages: untouched after the answer
             assert bytes(view.block(slot)) == bytes([SENTINEL]) * block
-        monkeypatch.setattr(type(tier), "_read_files", real)
+        monkeypatch.setattr(type(tier), "_read_chunk", real)
         assert chain.load(keys, [8, 9, 10, 11]) == set(keys)
         assert bytes(view.block(9)) == bytes([2]) * block
     finally:

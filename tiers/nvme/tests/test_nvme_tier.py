@@ -406,13 +406,13 @@ async def test_a_job_alone_is_spread_over_the_cpus_one_beside_others_is_not(
     rig = make_rig(tmp_path / "nvme", slots=144, io_engine="native")  # loads land from 16
     tier = rig.tier(layout=layout, io_concurrency=8)
     calls: list[int] = []
-    real_read = type(tier)._read_files
+    real_read = type(tier)._read_chunk
 
-    def counting_read(self: NvmeTier, keys: Any, *rest: Any) -> Any:
+    async def counting_read(self: NvmeTier, keys: Any, *rest: Any) -> Any:
         calls.append(len(keys))
-        return real_read(self, keys, *rest)
+        return await real_read(self, keys, *rest)
 
-    monkeypatch.setattr(type(tier), "_read_files", counting_read)
+    monkeypatch.setattr(type(tier), "_read_chunk", counting_read)
     await tier.open()
     keys = rig.keys(128)
     stored, data = await rig.store(tier, keys)

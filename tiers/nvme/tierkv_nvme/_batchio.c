@@ -38,6 +38,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -1321,64 +1322,155 @@ static int parse_slab(Held *held, Py_ssize_t n, const int *fds, int nfds, const 
     return 0;
 }
 
-/* Run a parsed slab call (GIL released while the blocks move): writes' codes, with one
- * fdatasync per file written when `fsync` (its failure fails that file's blocks), or
- * reads' (codes, details). Releases the buffers it was given. */
-static PyObject *slab_run(Held *held, Py_ssize_t n, const int *fds, int nfds, const int *dfds,
-                          int ndfds, Py_buffer *places, Py_buffer *seqs, Py_ssize_t room,
-                          Py_ssize_t num_places, unsigned long long ns_hash, int fsync,
-                          int threads, int reads, double deadline) {
-    PyObject *result = NULL;
-    if (parse_slab(held, n, fds, nfds, dfds, ndfds, places, seqs, room, num_places) != 0)
-        return NULL;
-    Batch batch = {held->items, (size_t)n, 0, ns_hash, fsync, 1, (size_t)room, deadline};
-    threads = clamp_threads(threads, batch.n);
-    if (reads) { /* groups of PREFETCH_BLOCKS, smaller when that gives each thread one */
-        size_t share = (batch.n + (size_t)threads - 1) / (size_t)threads;
-        batch.group = share < PREFETCH_BLOCKS ? (share ? share : 1) : PREFETCH_BLOCKS;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    run_threads(reads ? slab_read_worker : slab_write_worker, &batch, threads);
-    /* each file a block was written to, through its buffered descriptor (the same inode:
-     * it flushes what the direct writes allocated, and the device's cache) */
-    for (int f = 0; !reads && fsync && f < nfds; f++) {
-        size_t i = 0;
-        while (i < batch.n && (held->items[i].fd != fds[f] || held->items[i].code))
-            i++;
-        if (i == batch.n || fdatasync(fds[f]) == 0)
-            continue;
-        long err = -errno;
-        for (i = 0; i < batch.n; i++)
-            if (held->items[i].fd == fds[f] && held->items[i].code == 0)
-                held->items[i].code = err;
-    }
-    Py_END_ALLOW_THREADS
-    if (reads)
-        return outcomes_of(held, batch.n);
-    result = PyList_New(n);
-    for (Py_ssize_t i = 0; result && i < n; i++) {
-        PyObject *code = PyLong_FromLong(held->items[i].code);
-        if (code == NULL)
-            Py_CLEAR(result);
-        else
-            PyList_SET_ITEM(result, i, code);
-    }
-    return result;
-}
+/* -- a slab call as a job: parsed with the GIL, run without it, answered with it ------ */
 
-/* A slab call's tail arguments: places, seqs (b"" for none), room, num_places, ns_hash. */
-#define SLAB_TAIL "y*y*nnK"
+enum { SLAB_WRITE = 0, SLAB_READ = 1, SLAB_WRITE_ITEMS = 2, SLAB_READ_ITEMS = 3, SLAB_KINDS };
 
-static void slab_release(Held *held, Py_buffer *places, Py_buffer *seqs) {
-    held_release(held);
-    PyBuffer_Release(places);
-    PyBuffer_Release(seqs);
+/* One slab call: what it holds while its blocks move (buffers, items, descriptors),
+ * and, in a CoreQueue, its place in the queue. */
+typedef struct SlabJob {
+    struct SlabJob *next;
+    long long ticket;
+    int reads;
+    Held held;
+    Py_buffer places, seqs;
+    int fds[MAX_SLAB_FILES], nfds, dfds[MAX_SLAB_FILES], ndfds;
+    int fsync, threads;
+    Batch batch;
+} SlabJob;
+
+static void slab_job_free(SlabJob *job) {
+    held_release(&job->held);
+    PyBuffer_Release(&job->places);
+    PyBuffer_Release(&job->seqs);
+    PyMem_Free(job);
 }
 
 /* seqs of b"": none (reads without touches). */
 static void no_empty_seqs(Py_buffer *seqs) {
     if (seqs->obj != NULL && seqs->len == 0)
         seqs->buf = NULL;
+}
+
+/* A slab call's tail arguments: places, seqs (b"" for none), room, num_places, ns_hash. */
+#define SLAB_TAIL "y*y*nnK"
+
+/* Parse the arguments of a slab call of `kind` (the four entry points' signatures) into
+ * a new job, ready to run; NULL with an exception set. With the GIL held. */
+static SlabJob *slab_job_parse(int kind, PyObject *args) {
+    SlabJob *job = PyMem_Calloc(1, sizeof(SlabJob));
+    if (job == NULL)
+        return (SlabJob *)PyErr_NoMemory();
+    PyObject *files, *keys = NULL, *lanes, *slots, *items = NULL, *direct = NULL;
+    Py_ssize_t num_blocks = 0, room, num_places;
+    unsigned long long ns_hash;
+    double deadline = 0;
+    int ok, fsync = 0;
+    job->reads = kind == SLAB_READ || kind == SLAB_READ_ITEMS;
+    switch (kind) {
+    case SLAB_WRITE:
+        ok = PyArg_ParseTuple(args, "O!O!O!O!n" SLAB_TAIL "pi|O!d", &PyTuple_Type, &files,
+                              &PyList_Type, &keys, &PyTuple_Type, &lanes, &PyList_Type, &slots,
+                              &num_blocks, &job->places, &job->seqs, &room, &num_places,
+                              &ns_hash, &fsync, &job->threads, &PyTuple_Type, &direct,
+                              &deadline);
+        break;
+    case SLAB_READ:
+        ok = PyArg_ParseTuple(args, "O!O!O!O!n" SLAB_TAIL "i|O!d", &PyTuple_Type, &files,
+                              &PyList_Type, &keys, &PyTuple_Type, &lanes, &PyList_Type, &slots,
+                              &num_blocks, &job->places, &job->seqs, &room, &num_places,
+                              &ns_hash, &job->threads, &PyTuple_Type, &direct, &deadline);
+        break;
+    case SLAB_WRITE_ITEMS:
+        ok = PyArg_ParseTuple(args, "O!O!" SLAB_TAIL "pi|O!d", &PyTuple_Type, &files,
+                              &PyList_Type, &items, &job->places, &job->seqs, &room,
+                              &num_places, &ns_hash, &fsync, &job->threads, &PyTuple_Type,
+                              &direct, &deadline);
+        break;
+    case SLAB_READ_ITEMS:
+        ok = PyArg_ParseTuple(args, "O!O!" SLAB_TAIL "i|O!d", &PyTuple_Type, &files,
+                              &PyList_Type, &items, &job->places, &job->seqs, &room,
+                              &num_places, &ns_hash, &job->threads, &PyTuple_Type, &direct,
+                              &deadline);
+        break;
+    default:
+        PyErr_Format(PyExc_ValueError, "unknown slab call kind %d", kind);
+        ok = 0;
+    }
+    if (!ok) {
+        slab_job_free(job);
+        return NULL;
+    }
+    if (job->reads)
+        no_empty_seqs(&job->seqs);
+    job->fsync = fsync;
+    Py_ssize_t n = PyList_GET_SIZE(items ? items : keys);
+    if ((job->nfds = parse_fds(files, job->fds, 1)) <= 0 ||
+        (job->ndfds = parse_fds(direct, job->dfds, 0)) < 0 ||
+        (items ? parse_items(items, &job->held, job->reads)
+               : parse_batch(&job->held, -1, keys, lanes, slots, num_blocks, Py_None,
+                             job->reads, 0)) != 0 ||
+        parse_slab(&job->held, n, job->fds, job->nfds, job->dfds, job->ndfds, &job->places,
+                   &job->seqs, room, num_places) != 0) {
+        slab_job_free(job);
+        return NULL;
+    }
+    Batch batch = {job->held.items, (size_t)n, 0, ns_hash, fsync, 1, (size_t)room, deadline};
+    job->batch = batch;
+    job->threads = clamp_threads(job->threads, job->batch.n);
+    if (job->reads) { /* groups of PREFETCH_BLOCKS, smaller when that gives each thread one */
+        size_t share = (job->batch.n + (size_t)job->threads - 1) / (size_t)job->threads;
+        job->batch.group = share < PREFETCH_BLOCKS ? (share ? share : 1) : PREFETCH_BLOCKS;
+    }
+    return job;
+}
+
+/* Move a parsed job's blocks (no GIL): writes with one fdatasync per file written when
+ * `fsync` (its failure fails that file's blocks). */
+static void slab_job_run(SlabJob *job) {
+    Batch *batch = &job->batch;
+    run_threads(job->reads ? slab_read_worker : slab_write_worker, batch, job->threads);
+    /* each file a block was written to, through its buffered descriptor (the same inode:
+     * it flushes what the direct writes allocated, and the device's cache) */
+    for (int f = 0; !job->reads && job->fsync && f < job->nfds; f++) {
+        size_t i = 0;
+        while (i < batch->n && (batch->items[i].fd != job->fds[f] || batch->items[i].code))
+            i++;
+        if (i == batch->n || fdatasync(job->fds[f]) == 0)
+            continue;
+        long err = -errno;
+        for (i = 0; i < batch->n; i++)
+            if (batch->items[i].fd == job->fds[f] && batch->items[i].code == 0)
+                batch->items[i].code = err;
+    }
+}
+
+/* A run job's answer (GIL held): writes' codes, reads' (codes, details). */
+static PyObject *slab_job_answer(SlabJob *job) {
+    if (job->reads)
+        return outcomes_of(&job->held, job->batch.n);
+    PyObject *result = PyList_New((Py_ssize_t)job->batch.n);
+    for (size_t i = 0; result && i < job->batch.n; i++) {
+        PyObject *code = PyLong_FromLong(job->held.items[i].code);
+        if (code == NULL)
+            Py_CLEAR(result);
+        else
+            PyList_SET_ITEM(result, (Py_ssize_t)i, code);
+    }
+    return result;
+}
+
+/* A slab call made in the calling thread (GIL released while the blocks move). */
+static PyObject *slab_call(int kind, PyObject *args) {
+    SlabJob *job = slab_job_parse(kind, args);
+    if (job == NULL)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    slab_job_run(job);
+    Py_END_ALLOW_THREADS
+    PyObject *result = slab_job_answer(job);
+    slab_job_free(job);
+    return result;
 }
 
 PyDoc_STRVAR(slab_write_doc,
@@ -1394,24 +1486,7 @@ PyDoc_STRVAR(slab_write_doc,
 "slot's room, else buffered. One outcome per block: 0 or -errno.");
 
 static PyObject *py_slab_write(PyObject *self, PyObject *args) {
-    int fsync, threads, fds[MAX_SLAB_FILES], nfds, dfds[MAX_SLAB_FILES], ndfds;
-    PyObject *files, *keys, *lanes, *slots, *direct = NULL, *result = NULL;
-    double deadline = 0;
-    Py_buffer places = {0}, seqs = {0};
-    Py_ssize_t num_blocks, room, num_places;
-    unsigned long long ns_hash;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!n" SLAB_TAIL "pi|O!d", &PyTuple_Type, &files,
-                          &PyList_Type, &keys, &PyTuple_Type, &lanes, &PyList_Type, &slots,
-                          &num_blocks, &places, &seqs, &room, &num_places, &ns_hash, &fsync,
-                          &threads, &PyTuple_Type, &direct, &deadline))
-        return NULL;
-    Held held = {0};
-    if ((nfds = parse_fds(files, fds, 1)) > 0 && (ndfds = parse_fds(direct, dfds, 0)) >= 0 &&
-        parse_batch(&held, -1, keys, lanes, slots, num_blocks, Py_None, 0, 0) == 0)
-        result = slab_run(&held, PyList_GET_SIZE(keys), fds, nfds, dfds, ndfds, &places, &seqs,
-                          room, num_places, ns_hash, fsync, threads, 0, deadline);
-    slab_release(&held, &places, &seqs);
-    return result;
+    return slab_call(SLAB_WRITE, args);
 }
 
 PyDoc_STRVAR(slab_write_items_doc,
@@ -1422,23 +1497,7 @@ PyDoc_STRVAR(slab_write_items_doc,
 "O_DIRECT (direct_fds) for each block whose regions are whole, aligned pages.");
 
 static PyObject *py_slab_write_items(PyObject *self, PyObject *args) {
-    int fsync, threads, fds[MAX_SLAB_FILES], nfds, dfds[MAX_SLAB_FILES], ndfds;
-    PyObject *files, *items, *direct = NULL, *result = NULL;
-    double deadline = 0;
-    Py_buffer places = {0}, seqs = {0};
-    Py_ssize_t room, num_places;
-    unsigned long long ns_hash;
-    if (!PyArg_ParseTuple(args, "O!O!" SLAB_TAIL "pi|O!d", &PyTuple_Type, &files, &PyList_Type,
-                          &items, &places, &seqs, &room, &num_places, &ns_hash, &fsync, &threads,
-                          &PyTuple_Type, &direct, &deadline))
-        return NULL;
-    Held held = {0};
-    if ((nfds = parse_fds(files, fds, 1)) > 0 && (ndfds = parse_fds(direct, dfds, 0)) >= 0 &&
-        parse_items(items, &held, 0) == 0)
-        result = slab_run(&held, PyList_GET_SIZE(items), fds, nfds, dfds, ndfds, &places, &seqs,
-                          room, num_places, ns_hash, fsync, threads, 0, deadline);
-    slab_release(&held, &places, &seqs);
-    return result;
+    return slab_call(SLAB_WRITE_ITEMS, args);
 }
 
 PyDoc_STRVAR(slab_read_doc,
@@ -1452,25 +1511,7 @@ PyDoc_STRVAR(slab_read_doc,
 "(into an aligned buffer of the thread's); the page cache is neither asked nor advised.");
 
 static PyObject *py_slab_read(PyObject *self, PyObject *args) {
-    int threads, fds[MAX_SLAB_FILES], nfds, dfds[MAX_SLAB_FILES], ndfds;
-    PyObject *files, *keys, *lanes, *slots, *direct = NULL, *result = NULL;
-    double deadline = 0;
-    Py_buffer places = {0}, seqs = {0};
-    Py_ssize_t num_blocks, room, num_places;
-    unsigned long long ns_hash;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!n" SLAB_TAIL "i|O!d", &PyTuple_Type, &files,
-                          &PyList_Type, &keys, &PyTuple_Type, &lanes, &PyList_Type, &slots,
-                          &num_blocks, &places, &seqs, &room, &num_places, &ns_hash, &threads,
-                          &PyTuple_Type, &direct, &deadline))
-        return NULL;
-    no_empty_seqs(&seqs);
-    Held held = {0};
-    if ((nfds = parse_fds(files, fds, 1)) > 0 && (ndfds = parse_fds(direct, dfds, 0)) >= 0 &&
-        parse_batch(&held, -1, keys, lanes, slots, num_blocks, Py_None, 1, 0) == 0)
-        result = slab_run(&held, PyList_GET_SIZE(keys), fds, nfds, dfds, ndfds, &places, &seqs,
-                          room, num_places, ns_hash, 0, threads, 1, deadline);
-    slab_release(&held, &places, &seqs);
-    return result;
+    return slab_call(SLAB_READ, args);
 }
 
 PyDoc_STRVAR(slab_read_items_doc,
@@ -1481,25 +1522,238 @@ PyDoc_STRVAR(slab_read_items_doc,
 "O_DIRECT (direct_fds) for each block whose regions are whole, aligned pages.");
 
 static PyObject *py_slab_read_items(PyObject *self, PyObject *args) {
-    int threads, fds[MAX_SLAB_FILES], nfds, dfds[MAX_SLAB_FILES], ndfds;
-    PyObject *files, *items, *direct = NULL, *result = NULL;
-    double deadline = 0;
-    Py_buffer places = {0}, seqs = {0};
-    Py_ssize_t room, num_places;
-    unsigned long long ns_hash;
-    if (!PyArg_ParseTuple(args, "O!O!" SLAB_TAIL "i|O!d", &PyTuple_Type, &files, &PyList_Type,
-                          &items, &places, &seqs, &room, &num_places, &ns_hash, &threads,
-                          &PyTuple_Type, &direct, &deadline))
-        return NULL;
-    no_empty_seqs(&seqs);
-    Held held = {0};
-    if ((nfds = parse_fds(files, fds, 1)) > 0 && (ndfds = parse_fds(direct, dfds, 0)) >= 0 &&
-        parse_items(items, &held, 1) == 0)
-        result = slab_run(&held, PyList_GET_SIZE(items), fds, nfds, dfds, ndfds, &places, &seqs,
-                          room, num_places, ns_hash, 0, threads, 1, deadline);
-    slab_release(&held, &places, &seqs);
-    return result;
+    return slab_call(SLAB_READ_ITEMS, args);
 }
+
+/* -- CoreQueue: slab calls on the core's own threads, answered through an eventfd ---- */
+
+#define MAX_QUEUE_THREADS 64
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    SlabJob *pending, *pending_tail; /* submitted, not yet taken by a thread */
+    SlabJob *done, *done_tail;       /* run, not yet collected */
+    pthread_t ids[MAX_QUEUE_THREADS];
+    int nthreads;
+    int stopping;
+    int efd;                         /* -1 once closed */
+    Py_ssize_t in_flight;            /* submitted and not yet collected */
+} CoreQueue;
+
+static void *queue_worker(void *arg) {
+    CoreQueue *q = arg;
+    pthread_mutex_lock(&q->lock);
+    for (;;) {
+        while (q->pending == NULL && !q->stopping)
+            pthread_cond_wait(&q->wake, &q->lock);
+        SlabJob *job = q->pending;
+        if (job == NULL)
+            break; /* stopping, and nothing left to run */
+        q->pending = job->next;
+        if (q->pending == NULL)
+            q->pending_tail = NULL;
+        pthread_mutex_unlock(&q->lock);
+        slab_job_run(job);
+        pthread_mutex_lock(&q->lock);
+        job->next = NULL;
+        if (q->done_tail)
+            q->done_tail->next = job;
+        else
+            q->done = job;
+        q->done_tail = job;
+        uint64_t one = 1;
+        while (write(q->efd, &one, sizeof one) < 0 && errno == EINTR)
+            ;
+    }
+    pthread_mutex_unlock(&q->lock);
+    return NULL;
+}
+
+static int queue_init(CoreQueue *q, PyObject *args, PyObject *kwds) {
+    int threads;
+    if (!PyArg_ParseTuple(args, "i", &threads))
+        return -1;
+    if (threads < 1 || threads > MAX_QUEUE_THREADS) {
+        PyErr_Format(PyExc_ValueError, "threads: 1 to %d, not %d", MAX_QUEUE_THREADS, threads);
+        return -1;
+    }
+    if (q->nthreads || q->efd > 0) {
+        PyErr_SetString(PyExc_RuntimeError, "CoreQueue already initialised");
+        return -1;
+    }
+    q->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (q->efd < 0) {
+        q->efd = -1;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    pthread_mutex_init(&q->lock, NULL);
+    pthread_cond_init(&q->wake, NULL);
+    for (int t = 0; t < threads; t++)
+        if (pthread_create(&q->ids[q->nthreads], NULL, queue_worker, q) == 0)
+            q->nthreads++;
+    if (q->nthreads == 0) {
+        close(q->efd);
+        q->efd = -1;
+        PyErr_SetString(PyExc_OSError, "CoreQueue: no thread could be started");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *queue_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    CoreQueue *q = (CoreQueue *)type->tp_alloc(type, 0);
+    if (q != NULL)
+        q->efd = -1;
+    return (PyObject *)q;
+}
+
+/* Stop the threads once the queue is empty (GIL released while they finish), close the
+ * eventfd; jobs run and not collected are freed. */
+static void queue_stop(CoreQueue *q) {
+    if (q->nthreads == 0 && q->efd < 0)
+        return;
+    pthread_mutex_lock(&q->lock);
+    q->stopping = 1;
+    pthread_cond_broadcast(&q->wake);
+    pthread_mutex_unlock(&q->lock);
+    int n = q->nthreads;
+    q->nthreads = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (int t = 0; t < n; t++)
+        pthread_join(q->ids[t], NULL);
+    Py_END_ALLOW_THREADS
+    while (q->done) {
+        SlabJob *job = q->done;
+        q->done = job->next;
+        slab_job_free(job);
+    }
+    q->done_tail = NULL;
+    if (q->efd >= 0)
+        close(q->efd);
+    q->efd = -1;
+    q->in_flight = 0;
+}
+
+static void queue_dealloc(CoreQueue *q) {
+    queue_stop(q);
+    Py_TYPE(q)->tp_free((PyObject *)q);
+}
+
+static PyObject *queue_fileno(CoreQueue *q, PyObject *unused) {
+    if (q->efd < 0) {
+        PyErr_SetString(PyExc_ValueError, "CoreQueue is closed");
+        return NULL;
+    }
+    return PyLong_FromLong(q->efd);
+}
+
+static PyObject *queue_submit(CoreQueue *q, PyObject *args) {
+    long long ticket;
+    int kind;
+    PyObject *call;
+    if (!PyArg_ParseTuple(args, "LiO!", &ticket, &kind, &PyTuple_Type, &call))
+        return NULL;
+    if (q->efd < 0 || q->stopping) {
+        PyErr_SetString(PyExc_ValueError, "CoreQueue is closed");
+        return NULL;
+    }
+    SlabJob *job = slab_job_parse(kind, call);
+    if (job == NULL)
+        return NULL;
+    job->ticket = ticket;
+    pthread_mutex_lock(&q->lock);
+    if (q->pending_tail)
+        q->pending_tail->next = job;
+    else
+        q->pending = job;
+    q->pending_tail = job;
+    pthread_cond_signal(&q->wake);
+    pthread_mutex_unlock(&q->lock);
+    q->in_flight++;
+    Py_RETURN_NONE;
+}
+
+/* Every job run since the last call, as (ticket, answer): the answer as the slab call's,
+ * or the exception building it raised. Clears the eventfd. */
+static PyObject *queue_collect(CoreQueue *q, PyObject *unused) {
+    if (q->efd < 0)
+        return PyList_New(0);
+    uint64_t count;
+    while (read(q->efd, &count, sizeof count) < 0 && errno == EINTR)
+        ;
+    pthread_mutex_lock(&q->lock);
+    SlabJob *job = q->done;
+    q->done = q->done_tail = NULL;
+    pthread_mutex_unlock(&q->lock);
+    PyObject *answers = PyList_New(0);
+    while (job) {
+        SlabJob *next = job->next;
+        PyObject *answer = slab_job_answer(job);
+        if (answer == NULL) { /* hand the error to its caller, not to this one */
+            PyObject *type, *value, *trace;
+            PyErr_Fetch(&type, &value, &trace);
+            PyErr_NormalizeException(&type, &value, &trace);
+            Py_XDECREF(type);
+            Py_XDECREF(trace);
+            answer = value ? value : Py_NewRef(Py_None);
+        }
+        PyObject *pair = answers ? Py_BuildValue("(LN)", job->ticket, answer) : NULL;
+        if (pair == NULL || PyList_Append(answers, pair) != 0)
+            Py_CLEAR(answers); /* out of memory: the waiters are never answered */
+        Py_XDECREF(pair);
+        slab_job_free(job);
+        q->in_flight--;
+        job = next;
+    }
+    return answers;
+}
+
+static PyObject *queue_close(CoreQueue *q, PyObject *unused) {
+    queue_stop(q);
+    Py_RETURN_NONE;
+}
+
+static PyObject *queue_in_flight(CoreQueue *q, void *closure) {
+    return PyLong_FromSsize_t(q->in_flight);
+}
+
+static PyMethodDef queue_methods[] = {
+    {"fileno", (PyCFunction)queue_fileno, METH_NOARGS,
+     "fileno() -> int: the eventfd that becomes readable when a job has run."},
+    {"submit", (PyCFunction)queue_submit, METH_VARARGS,
+     "submit(ticket, kind, args): queue the slab call `kind` (SLAB_WRITE, SLAB_READ,\n"
+     "SLAB_WRITE_ITEMS, SLAB_READ_ITEMS) with `args` as that call takes them; bad\n"
+     "arguments raise here, nothing queued. Its answer comes back from collect()."},
+    {"collect", (PyCFunction)queue_collect, METH_NOARGS,
+     "collect() -> list[tuple[int, object]]: (ticket, answer) of each job run since the\n"
+     "last collect; the answer is the slab call's, or the exception building it raised."},
+    {"close", (PyCFunction)queue_close, METH_NOARGS,
+     "close(): let the threads finish the queued jobs, then stop them; idempotent."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef queue_getset[] = {
+    {"in_flight", (getter)queue_in_flight, NULL, "jobs submitted and not yet collected", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject CoreQueueType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "_batchio.CoreQueue",
+    .tp_doc = "CoreQueue(threads): slab calls run on the core's own threads, no GIL taken\n"
+              "there; each job's answer is collected on the caller's side once the eventfd\n"
+              "(fileno) is readable.",
+    .tp_basicsize = sizeof(CoreQueue),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = queue_new,
+    .tp_init = (initproc)queue_init,
+    .tp_dealloc = (destructor)queue_dealloc,
+    .tp_methods = queue_methods,
+    .tp_getset = queue_getset,
+};
 
 
 PyDoc_STRVAR(slab_scan_doc,
@@ -1831,15 +2085,25 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__batchio(void) {
+    if (PyType_Ready(&CoreQueueType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
+    if (PyModule_AddObjectRef(m, "CoreQueue", (PyObject *)&CoreQueueType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     if (PyModule_AddIntConstant(m, "PREFETCH_BLOCKS", PREFETCH_BLOCKS) ||
         PyModule_AddIntConstant(m, "CORRUPT_SHORT", CORRUPT_SHORT) ||
         PyModule_AddIntConstant(m, "CORRUPT_LONG", CORRUPT_LONG) ||
         PyModule_AddIntConstant(m, "CORRUPT_CHECKSUM", CORRUPT_CHECKSUM) ||
         PyModule_AddIntConstant(m, "CORRUPT_SLOT", CORRUPT_SLOT) ||
         PyModule_AddIntConstant(m, "SLOT_HEAD_BYTES", SLOT_HEAD_BYTES) ||
+        PyModule_AddIntConstant(m, "SLAB_WRITE", SLAB_WRITE) ||
+        PyModule_AddIntConstant(m, "SLAB_READ", SLAB_READ) ||
+        PyModule_AddIntConstant(m, "SLAB_WRITE_ITEMS", SLAB_WRITE_ITEMS) ||
+        PyModule_AddIntConstant(m, "SLAB_READ_ITEMS", SLAB_READ_ITEMS) ||
         PyModule_AddIntConstant(m, "XXHASH_VERSION", (long)XXH_versionNumber())) {
         Py_DECREF(m);
         return NULL;

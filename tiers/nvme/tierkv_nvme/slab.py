@@ -172,6 +172,8 @@ class SlabNvmeTier(NvmeTier):
     # -- life cycle ---------------------------------------------------------------
     async def open(self) -> None:
         await super().open()
+        if self._io_engine == "native" and self._lanes is not None:
+            self._queue = native.CoreQueue(self.config.io_concurrency)
         self._direct_memory = bool(self._direct_fds) and (
             self._lanes is None or native.direct_aligned(self._lanes)
         )
@@ -422,13 +424,8 @@ class SlabNvmeTier(NvmeTier):
         self._reserved += self._slot_bytes * len(punch)
         try:
             if self._slab_fds:
-                await in_thread(
-                    slabfile.release,
-                    self._slab_fds,
-                    punch,
-                    self._room,
-                    limiter=self._threads,
-                    shield=True,
+                await self._threads.run(
+                    slabfile.release, self._slab_fds, punch, self._room, shield=True
                 )
         except OSError as exc:  # the space stays used until the slots are written again
             logger.warning(
@@ -465,6 +462,106 @@ class SlabNvmeTier(NvmeTier):
                     self._reserved -= self._slot_bytes * len(places)
 
     # -- the medium ---------------------------------------------------------------
+    async def _write_chunk(
+        self,
+        keys: list[OffloadKey],
+        slots: list[int],
+        victims: list[OffloadKey],
+        places: Sequence[int] | None,
+        deadline: float,
+    ) -> list[Exception | None]:
+        """On the core's queue when the chunk is one batch call (`_write_call`) and the
+        queue serves this loop; else in a block thread (`_write_files`)."""
+        queue = self._queue
+        if queue is not None and queue.serves():
+            call = self._write_call(keys, slots, places, deadline)
+            if call is not None:
+                return await queue.run(call)
+        return await super()._write_chunk(keys, slots, victims, places, deadline)
+
+    async def _read_chunk(
+        self,
+        keys: list[OffloadKey],
+        slots: list[int],
+        touch: bytes,
+        entries: Sequence[tuple[OffloadKey, _Entry]],
+        deadline: float,
+    ) -> list[Exception | None]:
+        """As `_write_chunk`, for reads (`_read_call`, `_read_files`)."""
+        queue = self._queue
+        if queue is not None and queue.serves():
+            call = self._read_call(keys, slots, touch, entries, deadline)
+            if call is not None:
+                return await queue.run(call)
+        return await super()._read_chunk(keys, slots, touch, entries, deadline)
+
+    def _write_call(
+        self,
+        keys: list[OffloadKey],
+        slots: list[int],
+        places: Sequence[int] | None,
+        deadline: float,
+    ) -> native.SlabCall | None:
+        """The chunk as one batch call of the core (keys[i] from slots[i] into slab slot
+        places[i]), or None where it is not one: no slab files, no one geometry of the
+        primary's slots, long keys."""
+        lanes = self._lanes
+        if not self._slab_fds or lanes is None or not native.batch_keys(keys):
+            return None
+        assert isinstance(places, _Places)
+        return native.slab_write_call(
+            self._slab_fds,
+            keys,
+            slots,
+            self.primary,
+            lanes,
+            self.framer,
+            array("Q", places).tobytes(),
+            places.seqs.tobytes(),
+            self._room,
+            self._places,
+            fsync=self.config.fsync == "always",
+            threads=self._core_threads(len(keys)),
+            direct_fds=self._direct_fds,
+            deadline=deadline,
+        )
+
+    def _read_call(
+        self,
+        keys: list[OffloadKey],
+        slots: list[int],
+        touch: bytes,
+        entries: Sequence[tuple[OffloadKey, _Entry]],
+        deadline: float,
+    ) -> native.SlabCall | None:
+        """The chunk's reads as one batch call of the core (`_write_call`'s terms); a
+        slot whose touch[i] is set gets a new sequence (its recency after a restart)."""
+        lanes = self._lanes
+        if not self._slab_fds or lanes is None or not native.batch_keys(keys):
+            return None
+        seqs = b""
+        if any(touch):
+            fresh = array("Q", bytes(8 * len(keys)))
+            for i, flag in enumerate(touch):
+                if flag:
+                    fresh[i] = next(self._seqs)
+            seqs = fresh.tobytes()
+        return native.slab_read_call(
+            self._slab_fds,
+            keys,
+            slots,
+            self.primary,
+            lanes,
+            self.framer,
+            array("Q", [entry.place for _key, entry in entries]).tobytes(),
+            seqs,
+            self._room,
+            self._places,
+            threads=self._core_threads(len(keys)),
+            direct_fds=self._direct_fds,
+            deadline=deadline,
+        )
+
     def _write_files(
         self,
         keys: list[OffloadKey],
@@ -479,26 +576,11 @@ class SlabNvmeTier(NvmeTier):
         assert isinstance(places, _Places)
         if not self._slab_fds:
             return self._no_slab(keys)
+        call = self._write_call(keys, slots, places, deadline)
+        if call is not None:
+            return call.run()
         fsync = self.config.fsync == "always"
         seqs = places.seqs
-        lanes = self._lanes
-        if lanes is not None and native.batch_keys(keys):
-            return native.slab_write(
-                self._slab_fds,
-                keys,
-                slots,
-                self.primary,
-                lanes,
-                self.framer,
-                array("Q", places).tobytes(),
-                seqs.tobytes(),
-                self._room,
-                self._places,
-                fsync=fsync,
-                threads=self._core_threads(len(keys)),
-                direct_fds=self._direct_fds,
-                deadline=deadline,
-            )
         payload = self.primary.payload
         if self._io_engine == "native":  # blocks lent one by one (LMCache's objects)
             return self._in_core(keys, places, lambda fit: native.slab_write_items(
@@ -550,29 +632,15 @@ class SlabNvmeTier(NvmeTier):
         started after `deadline` (`NvmeTier._read_files`)."""
         if not self._slab_fds:
             return self._no_slab(keys)
+        call = self._read_call(keys, slots, touch, entries, deadline)
+        if call is not None:
+            return call.run()
         places = [entry.place for _key, entry in entries]
         seqs = array("Q", bytes(8 * len(keys)))
         if any(touch):
             for i, flag in enumerate(touch):
                 if flag:
                     seqs[i] = next(self._seqs)
-        lanes = self._lanes
-        if lanes is not None and native.batch_keys(keys):
-            return native.slab_read(
-                self._slab_fds,
-                keys,
-                slots,
-                self.primary,
-                lanes,
-                self.framer,
-                array("Q", places).tobytes(),
-                seqs.tobytes() if any(touch) else b"",
-                self._room,
-                self._places,
-                threads=self._core_threads(len(keys)),
-                direct_fds=self._direct_fds,
-                deadline=deadline,
-            )
         payload = self.primary.payload
         if self._io_engine == "native":  # blocks lent one by one (LMCache's objects)
             return self._in_core(keys, places, lambda fit: native.slab_read_items(

@@ -57,7 +57,9 @@ from tierkv.contract.units import format_size
 from tierkv.tier import (
     NO_ROOM,
     Batch,
+    BlockThreads,
     CorruptBlock,
+    FreeSlots,
     InFlightJobs,
     JobMetadata,
     JobResult,
@@ -220,8 +222,11 @@ class NvmeTier(SecondaryTierManager):
         blocks)."""
         self._deleting: dict[OffloadKey, anyio.Event] = {}
         concurrency = self.config.io_concurrency
-        self._io_slots = anyio.Semaphore(concurrency)
-        self._threads = anyio.CapacityLimiter(concurrency)
+        self._io_slots = FreeSlots(concurrency)
+        self._threads = BlockThreads(concurrency, "tierkv-nvme")
+        self._queue: native.CoreQueue | None = None
+        """The core's own threads, fed from the event loop (the slab layout's batch
+        calls, `SlabNvmeTier._read_chunk`); None: every call goes to `_threads`."""
         self._inflight = InFlightJobs(self.name)
         self._fs_block = DEFAULT_FS_BLOCK
         self._footprints: dict[int, int] = {}  # key length -> disk bytes (`footprint`)
@@ -524,12 +529,8 @@ class NvmeTier(SecondaryTierManager):
                 total.ignored.append(other)
 
         async def scan(top: Path) -> None:
-            part = await in_thread(
-                scan_fanout_dir,
-                top,
-                self.framer,
-                self.primary.block_bytes,
-                limiter=self._threads,
+            part = await self._threads.run(
+                scan_fanout_dir, top, self.framer, self.primary.block_bytes
             )
             total.merge(part)
 
@@ -577,6 +578,9 @@ class NvmeTier(SecondaryTierManager):
             return
         self._state = "closing"
         await self._inflight.drain()
+        self._threads.close()
+        if self._queue is not None:
+            self._queue.close()
         self._release_lock()
         self.claims.clear()
         self._index.clear()
@@ -639,7 +643,7 @@ class NvmeTier(SecondaryTierManager):
             if not targets:
                 return
             try:
-                await in_thread(self._delete_blocks, targets, limiter=self._threads, shield=True)
+                await self._threads.run(self._delete_blocks, targets, shield=True)
             finally:
                 self._finish_deleting([key for key, _entry in targets])
                 self._dropped(targets)
@@ -834,15 +838,12 @@ class NvmeTier(SecondaryTierManager):
                 places = self._take_places(len(writes))
                 self._calls += 1
                 try:
-                    outcomes = await in_thread(
-                        self._write_files,
+                    outcomes = await self._write_chunk(
                         [key for key, _slot, _footprint in writes],
                         [slot for _key, slot, _footprint in writes],
                         victims,
                         places,
                         deadline,
-                        limiter=self._threads,
-                        shield=True,
                     )
                 finally:
                     self._calls -= 1
@@ -882,6 +883,33 @@ class NvmeTier(SecondaryTierManager):
     def _dropped(self, entries: Sequence[tuple[OffloadKey, _Entry]]) -> None:
         """Blocks that left the index and whose medium is done with them (deleted, or
         found gone or corrupt): the slab layout frees their slots. Files: nothing."""
+
+    async def _write_chunk(
+        self,
+        keys: list[OffloadKey],
+        slots: list[int],
+        victims: list[OffloadKey],
+        places: Sequence[int] | None,
+        deadline: float,
+    ) -> list[Exception | None]:
+        """A chunk's writes (`_write_files`), waited for whole even if the caller is
+        cancelled (the index must agree with the disk): in a block thread here."""
+        return await self._threads.run(
+            self._write_files, keys, slots, victims, places, deadline, shield=True
+        )
+
+    async def _read_chunk(
+        self,
+        keys: list[OffloadKey],
+        slots: list[int],
+        touch: bytes,
+        entries: Sequence[tuple[OffloadKey, _Entry]],
+        deadline: float,
+    ) -> list[Exception | None]:
+        """A chunk's reads (`_read_files`), waited for whole as `_write_chunk`'s."""
+        return await self._threads.run(
+            self._read_files, keys, slots, touch, entries, deadline, shield=True
+        )
 
     def _write_files(
         self,
@@ -1014,16 +1042,7 @@ class NvmeTier(SecondaryTierManager):
             async with self._io_slots:
                 self._calls += 1
                 try:
-                    outcomes = await in_thread(
-                        self._read_files,
-                        keys,
-                        slots,
-                        bytes(touch),
-                        reads,
-                        deadline,
-                        limiter=self._threads,
-                        shield=True,
-                    )
+                    outcomes = await self._read_chunk(keys, slots, bytes(touch), reads, deadline)
                 finally:
                     self._calls -= 1
         finally:
@@ -1064,9 +1083,7 @@ class NvmeTier(SecondaryTierManager):
         try:
             if unreadable:
                 try:
-                    await in_thread(
-                        self._delete_blocks, unreadable, limiter=self._threads, shield=True
-                    )
+                    await self._threads.run(self._delete_blocks, unreadable, shield=True)
                 finally:
                     self._finish_deleting([key for key, _entry in unreadable])
         finally:
