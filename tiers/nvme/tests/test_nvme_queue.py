@@ -7,12 +7,17 @@ queued; a loop the queue does not serve goes to the block threads."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
-from tierkv_nvme import NvmeTier, native
+from tierkv_nvme import NvmeTier, NvmeTierConfig, native
+
+from tierkv.contract.jobs import JobMetadata
+from tierkv.contract.keys import make_offload_key
+from tierkv.contract.slab import PrimaryView
 
 pytestmark = pytest.mark.anyio
 
@@ -106,3 +111,36 @@ def test_a_queue_serves_the_loop_it_first_ran_on(native_core: None) -> None:
     queue.close()
     with pytest.raises(ValueError, match="closed"):
         queue._core.submit(0, 0, ())
+
+
+class NoGeometry(PrimaryView):
+    """A primary whose slots have no one geometry (as LMCache's lent objects): the
+    core's items calls move its blocks."""
+
+    @property
+    def lanes(self) -> None:
+        return None
+
+
+async def test_blocks_lent_one_by_one_go_through_the_queue_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native_core: None
+) -> None:
+    block, n = 8192, 12
+    view = NoGeometry(bytearray(block * 2 * n), block, "lent")
+    config = NvmeTierConfig(
+        type="nvme", path=tmp_path / "nvme", capacity=1 << 20, io_engine="native", fsync="never"
+    )
+    tier = NvmeTier(config, view)
+    await tier.open()
+    assert tier._queue is not None and tier._lanes is None
+    refuse_threads(monkeypatch, tier)
+    keys = [make_offload_key(f"lent-{i}".encode(), 0) for i in range(n)]
+    for slot in range(n):
+        view.block(slot)[:] = os.urandom(block)
+    stored = await tier.store(JobMetadata(1, tuple(keys), tuple(range(n))))
+    assert stored.ok, stored.error
+    loaded = await tier.load(JobMetadata(2, tuple(keys), tuple(range(n, 2 * n))))
+    assert loaded.ok, loaded.error
+    for slot in range(n):
+        assert bytes(view.block(n + slot)) == bytes(view.block(slot))
+    await tier.close()

@@ -27,7 +27,9 @@ What the slots change:
 - The compiled core moves a chunk in one call: `native.slab_write`/`slab_read` when
   the primary has one geometry (`PrimaryView.lanes`) and every key is at most 100
   bytes, with no Python per block; else `slab_write_items`/`slab_read_items`, the
-  blocks' buffers handed over one by one (LMCache's lent objects). The Python path
+  blocks' buffers handed over one by one (LMCache's lent objects). From the event
+  loop the call goes to the core's own threads (`native.CoreQueue`), which never take
+  the GIL; a loop the queue does not serve hands it to a block thread. The Python path
   (`slabfile.write_slots`/`read_slots`) is for `io_engine: python` and signed frames
   (`mac_key_env`). Each writes the same bytes.
 - A key longer than a slot's header page holds (about 4 KiB) fails its store with a
@@ -56,6 +58,7 @@ import time
 from array import array
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from tierkv.contract.units import format_size
 from tierkv.tier import (
@@ -172,7 +175,7 @@ class SlabNvmeTier(NvmeTier):
     # -- life cycle ---------------------------------------------------------------
     async def open(self) -> None:
         await super().open()
-        if self._io_engine == "native" and self._lanes is not None:
+        if self._io_engine == "native":
             self._queue = native.CoreQueue(self.config.io_concurrency)
         self._direct_memory = bool(self._direct_fds) and (
             self._lanes is None or native.direct_aligned(self._lanes)
@@ -502,29 +505,41 @@ class SlabNvmeTier(NvmeTier):
         places: Sequence[int] | None,
         deadline: float,
     ) -> native.SlabCall | None:
-        """The chunk as one batch call of the core (keys[i] from slots[i] into slab slot
-        places[i]), or None where it is not one: no slab files, no one geometry of the
-        primary's slots, long keys."""
-        lanes = self._lanes
-        if not self._slab_fds or lanes is None or not native.batch_keys(keys):
+        """The chunk (keys[i] from slots[i] into slab slot places[i]) as one call of the
+        core: a batch call when the primary's slots have one geometry and the keys are
+        short, else an items call (blocks lent one by one, LMCache's objects). None on
+        the Python path, or with no slab files open."""
+        if not self._slab_fds or self._io_engine != "native":
             return None
         assert isinstance(places, _Places)
-        return native.slab_write_call(
-            self._slab_fds,
-            keys,
-            slots,
-            self.primary,
-            lanes,
-            self.framer,
-            array("Q", places).tobytes(),
-            places.seqs.tobytes(),
-            self._room,
-            self._places,
-            fsync=self.config.fsync == "always",
-            threads=self._core_threads(len(keys)),
-            direct_fds=self._direct_fds,
+        fsync = self.config.fsync == "always"
+        seqs = places.seqs
+        lanes = self._lanes
+        if lanes is not None and native.batch_keys(keys):
+            return native.slab_write_call(
+                self._slab_fds,
+                keys,
+                slots,
+                self.primary,
+                lanes,
+                self.framer,
+                array("Q", places).tobytes(),
+                seqs.tobytes(),
+                self._room,
+                self._places,
+                fsync=fsync,
+                threads=self._core_threads(len(keys)),
+                direct_fds=self._direct_fds,
+                deadline=deadline,
+            )
+        payload = self.primary.payload
+        return self._items_call(keys, lambda fit: native.slab_write_items_call(
+            self._slab_fds, [(k, payload(slots[i])) for i, k in fit], self.framer,
+            array("Q", [places[i] for i, _k in fit]).tobytes(),
+            array("Q", [seqs[i] for i, _k in fit]).tobytes(), self._room, self._places,
+            fsync=fsync, threads=self._core_threads(len(fit)), direct_fds=self._direct_fds,
             deadline=deadline,
-        )
+        ))  # fmt: skip
 
     def _read_call(
         self,
@@ -534,10 +549,9 @@ class SlabNvmeTier(NvmeTier):
         entries: Sequence[tuple[OffloadKey, _Entry]],
         deadline: float,
     ) -> native.SlabCall | None:
-        """The chunk's reads as one batch call of the core (`_write_call`'s terms); a
-        slot whose touch[i] is set gets a new sequence (its recency after a restart)."""
-        lanes = self._lanes
-        if not self._slab_fds or lanes is None or not native.batch_keys(keys):
+        """The chunk's reads as one call of the core (`_write_call`'s terms); a slot
+        whose touch[i] is set gets a new sequence (its recency after a restart)."""
+        if not self._slab_fds or self._io_engine != "native":
             return None
         seqs = b""
         if any(touch):
@@ -546,21 +560,62 @@ class SlabNvmeTier(NvmeTier):
                 if flag:
                     fresh[i] = next(self._seqs)
             seqs = fresh.tobytes()
-        return native.slab_read_call(
-            self._slab_fds,
-            keys,
-            slots,
-            self.primary,
-            lanes,
-            self.framer,
-            array("Q", [entry.place for _key, entry in entries]).tobytes(),
-            seqs,
-            self._room,
-            self._places,
-            threads=self._core_threads(len(keys)),
-            direct_fds=self._direct_fds,
-            deadline=deadline,
-        )
+        places = array("Q", [entry.place for _key, entry in entries])
+        lanes = self._lanes
+        if lanes is not None and native.batch_keys(keys):
+            return native.slab_read_call(
+                self._slab_fds,
+                keys,
+                slots,
+                self.primary,
+                lanes,
+                self.framer,
+                places.tobytes(),
+                seqs,
+                self._room,
+                self._places,
+                threads=self._core_threads(len(keys)),
+                direct_fds=self._direct_fds,
+                deadline=deadline,
+            )
+        payload = self.primary.payload
+        fresh_seqs = array("Q", seqs) if seqs else None
+        return self._items_call(keys, lambda fit: native.slab_read_items_call(
+            self._slab_fds, [(k, payload(slots[i])) for i, k in fit], self.framer,
+            array("Q", [places[i] for i, _k in fit]).tobytes(),
+            array("Q", [fresh_seqs[i] for i, _k in fit]).tobytes() if fresh_seqs else b"",
+            self._room, self._places, threads=self._core_threads(len(fit)),
+            direct_fds=self._direct_fds, deadline=deadline,
+        ))  # fmt: skip
+
+    def _items_call(
+        self,
+        keys: Sequence[OffloadKey],
+        build: Callable[[list[tuple[int, OffloadKey]]], native.SlabCall],
+    ) -> native.SlabCall:
+        """The core's items call `build(fit)` for the (index, key) of every key whose
+        frame header fits a slot's header page, answering for all `keys`: the others
+        fail, naming `layout: files` (`slabfile.seal`'s message)."""
+        outcomes: list[Exception | None] = [None] * len(keys)
+        fit: list[tuple[int, OffloadKey]] = []
+        for i, key in enumerate(keys):
+            if self.framer.header_bytes(key) > slabfile.MAX_FRAME_HEADER:
+                try:
+                    slabfile.seal(bytes(self.framer.header_bytes(key)), 0)
+                except ValueError as exc:
+                    outcomes[i] = exc
+            else:
+                fit.append((i, key))
+        if not fit:
+            return native.SlabCall.answered(outcomes)
+        call = build(fit)
+
+        def answer(raw: Any) -> list[Exception | None]:
+            for (i, _key), outcome in zip(fit, call.answer(raw)):
+                outcomes[i] = outcome
+            return outcomes
+
+        return native.SlabCall(call.kind, call.args, answer)
 
     def _write_files(
         self,
@@ -582,42 +637,10 @@ class SlabNvmeTier(NvmeTier):
         fsync = self.config.fsync == "always"
         seqs = places.seqs
         payload = self.primary.payload
-        if self._io_engine == "native":  # blocks lent one by one (LMCache's objects)
-            return self._in_core(keys, places, lambda fit: native.slab_write_items(
-                self._slab_fds, [(k, payload(slots[i])) for i, k in fit], self.framer,
-                array("Q", [places[i] for i, _k in fit]).tobytes(),
-                array("Q", [seqs[i] for i, _k in fit]).tobytes(), self._room, self._places,
-                fsync=fsync, threads=self._core_threads(len(fit)), direct_fds=self._direct_fds,
-                deadline=deadline,
-            ))  # fmt: skip
         items = [(p, k, payload(s), q) for p, k, s, q in zip(places, keys, slots, seqs)]
         return slabfile.write_slots(
             self._slab_fds, items, self._room, self.framer, fsync=fsync, deadline=deadline
         )
-
-    def _in_core(
-        self,
-        keys: Sequence[OffloadKey],
-        places: Sequence[int],
-        call: Callable[[list[tuple[int, OffloadKey]]], list[Exception | None]],
-    ) -> list[Exception | None]:
-        """`call` the core's per-item slab calls with the (index, key) of every key
-        whose frame header fits a slot's header page; the others fail, naming
-        `layout: files` (`slabfile.seal`'s message)."""
-        outcomes: list[Exception | None] = [None] * len(keys)
-        fit: list[tuple[int, OffloadKey]] = []
-        for i, key in enumerate(keys):
-            if self.framer.header_bytes(key) > slabfile.MAX_FRAME_HEADER:
-                try:
-                    slabfile.seal(bytes(self.framer.header_bytes(key)), 0)
-                except ValueError as exc:
-                    outcomes[i] = exc
-            else:
-                fit.append((i, key))
-        if fit:
-            for (i, _key), outcome in zip(fit, call(fit)):
-                outcomes[i] = outcome
-        return outcomes
 
     def _read_files(
         self,
@@ -642,14 +665,6 @@ class SlabNvmeTier(NvmeTier):
                 if flag:
                     seqs[i] = next(self._seqs)
         payload = self.primary.payload
-        if self._io_engine == "native":  # blocks lent one by one (LMCache's objects)
-            return self._in_core(keys, places, lambda fit: native.slab_read_items(
-                self._slab_fds, [(k, payload(slots[i])) for i, k in fit], self.framer,
-                array("Q", [places[i] for i, _k in fit]).tobytes(),
-                array("Q", [seqs[i] for i, _k in fit]).tobytes() if any(touch) else b"",
-                self._room, self._places, threads=self._core_threads(len(fit)),
-                direct_fds=self._direct_fds, deadline=deadline,
-            ))  # fmt: skip
         items = [(p, k, payload(s), q) for p, k, s, q in zip(places, keys, slots, seqs)]
         return slabfile.read_slots(
             self._slab_fds, items, self._room, self.framer, deadline=deadline
