@@ -144,3 +144,21 @@ async def test_blocks_lent_one_by_one_go_through_the_queue_too(
     for slot in range(n):
         assert bytes(view.block(n + slot)) == bytes(view.block(slot))
     await tier.close()
+
+
+def test_a_forked_child_is_told_the_queue_is_not_its_own(native_core: None) -> None:
+    """The queue's threads stay with the parent on fork: a child that submits gets an
+    error naming why, not a call that never runs."""
+    queue = native.CoreQueue(1)
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only on the error it must get
+        try:
+            queue._core.submit(0, 0, ())
+        except RuntimeError as exc:
+            os._exit(0 if "forked child" in str(exc) else 2)
+        except BaseException:
+            os._exit(3)
+        os._exit(4)
+    _pid, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    queue.close()

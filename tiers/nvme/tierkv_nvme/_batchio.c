@@ -1540,6 +1540,7 @@ typedef struct {
     int stopping;
     int efd;                         /* -1 once closed */
     Py_ssize_t in_flight;            /* submitted and not yet collected */
+    pid_t pid;                       /* the process whose threads these are (not a fork) */
 } CoreQueue;
 
 static void *queue_worker(void *arg) {
@@ -1583,6 +1584,7 @@ static int queue_init(CoreQueue *q, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_RuntimeError, "CoreQueue already initialised");
         return -1;
     }
+    q->pid = getpid();
     q->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (q->efd < 0) {
         q->efd = -1;
@@ -1615,6 +1617,13 @@ static PyObject *queue_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
 static void queue_stop(CoreQueue *q) {
     if (q->nthreads == 0 && q->efd < 0)
         return;
+    if (getpid() != q->pid) { /* a forked child: no threads to stop, jobs are the parent's */
+        q->nthreads = 0;
+        if (q->efd >= 0)
+            close(q->efd);
+        q->efd = -1;
+        return;
+    }
     pthread_mutex_lock(&q->lock);
     q->stopping = 1;
     pthread_cond_broadcast(&q->wake);
@@ -1658,6 +1667,11 @@ static PyObject *queue_submit(CoreQueue *q, PyObject *args) {
         return NULL;
     if (q->efd < 0 || q->stopping) {
         PyErr_SetString(PyExc_ValueError, "CoreQueue is closed");
+        return NULL;
+    }
+    if (getpid() != q->pid) { /* a fork: the threads stayed with the parent */
+        PyErr_SetString(PyExc_RuntimeError, "CoreQueue used in a forked child: its threads "
+                        "are the parent's; open the tier in this process");
         return NULL;
     }
     SlabJob *job = slab_job_parse(kind, call);
