@@ -523,3 +523,32 @@ def test_a_load_of_many_large_blocks_runs_no_more_calls_than_cpus(
     assert small.calls_at_once(small.chunk_size(128, "load"), "load") == 8
     monkeypatch.setattr(tier_module, "usable_cpus", lambda: 64)
     assert large.calls_at_once(many, "load") == 8
+
+
+async def test_loads_that_overlap_or_miss_leave_no_pin_behind(rig) -> None:
+    """Loads of the same keys at once, and a load with missing keys, each read what
+    is held, fail what is not, and leave no pin."""
+    tier = rig.tier(fsync="never")
+    await tier.open()
+    keys = rig.keys(8)
+    stored, data = await rig.store(tier, keys)
+    assert stored.ok, stored.error
+    results = []
+
+    async def load(slots: range) -> None:
+        results.append(await tier.load(rig.job(keys, slots)))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(load, range(8, 16))
+        tg.start_soon(load, range(16, 24))
+    assert all(result.ok for result in results), [r.error for r in results]
+    for first in (8, 16):
+        assert [bytes(rig.view.block(first + i)) for i in range(8)] == [data[k] for k in keys]
+    assert tier._pins == {}
+    missing = rig.keys(2)
+    mixed = await tier.load(rig.job([keys[0], missing[0], keys[1], missing[1]], range(24, 28)))
+    assert set(mixed.failed_keys) == set(missing)
+    assert "not in the nvme tier" in (mixed.error or "")
+    assert bytes(rig.view.block(26)) == data[keys[1]]
+    assert tier._pins == {}
+    await tier.close()
