@@ -1559,14 +1559,20 @@ static void *queue_worker(void *arg) {
         slab_job_run(job);
         pthread_mutex_lock(&q->lock);
         job->next = NULL;
+        int first = q->done == NULL; /* else a wake-up is on its way for the list */
         if (q->done_tail)
             q->done_tail->next = job;
         else
             q->done = job;
         q->done_tail = job;
+        pthread_mutex_unlock(&q->lock);
+        /* outside the lock: the loop's collect and the other threads do not wait on a
+         * system call (collect reads the eventfd before it takes the list, so a job
+         * added after it took one makes its own wake-up) */
         uint64_t one = 1;
-        while (write(q->efd, &one, sizeof one) < 0 && errno == EINTR)
+        while (first && write(q->efd, &one, sizeof one) < 0 && errno == EINTR)
             ;
+        pthread_mutex_lock(&q->lock);
     }
     pthread_mutex_unlock(&q->lock);
     return NULL;
@@ -1684,8 +1690,8 @@ static PyObject *queue_submit(CoreQueue *q, PyObject *args) {
     else
         q->pending = job;
     q->pending_tail = job;
-    pthread_cond_signal(&q->wake);
     pthread_mutex_unlock(&q->lock);
+    pthread_cond_signal(&q->wake); /* after the unlock: the woken thread takes it at once */
     q->in_flight++;
     Py_RETURN_NONE;
 }
