@@ -31,6 +31,8 @@ def checked_result(job: JobMetadata, result: object, tier_name: str) -> JobResul
     (forgot, named twice, or never asked for) failed."""
     if not isinstance(result, JobResult) or result.job_id != job.job_id:
         return JobResult.failure(job, f"tier {tier_name} returned a result for another job")
+    if not result.failed_keys and result.ok_keys == job.keys:  # the usual: one C pass
+        return result
     keys = set(job.keys)
     ok = list(dict.fromkeys(k for k in result.ok_keys if k in keys))  # once each
     if len(ok) == len(job.keys) == len(result.ok_keys) and not result.failed_keys:
