@@ -37,7 +37,7 @@ async def test_slab_chunks_go_through_the_queue_and_come_back_whole(
 ) -> None:
     tier = native_rig.tier(layout="slab", fsync="never")
     await tier.open()
-    assert tier._queue is not None
+    assert tier._queue is not None and tier.describe()["core_queue"] is True
     refuse_threads(monkeypatch, tier)
     keys = native_rig.keys(16)
     stored, data = await native_rig.store(tier, keys)

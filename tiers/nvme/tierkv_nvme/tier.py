@@ -315,6 +315,7 @@ class NvmeTier(SecondaryTierManager):
             "mac": self.framer.mac,
             "io_engine": self._io_engine,
             "batch_calls": self._lanes is not None,
+            "core_queue": self._queue is not None and self._state != "closed",
             "layout": self.config.layout,
         }
 
