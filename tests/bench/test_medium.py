@@ -54,4 +54,4 @@ def test_an_nvme_tier_moving_blocks_with_o_direct_says_so_in_the_report(
     nvme = f"{{type: nvme, path: {tmp_path / 'nvme'}, capacity: 64MiB, direct: true}}"
     report = bench_json("--config", chain_file(f"[{nvme}]"), "--tiers", "nvme", "--keys", "0")
     [medium] = report["media"]
-    assert medium["io_engine"] == "native, O_DIRECT"
+    assert medium["io_engine"] == "native (core queue), O_DIRECT"

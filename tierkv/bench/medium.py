@@ -84,6 +84,8 @@ async def bench_medium(
 
     nbytes = n * options.block_bytes
     engine = described.get("io_engine")
+    if engine and described.get("core_queue"):  # the nvme slab's calls on the core's threads
+        engine = f"{engine} (core queue)"
     if engine and described.get("direct"):  # the nvme slab's `direct: true`, in use
         engine = f"{engine}, O_DIRECT"
     result: dict[str, Any] = {
