@@ -47,6 +47,26 @@ class RedisServerMissing(RuntimeError):
     """No `redis-server` binary on PATH (or, for TLS, no `openssl`)."""
 
 
+START_ATTEMPTS = 3
+"""First starts of a test server tried on fresh ports when its port was taken."""
+
+
+class _PortTaken(RuntimeError):
+    """redis-server could not bind its port: another process took it first."""
+
+
+def _port_was_taken(log: Path, since: int) -> bool:
+    """Whether what a server wrote to its log after byte `since` says its port was in
+    use."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(since)
+            told = f.read(1 << 16)
+    except OSError:
+        return False
+    return b"Address already in use" in told
+
+
 def redis_server_binary() -> str:
     path = shutil.which("redis-server")
     if path is None:
@@ -140,12 +160,27 @@ class RedisServer(LocalServer):
         return [*args, *self.extra_args]
 
     def start(self) -> None:
-        """Start (or restart, on the same port) and wait until it answers."""
+        """Start (or restart, on the same port) and wait until it answers. A first
+        start whose port another process took between `free_port` and the bind (the
+        log says "Address already in use") tries new ports, up to START_ATTEMPTS."""
+        for attempt in range(START_ATTEMPTS):
+            try:
+                self._start_once()
+                return
+            except _PortTaken:
+                if self._started or attempt == START_ATTEMPTS - 1:
+                    raise
+                self.port = free_port()
+                if self.cluster_port is not None:
+                    self.cluster_port = free_port()
+
+    def _start_once(self) -> None:
         if self.running:
             return
         if self.cluster and not (self.cluster_member and self._started):
             (self.directory / "nodes.conf").unlink(missing_ok=True)
         log = open(self.directory / "redis.log", "ab")  # noqa: SIM115 - child keeps it
+        since = log.tell()
         try:
             self._process = subprocess.Popen(
                 self._args(), stdout=log, stderr=subprocess.STDOUT, cwd=self.directory
@@ -156,10 +191,13 @@ class RedisServer(LocalServer):
         deadline = time.monotonic() + self.start_timeout
         while not self._answers():
             if self._process.poll() is not None:
-                raise RuntimeError(
+                why = (
                     f"redis-server exited with {self._process.returncode} on port "
                     f"{self.port}; see {self.directory / 'redis.log'}"
                 )
+                if _port_was_taken(self.directory / "redis.log", since):
+                    raise _PortTaken(why)
+                raise RuntimeError(why)
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"redis-server on port {self.port} did not come up")
