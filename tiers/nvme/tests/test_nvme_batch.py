@@ -879,7 +879,8 @@ async def test_a_native_tier_over_a_primary_tier_uses_the_batch_calls(
     native_rig: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An opened native tier over a PrimaryTier's view says `batch_calls: True`, and
-    its stores and loads go through `write_batch`/`read_batch`; a key over 100 bytes
+    its stores and loads go through `write_batch_call`/`read_batch_call` (on the
+    core's queue); a key over 100 bytes
     (named by its sha256) takes the per-block calls, and both read back whole."""
     calls: dict[str, int] = {}
 
@@ -892,7 +893,7 @@ async def test_a_native_tier_over_a_primary_tier_uses_the_batch_calls(
 
         monkeypatch.setattr(native, name, counted)
 
-    for name in ("write_batch", "read_batch", "write_blocks", "read_blocks"):
+    for name in ("write_batch_call", "read_batch_call", "write_blocks", "read_blocks"):
         spy(name)
     tier = native_rig.tier(fsync="never")
     await tier.open()
@@ -904,7 +905,7 @@ async def test_a_native_tier_over_a_primary_tier_uses_the_batch_calls(
         assert result.ok, result.error
         result, loaded = await native_rig.load(tier, keys)
         assert result.ok and loaded == stored
-        assert calls.get("write_batch") and calls.get("read_batch")
+        assert calls.get("write_batch_call") and calls.get("read_batch_call")
         assert not calls.get("write_blocks") and not calls.get("read_blocks")
         long_key = [b"\x5a" * 120]
         result, stored = await native_rig.store(tier, long_key, first_slot=8)

@@ -563,17 +563,20 @@ async def test_a_store_in_flight_when_the_directory_is_made_anew_is_not_counted(
     tier = rig.tier()
     await tier.open()
     [late] = rig.keys(1)
-    real = tier._write_files
+    real = tier._write_chunk  # a block thread's call or the core's queue's
     removed, retaken = threading.Event(), threading.Event()
 
-    def write_meanwhile(*args: Any) -> Any:
-        outcomes = real(*args)  # into the old directory
+    async def write_meanwhile(*args: Any) -> Any:
+        outcomes = await real(*args)  # into the old directory
         shutil.rmtree(tier.directory)
         removed.set()
-        retaken.wait(10)  # the lookup below takes the directory again meanwhile
+        # the lookup below takes the directory again meanwhile (the wait shielded, as
+        # the write is)
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(retaken.wait, 10)
         return outcomes
 
-    tier._write_files = write_meanwhile  # type: ignore[method-assign]
+    tier._write_chunk = write_meanwhile  # type: ignore[method-assign]
     results: list[Any] = []
 
     async def store() -> None:
@@ -584,7 +587,7 @@ async def test_a_store_in_flight_when_the_directory_is_made_anew_is_not_counted(
         await anyio.to_thread.run_sync(removed.wait, 10)
         assert await tier.lookup([late], CTX) == [False]
         retaken.set()
-    tier._write_files = real  # type: ignore[method-assign]
+    tier._write_chunk = real  # type: ignore[method-assign]
     assert results[0].failed_keys == (late,)
     assert await tier.lookup([late], CTX) == [False]
     assert len(tier) == 0 and tier.used_bytes == 0

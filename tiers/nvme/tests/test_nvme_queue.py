@@ -1,5 +1,5 @@
-"""The core's queue (`native.CoreQueue`): with `layout: slab` and the compiled core, a
-chunk's batch call is parsed on the event loop, run on one of the core's own threads
+"""The core's queue (`native.CoreQueue`): with the compiled core, a chunk's batch call
+(slab slots, or a file per block) is parsed on the event loop, run on one of the core's own threads
 without the GIL, and answered through an eventfd the loop watches. These tests hold it
 to the promises a worker thread kept: the same blocks, byte for byte; a cancelled
 caller returns only once its call has run; bad arguments raise before anything is
@@ -32,10 +32,13 @@ def refuse_threads(monkeypatch: pytest.MonkeyPatch, tier: NvmeTier) -> None:
     monkeypatch.setattr(type(tier), "_write_files", no)
 
 
-async def test_slab_chunks_go_through_the_queue_and_come_back_whole(
-    native_rig: Any, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("layout", ["slab", "files"])
+async def test_chunks_go_through_the_queue_and_come_back_whole(
+    native_rig: Any, monkeypatch: pytest.MonkeyPatch, layout: str
 ) -> None:
-    tier = native_rig.tier(layout="slab", fsync="never")
+    """Both layouts' batch calls (files: stores with no victim's file to delete
+    first, which stay one block-thread hop)."""
+    tier = native_rig.tier(layout=layout, fsync="never")
     await tier.open()
     assert tier._queue is not None and tier.describe()["core_queue"] is True
     refuse_threads(monkeypatch, tier)
@@ -90,7 +93,7 @@ def test_bad_arguments_raise_and_queue_nothing(native_core: None) -> None:
 
     async def submit_nonsense() -> None:
         assert queue.serves()
-        call = native.SlabCall(native._core_or_raise().SLAB_READ, ("not", "a", "call"), list)
+        call = native.CoreCall(native._core_or_raise().SLAB_READ, ("not", "a", "call"), list)
         with pytest.raises(TypeError):
             await queue.run(call)
         assert queue.in_flight == 0

@@ -362,18 +362,18 @@ async def test_loads_and_unsynced_stores_of_small_blocks_go_in_one_thread_call(
     the page cache): 16 small blocks go in one call; fsynced stores spread over
     io_concurrency calls so their fdatasyncs overlap. Every block still arrives whole."""
     calls: dict[str, list[int]] = {"read": [], "write": []}
-    real_read, real_write = NvmeTier._read_files, NvmeTier._write_files
+    real_read, real_write = NvmeTier._read_chunk, NvmeTier._write_chunk
 
-    def counting_read(self: NvmeTier, keys: Any, *rest: Any) -> Any:
+    async def counting_read(self: NvmeTier, keys: Any, *rest: Any) -> Any:
         calls["read"].append(len(keys))
-        return real_read(self, keys, *rest)
+        return await real_read(self, keys, *rest)
 
-    def counting_write(self: NvmeTier, keys: Any, *rest: Any) -> Any:
+    async def counting_write(self: NvmeTier, keys: Any, *rest: Any) -> Any:
         calls["write"].append(len(keys))
-        return real_write(self, keys, *rest)
+        return await real_write(self, keys, *rest)
 
-    monkeypatch.setattr(NvmeTier, "_read_files", counting_read)
-    monkeypatch.setattr(NvmeTier, "_write_files", counting_write)
+    monkeypatch.setattr(NvmeTier, "_read_chunk", counting_read)
+    monkeypatch.setattr(NvmeTier, "_write_chunk", counting_write)
     for fsync, writes in (("never", [16]), ("always", [1] * 16)):
         calls["read"].clear()
         calls["write"].clear()

@@ -941,23 +941,21 @@ PyDoc_STRVAR(write_batch_doc,
 "missing). One outcome per block: 0 or -errno. ValueError/IndexError for bad arguments\n"
 "(nothing written).");
 
+/* The core's calls that run as a job (`CoreJob`, below): in the calling thread
+ * (`core_call`) or on a CoreQueue's threads. */
+enum {
+    SLAB_WRITE = 0,
+    SLAB_READ = 1,
+    SLAB_WRITE_ITEMS = 2,
+    SLAB_READ_ITEMS = 3,
+    FILES_WRITE_BATCH = 4, /* write_batch: a file per block, below a directory */
+    FILES_READ_BATCH = 5,  /* read_batch */
+};
+
+static PyObject *core_call(int kind, PyObject *args);
+
 static PyObject *py_write_batch(PyObject *self, PyObject *args) {
-    int root_fd, fsync, threads;
-    PyObject *keys, *lanes, *slots;
-    Py_ssize_t num_blocks;
-    unsigned long long ns_hash;
-    double deadline = 0;
-    if (!PyArg_ParseTuple(args, "iO!O!O!nKpi|d", &root_fd, &PyList_Type, &keys, &PyTuple_Type,
-                          &lanes, &PyList_Type, &slots, &num_blocks, &ns_hash, &fsync, &threads,
-                          &deadline))
-        return NULL;
-    Held held = {0};
-    PyObject *result = NULL;
-    if (parse_batch(&held, root_fd, keys, lanes, slots, num_blocks, Py_None, 0, 1) == 0)
-        result = run_writes(&held, (size_t)PyList_GET_SIZE(keys), ns_hash, fsync, threads,
-                            deadline);
-    held_release(&held);
-    return result;
+    return core_call(FILES_WRITE_BATCH, args);
 }
 
 PyDoc_STRVAR(read_blocks_doc,
@@ -1040,21 +1038,7 @@ PyDoc_STRVAR(read_batch_doc,
 "Outcomes as read_blocks'.");
 
 static PyObject *py_read_batch(PyObject *self, PyObject *args) {
-    int root_fd, threads;
-    PyObject *keys, *lanes, *slots, *touch;
-    Py_ssize_t num_blocks;
-    unsigned long long ns_hash;
-    double deadline = 0;
-    if (!PyArg_ParseTuple(args, "iO!O!O!nOKi|d", &root_fd, &PyList_Type, &keys, &PyTuple_Type,
-                          &lanes, &PyList_Type, &slots, &num_blocks, &touch, &ns_hash, &threads,
-                          &deadline))
-        return NULL;
-    Held held = {0};
-    PyObject *result = NULL;
-    if (parse_batch(&held, root_fd, keys, lanes, slots, num_blocks, touch, 1, 1) == 0)
-        result = run_reads(&held, (size_t)PyList_GET_SIZE(keys), ns_hash, threads, deadline);
-    held_release(&held);
-    return result;
+    return core_call(FILES_READ_BATCH, args);
 }
 
 /* -- slab calls: blocks in fixed slots of one preallocated file ------------------------- */
@@ -1324,22 +1308,22 @@ static int parse_slab(Held *held, Py_ssize_t n, const int *fds, int nfds, const 
 
 /* -- a slab call as a job: parsed with the GIL, run without it, answered with it ------ */
 
-enum { SLAB_WRITE = 0, SLAB_READ = 1, SLAB_WRITE_ITEMS = 2, SLAB_READ_ITEMS = 3, SLAB_KINDS };
 
 /* One slab call: what it holds while its blocks move (buffers, items, descriptors),
  * and, in a CoreQueue, its place in the queue. */
-typedef struct SlabJob {
-    struct SlabJob *next;
+typedef struct CoreJob {
+    struct CoreJob *next;
     long long ticket;
     int reads;
+    int files;             /* a file per block (write_batch, read_batch), not slab slots */
     Held held;
     Py_buffer places, seqs;
     int fds[MAX_SLAB_FILES], nfds, dfds[MAX_SLAB_FILES], ndfds;
     int fsync, threads;
     Batch batch;
-} SlabJob;
+} CoreJob;
 
-static void slab_job_free(SlabJob *job) {
+static void core_job_free(CoreJob *job) {
     held_release(&job->held);
     PyBuffer_Release(&job->places);
     PyBuffer_Release(&job->seqs);
@@ -1357,16 +1341,36 @@ static void no_empty_seqs(Py_buffer *seqs) {
 
 /* Parse the arguments of a slab call of `kind` (the four entry points' signatures) into
  * a new job, ready to run; NULL with an exception set. With the GIL held. */
-static SlabJob *slab_job_parse(int kind, PyObject *args) {
-    SlabJob *job = PyMem_Calloc(1, sizeof(SlabJob));
+static CoreJob *core_job_parse(int kind, PyObject *args) {
+    CoreJob *job = PyMem_Calloc(1, sizeof(CoreJob));
     if (job == NULL)
-        return (SlabJob *)PyErr_NoMemory();
-    PyObject *files, *keys = NULL, *lanes, *slots, *items = NULL, *direct = NULL;
+        return (CoreJob *)PyErr_NoMemory();
+    PyObject *files, *keys = NULL, *lanes, *slots, *items = NULL, *direct = NULL, *touch;
     Py_ssize_t num_blocks = 0, room, num_places;
     unsigned long long ns_hash;
     double deadline = 0;
-    int ok, fsync = 0;
-    job->reads = kind == SLAB_READ || kind == SLAB_READ_ITEMS;
+    int ok, fsync = 0, root_fd;
+    job->reads = kind == SLAB_READ || kind == SLAB_READ_ITEMS || kind == FILES_READ_BATCH;
+    job->files = kind == FILES_WRITE_BATCH || kind == FILES_READ_BATCH;
+    if (job->files) {
+        ok = kind == FILES_WRITE_BATCH
+                 ? PyArg_ParseTuple(args, "iO!O!O!nKpi|d", &root_fd, &PyList_Type, &keys,
+                                    &PyTuple_Type, &lanes, &PyList_Type, &slots, &num_blocks,
+                                    &ns_hash, &fsync, &job->threads, &deadline)
+                 : PyArg_ParseTuple(args, "iO!O!O!nOKi|d", &root_fd, &PyList_Type, &keys,
+                                    &PyTuple_Type, &lanes, &PyList_Type, &slots, &num_blocks,
+                                    &touch, &ns_hash, &job->threads, &deadline);
+        if (!ok || parse_batch(&job->held, root_fd, keys, lanes, slots, num_blocks,
+                               job->reads ? touch : Py_None, job->reads, 1) != 0) {
+            core_job_free(job);
+            return NULL;
+        }
+        Batch batch = {job->held.items, (size_t)PyList_GET_SIZE(keys), 0, ns_hash, fsync, 1, 0,
+                       deadline};
+        job->batch = batch;
+        job->fsync = fsync;
+        goto threads;
+    }
     switch (kind) {
     case SLAB_WRITE:
         ok = PyArg_ParseTuple(args, "O!O!O!O!n" SLAB_TAIL "pi|O!d", &PyTuple_Type, &files,
@@ -1398,7 +1402,7 @@ static SlabJob *slab_job_parse(int kind, PyObject *args) {
         ok = 0;
     }
     if (!ok) {
-        slab_job_free(job);
+        core_job_free(job);
         return NULL;
     }
     if (job->reads)
@@ -1412,11 +1416,12 @@ static SlabJob *slab_job_parse(int kind, PyObject *args) {
                              job->reads, 0)) != 0 ||
         parse_slab(&job->held, n, job->fds, job->nfds, job->dfds, job->ndfds, &job->places,
                    &job->seqs, room, num_places) != 0) {
-        slab_job_free(job);
+        core_job_free(job);
         return NULL;
     }
     Batch batch = {job->held.items, (size_t)n, 0, ns_hash, fsync, 1, (size_t)room, deadline};
     job->batch = batch;
+threads:
     job->threads = clamp_threads(job->threads, job->batch.n);
     if (job->reads) { /* groups of PREFETCH_BLOCKS, smaller when that gives each thread one */
         size_t share = (job->batch.n + (size_t)job->threads - 1) / (size_t)job->threads;
@@ -1427,8 +1432,12 @@ static SlabJob *slab_job_parse(int kind, PyObject *args) {
 
 /* Move a parsed job's blocks (no GIL): writes with one fdatasync per file written when
  * `fsync` (its failure fails that file's blocks). */
-static void slab_job_run(SlabJob *job) {
+static void core_job_run(CoreJob *job) {
     Batch *batch = &job->batch;
+    if (job->files) { /* each block's file fsynced by its own write (write_one) */
+        run_threads(job->reads ? read_worker : write_worker, batch, job->threads);
+        return;
+    }
     run_threads(job->reads ? slab_read_worker : slab_write_worker, batch, job->threads);
     /* each file a block was written to, through its buffered descriptor (the same inode:
      * it flushes what the direct writes allocated, and the device's cache) */
@@ -1446,7 +1455,7 @@ static void slab_job_run(SlabJob *job) {
 }
 
 /* A run job's answer (GIL held): writes' codes, reads' (codes, details). */
-static PyObject *slab_job_answer(SlabJob *job) {
+static PyObject *core_job_answer(CoreJob *job) {
     if (job->reads)
         return outcomes_of(&job->held, job->batch.n);
     PyObject *result = PyList_New((Py_ssize_t)job->batch.n);
@@ -1460,16 +1469,16 @@ static PyObject *slab_job_answer(SlabJob *job) {
     return result;
 }
 
-/* A slab call made in the calling thread (GIL released while the blocks move). */
-static PyObject *slab_call(int kind, PyObject *args) {
-    SlabJob *job = slab_job_parse(kind, args);
+/* A core call made in the calling thread (GIL released while the blocks move). */
+static PyObject *core_call(int kind, PyObject *args) {
+    CoreJob *job = core_job_parse(kind, args);
     if (job == NULL)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-    slab_job_run(job);
+    core_job_run(job);
     Py_END_ALLOW_THREADS
-    PyObject *result = slab_job_answer(job);
-    slab_job_free(job);
+    PyObject *result = core_job_answer(job);
+    core_job_free(job);
     return result;
 }
 
@@ -1486,7 +1495,7 @@ PyDoc_STRVAR(slab_write_doc,
 "slot's room, else buffered. One outcome per block: 0 or -errno.");
 
 static PyObject *py_slab_write(PyObject *self, PyObject *args) {
-    return slab_call(SLAB_WRITE, args);
+    return core_call(SLAB_WRITE, args);
 }
 
 PyDoc_STRVAR(slab_write_items_doc,
@@ -1497,7 +1506,7 @@ PyDoc_STRVAR(slab_write_items_doc,
 "O_DIRECT (direct_fds) for each block whose regions are whole, aligned pages.");
 
 static PyObject *py_slab_write_items(PyObject *self, PyObject *args) {
-    return slab_call(SLAB_WRITE_ITEMS, args);
+    return core_call(SLAB_WRITE_ITEMS, args);
 }
 
 PyDoc_STRVAR(slab_read_doc,
@@ -1511,7 +1520,7 @@ PyDoc_STRVAR(slab_read_doc,
 "(into an aligned buffer of the thread's); the page cache is neither asked nor advised.");
 
 static PyObject *py_slab_read(PyObject *self, PyObject *args) {
-    return slab_call(SLAB_READ, args);
+    return core_call(SLAB_READ, args);
 }
 
 PyDoc_STRVAR(slab_read_items_doc,
@@ -1522,7 +1531,7 @@ PyDoc_STRVAR(slab_read_items_doc,
 "O_DIRECT (direct_fds) for each block whose regions are whole, aligned pages.");
 
 static PyObject *py_slab_read_items(PyObject *self, PyObject *args) {
-    return slab_call(SLAB_READ_ITEMS, args);
+    return core_call(SLAB_READ_ITEMS, args);
 }
 
 /* -- CoreQueue: slab calls on the core's own threads, answered through an eventfd ---- */
@@ -1533,8 +1542,8 @@ typedef struct {
     PyObject_HEAD
     pthread_mutex_t lock;
     pthread_cond_t wake;
-    SlabJob *pending, *pending_tail; /* submitted, not yet taken by a thread */
-    SlabJob *done, *done_tail;       /* run, not yet collected */
+    CoreJob *pending, *pending_tail; /* submitted, not yet taken by a thread */
+    CoreJob *done, *done_tail;       /* run, not yet collected */
     pthread_t ids[MAX_QUEUE_THREADS];
     int nthreads;
     int stopping;
@@ -1549,14 +1558,14 @@ static void *queue_worker(void *arg) {
     for (;;) {
         while (q->pending == NULL && !q->stopping)
             pthread_cond_wait(&q->wake, &q->lock);
-        SlabJob *job = q->pending;
+        CoreJob *job = q->pending;
         if (job == NULL)
             break; /* stopping, and nothing left to run */
         q->pending = job->next;
         if (q->pending == NULL)
             q->pending_tail = NULL;
         pthread_mutex_unlock(&q->lock);
-        slab_job_run(job);
+        core_job_run(job);
         pthread_mutex_lock(&q->lock);
         job->next = NULL;
         int first = q->done == NULL; /* else a wake-up is on its way for the list */
@@ -1641,9 +1650,9 @@ static void queue_stop(CoreQueue *q) {
         pthread_join(q->ids[t], NULL);
     Py_END_ALLOW_THREADS
     while (q->done) {
-        SlabJob *job = q->done;
+        CoreJob *job = q->done;
         q->done = job->next;
-        slab_job_free(job);
+        core_job_free(job);
     }
     q->done_tail = NULL;
     if (q->efd >= 0)
@@ -1680,7 +1689,7 @@ static PyObject *queue_submit(CoreQueue *q, PyObject *args) {
                         "are the parent's; open the tier in this process");
         return NULL;
     }
-    SlabJob *job = slab_job_parse(kind, call);
+    CoreJob *job = core_job_parse(kind, call);
     if (job == NULL)
         return NULL;
     job->ticket = ticket;
@@ -1705,13 +1714,13 @@ static PyObject *queue_collect(CoreQueue *q, PyObject *unused) {
     while (read(q->efd, &count, sizeof count) < 0 && errno == EINTR)
         ;
     pthread_mutex_lock(&q->lock);
-    SlabJob *job = q->done;
+    CoreJob *job = q->done;
     q->done = q->done_tail = NULL;
     pthread_mutex_unlock(&q->lock);
     PyObject *answers = PyList_New(0);
     while (job) {
-        SlabJob *next = job->next;
-        PyObject *answer = slab_job_answer(job);
+        CoreJob *next = job->next;
+        PyObject *answer = core_job_answer(job);
         if (answer == NULL) { /* hand the error to its caller, not to this one */
             PyObject *type, *value, *trace;
             PyErr_Fetch(&type, &value, &trace);
@@ -1724,7 +1733,7 @@ static PyObject *queue_collect(CoreQueue *q, PyObject *unused) {
         if (pair == NULL || PyList_Append(answers, pair) != 0)
             Py_CLEAR(answers); /* out of memory: the waiters are never answered */
         Py_XDECREF(pair);
-        slab_job_free(job);
+        core_job_free(job);
         q->in_flight--;
         job = next;
     }
@@ -2124,6 +2133,8 @@ PyMODINIT_FUNC PyInit__batchio(void) {
         PyModule_AddIntConstant(m, "SLAB_READ", SLAB_READ) ||
         PyModule_AddIntConstant(m, "SLAB_WRITE_ITEMS", SLAB_WRITE_ITEMS) ||
         PyModule_AddIntConstant(m, "SLAB_READ_ITEMS", SLAB_READ_ITEMS) ||
+        PyModule_AddIntConstant(m, "FILES_WRITE_BATCH", FILES_WRITE_BATCH) ||
+        PyModule_AddIntConstant(m, "FILES_READ_BATCH", FILES_READ_BATCH) ||
         PyModule_AddIntConstant(m, "XXHASH_VERSION", (long)XXH_versionNumber())) {
         Py_DECREF(m);
         return NULL;

@@ -226,7 +226,7 @@ def batch_keys(keys: Sequence[OffloadKey]) -> bool:
     return all(0 < len(key) <= MAX_HEX_KEY_BYTES for key in keys)
 
 
-def write_batch(
+def write_batch_call(
     root_fd: int,
     keys: list[bytes],
     slots: list[int],
@@ -237,9 +237,9 @@ def write_batch(
     fsync: bool,
     threads: int | None = None,
     deadline: float = 0.0,
-) -> list[Exception | None]:
+) -> CoreCall:
     """`write_blocks` for `keys[i]` from `slots[i]` of `primary` (whose geometry is
-    `lanes`), in one call that names, addresses and frames every block in C: no Python
+    `lanes`), as one call that names, addresses and frames every block in C: no Python
     per block but the outcome of a failed one. Files go below `root_fd` (the namespace
     directory) as `layout.block_relpath` names them, opened without following any link.
     Keys must pass `batch_keys`."""
@@ -247,18 +247,22 @@ def write_batch(
         raise ValueError("frames with a MAC are written by blockfile.write_block")
     core = _core_or_raise()
     wanted = default_threads(len(keys)) if threads is None else threads
-    codes = core.write_batch(
+    args = (
         root_fd, keys, lanes, slots, primary.num_blocks, framer.namespace_tag, fsync, wanted,
         deadline,
     )  # fmt: skip
-    if not any(codes):
-        return [None] * len(keys)
-    return [
-        _os_error(-code, block_relpath(key)) if code else None for code, key in zip(codes, keys)
-    ]
+
+    def answer(codes: list[int]) -> list[Exception | None]:
+        if not any(codes):
+            return [None] * len(keys)
+        return [
+            _os_error(-code, block_relpath(key)) if code else None for code, key in zip(codes, keys)
+        ]
+
+    return CoreCall(core.FILES_WRITE_BATCH, args, answer)
 
 
-def read_batch(
+def read_batch_call(
     root_fd: int,
     keys: list[bytes],
     slots: list[int],
@@ -269,20 +273,36 @@ def read_batch(
     *,
     threads: int | None = None,
     deadline: float = 0.0,
-) -> list[Exception | None]:
+) -> CoreCall:
     """`read_blocks` for `keys[i]` into `slots[i]` of `primary` (geometry `lanes`), as
-    `write_batch` does writes; `touch`: None, or a flag per key (refresh its mtime)."""
+    `write_batch_call` does writes; `touch`: None, or a flag per key (refresh its
+    mtime)."""
     if framer.mac:
         raise ValueError("frames with a MAC are read by blockfile.read_blocks")
     core = _core_or_raise()
     wanted = default_threads(len(keys)) if threads is None else threads
-    codes, details = core.read_batch(
+    args = (
         root_fd, keys, lanes, slots, primary.num_blocks, touch, framer.namespace_tag, wanted,
         deadline,
     )  # fmt: skip
-    return _read_outcomes(
-        codes, details, keys, lambda i: primary.payload(slots[i]), framer, block_relpath
-    )
+
+    def answer(raw: tuple[list[int], dict[int, tuple[int, bytes]]]) -> list[Exception | None]:
+        codes, details = raw
+        return _read_outcomes(
+            codes, details, keys, lambda i: primary.payload(slots[i]), framer, block_relpath
+        )
+
+    return CoreCall(core.FILES_READ_BATCH, args, answer)
+
+
+def write_batch(*args: Any, **kwargs: Any) -> list[Exception | None]:
+    """`write_batch_call(...)` made in this thread."""
+    return write_batch_call(*args, **kwargs).run()
+
+
+def read_batch(*args: Any, **kwargs: Any) -> list[Exception | None]:
+    """`read_batch_call(...)` made in this thread."""
+    return read_batch_call(*args, **kwargs).run()
 
 
 def _read_outcomes(
@@ -309,8 +329,8 @@ def _read_outcomes(
 
 
 @dataclass(frozen=True)
-class SlabCall:
-    """One slab call of the core, its arguments checked and gathered: `run()` makes it
+class CoreCall:
+    """One call of the core (slab or files), its arguments checked and gathered: `run()` makes it
     in this thread, `CoreQueue.run` on the core's own threads from an event loop.
     `answer` turns the core's raw answer into one outcome per block."""
 
@@ -319,7 +339,7 @@ class SlabCall:
     answer: Callable[[Any], list[Exception | None]]
 
     @classmethod
-    def answered(cls, outcomes: list[Exception | None]) -> SlabCall:
+    def answered(cls, outcomes: list[Exception | None]) -> CoreCall:
         """A call with nothing left for the core: every block's outcome is known."""
         return cls(ANSWERED, (), lambda _raw: outcomes)
 
@@ -331,11 +351,13 @@ class SlabCall:
 
 
 ANSWERED = -1
-"""`SlabCall.kind` of a call answered without the core."""
+"""`CoreCall.kind` of a call answered without the core."""
 
 
-_SLAB_CALLS = ("slab_write", "slab_read", "slab_write_items", "slab_read_items")
-"""The core's slab entry points by kind (`_batchio.SLAB_WRITE` ...)."""
+_SLAB_CALLS = (
+    "slab_write", "slab_read", "slab_write_items", "slab_read_items", "write_batch", "read_batch"
+)  # fmt: skip
+"""The core's entry points by kind (`_batchio.SLAB_WRITE` ... `FILES_READ_BATCH`)."""
 
 
 def _write_answer(codes: list[int]) -> list[Exception | None]:
@@ -360,7 +382,7 @@ def slab_write_call(
     threads: int | None = None,
     direct_fds: tuple[int, ...] = (),
     deadline: float = 0.0,
-) -> SlabCall:
+) -> CoreCall:
     """`slabfile.write_slots` for `keys[i]` from `slots[i]` of `primary` (geometry
     `lanes`) into slab slot `places[i]` of the files `fds` sealed with `seqs[i]` (both
     bytes of little-endian u64s), as one call of the core: no Python per block. One
@@ -376,7 +398,7 @@ def slab_write_call(
         fds, keys, lanes, slots, primary.num_blocks, places, seqs, room, num_places,
         framer.namespace_tag, fsync, wanted, direct_fds, deadline,
     )  # fmt: skip
-    return SlabCall(core.SLAB_WRITE, args, _write_answer)
+    return CoreCall(core.SLAB_WRITE, args, _write_answer)
 
 
 def slab_read_call(
@@ -394,7 +416,7 @@ def slab_read_call(
     threads: int | None = None,
     direct_fds: tuple[int, ...] = (),
     deadline: float = 0.0,
-) -> SlabCall:
+) -> CoreCall:
     """`slabfile.read_slots` for `keys[i]` into `slots[i]` of `primary` from slab slot
     `places[i]`, as one call of the core; `seqs`: b"" or a u64 per key, non-zero to
     refresh that slot's sequence once read. Outcomes as `read_batch`'s. `direct_fds`
@@ -414,7 +436,7 @@ def slab_read_call(
         codes, details = raw
         return _read_outcomes(codes, details, keys, lambda i: primary.payload(slots[i]), framer)
 
-    return SlabCall(core.SLAB_READ, args, answer)
+    return CoreCall(core.SLAB_READ, args, answer)
 
 
 def slab_write_items_call(
@@ -430,7 +452,7 @@ def slab_write_items_call(
     threads: int | None = None,
     direct_fds: tuple[int, ...] = (),
     deadline: float = 0.0,
-) -> SlabCall:
+) -> CoreCall:
     """`slab_write_call` for blocks lent one by one (a primary with no one geometry,
     such as LMCache's objects): (key, payload) each, payload a buffer or regions. Keys
     must fit a slot's header page (`slabfile.MAX_FRAME_HEADER`). With `direct_fds`,
@@ -445,7 +467,7 @@ def slab_write_items_call(
         fds, batch, places, seqs, room, num_places, framer.namespace_tag, fsync, wanted,
         direct_fds, deadline,
     )  # fmt: skip
-    return SlabCall(core.SLAB_WRITE_ITEMS, args, _write_answer)
+    return CoreCall(core.SLAB_WRITE_ITEMS, args, _write_answer)
 
 
 def slab_read_items_call(
@@ -460,7 +482,7 @@ def slab_read_items_call(
     threads: int | None = None,
     direct_fds: tuple[int, ...] = (),
     deadline: float = 0.0,
-) -> SlabCall:
+) -> CoreCall:
     """`slab_read_call` for blocks lent one by one: (key, dest) each. Outcomes as
     `slab_read_call`'s; `direct_fds` as `slab_write_items_call`'s."""
     if framer.mac:
@@ -478,7 +500,7 @@ def slab_read_items_call(
         codes, details = raw
         return _read_outcomes(codes, details, keys, lambda i: items[i][1], framer)
 
-    return SlabCall(core.SLAB_READ_ITEMS, args, answer)
+    return CoreCall(core.SLAB_READ_ITEMS, args, answer)
 
 
 def slab_write(*args: Any, **kwargs: Any) -> list[Exception | None]:
@@ -550,7 +572,7 @@ class CoreQueue:
         """Calls queued or running, not yet answered."""
         return int(self._core.in_flight)
 
-    async def run(self, call: SlabCall) -> list[Exception | None]:
+    async def run(self, call: CoreCall) -> list[Exception | None]:
         """Make `call` on the core's threads (the caller asked `serves()`): its outcomes.
         Bad arguments raise here, before anything is queued."""
         if call.kind == ANSWERED:

@@ -175,7 +175,7 @@ class SlabNvmeTier(NvmeTier):
     # -- life cycle ---------------------------------------------------------------
     async def open(self) -> None:
         await super().open()
-        if self._io_engine == "native":
+        if self._io_engine == "native" and self._queue is None:  # lent blocks too
             self._queue = native.CoreQueue(self.config.io_concurrency)
         self._direct_memory = bool(self._direct_fds) and (
             self._lanes is None or native.direct_aligned(self._lanes)
@@ -480,7 +480,7 @@ class SlabNvmeTier(NvmeTier):
             call = self._write_call(keys, slots, places, deadline)
             if call is not None:
                 return await queue.run(call)
-        return await super()._write_chunk(keys, slots, victims, places, deadline)
+        return await self._write_in_thread(keys, slots, victims, places, deadline)
 
     async def _read_chunk(
         self,
@@ -496,7 +496,7 @@ class SlabNvmeTier(NvmeTier):
             call = self._read_call(keys, slots, touch, entries, deadline)
             if call is not None:
                 return await queue.run(call)
-        return await super()._read_chunk(keys, slots, touch, entries, deadline)
+        return await self._read_in_thread(keys, slots, touch, entries, deadline)
 
     def _write_call(
         self,
@@ -504,7 +504,7 @@ class SlabNvmeTier(NvmeTier):
         slots: list[int],
         places: Sequence[int] | None,
         deadline: float,
-    ) -> native.SlabCall | None:
+    ) -> native.CoreCall | None:
         """The chunk (keys[i] from slots[i] into slab slot places[i]) as one call of the
         core: a batch call when the primary's slots have one geometry and the keys are
         short, else an items call (blocks lent one by one, LMCache's objects). None on
@@ -548,7 +548,7 @@ class SlabNvmeTier(NvmeTier):
         touch: bytes,
         entries: Sequence[tuple[OffloadKey, _Entry]],
         deadline: float,
-    ) -> native.SlabCall | None:
+    ) -> native.CoreCall | None:
         """The chunk's reads as one call of the core (`_write_call`'s terms); a slot
         whose touch[i] is set gets a new sequence (its recency after a restart)."""
         if not self._slab_fds or self._io_engine != "native":
@@ -591,8 +591,8 @@ class SlabNvmeTier(NvmeTier):
     def _items_call(
         self,
         keys: Sequence[OffloadKey],
-        build: Callable[[list[tuple[int, OffloadKey]]], native.SlabCall],
-    ) -> native.SlabCall:
+        build: Callable[[list[tuple[int, OffloadKey]]], native.CoreCall],
+    ) -> native.CoreCall:
         """The core's items call `build(fit)` for the (index, key) of every key whose
         frame header fits a slot's header page, answering for all `keys`: the others
         fail, naming `layout: files` (`slabfile.seal`'s message)."""
@@ -607,7 +607,7 @@ class SlabNvmeTier(NvmeTier):
             else:
                 fit.append((i, key))
         if not fit:
-            return native.SlabCall.answered(outcomes)
+            return native.CoreCall.answered(outcomes)
         call = build(fit)
 
         def answer(raw: Any) -> list[Exception | None]:
@@ -615,7 +615,7 @@ class SlabNvmeTier(NvmeTier):
                 outcomes[i] = outcome
             return outcomes
 
-        return native.SlabCall(call.kind, call.args, answer)
+        return native.CoreCall(call.kind, call.args, answer)
 
     def _write_files(
         self,

@@ -340,6 +340,8 @@ class NvmeTier(SecondaryTierManager):
                 "`path` is a directory tierkv may create and write"
             ) from exc
         self._lanes = self._batch_lanes()
+        if self._io_engine == "native" and self._lanes is not None:
+            self._queue = native.CoreQueue(self.config.io_concurrency)
         if self._io_engine == "native" and self._lanes is None:
             self.data_path = "native-blocks"  # the core's per-block calls (`_write_files`)
             logger.info(
@@ -893,8 +895,26 @@ class NvmeTier(SecondaryTierManager):
         places: Sequence[int] | None,
         deadline: float,
     ) -> list[Exception | None]:
-        """A chunk's writes (`_write_files`), waited for whole even if the caller is
-        cancelled (the index must agree with the disk): in a block thread here."""
+        """A chunk's writes, waited for whole even if the caller is cancelled (the index
+        must agree with the disk): on the core's queue when they are one batch call and
+        no victim's file is to be deleted first, else in a block thread
+        (`_write_files`, which deletes the victims' files and writes, in one hop)."""
+        queue = self._queue
+        if not victims and queue is not None and queue.serves():
+            call = self._batch_write_call(keys, slots, deadline)
+            if call is not None:
+                return await queue.run(call)
+        return await self._write_in_thread(keys, slots, victims, places, deadline)
+
+    async def _write_in_thread(
+        self,
+        keys: list[OffloadKey],
+        slots: list[int],
+        victims: list[OffloadKey],
+        places: Sequence[int] | None,
+        deadline: float,
+    ) -> list[Exception | None]:
+        """`_write_files` in a block thread, waited for whole."""
         return await self._threads.run(
             self._write_files, keys, slots, victims, places, deadline, shield=True
         )
@@ -907,9 +927,65 @@ class NvmeTier(SecondaryTierManager):
         entries: Sequence[tuple[OffloadKey, _Entry]],
         deadline: float,
     ) -> list[Exception | None]:
-        """A chunk's reads (`_read_files`), waited for whole as `_write_chunk`'s."""
+        """A chunk's reads, waited for whole as `_write_chunk`'s: on the core's queue
+        when they are one batch call, else in a block thread (`_read_files`)."""
+        queue = self._queue
+        if queue is not None and queue.serves():
+            call = self._batch_read_call(keys, slots, touch, deadline)
+            if call is not None:
+                return await queue.run(call)
+        return await self._read_in_thread(keys, slots, touch, entries, deadline)
+
+    async def _read_in_thread(
+        self,
+        keys: list[OffloadKey],
+        slots: list[int],
+        touch: bytes,
+        entries: Sequence[tuple[OffloadKey, _Entry]],
+        deadline: float,
+    ) -> list[Exception | None]:
+        """`_read_files` in a block thread, waited for whole."""
         return await self._threads.run(
             self._read_files, keys, slots, touch, entries, deadline, shield=True
+        )
+
+    def _batch_write_call(
+        self, keys: list[OffloadKey], slots: list[int], deadline: float
+    ) -> native.CoreCall | None:
+        """The chunk as one batch call of the core (`native.write_batch_call`), or None
+        where it is not one (no one geometry of the primary's slots, long keys)."""
+        lanes = self._lanes
+        if lanes is None or not native.batch_keys(keys):
+            return None
+        return native.write_batch_call(
+            self._root_fd,
+            keys,
+            slots,
+            self.primary,
+            lanes,
+            self.framer,
+            fsync=self.config.fsync == "always",
+            threads=self._core_threads(len(keys)),
+            deadline=deadline,
+        )
+
+    def _batch_read_call(
+        self, keys: list[OffloadKey], slots: list[int], touch: bytes, deadline: float
+    ) -> native.CoreCall | None:
+        """The chunk's reads as one batch call (`native.read_batch_call`), or None."""
+        lanes = self._lanes
+        if lanes is None or not native.batch_keys(keys):
+            return None
+        return native.read_batch_call(
+            self._root_fd,
+            keys,
+            slots,
+            self.primary,
+            lanes,
+            touch,
+            self.framer,
+            threads=self._core_threads(len(keys)),
+            deadline=deadline,
         )
 
     def _write_files(
@@ -930,19 +1006,9 @@ class NvmeTier(SecondaryTierManager):
         with self._dirs.leaves() as leaves:
             if victims:
                 blockfile.delete_files(leaves, [self.rel_of(v) for v in victims])
-            lanes = self._lanes
-            if lanes is not None and native.batch_keys(keys):
-                return native.write_batch(
-                    self._root_fd,
-                    keys,
-                    slots,
-                    self.primary,
-                    lanes,
-                    self.framer,
-                    fsync=fsync,
-                    threads=self._core_threads(len(keys)),
-                    deadline=deadline,
-                )
+            call = self._batch_write_call(keys, slots, deadline)
+            if call is not None:
+                return call.run()
             slot_payload = self.primary.payload
             items = [(self.rel_of(k), k, slot_payload(s)) for k, s in zip(keys, slots)]
             if self._io_engine == "native":
@@ -1106,19 +1172,9 @@ class NvmeTier(SecondaryTierManager):
         compiled core when it is the engine: a batch call when the geometry allows.
         `entries`: each key's index entry (where the slab layout finds the block). A
         block not started by `deadline` is `PastDeadline`, its slot not written."""
-        lanes = self._lanes
-        if lanes is not None and native.batch_keys(keys):
-            return native.read_batch(
-                self._root_fd,
-                keys,
-                slots,
-                self.primary,
-                lanes,
-                touch,
-                self.framer,
-                threads=self._core_threads(len(keys)),
-                deadline=deadline,
-            )
+        call = self._batch_read_call(keys, slots, touch, deadline)
+        if call is not None:
+            return call.run()
         payload = self.primary.payload
         items = [(block_relpath(k), k, payload(s), bool(t)) for k, s, t in zip(keys, slots, touch)]
         read = native.read_blocks if self._io_engine == "native" else blockfile.read_blocks
