@@ -465,50 +465,19 @@ class SlabNvmeTier(NvmeTier):
                     self._reserved -= self._slot_bytes * len(places)
 
     # -- the medium ---------------------------------------------------------------
-    async def _write_chunk(
+    def _write_call(
         self,
         keys: list[OffloadKey],
         slots: list[int],
         victims: list[OffloadKey],
         places: Sequence[int] | None,
         deadline: float,
-    ) -> list[Exception | None]:
-        """On the core's queue when the chunk is one batch call (`_write_call`) and the
-        queue serves this loop; else in a block thread (`_write_files`)."""
-        queue = self._queue
-        if queue is not None and queue.serves():
-            call = self._write_call(keys, slots, places, deadline)
-            if call is not None:
-                return await queue.run(call)
-        return await self._write_in_thread(keys, slots, victims, places, deadline)
-
-    async def _read_chunk(
-        self,
-        keys: list[OffloadKey],
-        slots: list[int],
-        touch: bytes,
-        entries: Sequence[tuple[OffloadKey, _Entry]],
-        deadline: float,
-    ) -> list[Exception | None]:
-        """As `_write_chunk`, for reads (`_read_call`, `_read_files`)."""
-        queue = self._queue
-        if queue is not None and queue.serves():
-            call = self._read_call(keys, slots, touch, entries, deadline)
-            if call is not None:
-                return await queue.run(call)
-        return await self._read_in_thread(keys, slots, touch, entries, deadline)
-
-    def _write_call(
-        self,
-        keys: list[OffloadKey],
-        slots: list[int],
-        places: Sequence[int] | None,
-        deadline: float,
     ) -> native.CoreCall | None:
         """The chunk (keys[i] from slots[i] into slab slot places[i]) as one call of the
         core: a batch call when the primary's slots have one geometry and the keys are
-        short, else an items call (blocks lent one by one, LMCache's objects). None on
-        the Python path, or with no slab files open."""
+        short, else an items call (blocks lent one by one, LMCache's objects); the
+        victims' slots are among `places`, nothing to delete. None on the Python path,
+        or with no slab files open."""
         if not self._slab_fds or self._io_engine != "native":
             return None
         assert isinstance(places, _Places)
@@ -631,7 +600,7 @@ class SlabNvmeTier(NvmeTier):
         assert isinstance(places, _Places)
         if not self._slab_fds:
             return self._no_slab(keys)
-        call = self._write_call(keys, slots, places, deadline)
+        call = self._write_call(keys, slots, victims, places, deadline)
         if call is not None:
             return call.run()
         fsync = self.config.fsync == "always"

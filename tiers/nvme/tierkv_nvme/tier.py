@@ -226,7 +226,7 @@ class NvmeTier(SecondaryTierManager):
         self._threads = BlockThreads(concurrency, "tierkv-nvme")
         self._queue: native.CoreQueue | None = None
         """The core's own threads, fed from the event loop (the slab layout's batch
-        calls, `SlabNvmeTier._read_chunk`); None: every call goes to `_threads`."""
+        calls, `_write_call` and `_read_call`); None: every call goes to `_threads`."""
         self._inflight = InFlightJobs(self.name)
         self._fs_block = DEFAULT_FS_BLOCK
         self._footprints: dict[int, int] = {}  # key length -> disk bytes (`footprint`)
@@ -896,25 +896,14 @@ class NvmeTier(SecondaryTierManager):
         deadline: float,
     ) -> list[Exception | None]:
         """A chunk's writes, waited for whole even if the caller is cancelled (the index
-        must agree with the disk): on the core's queue when they are one batch call and
-        no victim's file is to be deleted first, else in a block thread
-        (`_write_files`, which deletes the victims' files and writes, in one hop)."""
+        must agree with the disk): on the core's queue when they are one call of the
+        core (`_write_call`) and the queue serves this loop, else in a block thread
+        (`_write_files`)."""
         queue = self._queue
-        if not victims and queue is not None and queue.serves():
-            call = self._batch_write_call(keys, slots, deadline)
+        if queue is not None and queue.serves():
+            call = self._write_call(keys, slots, victims, places, deadline)
             if call is not None:
                 return await queue.run(call)
-        return await self._write_in_thread(keys, slots, victims, places, deadline)
-
-    async def _write_in_thread(
-        self,
-        keys: list[OffloadKey],
-        slots: list[int],
-        victims: list[OffloadKey],
-        places: Sequence[int] | None,
-        deadline: float,
-    ) -> list[Exception | None]:
-        """`_write_files` in a block thread, waited for whole."""
         return await self._threads.run(
             self._write_files, keys, slots, victims, places, deadline, shield=True
         )
@@ -927,27 +916,39 @@ class NvmeTier(SecondaryTierManager):
         entries: Sequence[tuple[OffloadKey, _Entry]],
         deadline: float,
     ) -> list[Exception | None]:
-        """A chunk's reads, waited for whole as `_write_chunk`'s: on the core's queue
-        when they are one batch call, else in a block thread (`_read_files`)."""
+        """A chunk's reads, as `_write_chunk`'s (`_read_call`, `_read_files`)."""
         queue = self._queue
         if queue is not None and queue.serves():
-            call = self._batch_read_call(keys, slots, touch, deadline)
+            call = self._read_call(keys, slots, touch, entries, deadline)
             if call is not None:
                 return await queue.run(call)
-        return await self._read_in_thread(keys, slots, touch, entries, deadline)
+        return await self._threads.run(
+            self._read_files, keys, slots, touch, entries, deadline, shield=True
+        )
 
-    async def _read_in_thread(
+    def _write_call(
+        self,
+        keys: list[OffloadKey],
+        slots: list[int],
+        victims: list[OffloadKey],
+        places: Sequence[int] | None,
+        deadline: float,
+    ) -> native.CoreCall | None:
+        """The chunk's writes as one call of the core for its queue, or None: files
+        go in one batch call, unless victims' files are to be deleted first (the block
+        thread does both in one hop)."""
+        return None if victims else self._batch_write_call(keys, slots, deadline)
+
+    def _read_call(
         self,
         keys: list[OffloadKey],
         slots: list[int],
         touch: bytes,
         entries: Sequence[tuple[OffloadKey, _Entry]],
         deadline: float,
-    ) -> list[Exception | None]:
-        """`_read_files` in a block thread, waited for whole."""
-        return await self._threads.run(
-            self._read_files, keys, slots, touch, entries, deadline, shield=True
-        )
+    ) -> native.CoreCall | None:
+        """The chunk's reads as one call of the core for its queue, or None."""
+        return self._batch_read_call(keys, slots, touch, deadline)
 
     def _batch_write_call(
         self, keys: list[OffloadKey], slots: list[int], deadline: float
