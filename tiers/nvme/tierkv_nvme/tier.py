@@ -225,7 +225,7 @@ class NvmeTier(SecondaryTierManager):
         self._io_slots = FreeSlots(concurrency)
         self._threads = BlockThreads(concurrency, "tierkv-nvme")
         self._queue: native.CoreQueue | None = None
-        """The core's own threads, fed from the event loop (the slab layout's batch
+        """The core's own threads, fed from the event loop (the layouts' core
         calls, `_write_call` and `_read_call`); None: every call goes to `_threads`."""
         self._inflight = InFlightJobs(self.name)
         self._fs_block = DEFAULT_FS_BLOCK
