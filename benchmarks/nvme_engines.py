@@ -4,7 +4,7 @@ beside the native reference in the same run: store then load N blocks in jobs of
 /dev/shm: no disk limit), engines and reference interleaved, round by round.
 
     .venv/bin/python benchmarks/nvme_engines.py [--block-kib 16,64,1024] [--rounds 3] \
-        [--engines python,native,native-slab,native-slab-direct] [--cold]
+        [--engines python,native,native-slab,native-slab-direct,native-slab-mac] [--cold]
 
 Prints GB/s and CPU µs per block (the process's user + system time over the blocks
 moved: event loop, worker threads and the core's own threads) per engine and round,
@@ -13,7 +13,8 @@ and read by plain C, open + pwrite|pread + close each, --ref-threads threads), w
 the native engine's ratio to it.
 
 Engines: `python` and `native` (`io_engine`), a `-slab` suffix for `layout: slab` (else
-`files`), then `-direct` for `direct: true` (O_DIRECT). `--cold` (on a disk, not tmpfs)
+`files`), then `-direct` for `direct: true` (O_DIRECT), `-mac` for frames signed with a
+keyed MAC (`mac_key_env`, a random secret). `--cold` (on a disk, not tmpfs)
 adds, after the stores, `sync` timed with them (synced GB/s: a buffered store's bytes
 are on the disk only then; the kernel's flusher threads' CPU is not the process's),
 and after the warm loads a second load of the same blocks with the tier's files
@@ -56,6 +57,10 @@ def drop_from_cache(path: Path) -> None:
                 os.close(fd)
 
 
+_MAC_ENV = "TIERKV_BENCH_NVME_MAC"
+os.environ.setdefault(_MAC_ENV, os.urandom(32).hex())
+
+
 async def one_round(
     engine: str, args: argparse.Namespace, block_kib: int, n: int
 ) -> tuple[float, ...]:
@@ -75,6 +80,7 @@ async def one_round(
         fsync="never",
         layout="slab" if "slab" in rest else "files",
         direct="direct" in rest,
+        mac_key_env=_MAC_ENV if "mac" in rest else None,
     )
     tier = NvmeTier(config, primary.view)
     await tier.open()
@@ -164,7 +170,7 @@ if __name__ == "__main__":
         "--engines",
         default="python,native",
         help="of python, native, python-slab, native-slab (the slab layout), "
-        "native-slab-direct (the slab with O_DIRECT)",
+        "native-slab-direct (the slab with O_DIRECT); -mac after any: signed frames",
     )
     parser.add_argument(
         "--cold",

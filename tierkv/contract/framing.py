@@ -176,6 +176,12 @@ class Framer:
         """Whether frames carry (and must carry) a MAC."""
         return self._mac is not None
 
+    @property
+    def mac_key(self) -> MacKey | None:
+        """The key frames are signed with (None: unsigned), for a compiled data path
+        that signs and checks them itself (the nvme tier's core)."""
+        return self._mac
+
     def header_bytes(self, key: OffloadKey) -> int:
         """Bytes a frame of `key` adds to its block: the per-block overhead."""
         return header_bytes(key, mac=self._mac is not None)

@@ -61,6 +61,13 @@ class MacKey:
             KEY_ID_BYTES
         )
 
+    @property
+    def derived_key(self) -> bytes:
+        """The 32-byte BLAKE3 key MACs are made with (derived from the secret, never the
+        secret itself), for a compiled data path in this process that makes the same
+        MACs (the nvme tier's core: `tierkv_nvme/_blake3.c`). Never log or store it."""
+        return self._key
+
     def tag(self, *parts: bytes | bytearray | memoryview) -> bytes:
         """The MAC of the concatenation of `parts` (hashed in place, no join)."""
         hasher = blake3.blake3(key=self._key)

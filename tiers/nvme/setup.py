@@ -12,7 +12,8 @@ setup(
     ext_modules=[
         Extension(
             "tierkv_nvme._batchio",
-            sources=["tierkv_nvme/_batchio.c"],
+            sources=["tierkv_nvme/_batchio.c", "tierkv_nvme/_blake3.c"],
+            depends=["tierkv_nvme/_blake3.h"],
             libraries=["xxhash"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             extra_link_args=["-pthread"],

@@ -39,13 +39,9 @@ class TestNvmeTierConformance(TierConformanceSuite):
             capacity=(capacity_blocks or 1024) * block,
             io_concurrency=4,
             layout="files",
-            **{"io_engine": self._engine(fields), **fields},
+            **{"io_engine": self.io_engine, **fields},
         )
         return NvmeTier(config, primary)
-
-    def _engine(self, fields: dict[str, Any]) -> str:
-        """The test's engine, but `auto` for signed frames (the core does not sign)."""
-        return "auto" if fields.get("mac_key_env") else self.io_engine
 
     async def corrupt(self, tier: SecondaryTierManager, key: OffloadKey) -> None:
         assert isinstance(tier, NvmeTier)

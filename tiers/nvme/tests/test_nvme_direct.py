@@ -331,12 +331,28 @@ async def test_a_filesystem_that_refuses_o_direct_leaves_the_tier_buffered_logge
 async def test_a_tier_that_falls_back_to_python_says_why_direct_is_unused(
     tmp_path: Path, make_rig: type, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("TIERKV_TEST_MAC", "k" * 32)
+    monkeypatch.setattr(native, "AVAILABLE", False)
+    monkeypatch.setattr(native, "reason", "the core is not built (a test)")
     rig = make_rig(tmp_path / "nvme", io_engine="auto")
-    tier = slab_tier(rig, io_engine="auto", direct=True, mac_key_env="TIERKV_TEST_MAC")
+    tier = slab_tier(rig, io_engine="auto", direct=True)
     await tier.open()
-    assert tier.data_path is not None
-    assert tier.data_path.startswith("python, buffered (direct unused: frames carry a MAC")
+    assert tier.data_path == "python, buffered (direct unused: the core is not built (a test))"
+    await tier.close()
+
+
+async def test_a_signing_tier_moves_its_blocks_with_o_direct(
+    tmp_path: Path, make_rig: type, native_core: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TIERKV_TEST_MAC", "k" * 32)
+    rig = make_rig(tmp_path / "nvme", io_engine="native")
+    tier = slab_tier(rig, io_engine="native", direct=True, mac_key_env="TIERKV_TEST_MAC")
+    await tier.open()
+    if not (tier.data_path or "").endswith("O_DIRECT"):
+        await tier.close()
+        pytest.skip(f"no O_DIRECT here: {tier.data_path}")
+    result, data = await rig.store(tier, rig.keys(5))
+    assert result.ok, result.error
+    await assert_loads(tier, rig, data)
     await tier.close()
 
 

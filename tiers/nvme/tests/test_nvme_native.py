@@ -25,6 +25,7 @@ from tierkv_nvme.blockfile import ReadItem, Slot
 
 from tierkv.contract.framing import FIXED_HEADER_BYTES, Framer
 from tierkv.contract.keys import OffloadKey
+from tierkv.contract.mac import MacKey
 from tierkv.contract.slab import StridedView
 from tierkv.primary import PrimaryTier
 from tierkv.tier import CorruptBlock, TierUnavailable
@@ -33,11 +34,16 @@ pytestmark = pytest.mark.anyio
 Writer = Callable[..., list[Exception | None]]
 
 
-@pytest.fixture
-async def tier(native_rig: Any) -> Any:
+@pytest.fixture(params=["checksum", "mac"])
+async def tier(native_rig: Any, request: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     """An open tier (native engine) whose directory and framer the tests drive the
-    two paths' functions with directly."""
-    tier = native_rig.tier(fsync="never")
+    two paths' functions with directly: frames with a checksum only, and signed
+    (`mac_key_env`: the core makes and checks the MAC)."""
+    fields: dict[str, Any] = {}
+    if request.param == "mac":
+        monkeypatch.setenv("TIERKV_NATIVE_TEST_MAC", os.urandom(32).hex())
+        fields["mac_key_env"] = "TIERKV_NATIVE_TEST_MAC"
+    tier = native_rig.tier(fsync="never", **fields)
     await tier.open()
     yield tier
     await tier.close()
@@ -89,12 +95,13 @@ def empty_slots(n: int, size: int) -> list[memoryview]:
 # -- frames ------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("signed", [False, True], ids=["checksum", "mac"])
 @pytest.mark.parametrize("key_bytes", [0, 1, 20, 36, 100, 300])
 @pytest.mark.parametrize("shape", ["one buffer", "regions", "one region", "empty"])
 def test_headers_are_byte_identical_to_the_framers(
-    native_core: None, key_bytes: int, shape: str
+    native_core: None, key_bytes: int, shape: str, signed: bool
 ) -> None:
-    framer = Framer("native-frames")
+    framer = Framer("native-frames", MacKey(b"s" * 32) if signed else None)
     rng = random.Random(key_bytes)
     key = rng.randbytes(key_bytes)
     payload: Slot = {
@@ -428,11 +435,12 @@ async def test_a_read_refreshes_the_mtime_only_when_asked(tier: NvmeTier) -> Non
 # -- the switch ---------------------------------------------------------------------
 
 
-def test_auto_is_native_when_built_and_unsigned_else_python(
+def test_auto_is_native_when_built_else_python(
     native_core: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     plain = Framer("switch")
     assert native.choose("auto", plain)[0] == "native"
+    assert native.choose("native", Framer("switch", MacKey(os.urandom(32))))[0] == "native"
     assert native.choose("native", plain)[0] == "native"
     assert native.choose("python", plain)[0] == "python"
     monkeypatch.setattr(native, "AVAILABLE", False)
@@ -442,14 +450,18 @@ def test_auto_is_native_when_built_and_unsigned_else_python(
         native.choose("native", plain)
 
 
-async def test_a_tier_names_its_engine_and_signed_frames_stay_on_python(
+async def test_a_tier_names_its_engine_signed_or_not(
     native_rig: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any
 ) -> None:
     monkeypatch.setenv("TIERKV_NATIVE_TEST_MAC", os.urandom(32).hex())
     rig = native_rig
     rig.io_engine = "auto"
     caplog.set_level(logging.INFO, logger="tierkv_nvme.tier")
-    for fields, engine in (({}, "native"), ({"mac_key_env": "TIERKV_NATIVE_TEST_MAC"}, "python")):
+    for fields, engine in (
+        ({}, "native"),
+        ({"mac_key_env": "TIERKV_NATIVE_TEST_MAC"}, "native"),
+        ({"mac_key_env": "TIERKV_NATIVE_TEST_MAC", "io_engine": "python"}, "python"),
+    ):
         tier = rig.tier(**fields)
         await tier.open()
         assert tier.describe()["io_engine"] == engine
@@ -460,8 +472,6 @@ async def test_a_tier_names_its_engine_and_signed_frames_stay_on_python(
         result, loaded = await rig.load(tier, keys)
         assert result.ok and loaded == stored
         await tier.close()
-    with pytest.raises(TierUnavailable, match="MAC"):
-        await rig.tier(mac_key_env="TIERKV_NATIVE_TEST_MAC", io_engine="native").open()
 
 
 async def test_native_when_not_built_fails_open_naming_the_fix(

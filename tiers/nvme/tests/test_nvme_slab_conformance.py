@@ -32,7 +32,7 @@ class TestSlabTierConformance(TierConformanceSuite):
     def make_tier(
         self, primary: PrimaryView, *, capacity_blocks: int | None, **fields: Any
     ) -> SecondaryTierManager:
-        engine = "auto" if fields.get("mac_key_env") else self.io_engine
+        engine = self.io_engine
         config = NvmeTierConfig(
             type="nvme",
             path=self.root / f"tier{next(_dirs)}",

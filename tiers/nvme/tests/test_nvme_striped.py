@@ -500,7 +500,7 @@ class TestStripedNvmeConformance(TierConformanceSuite):
             paths=[at / "a", at / "b", at / "c"],
             capacity=(capacity_blocks or 1024) * block,
             io_concurrency=2,
-            **{"io_engine": "auto" if fields.get("mac_key_env") else self.io_engine, **fields},
+            **{"io_engine": self.io_engine, **fields},
         )
         tier = NvmeTier(config, primary)
         assert isinstance(tier, StripedNvmeTier)

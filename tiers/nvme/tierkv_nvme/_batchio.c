@@ -5,10 +5,13 @@
  * spent ~73 us of CPU per 64 KiB block (the interpreter around a handful of system
  * calls, the checksum, the frame), where the system calls themselves cost a few.
  *
- * The frame is `tierkv.contract.framing.Framer`'s without a MAC, byte for byte:
+ * The frame is `tierkv.contract.framing.Framer`'s, byte for byte:
  *     magic "TKVB" | version u16 | flags u16 | namespace hash u64 | payload length u64
- *     | payload checksum u64 (xxh3_64) | key length u16 | key | payload
- * (little-endian). Signed frames (a Framer with a MAC key) stay on the Python path.
+ *     | payload checksum u64 (xxh3_64) | key length u16 | key
+ *     | [MAC key id, 8 bytes | MAC, 32 bytes] | payload
+ * (little-endian). The key id and MAC are there when the tier signs (`mac_key_env`):
+ * the MAC is the keyed BLAKE3 of everything before it and of the payload
+ * (`tierkv.contract.mac`), made and checked here (`_blake3.c`) as the checksum is.
  *
  * Python (`native.py`) resolves every block's fan-out directory descriptor (`Leaves`,
  * which owns the O_NOFOLLOW checks of directories) and names; this module only opens,
@@ -46,6 +49,8 @@
 #include <time.h>
 #include <unistd.h>
 #include <xxhash.h>
+
+#include "_blake3.h"
 #if __has_include(<linux/openat2.h>)
 #include <linux/openat2.h>
 #endif
@@ -66,6 +71,11 @@
 #define SHORT_DISTANCE 64    /* blockfile.SHORT_DISTANCE */
 #define SCRATCH_MAX_BYTES (256 << 10) /* blockfile.SCRATCH_MAX_BYTES */
 #define PAGE 4096
+#define FLAG_MAC 0x0001    /* framing.FLAG_MAC */
+#define FLAG_KEY_ID 0x0002 /* framing.FLAG_KEY_ID */
+#define KEY_ID_BYTES 8
+#define MAC_BYTES TKV_BLAKE3_OUT_BYTES
+#define SIG_BYTES (KEY_ID_BYTES + MAC_BYTES) /* what a signed frame adds after its key */
 
 /* Frame check failures, one per kind (`native.CORRUPT_KINDS` names them). */
 enum {
@@ -80,6 +90,7 @@ enum {
     CORRUPT_PAYLOAD_LENGTH = 9,
     CORRUPT_CHECKSUM = 10,
     CORRUPT_SLOT = 11,     /* a slab slot's own header fails (never written, torn, freed) */
+    CORRUPT_MAC = 12,      /* the MAC does not check (altered, or written without the key) */
 };
 #define NOT_CACHED 100 /* internal: a RWF_NOWAIT read that decided nothing */
 
@@ -111,11 +122,24 @@ typedef struct {
     int dfd;               /* slab calls: the slot's file opened O_DIRECT, or -1 (buffered) */
 } Item;
 
+/* What every frame of a call shares: its namespace, and the MAC key when it signs. */
+typedef struct {
+    uint64_t ns_hash;
+    int mac;               /* frames carry a key id and a MAC (a Framer with a key) */
+    uint8_t key[TKV_BLAKE3_KEY_BYTES];
+    uint8_t key_id[KEY_ID_BYTES];
+} Frame;
+
+/* Bytes of the frame header of a key of `key_len` bytes (Framer.header_bytes). */
+static size_t head_bytes_of(const Frame *frame, size_t key_len) {
+    return FIXED_HEADER_BYTES + key_len + (frame->mac ? SIG_BYTES : 0);
+}
+
 typedef struct {
     Item *items;
     size_t n;
     atomic_size_t next;    /* the next block (writes) or group (reads) to take */
-    uint64_t ns_hash;
+    Frame frame;
     int fsync;
     size_t group;          /* reads: blocks per group, PREFETCH_BLOCKS at most */
     size_t room;           /* slab calls: payload bytes of a slot (a PAGE multiple) */
@@ -164,47 +188,94 @@ static int checksum(const struct iovec *regions, int n, uint64_t *out) {
     return 0;
 }
 
-/* The header of `item`'s frame into item->head (Framer.encode_header, no MAC). */
+/* The MAC of `item`'s frame: keyed BLAKE3 of its first `signed_len` header bytes and
+ * its payload (MacKey.tag(fixed, key, key id, *payload)), into `out`. 0 or -ENOMEM. */
+static int frame_mac(const Frame *frame, const Item *item, size_t signed_len, uint8_t *out) {
+    int n = item->nregions + 1;
+    struct iovec local[17];
+    struct iovec *parts = n <= 17 ? local : malloc(sizeof *parts * (size_t)n);
+    if (parts == NULL)
+        return -ENOMEM;
+    parts[0].iov_base = item->head;
+    parts[0].iov_len = signed_len;
+    memcpy(parts + 1, item->regions, sizeof *parts * (size_t)item->nregions);
+    tkv_blake3_keyed(frame->key, parts, n, out);
+    if (parts != local)
+        free(parts);
+    return 0;
+}
+
+/* The header of `item`'s frame into item->head (Framer.encode_header): signed (key id
+ * and MAC after the key) when the call's frames are. */
 static int build_header(const Batch *batch, Item *item) {
     uint64_t sum;
     int err = checksum(item->regions, item->nregions, &sum);
     if (err)
         return err;
+    const Frame *frame = &batch->frame;
     unsigned char *h = item->head;
     memcpy(h, MAGIC, 4);
     put_le(h + 4, FORMAT_VERSION, 2);
-    put_le(h + 6, 0, 2); /* flags: no MAC */
-    put_le(h + 8, batch->ns_hash, 8);
+    put_le(h + 6, frame->mac ? FLAG_MAC | FLAG_KEY_ID : 0, 2);
+    put_le(h + 8, frame->ns_hash, 8);
     put_le(h + 16, item->payload_len, 8);
     put_le(h + 24, sum, 8);
     put_le(h + 32, item->key_len, 2);
     memcpy(h + FIXED_HEADER_BYTES, item->key, item->key_len);
-    return 0;
+    if (!frame->mac)
+        return 0;
+    size_t signed_len = FIXED_HEADER_BYTES + item->key_len + KEY_ID_BYTES;
+    memcpy(h + FIXED_HEADER_BYTES + item->key_len, frame->key_id, KEY_ID_BYTES);
+    return frame_mac(frame, item, signed_len, h + signed_len);
+}
+
+/* Whether two MACs are equal, in time independent of where they differ. */
+static int same_mac(const uint8_t *a, const uint8_t *b) {
+    uint8_t diff = 0;
+    for (int i = 0; i < MAC_BYTES; i++)
+        diff |= a[i] ^ b[i];
+    return diff == 0;
 }
 
 /* Every field of the header read for `item`, in the order Framer.check_frame reports
- * them; the checksum last, over the payload where it now lies. */
+ * them; the checksum over the payload where it now lies, then the MAC. A signing call
+ * takes only frames signed with its key id (the form it writes): any other flags or
+ * key id are CORRUPT_FLAGS, which the caller's Framer names precisely (another trust
+ * domain's block, `ForeignBlock`, is left in place). */
 static long check_frame(const Batch *batch, const Item *item) {
+    const Frame *frame = &batch->frame;
     const unsigned char *h = item->head;
     if (memcmp(h, MAGIC, 4) != 0)
         return CORRUPT_MAGIC;
     if (get_le(h + 4, 2) != FORMAT_VERSION)
         return CORRUPT_VERSION;
-    if (get_le(h + 6, 2) != 0)
+    if (get_le(h + 6, 2) != (frame->mac ? FLAG_MAC | FLAG_KEY_ID : 0))
         return CORRUPT_FLAGS;
-    if (get_le(h + 8, 8) != batch->ns_hash)
+    if (get_le(h + 8, 8) != frame->ns_hash)
         return CORRUPT_NAMESPACE;
     if (get_le(h + 32, 2) != item->key_len)
         return CORRUPT_KEY_LENGTH;
     if (memcmp(h + FIXED_HEADER_BYTES, item->key, item->key_len) != 0)
         return CORRUPT_KEY;
+    size_t signed_len = FIXED_HEADER_BYTES + item->key_len + KEY_ID_BYTES;
+    if (frame->mac && memcmp(h + FIXED_HEADER_BYTES + item->key_len, frame->key_id,
+                             KEY_ID_BYTES) != 0)
+        return CORRUPT_FLAGS;
     if (get_le(h + 16, 8) != item->payload_len)
         return CORRUPT_PAYLOAD_LENGTH;
     uint64_t sum;
     int err = checksum(item->regions, item->nregions, &sum);
     if (err)
         return err;
-    return get_le(h + 24, 8) == sum ? 0 : CORRUPT_CHECKSUM;
+    if (get_le(h + 24, 8) != sum)
+        return CORRUPT_CHECKSUM;
+    if (!frame->mac)
+        return 0;
+    uint8_t mac[MAC_BYTES];
+    err = frame_mac(frame, item, signed_len, mac);
+    if (err)
+        return err;
+    return same_mac(mac, h + signed_len) ? 0 : CORRUPT_MAC;
 }
 
 /* -- vectored I/O to the end ------------------------------------------------------ */
@@ -341,7 +412,7 @@ static long fill_file(const Batch *batch, const Item *item, int fd) {
         err = -ENOMEM;
     } else {
         iov[0].iov_base = item->head;
-        iov[0].iov_len = FIXED_HEADER_BYTES + item->key_len;
+        iov[0].iov_len = head_bytes_of(&batch->frame, item->key_len);
         memcpy(iov + 1, item->regions, sizeof *iov * (size_t)item->nregions);
         err = write_all(fd, iov, n);
         if (iov != local)
@@ -479,7 +550,7 @@ static void discard_if_same(const Item *item, int fd) {
  * header field and the checksum. With `nowait`, the page cache only: NOT_CACHED when
  * that decides nothing (then nothing is decided and the caller reads again without). */
 static long read_one(const Batch *batch, Item *item, int fd, Scratch *s, int nowait) {
-    size_t head_bytes = FIXED_HEADER_BYTES + item->key_len;
+    size_t head_bytes = head_bytes_of(&batch->frame, item->key_len);
     size_t expected = head_bytes + item->payload_len;
     unsigned char *frame = scratch_frame(s, item, head_bytes);
     int n = frame ? 1 : item->nregions + 2;
@@ -613,6 +684,30 @@ static void run_threads(void *(*worker)(void *), Batch *batch, int threads) {
 
 /* -- from Python ------------------------------------------------------------------ */
 
+/* PyArg "O&" converter for a call's frames: the namespace hash (an int: unsigned
+ * frames), or (namespace hash, MAC key: 32 bytes, key id: 8 bytes) for signed ones
+ * (`native._frame`: the Framer's MacKey, derived, never the secret itself). */
+static int frame_arg(PyObject *obj, void *out) {
+    Frame *frame = out;
+    memset(frame, 0, sizeof *frame);
+    PyObject *tag = obj, *key = NULL, *key_id = NULL;
+    if (PyTuple_Check(obj)) {
+        if (!PyArg_ParseTuple(obj, "OSS", &tag, &key, &key_id))
+            return 0;
+        if (PyBytes_GET_SIZE(key) != TKV_BLAKE3_KEY_BYTES ||
+            PyBytes_GET_SIZE(key_id) != KEY_ID_BYTES) {
+            PyErr_Format(PyExc_ValueError, "frame: (ns_hash, key of %d bytes, key id of %d)",
+                         TKV_BLAKE3_KEY_BYTES, KEY_ID_BYTES);
+            return 0;
+        }
+        frame->mac = 1;
+        memcpy(frame->key, PyBytes_AS_STRING(key), TKV_BLAKE3_KEY_BYTES);
+        memcpy(frame->key_id, PyBytes_AS_STRING(key_id), KEY_ID_BYTES);
+    }
+    frame->ns_hash = PyLong_AsUnsignedLongLongMask(tag);
+    return !(frame->ns_hash == (uint64_t)-1 && PyErr_Occurred());
+}
+
 /* Everything a call holds while the GIL is released: items, their iovecs and headers,
  * and the Py_buffers that keep the payload memory alive. */
 typedef struct {
@@ -695,7 +790,7 @@ static int parse_items(PyObject *items, Held *held, int reads) {
             return -1;
         }
         nregions += count_regions(slot);
-        nhead += FIXED_HEADER_BYTES + PyBytes_GET_SIZE(key);
+        nhead += FIXED_HEADER_BYTES + PyBytes_GET_SIZE(key) + SIG_BYTES;
     }
     held->aligned = -1; /* lent buffers: each block's own */
     held->items = PyMem_Calloc((size_t)n + 1, sizeof(Item));
@@ -730,7 +825,7 @@ static int parse_items(PyObject *items, Held *held, int reads) {
         if (item->touch < 0)
             return -1;
         item->head = head;
-        head += FIXED_HEADER_BYTES + item->key_len;
+        head += FIXED_HEADER_BYTES + item->key_len + SIG_BYTES;
     }
     return 0;
 }
@@ -739,6 +834,7 @@ static int parse_items(PyObject *items, Held *held, int reads) {
 /* -- batch calls: keys, lanes and slots, no per-block Python ------------------------ */
 
 #define MAX_HEX_KEY_BYTES 100 /* layout.MAX_HEX_KEY_BYTES: longer keys are named by sha256 */
+#define HEAD_STRIDE (FIXED_HEADER_BYTES + MAX_HEX_KEY_BYTES + SIG_BYTES) /* a header's room */
 #define NAME_BYTES 256        /* "ab/" + 200 hex + ".blk" + NUL */
 #define TMP_BYTES 320         /* "ab/." + final + ".<pid>-c<n>.tmp" + NUL */
 static atomic_ulong temp_ids;
@@ -785,7 +881,7 @@ static int parse_batch(Held *held, int root_fd, PyObject *keys, PyObject *lanes,
     held->items = PyMem_Calloc((size_t)n + 1, sizeof(Item));
     held->iovs = PyMem_Calloc((size_t)(n * nlanes) + 1, sizeof(struct iovec));
     held->views = PyMem_Calloc((size_t)nlanes, sizeof(Py_buffer));
-    held->heads = PyMem_Malloc((size_t)n * (FIXED_HEADER_BYTES + MAX_HEX_KEY_BYTES) + 1);
+    held->heads = PyMem_Malloc((size_t)n * HEAD_STRIDE + 1);
     held->names = PyMem_Malloc(named ? (size_t)n * (NAME_BYTES + (reads ? 0 : TMP_BYTES)) + 1 : 1);
     /* lane l: (offset, stride, size) at lane[3l..3l+2], its buffer in held->views[l] */
     Py_ssize_t *lane = PyMem_Malloc(sizeof *lane * (size_t)nlanes * 3);
@@ -855,7 +951,7 @@ static int parse_batch(Held *held, int root_fd, PyObject *keys, PyObject *lanes,
             item->regions[l].iov_len = (size_t)size;
         }
         item->touch = touched ? touched[i] != 0 : 0;
-        item->head = held->heads + i * (FIXED_HEADER_BYTES + MAX_HEX_KEY_BYTES);
+        item->head = held->heads + i * HEAD_STRIDE;
         if (!named)
             continue; /* slab calls: the slot is the place, no name */
         char *name = held->names + i * (NAME_BYTES + (reads ? 0 : TMP_BYTES));
@@ -890,16 +986,17 @@ static int clamp_threads(int threads, size_t units) {
 }
 
 PyDoc_STRVAR(write_blocks_doc,
-"write_blocks(items, ns_hash, fsync, threads) -> list[int]\n\n"
+"write_blocks(items, frame, fsync, threads) -> list[int]\n\n"
 "items: list of (dir_fd, name: bytes, tmp: bytes, key: bytes, payload) where payload is\n"
 "a buffer or a tuple of buffers. Each block: openat(tmp, O_EXCL|O_NOFOLLOW, 0600),\n"
 "pwritev(header, payload), fdatasync if fsync, renameat(tmp, name); tmp unlinked on\n"
-"failure. One outcome per block: 0 or -errno.");
+"failure. frame: the namespace hash, or (ns_hash, MAC key, key id) to sign. One outcome\n"
+"per block: 0 or -errno.");
 
 /* Write the parsed batch on `threads` threads (GIL released): one outcome per block. */
-static PyObject *run_writes(Held *held, size_t n, unsigned long long ns_hash, int fsync,
-                            int threads, double deadline) {
-    Batch batch = {held->items, n, 0, ns_hash, fsync, 1, 0, deadline};
+static PyObject *run_writes(Held *held, size_t n, const Frame *frame, int fsync, int threads,
+                            double deadline) {
+    Batch batch = {held->items, n, 0, *frame, fsync, 1, 0, deadline};
     threads = clamp_threads(threads, batch.n);
     Py_BEGIN_ALLOW_THREADS
     run_threads(write_worker, &batch, threads);
@@ -917,23 +1014,23 @@ static PyObject *run_writes(Held *held, size_t n, unsigned long long ns_hash, in
 
 static PyObject *py_write_blocks(PyObject *self, PyObject *args) {
     PyObject *items;
-    unsigned long long ns_hash;
+    Frame frame;
     int fsync, threads;
     double deadline = 0;
-    if (!PyArg_ParseTuple(args, "O!Kpi|d", &PyList_Type, &items, &ns_hash, &fsync, &threads,
-                          &deadline))
+    if (!PyArg_ParseTuple(args, "O!O&pi|d", &PyList_Type, &items, frame_arg, &frame, &fsync,
+                          &threads, &deadline))
         return NULL;
     Held held = {0};
     PyObject *result = NULL;
     if (parse_items(items, &held, 0) == 0)
-        result = run_writes(&held, (size_t)PyList_GET_SIZE(items), ns_hash, fsync, threads,
+        result = run_writes(&held, (size_t)PyList_GET_SIZE(items), &frame, fsync, threads,
                             deadline);
     held_release(&held);
     return result;
 }
 
 PyDoc_STRVAR(write_batch_doc,
-"write_batch(root_fd, keys, lanes, slots, num_blocks, ns_hash, fsync, threads) -> list[int]\n\n"
+"write_batch(root_fd, keys, lanes, slots, num_blocks, frame, fsync, threads) -> list[int]\n\n"
 "write_blocks for keys[i] (bytes of 1 to 100) from slot slots[i] of `lanes` (a tuple of\n"
 "(buffer, offset, stride, size): the block's regions, lane by lane, are\n"
 "buffer[offset + slot * stride:][:size]), each to its file \"ab/<key hex>.blk\" below\n"
@@ -959,19 +1056,19 @@ static PyObject *py_write_batch(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(read_blocks_doc,
-"read_blocks(items, ns_hash, threads) -> (list[int], dict[int, tuple[int, bytes]])\n\n"
+"read_blocks(items, frame, threads) -> (list[int], dict[int, tuple[int, bytes]])\n\n"
 "items: list of (dir_fd, name: bytes, key: bytes, slot, touch) where slot is a writable\n"
 "buffer or a tuple of them. Each block: openat(name, O_NOFOLLOW), one preadv of header,\n"
 "payload into the slot and a spare byte, the frame checked, the mtime refreshed if\n"
 "touch. One outcome per block: 0, -errno, or a CORRUPT_* code (the file deleted if its\n"
 "name still holds it); for those, {index: (bytes the file gave, header read)}.");
 
-static PyObject *outcomes_of(Held *held, size_t n);
+static PyObject *outcomes_of(Held *held, size_t n, const Frame *frame);
 
 /* Read the parsed batch on `threads` threads (GIL released): (codes, details). */
-static PyObject *run_reads(Held *held, size_t n, unsigned long long ns_hash, int threads,
+static PyObject *run_reads(Held *held, size_t n, const Frame *frame, int threads,
                            double deadline) {
-    Batch batch = {held->items, n, 0, ns_hash, 0, 1, 0, deadline};
+    Batch batch = {held->items, n, 0, *frame, 0, 1, 0, deadline};
     /* groups of PREFETCH_BLOCKS, smaller when that gives each thread one */
     threads = clamp_threads(threads, batch.n);
     size_t share = (batch.n + (size_t)threads - 1) / (size_t)threads;
@@ -979,12 +1076,12 @@ static PyObject *run_reads(Held *held, size_t n, unsigned long long ns_hash, int
     Py_BEGIN_ALLOW_THREADS
     run_threads(read_worker, &batch, threads);
     Py_END_ALLOW_THREADS
-    return outcomes_of(held, batch.n);
+    return outcomes_of(held, batch.n, frame);
 }
 
 /* A read call's (codes, details): details for each block that failed a check, its
  * (bytes read, frame header read). */
-static PyObject *outcomes_of(Held *held, size_t n) {
+static PyObject *outcomes_of(Held *held, size_t n, const Frame *frame) {
     PyObject *codes = PyList_New((Py_ssize_t)n);
     PyObject *details = PyDict_New();
     PyObject *result = NULL;
@@ -998,7 +1095,7 @@ static PyObject *outcomes_of(Held *held, size_t n) {
             continue;
         PyObject *detail = Py_BuildValue(
             "(ny#)", (Py_ssize_t)item->got, (const char *)item->head,
-            (Py_ssize_t)(FIXED_HEADER_BYTES + item->key_len));
+            (Py_ssize_t)head_bytes_of(frame, item->key_len));
         PyObject *index = PyLong_FromSize_t(i);
         int bad = !detail || !index || PyDict_SetItem(details, index, detail) != 0;
         Py_XDECREF(detail);
@@ -1016,21 +1113,22 @@ fail:
 
 static PyObject *py_read_blocks(PyObject *self, PyObject *args) {
     PyObject *items;
-    unsigned long long ns_hash;
+    Frame frame;
     int threads;
     double deadline = 0;
-    if (!PyArg_ParseTuple(args, "O!Ki|d", &PyList_Type, &items, &ns_hash, &threads, &deadline))
+    if (!PyArg_ParseTuple(args, "O!O&i|d", &PyList_Type, &items, frame_arg, &frame, &threads,
+                          &deadline))
         return NULL;
     Held held = {0};
     PyObject *result = NULL;
     if (parse_items(items, &held, 1) == 0)
-        result = run_reads(&held, (size_t)PyList_GET_SIZE(items), ns_hash, threads, deadline);
+        result = run_reads(&held, (size_t)PyList_GET_SIZE(items), &frame, threads, deadline);
     held_release(&held);
     return result;
 }
 
 PyDoc_STRVAR(read_batch_doc,
-"read_batch(root_fd, keys, lanes, slots, num_blocks, touch, ns_hash, threads)\n"
+"read_batch(root_fd, keys, lanes, slots, num_blocks, touch, frame, threads)\n"
 "    -> (list[int], dict[int, tuple[int, bytes]])\n\n"
 "read_blocks for keys[i] (bytes of 1 to 100) into slot slots[i] of `lanes` (as in\n"
 "write_batch), each from its file \"ab/<key hex>.blk\" below root_fd (openat2, no link\n"
@@ -1106,7 +1204,7 @@ static long slab_write_one(const Batch *batch, Item *item, unsigned char *page) 
     item->head = head;
     if (err)
         return err;
-    seal_slot(page, item->seq, FIXED_HEADER_BYTES + item->key_len);
+    seal_slot(page, item->seq, head_bytes_of(&batch->frame, item->key_len));
     for (;;) {
         struct iovec local[16];
         int n;
@@ -1129,7 +1227,7 @@ static long slab_read_one(const Batch *batch, Item *item, unsigned char *page, u
                           int nowait) {
     struct iovec local[16];
     int n;
-    size_t frame_len = FIXED_HEADER_BYTES + item->key_len;
+    size_t frame_len = head_bytes_of(&batch->frame, item->key_len);
     /* buffered: the used part of the header page only; direct: all of it (whole pages) */
     size_t want = item->dfd >= 0 ? PAGE : SLOT_HEAD_BYTES + frame_len;
     struct iovec *iov = slot_iov(batch, item, pad, page, want, local, &n);
@@ -1263,7 +1361,7 @@ static int parse_fds(PyObject *tuple, int *fds, int least) {
  * holds the payload. With the GIL held. */
 static int parse_slab(Held *held, Py_ssize_t n, const int *fds, int nfds, const int *dfds,
                       int ndfds, Py_buffer *places, Py_buffer *seqs, Py_ssize_t room,
-                      Py_ssize_t num_places) {
+                      Py_ssize_t num_places, const Frame *frame) {
     if (ndfds && ndfds != nfds) {
         PyErr_Format(PyExc_ValueError, "direct_fds: none or one per slab file (%d), not %d",
                      nfds, ndfds);
@@ -1280,7 +1378,7 @@ static int parse_slab(Held *held, Py_ssize_t n, const int *fds, int nfds, const 
     for (Py_ssize_t i = 0; i < n; i++) {
         const Item *item = &held->items[i];
         if ((size_t)room < item->payload_len ||
-            FIXED_HEADER_BYTES + item->key_len > PAGE - SLOT_HEAD_BYTES) {
+            head_bytes_of(frame, item->key_len) > PAGE - SLOT_HEAD_BYTES) {
             PyErr_Format(PyExc_ValueError, "block %zd: its payload does not fit a slot's room "
                          "of %zd or its key a slot's header page", i, room);
             return -1;
@@ -1336,8 +1434,8 @@ static void no_empty_seqs(Py_buffer *seqs) {
         seqs->buf = NULL;
 }
 
-/* A slab call's tail arguments: places, seqs (b"" for none), room, num_places, ns_hash. */
-#define SLAB_TAIL "y*y*nnK"
+/* A slab call's tail arguments: places, seqs (b"" for none), room, num_places, frame. */
+#define SLAB_TAIL "y*y*nnO&"
 
 /* Parse the arguments of a slab call of `kind` (the four entry points' signatures) into
  * a new job, ready to run; NULL with an exception set. With the GIL held. */
@@ -1347,25 +1445,25 @@ static CoreJob *core_job_parse(int kind, PyObject *args) {
         return (CoreJob *)PyErr_NoMemory();
     PyObject *files, *keys = NULL, *lanes, *slots, *items = NULL, *direct = NULL, *touch;
     Py_ssize_t num_blocks = 0, room, num_places;
-    unsigned long long ns_hash;
+    Frame frame;
     double deadline = 0;
     int ok, fsync = 0, root_fd;
     job->reads = kind == SLAB_READ || kind == SLAB_READ_ITEMS || kind == FILES_READ_BATCH;
     job->files = kind == FILES_WRITE_BATCH || kind == FILES_READ_BATCH;
     if (job->files) {
         ok = kind == FILES_WRITE_BATCH
-                 ? PyArg_ParseTuple(args, "iO!O!O!nKpi|d", &root_fd, &PyList_Type, &keys,
+                 ? PyArg_ParseTuple(args, "iO!O!O!nO&pi|d", &root_fd, &PyList_Type, &keys,
                                     &PyTuple_Type, &lanes, &PyList_Type, &slots, &num_blocks,
-                                    &ns_hash, &fsync, &job->threads, &deadline)
-                 : PyArg_ParseTuple(args, "iO!O!O!nOKi|d", &root_fd, &PyList_Type, &keys,
+                                    frame_arg, &frame, &fsync, &job->threads, &deadline)
+                 : PyArg_ParseTuple(args, "iO!O!O!nOO&i|d", &root_fd, &PyList_Type, &keys,
                                     &PyTuple_Type, &lanes, &PyList_Type, &slots, &num_blocks,
-                                    &touch, &ns_hash, &job->threads, &deadline);
+                                    &touch, frame_arg, &frame, &job->threads, &deadline);
         if (!ok || parse_batch(&job->held, root_fd, keys, lanes, slots, num_blocks,
                                job->reads ? touch : Py_None, job->reads, 1) != 0) {
             core_job_free(job);
             return NULL;
         }
-        Batch batch = {job->held.items, (size_t)PyList_GET_SIZE(keys), 0, ns_hash, fsync, 1, 0,
+        Batch batch = {job->held.items, (size_t)PyList_GET_SIZE(keys), 0, frame, fsync, 1, 0,
                        deadline};
         job->batch = batch;
         job->fsync = fsync;
@@ -1376,25 +1474,25 @@ static CoreJob *core_job_parse(int kind, PyObject *args) {
         ok = PyArg_ParseTuple(args, "O!O!O!O!n" SLAB_TAIL "pi|O!d", &PyTuple_Type, &files,
                               &PyList_Type, &keys, &PyTuple_Type, &lanes, &PyList_Type, &slots,
                               &num_blocks, &job->places, &job->seqs, &room, &num_places,
-                              &ns_hash, &fsync, &job->threads, &PyTuple_Type, &direct,
+                              frame_arg, &frame, &fsync, &job->threads, &PyTuple_Type, &direct,
                               &deadline);
         break;
     case SLAB_READ:
         ok = PyArg_ParseTuple(args, "O!O!O!O!n" SLAB_TAIL "i|O!d", &PyTuple_Type, &files,
                               &PyList_Type, &keys, &PyTuple_Type, &lanes, &PyList_Type, &slots,
                               &num_blocks, &job->places, &job->seqs, &room, &num_places,
-                              &ns_hash, &job->threads, &PyTuple_Type, &direct, &deadline);
+                              frame_arg, &frame, &job->threads, &PyTuple_Type, &direct, &deadline);
         break;
     case SLAB_WRITE_ITEMS:
         ok = PyArg_ParseTuple(args, "O!O!" SLAB_TAIL "pi|O!d", &PyTuple_Type, &files,
                               &PyList_Type, &items, &job->places, &job->seqs, &room,
-                              &num_places, &ns_hash, &fsync, &job->threads, &PyTuple_Type,
+                              &num_places, frame_arg, &frame, &fsync, &job->threads, &PyTuple_Type,
                               &direct, &deadline);
         break;
     case SLAB_READ_ITEMS:
         ok = PyArg_ParseTuple(args, "O!O!" SLAB_TAIL "i|O!d", &PyTuple_Type, &files,
                               &PyList_Type, &items, &job->places, &job->seqs, &room,
-                              &num_places, &ns_hash, &job->threads, &PyTuple_Type, &direct,
+                              &num_places, frame_arg, &frame, &job->threads, &PyTuple_Type, &direct,
                               &deadline);
         break;
     default:
@@ -1415,11 +1513,11 @@ static CoreJob *core_job_parse(int kind, PyObject *args) {
                : parse_batch(&job->held, -1, keys, lanes, slots, num_blocks, Py_None,
                              job->reads, 0)) != 0 ||
         parse_slab(&job->held, n, job->fds, job->nfds, job->dfds, job->ndfds, &job->places,
-                   &job->seqs, room, num_places) != 0) {
+                   &job->seqs, room, num_places, &frame) != 0) {
         core_job_free(job);
         return NULL;
     }
-    Batch batch = {job->held.items, (size_t)n, 0, ns_hash, fsync, 1, (size_t)room, deadline};
+    Batch batch = {job->held.items, (size_t)n, 0, frame, fsync, 1, (size_t)room, deadline};
     job->batch = batch;
 threads:
     job->threads = clamp_threads(job->threads, job->batch.n);
@@ -1457,7 +1555,7 @@ static void core_job_run(CoreJob *job) {
 /* A run job's answer (GIL held): writes' codes, reads' (codes, details). */
 static PyObject *core_job_answer(CoreJob *job) {
     if (job->reads)
-        return outcomes_of(&job->held, job->batch.n);
+        return outcomes_of(&job->held, job->batch.n, &job->batch.frame);
     PyObject *result = PyList_New((Py_ssize_t)job->batch.n);
     for (size_t i = 0; result && i < job->batch.n; i++) {
         PyObject *code = PyLong_FromLong(job->held.items[i].code);
@@ -1483,7 +1581,7 @@ static PyObject *core_call(int kind, PyObject *args) {
 }
 
 PyDoc_STRVAR(slab_write_doc,
-"slab_write(fds, keys, lanes, slots, num_blocks, places, seqs, room, num_places, ns_hash,\n"
+"slab_write(fds, keys, lanes, slots, num_blocks, places, seqs, room, num_places, frame,\n"
 "           fsync, threads, direct_fds=()) -> list[int]\n\n"
 "Each keys[i] (bytes of 1 to 100) from slot slots[i] of `lanes` (as write_batch's) into\n"
 "slab slot places[i] (slot places[i] // len(fds) of file fds[places[i] % len(fds)];\n"
@@ -1499,7 +1597,7 @@ static PyObject *py_slab_write(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(slab_write_items_doc,
-"slab_write_items(fds, items, places, seqs, room, num_places, ns_hash, fsync, threads,\n"
+"slab_write_items(fds, items, places, seqs, room, num_places, frame, fsync, threads,\n"
 "                 direct_fds=()) -> list[int]\n\n"
 "slab_write for blocks lent one by one: items is a list of (-1, b'', b'', key, payload),\n"
 "payload a buffer or a tuple of buffers (write_blocks' items, no directory or name);\n"
@@ -1510,7 +1608,7 @@ static PyObject *py_slab_write_items(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(slab_read_doc,
-"slab_read(fds, keys, lanes, slots, num_blocks, places, seqs, room, num_places, ns_hash,\n"
+"slab_read(fds, keys, lanes, slots, num_blocks, places, seqs, room, num_places, frame,\n"
 "          threads, direct_fds=()) -> (list[int], dict[int, tuple[int, bytes]])\n\n"
 "Each keys[i] from slab slot places[i] (as slab_write's) into slot slots[i] of `lanes`,\n"
 "checked (the slot's header, then the frame as read_batch checks it); seqs: b'' or a\n"
@@ -1524,7 +1622,7 @@ static PyObject *py_slab_read(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(slab_read_items_doc,
-"slab_read_items(fds, items, places, seqs, room, num_places, ns_hash, threads,\n"
+"slab_read_items(fds, items, places, seqs, room, num_places, frame, threads,\n"
 "                direct_fds=()) -> (list[int], dict[int, tuple[int, bytes]])\n\n"
 "slab_read for blocks lent one by one: items is a list of (-1, b'', key, dest, False),\n"
 "dest a writable buffer or a tuple of them (read_blocks' items, no directory or name);\n"
@@ -1786,8 +1884,8 @@ static PyTypeObject CoreQueueType = {
 
 
 PyDoc_STRVAR(slab_scan_doc,
-"slab_scan(fd, index, files, room, ns_hash, block_bytes) -> (list[tuple[int, int, bytes]], int)\n\n"
-"slabfile.scan for unsigned frames: every slot of slab file `index` (of `files`) whose\n"
+"slab_scan(fd, index, files, room, frame, block_bytes) -> (list[tuple[int, int, bytes]], int)\n\n"
+"slabfile.scan: every slot of slab file `index` (of `files`) whose\n"
 "header page is whole and names a block of this namespace and size, as (place, seq,\n"
 "key); and the count of slots whose header is whole but whose frame header fails.\n"
 "Holes (slots never written) are skipped with SEEK_DATA. The GIL is released.");
@@ -1800,9 +1898,11 @@ typedef struct {
 static PyObject *py_slab_scan(PyObject *self, PyObject *args) {
     int fd, index, files;
     Py_ssize_t room, block_bytes;
-    unsigned long long ns_hash;
-    if (!PyArg_ParseTuple(args, "iiinKn", &fd, &index, &files, &room, &ns_hash, &block_bytes))
+    Frame frame;
+    if (!PyArg_ParseTuple(args, "iiinO&n", &fd, &index, &files, &room, frame_arg, &frame,
+                          &block_bytes))
         return NULL;
+    size_t sig = frame.mac ? SIG_BYTES : 0;
     if (room <= 0 || room % PAGE || files < 1 || index < 0 || index >= files) {
         PyErr_SetString(PyExc_ValueError, "room: a positive PAGE multiple; 0 <= index < files");
         return NULL;
@@ -1857,11 +1957,13 @@ static PyObject *py_slab_scan(PyObject *self, PyObject *args) {
             continue;
         }
         const unsigned char *h = page + SLOT_HEAD_BYTES;
-        size_t key_len = frame_len - FIXED_HEADER_BYTES;
-        if (memcmp(h, MAGIC, 4) != 0 || get_le(h + 4, 2) != FORMAT_VERSION ||
-            get_le(h + 6, 2) != 0 || get_le(h + 8, 8) != ns_hash ||
-            get_le(h + 16, 8) != (uint64_t)block_bytes || get_le(h + 32, 2) != key_len ||
-            key_len == 0) {
+        /* a signing tier's frames: its flags and key id (another key's are not its own) */
+        size_t key_len = frame_len > FIXED_HEADER_BYTES + sig ? frame_len - FIXED_HEADER_BYTES - sig : 0;
+        if (key_len == 0 || memcmp(h, MAGIC, 4) != 0 || get_le(h + 4, 2) != FORMAT_VERSION ||
+            get_le(h + 6, 2) != (frame.mac ? FLAG_MAC | FLAG_KEY_ID : 0) ||
+            get_le(h + 8, 8) != frame.ns_hash || get_le(h + 16, 8) != (uint64_t)block_bytes ||
+            get_le(h + 32, 2) != key_len ||
+            (frame.mac && memcmp(h + FIXED_HEADER_BYTES + key_len, frame.key_id, KEY_ID_BYTES))) {
             bad++;
             slot++;
             continue;
@@ -2027,14 +2129,15 @@ static PyObject *py_beneath_works(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(encode_header_doc,
-"encode_header(ns_hash, key, payload) -> bytes\n\n"
+"encode_header(frame, key, payload) -> bytes\n\n"
 "The frame header the writes put before `payload` (a buffer or tuple of buffers):\n"
-"Framer.encode_header without a MAC, for tests that it is byte-identical.");
+"Framer.encode_header, signed when `frame` carries a key, for tests that it is\n"
+"byte-identical.");
 
 static PyObject *py_encode_header(PyObject *self, PyObject *args) {
-    unsigned long long ns_hash;
+    Frame frame;
     PyObject *key, *payload;
-    if (!PyArg_ParseTuple(args, "KSO", &ns_hash, &key, &payload))
+    if (!PyArg_ParseTuple(args, "O&SO", frame_arg, &frame, &key, &payload))
         return NULL;
     PyObject *one = Py_BuildValue("[(iyyOO)]", -1, "", "", key, payload);
     if (one == NULL)
@@ -2042,17 +2145,63 @@ static PyObject *py_encode_header(PyObject *self, PyObject *args) {
     Held held = {0};
     PyObject *result = NULL;
     if (parse_items(one, &held, 0) == 0) {
-        Batch batch = {held.items, 1, 0, ns_hash, 0, 1, 0, 0};
+        Batch batch = {held.items, 1, 0, frame, 0, 1, 0, 0};
         int err = build_header(&batch, &held.items[0]);
         if (err)
             PyErr_SetFromErrno(PyExc_OSError);
         else
             result = PyBytes_FromStringAndSize(
                 (const char *)held.items[0].head,
-                (Py_ssize_t)(FIXED_HEADER_BYTES + held.items[0].key_len));
+                (Py_ssize_t)head_bytes_of(&frame, held.items[0].key_len));
     }
     held_release(&held);
     Py_DECREF(one);
+    return result;
+}
+
+PyDoc_STRVAR(keyed_hash_doc,
+"keyed_hash(key, parts, lanes=0) -> bytes\n\n"
+"The 32-byte keyed BLAKE3 of the buffers `parts` (a tuple) joined, as the frames' MAC\n"
+"is made (`_blake3.c`): blake3.blake3(b''.join(parts), key=key).digest(), for tests;\n"
+"lanes: 1, 8 or 16 chunks at once at most (0: as many as the CPU does, BLAKE3_LANES).");
+
+static PyObject *py_keyed_hash(PyObject *self, PyObject *args) {
+    const char *key;
+    Py_ssize_t key_len;
+    PyObject *parts;
+    int lanes = 0;
+    if (!PyArg_ParseTuple(args, "y#O!|i", &key, &key_len, &PyTuple_Type, &parts, &lanes))
+        return NULL;
+    if (key_len != TKV_BLAKE3_KEY_BYTES) {
+        PyErr_Format(PyExc_ValueError, "key: %d bytes, not %zd", TKV_BLAKE3_KEY_BYTES, key_len);
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(parts);
+    Py_buffer *views = PyMem_Calloc((size_t)n + 1, sizeof *views);
+    struct iovec *iov = PyMem_Calloc((size_t)n + 1, sizeof *iov);
+    Py_ssize_t held = 0;
+    PyObject *result = NULL;
+    if (views == NULL || iov == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; held < n; held++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(parts, held), &views[held], PyBUF_SIMPLE) != 0)
+            goto done;
+        iov[held].iov_base = views[held].buf;
+        iov[held].iov_len = (size_t)views[held].len;
+    }
+    uint8_t out[TKV_BLAKE3_OUT_BYTES];
+    Py_BEGIN_ALLOW_THREADS
+    tkv_blake3_keyed_lanes((const uint8_t *)key, iov, (int)n, out,
+                           lanes ? lanes : tkv_blake3_lanes());
+    Py_END_ALLOW_THREADS
+    result = PyBytes_FromStringAndSize((const char *)out, TKV_BLAKE3_OUT_BYTES);
+done:
+    for (Py_ssize_t i = 0; i < held; i++)
+        PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    PyMem_Free(iov);
     return result;
 }
 
@@ -2099,6 +2248,7 @@ static PyMethodDef methods[] = {
     {"slab_scan", py_slab_scan, METH_VARARGS, slab_scan_doc},
     {"slab_read_items", py_slab_read_items, METH_VARARGS, slab_read_items_doc},
     {"direct_aligned", py_direct_aligned, METH_O, direct_aligned_doc},
+    {"keyed_hash", py_keyed_hash, METH_VARARGS, keyed_hash_doc},
     {"beneath_works", py_beneath_works, METH_VARARGS,
      "beneath_works(dir_fd=-1) -> bool: whether the batch calls can open below a directory\n"
      "(openat2); with dir_fd, tried on it first (a refusal turns the batch calls off)."},
@@ -2128,6 +2278,8 @@ PyMODINIT_FUNC PyInit__batchio(void) {
         PyModule_AddIntConstant(m, "CORRUPT_LONG", CORRUPT_LONG) ||
         PyModule_AddIntConstant(m, "CORRUPT_CHECKSUM", CORRUPT_CHECKSUM) ||
         PyModule_AddIntConstant(m, "CORRUPT_SLOT", CORRUPT_SLOT) ||
+        PyModule_AddIntConstant(m, "CORRUPT_MAC", CORRUPT_MAC) ||
+        PyModule_AddIntConstant(m, "BLAKE3_LANES", tkv_blake3_lanes()) ||
         PyModule_AddIntConstant(m, "SLOT_HEAD_BYTES", SLOT_HEAD_BYTES) ||
         PyModule_AddIntConstant(m, "SLAB_WRITE", SLAB_WRITE) ||
         PyModule_AddIntConstant(m, "SLAB_READ", SLAB_READ) ||

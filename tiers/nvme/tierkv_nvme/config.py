@@ -88,9 +88,9 @@ class NvmeTierConfig(TierConfig):
         default="auto",
         description="what moves the blocks' bytes: native, the compiled core (a whole "
         "batch per call, GIL released; built when the package is installed with a C "
-        "compiler and libxxhash-dev); python, the pure-Python path; auto, native when "
-        "it is built and the frames carry no MAC (mac_key_env), else python. The same "
-        "files either way",
+        "compiler and libxxhash-dev; it signs and checks frames itself with mac_key_env); "
+        "python, the pure-Python path; auto, native when it is built, else python. The "
+        "same files either way",
     )
     direct: bool = Field(
         default=False,

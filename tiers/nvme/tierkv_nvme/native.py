@@ -18,8 +18,9 @@ file opened relative to its fan-out directory's descriptor from `leaves`), a cor
 file deleted when its name still holds it, and the mtime refreshed when asked. New
 files are created 0600.
 
-Frames with a MAC (a `Framer` with a key) are not the core's: the MAC (keyed BLAKE3)
-is per block Python work either way, so such tiers stay on the Python path (`choose`).
+Signed frames (a `Framer` with a MAC key, `mac_key_env`) are the core's too: it makes
+and checks the MAC (keyed BLAKE3, `_blake3.c`, 16 or 8 chunks at once with AVX-512 or
+AVX2) beside the checksum, from the key the `Framer`'s `MacKey` derived (`_frame`).
 
 Every call takes `deadline` (`time.monotonic()` seconds; 0: none): a block the core
 has not started by then is left untouched and answers `PastDeadline`, so a job past
@@ -79,6 +80,7 @@ CORRUPT_KINDS = {
     9: "payload length",
     10: "checksum",
     11: "slab slot",
+    12: "MAC",
 }
 """The core's outcome codes for a frame that fails a check, by what failed."""
 MAX_DEFAULT_THREADS = 2
@@ -92,15 +94,10 @@ MIN_BLOCKS_PER_THREAD = 4
 def choose(wanted: str, framer: Framer) -> tuple[str, str]:
     """The engine a tier configured with `io_engine: wanted` uses, and why.
 
-    `auto`: native when built and the frames carry no MAC, else python. `native` that
+    `auto`: native when built, else python. `native` that
     cannot be had raises TierUnavailable naming the reason and the fix."""
     if wanted == "python":
         return "python", "io_engine: python"
-    if framer.mac:
-        why = "frames carry a MAC (mac_key_env), which the compiled core does not sign"
-        if wanted == "native":
-            raise TierUnavailable(f"nvme io_engine: native, but {why}; use io_engine: auto")
-        return "python", why
     if not AVAILABLE:
         if wanted == "native":
             raise TierUnavailable(f"nvme io_engine: native, but {reason}")
@@ -116,6 +113,15 @@ def default_threads(blocks: int) -> int:
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
     return max(1, min(MAX_DEFAULT_THREADS, cpus, blocks // MIN_BLOCKS_PER_THREAD))
+
+
+def _frame(framer: Framer) -> int | tuple[int, bytes, bytes]:
+    """What the core's calls take for `framer`'s frames: the namespace hash, and for a
+    signing framer its derived MAC key and key id."""
+    key = framer.mac_key
+    if key is None:
+        return framer.namespace_tag
+    return (framer.namespace_tag, key.derived_key, key.key_id)
 
 
 def _core_or_raise() -> ModuleType:
@@ -144,8 +150,6 @@ def write_blocks(
 ) -> list[Exception | None]:
     """`blockfile.write_block` for each of `items` (rel, key, payload), one outcome
     each (None: published), the blocks spread over `threads` threads of the core."""
-    if framer.mac:
-        raise ValueError("frames with a MAC are written by blockfile.write_block")
     core = _core_or_raise()
     outcomes: list[Exception | None] = [None] * len(items)
     batch: list[tuple[int, bytes, bytes, bytes, Slot]] = []
@@ -164,7 +168,7 @@ def write_blocks(
         where.append(i)
     if batch:
         wanted = default_threads(len(batch)) if threads is None else threads
-        codes = core.write_blocks(batch, framer.namespace_tag, fsync, wanted, deadline)
+        codes = core.write_blocks(batch, _frame(framer), fsync, wanted, deadline)
         for i, code in zip(where, codes):
             if code:
                 outcomes[i] = _os_error(-code, items[i][0])
@@ -184,8 +188,6 @@ def read_blocks(
     (None: read and checked), the blocks spread over `threads` threads of the core.
     `placement` is accepted for the same signature: the core tests each slot's
     distance (`blockfile.SHORT_DISTANCE`) itself, which costs it nothing."""
-    if framer.mac:
-        raise ValueError("frames with a MAC are read by blockfile.read_blocks")
     core = _core_or_raise()
     outcomes: list[Exception | None] = [None] * len(items)
     batch: list[tuple[int, bytes, bytes, Slot, bool]] = []
@@ -201,7 +203,7 @@ def read_blocks(
     if not batch:
         return outcomes
     wanted = default_threads(len(batch)) if threads is None else threads
-    codes, details = core.read_blocks(batch, framer.namespace_tag, wanted, deadline)
+    codes, details = core.read_blocks(batch, _frame(framer), wanted, deadline)
     for j, (i, code) in enumerate(zip(where, codes)):
         if code < 0:
             outcomes[i] = _os_error(-code, items[i][0])
@@ -243,12 +245,10 @@ def write_batch_call(
     per block but the outcome of a failed one. Files go below `root_fd` (the namespace
     directory) as `layout.block_relpath` names them, opened without following any link.
     Keys must pass `batch_keys`."""
-    if framer.mac:
-        raise ValueError("frames with a MAC are written by blockfile.write_block")
     core = _core_or_raise()
     wanted = default_threads(len(keys)) if threads is None else threads
     args = (
-        root_fd, keys, lanes, slots, primary.num_blocks, framer.namespace_tag, fsync, wanted,
+        root_fd, keys, lanes, slots, primary.num_blocks, _frame(framer), fsync, wanted,
         deadline,
     )  # fmt: skip
 
@@ -277,12 +277,10 @@ def read_batch_call(
     """`read_blocks` for `keys[i]` into `slots[i]` of `primary` (geometry `lanes`), as
     `write_batch_call` does writes; `touch`: None, or a flag per key (refresh its
     mtime)."""
-    if framer.mac:
-        raise ValueError("frames with a MAC are read by blockfile.read_blocks")
     core = _core_or_raise()
     wanted = default_threads(len(keys)) if threads is None else threads
     args = (
-        root_fd, keys, lanes, slots, primary.num_blocks, touch, framer.namespace_tag, wanted,
+        root_fd, keys, lanes, slots, primary.num_blocks, touch, _frame(framer), wanted,
         deadline,
     )  # fmt: skip
 
@@ -390,13 +388,11 @@ def slab_write_call(
     `batch_keys`. `direct_fds`: the same files opened O_DIRECT (`slabfile.open_direct`),
     used when `direct_aligned(lanes)`; else, and where the filesystem refuses a direct
     write (EINVAL), the blocks go through `fds`."""
-    if framer.mac:
-        raise ValueError("frames with a MAC are written by slabfile.write_slots")
     core = _core_or_raise()
     wanted = default_threads(len(keys)) if threads is None else threads
     args = (
         fds, keys, lanes, slots, primary.num_blocks, places, seqs, room, num_places,
-        framer.namespace_tag, fsync, wanted, direct_fds, deadline,
+        _frame(framer), fsync, wanted, direct_fds, deadline,
     )  # fmt: skip
     return CoreCall(core.SLAB_WRITE, args, _write_answer)
 
@@ -423,13 +419,11 @@ def slab_read_call(
     as `slab_write_call`'s: a direct read never writes past a block's memory (only
     whole, aligned pages go direct) and takes the whole header page into the core's
     own aligned buffer."""
-    if framer.mac:
-        raise ValueError("frames with a MAC are read by slabfile.read_slots")
     core = _core_or_raise()
     wanted = default_threads(len(keys)) if threads is None else threads
     args = (
         fds, keys, lanes, slots, primary.num_blocks, places, seqs, room, num_places,
-        framer.namespace_tag, wanted, direct_fds, deadline,
+        _frame(framer), wanted, direct_fds, deadline,
     )  # fmt: skip
 
     def answer(raw: tuple[list[int], dict[int, tuple[int, bytes]]]) -> list[Exception | None]:
@@ -458,13 +452,11 @@ def slab_write_items_call(
     must fit a slot's header page (`slabfile.MAX_FRAME_HEADER`). With `direct_fds`,
     each block whose regions are whole, 4 KiB aligned pages goes O_DIRECT, the others
     buffered."""
-    if framer.mac:
-        raise ValueError("frames with a MAC are written by slabfile.write_slots")
     core = _core_or_raise()
     batch = [(-1, b"", b"", bytes(key), payload) for key, payload in items]
     wanted = default_threads(len(batch)) if threads is None else threads
     args = (
-        fds, batch, places, seqs, room, num_places, framer.namespace_tag, fsync, wanted,
+        fds, batch, places, seqs, room, num_places, _frame(framer), fsync, wanted,
         direct_fds, deadline,
     )  # fmt: skip
     return CoreCall(core.SLAB_WRITE_ITEMS, args, _write_answer)
@@ -485,13 +477,11 @@ def slab_read_items_call(
 ) -> CoreCall:
     """`slab_read_call` for blocks lent one by one: (key, dest) each. Outcomes as
     `slab_read_call`'s; `direct_fds` as `slab_write_items_call`'s."""
-    if framer.mac:
-        raise ValueError("frames with a MAC are read by slabfile.read_slots")
     core = _core_or_raise()
     batch = [(-1, b"", bytes(key), dest, False) for key, dest in items]
     wanted = default_threads(len(batch)) if threads is None else threads
     args = (
-        fds, batch, places, seqs, room, num_places, framer.namespace_tag, wanted, direct_fds,
+        fds, batch, places, seqs, room, num_places, _frame(framer), wanted, direct_fds,
         deadline,
     )  # fmt: skip
     keys = [key for key, _dest in items]
@@ -623,12 +613,11 @@ def slab_scan(
     fd: int, index: int, room: int, framer: Framer, block_bytes: int
 ) -> tuple[list[FoundSlot], int]:
     """`slabfile.scan` in the core, the GIL released: one `pread` of a header page per
-    slot, no Python per slot but the result's. Unsigned frames only (a signing tier's
-    frames are checked by `slabfile.scan`, which knows MACs and key ids)."""
-    if framer.mac:
-        raise ValueError("frames with a MAC are scanned by slabfile.scan")
+    slot, no Python per slot but the result's. A signing tier's scan keeps only frames
+    signed with its key id (as `Framer.parse_header` does); their MACs are checked when
+    they are read."""
     found, bad = _core_or_raise().slab_scan(
-        fd, index, SLAB_FILES, room, framer.namespace_tag, block_bytes
+        fd, index, SLAB_FILES, room, _frame(framer), block_bytes
     )
     return [FoundSlot(place, seq, key) for place, seq, key in found], bad
 
@@ -656,9 +645,9 @@ def _corrupt(
 
 
 def encode_header(framer: Framer, key: OffloadKey, payload: Slot) -> bytes:
-    """The header the core writes before `payload` (for tests: byte-identical to
-    `framer.encode_header`)."""
-    return bytes(_core_or_raise().encode_header(framer.namespace_tag, bytes(key), payload))
+    """The header the core writes before `payload`, signed when `framer` signs (for
+    tests: byte-identical to `framer.encode_header`)."""
+    return bytes(_core_or_raise().encode_header(_frame(framer), bytes(key), payload))
 
 
 __all__ = [

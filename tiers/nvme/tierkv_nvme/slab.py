@@ -30,8 +30,8 @@ What the slots change:
   blocks' buffers handed over one by one (LMCache's lent objects). From the event
   loop the call goes to the core's own threads (`native.CoreQueue`), which never take
   the GIL; a loop the queue does not serve hands it to a block thread. The Python path
-  (`slabfile.write_slots`/`read_slots`) is for `io_engine: python` and signed frames
-  (`mac_key_env`). Each writes the same bytes.
+  (`slabfile.write_slots`/`read_slots`) is for `io_engine: python` and machines
+  without the core. Each writes the same bytes, signed or not (`mac_key_env`).
 - A key longer than a slot's header page holds (about 4 KiB) fails its store with a
   message naming `layout: files`.
 - `direct: true` opens each slab file a second time with O_DIRECT
