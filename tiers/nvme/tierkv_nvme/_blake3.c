@@ -215,9 +215,11 @@ AVX2 static void hash8_avx2(const uint8_t *const *chunks, int blocks, const uint
                             uint64_t counter, int step, uint32_t flags, uint32_t first,
                             uint32_t last, uint32_t (*out)[8]) {
     __m256i h[8];
+    #pragma GCC unroll 16
     for (int i = 0; i < 8; i++)
         h[i] = _mm256_set1_epi32((int)key[i]);
     uint32_t lo[8], hi[8];
+    #pragma GCC unroll 16
     for (int l = 0; l < 8; l++) {
         lo[l] = (uint32_t)(counter + (uint64_t)(l * step));
         hi[l] = (uint32_t)((counter + (uint64_t)(l * step)) >> 32);
@@ -226,6 +228,7 @@ AVX2 static void hash8_avx2(const uint8_t *const *chunks, int blocks, const uint
     const __m256i counter_hi = _mm256_loadu_si256((const __m256i *)hi);
     for (int b = 0; b < blocks; b++) {
         __m256i m[16];
+        #pragma GCC unroll 16
         for (int l = 0; l < 8; l++) { /* little-endian words, as load32 reads them */
             m[l] = _mm256_loadu_si256((const __m256i *)(chunks[l] + b * BLOCK_BYTES));
             m[8 + l] = _mm256_loadu_si256((const __m256i *)(chunks[l] + b * BLOCK_BYTES + 32));
@@ -252,10 +255,12 @@ AVX2 static void hash8_avx2(const uint8_t *const *chunks, int blocks, const uint
             mix8(v, 2, 7, 8, 13, m[s[12]], m[s[13]]);
             mix8(v, 3, 4, 9, 14, m[s[14]], m[s[15]]);
         }
+        #pragma GCC unroll 16
         for (int i = 0; i < 8; i++)
             h[i] = xor(v[i], v[i + 8]);
     }
     transpose8(h); /* h[l]: lane l's chaining value */
+    #pragma GCC unroll 16
     for (int l = 0; l < 8; l++)
         _mm256_storeu_si256((__m256i *)out[l], h[l]);
 }
@@ -278,16 +283,19 @@ AVX512 static inline void mix16(__m512i *v, int a, int b, int c, int d, __m512i 
  * 64-bit interleaves within each 128-bit lane, then a 4x4 transpose of the lanes. */
 AVX512 static inline void transpose16(__m512i *rows) {
     __m512i t[16], u[16];
+    #pragma GCC unroll 16
     for (int i = 0; i < 8; i++) {
         t[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
         t[2 * i + 1] = _mm512_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
     }
+    #pragma GCC unroll 16
     for (int j = 0; j < 4; j++) { /* u[4j + w], lane k: word 4k + w of rows 4j .. 4j + 3 */
         u[4 * j] = _mm512_unpacklo_epi64(t[4 * j], t[4 * j + 2]);
         u[4 * j + 1] = _mm512_unpackhi_epi64(t[4 * j], t[4 * j + 2]);
         u[4 * j + 2] = _mm512_unpacklo_epi64(t[4 * j + 1], t[4 * j + 3]);
         u[4 * j + 3] = _mm512_unpackhi_epi64(t[4 * j + 1], t[4 * j + 3]);
     }
+    #pragma GCC unroll 16
     for (int w = 0; w < 4; w++) {
         __m512i ab_lo = _mm512_shuffle_i32x4(u[w], u[4 + w], 0x44);
         __m512i ab_hi = _mm512_shuffle_i32x4(u[w], u[4 + w], 0xEE);
@@ -305,9 +313,11 @@ AVX512 static void hash16_avx512(const uint8_t *const *chunks, int blocks, const
                                  uint64_t counter, int step, uint32_t flags, uint32_t first,
                                  uint32_t last, uint32_t (*out)[8]) {
     __m512i h[8];
+    #pragma GCC unroll 16
     for (int i = 0; i < 8; i++)
         h[i] = _mm512_set1_epi32((int)key[i]);
     uint32_t lo[16], hi[16];
+    #pragma GCC unroll 16
     for (int l = 0; l < 16; l++) {
         lo[l] = (uint32_t)(counter + (uint64_t)(l * step));
         hi[l] = (uint32_t)((counter + (uint64_t)(l * step)) >> 32);
@@ -316,6 +326,7 @@ AVX512 static void hash16_avx512(const uint8_t *const *chunks, int blocks, const
     const __m512i counter_hi = _mm512_loadu_si512(hi);
     for (int b = 0; b < blocks; b++) {
         __m512i m[16];
+        #pragma GCC unroll 16
         for (int l = 0; l < 16; l++)
             m[l] = _mm512_loadu_si512(chunks[l] + b * BLOCK_BYTES);
         transpose16(m);
@@ -339,13 +350,17 @@ AVX512 static void hash16_avx512(const uint8_t *const *chunks, int blocks, const
             mix16(v, 2, 7, 8, 13, m[s[12]], m[s[13]]);
             mix16(v, 3, 4, 9, 14, m[s[14]], m[s[15]]);
         }
+        #pragma GCC unroll 16
         for (int i = 0; i < 8; i++)
             h[i] = _mm512_xor_si512(v[i], v[i + 8]);
     }
     uint32_t words[8][16];
+    #pragma GCC unroll 16
     for (int i = 0; i < 8; i++)
         _mm512_storeu_si512(words[i], h[i]);
+    #pragma GCC unroll 16
     for (int l = 0; l < 16; l++)
+        #pragma GCC unroll 16
         for (int i = 0; i < 8; i++)
             out[l][i] = words[i][l];
 }
@@ -389,17 +404,36 @@ static void hash_many(const uint8_t **inputs, int count, int lanes, int blocks,
     }
 }
 
-/* The chaining value of the subtree over `count` chaining values (a power of two,
- * consecutive in `cvs`, which it overwrites): parents a level at a time, side by side. */
-static void subtree_cv(uint32_t (*cvs)[8], int count, int lanes, const uint32_t key[8]) {
-    for (; count > 1; count /= 2) {
-        const uint8_t *pairs[16]; /* cvs[2i] and cvs[2i + 1] are one parent's 64-byte block */
+/* The `count` chaining values of a group of chunks (`cvs`, overwritten) as whole
+ * subtrees: the group splits into runs of a power of two chunks, largest first (15:
+ * 8, 4, 2, 1), and every run's parents are made a level at a time, all runs' parents
+ * of a level side by side. sizes[r]: run r's chunks, its chaining value in cvs[r];
+ * returns the number of runs. */
+static int subtrees(uint32_t (*cvs)[8], int count, int lanes, const uint32_t key[8],
+                    int sizes[5]) {
+    int runs = 0, starts[5];
+    for (int size = 16, at = 0; size >= 1; size /= 2)
+        if (count & size) {
+            starts[runs] = at;
+            sizes[runs++] = size;
+            at += size;
+        }
+    for (int width = 1; width < sizes[0]; width *= 2) { /* each run now `width` times fewer */
+        const uint8_t *pairs[16]; /* cvs[i] and cvs[i + 1] are one parent's 64-byte block */
+        int to[16], n = 0;
+        for (int r = 0; r < runs; r++)
+            for (int i = 0; i < sizes[r] / (2 * width); i++) {
+                pairs[n] = (const uint8_t *)cvs[starts[r] + 2 * i];
+                to[n++] = starts[r] + i;
+            }
         uint32_t parents[16][8];
-        for (int i = 0; i < count / 2; i++)
-            pairs[i] = (const uint8_t *)cvs[2 * i];
-        hash_many(pairs, count / 2, lanes, 1, key, 0, 0, KEYED_HASH | PARENT, 0, 0, parents);
-        memcpy(cvs, parents, sizeof parents[0] * (size_t)(count / 2));
+        hash_many(pairs, n, lanes, 1, key, 0, 0, KEYED_HASH | PARENT, 0, 0, parents);
+        for (int p = 0; p < n; p++)
+            memcpy(cvs[to[p]], parents[p], sizeof parents[p]);
     }
+    for (int r = 0; r < runs; r++)
+        memcpy(cvs[r], cvs[starts[r]], sizeof cvs[r]);
+    return runs;
 }
 
 /* -- the input: parts read in order, a chunk at a time ------------------------------ */
@@ -466,30 +500,20 @@ void tkv_blake3_keyed_lanes(const uint8_t key_bytes[TKV_BLAKE3_KEY_BYTES],
         uint32_t cvs[16][8];
         hash_many(data, group, lanes, CHUNK_BYTES / BLOCK_BYTES, key, chunk, 1, KEYED_HASH,
                   CHUNK_START, CHUNK_END, cvs);
-        if (group == lanes && lanes > 1) { /* chunks [chunk, chunk + lanes): a whole subtree */
-            subtree_cv(cvs, lanes, lanes, key);
+        int sizes[5];
+        int runs = subtrees(cvs, group, lanes, key, sizes);
+        for (int r = 0; r < runs; r++) {
+            /* push the run's subtree, first merging every completed subtree it closes: as
+             * many as the trailing zero bits of the chunks so far, counted in runs of its size */
             uint32_t cv[8];
-            memcpy(cv, cvs[0], sizeof cv);
-            for (uint64_t done = (chunk + (uint64_t)lanes) / (uint64_t)lanes; (done & 1) == 0;
-                 done >>= 1) {
-                Node parent = parent_node(stack[--depth], cv, key);
-                node_cv(&parent, cv);
-            }
-            memcpy(stack[depth++], cv, sizeof cv);
-            chunk += (uint64_t)group;
-            continue;
-        }
-        for (int g = 0; g < group; g++) {
-            /* merge each completed subtree: as many as trailing zero bits of the count */
-            uint32_t cv[8];
-            memcpy(cv, cvs[g], sizeof cv);
-            for (uint64_t done = chunk + (uint64_t)g + 1; (done & 1) == 0; done >>= 1) {
+            memcpy(cv, cvs[r], sizeof cv);
+            chunk += (uint64_t)sizes[r];
+            for (uint64_t done = chunk / (uint64_t)sizes[r]; (done & 1) == 0; done >>= 1) {
                 Node parent = parent_node(stack[--depth], cv, key);
                 node_cv(&parent, cv);
             }
             memcpy(stack[depth++], cv, sizeof cv);
         }
-        chunk += (uint64_t)group;
     }
     size_t last = total - (size_t)(chunk * CHUNK_BYTES);
     Node node = chunk_node(take(&cursor, last, spare[0]), last, key, chunk);
