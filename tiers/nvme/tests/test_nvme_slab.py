@@ -25,6 +25,7 @@ from tierkv_nvme.slab import SlabNvmeTier
 
 from tierkv.contract.framing import Framer
 from tierkv.contract.jobs import JobMetadata, ReqContext
+from tierkv.contract.mac import MacKey
 from tierkv.contract.slab import PrimaryView
 from tierkv.testing import random_keys
 
@@ -630,16 +631,22 @@ async def test_blocks_lent_one_by_one_go_through_the_core_with_the_same_bytes(
     assert made["python"] == made["native"]
 
 
+@pytest.mark.parametrize("signed", [False, True], ids=["checksum", "mac"])
 async def test_the_cores_scan_finds_what_the_python_scan_finds(
-    tmp_path: Path, make_rig: Any, native_core: None
+    tmp_path: Path, make_rig: Any, native_core: None, signed: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On one slab with written, never-written (holes), torn, removed, foreign-namespace
-    and other-size slots, `native.slab_scan` returns the same slots and bad count as
+    and other-size slots (and for a signing tier, slots signed by another key and
+    unsigned ones), `native.slab_scan` returns the same slots and bad count as
     `slabfile.scan`, file by file."""
     from tierkv_nvme import native
 
     rig = make_rig(tmp_path / "nvme", io_engine="native")
-    tier = slab_tier(rig, slots=200)
+    fields: dict[str, Any] = {}
+    if signed:
+        monkeypatch.setenv("TIERKV_SCAN_TEST_MAC", os.urandom(32).hex())
+        fields["mac_key_env"] = "TIERKV_SCAN_TEST_MAC"
+    tier = slab_tier(rig, slots=200, **fields)
     await tier.open()
     keys = rig.keys(60)
     for first in range(0, 60, 20):
@@ -651,10 +658,14 @@ async def test_the_cores_scan_finds_what_the_python_scan_finds(
     poke(tier, places[0], room + 40, b"\xff")  # a torn header: skipped, not bad
     fds = [os.open(p, os.O_RDWR) for p in tier.slab_paths]
     try:
-        other = Framer("another namespace")
+        other = Framer("another namespace", tier.framer.mac_key)
         slabfile.write_slot(fds, 150, room, b"f" * 20, bytes(rig.block_bytes), other, 7)
-        short = Framer(tier.framer.namespace)  # a frame of another size: bad
-        slabfile.write_slot(fds, 170, room, b"s" * 20, bytes(100), short, 8)
+        slabfile.write_slot(fds, 170, room, b"s" * 20, bytes(100), tier.framer, 8)  # size: bad
+        if signed:  # another trust domain's, and unsigned: both bad
+            theirs = Framer(tier.framer.namespace, MacKey(os.urandom(32)))
+            slabfile.write_slot(fds, 190, room, b"g" * 20, bytes(rig.block_bytes), theirs, 9)
+            plain = Framer(tier.framer.namespace)
+            slabfile.write_slot(fds, 191, room, b"h" * 20, bytes(rig.block_bytes), plain, 10)
         for index, fd in enumerate(fds):
             python = slabfile.scan(fd, index, room, tier.framer, rig.block_bytes)
             core = native.slab_scan(fd, index, room, tier.framer, rig.block_bytes)
@@ -667,7 +678,7 @@ async def test_the_cores_scan_finds_what_the_python_scan_finds(
             os.close(fd)
     found = {f.key for part, _bad in every for f in part}
     assert found == set(keys[6:])
-    assert sum(bad for _part, bad in every) == 2
+    assert sum(bad for _part, bad in every) == (4 if signed else 2)
 
 
 async def test_a_filesystem_without_seek_data_is_scanned_slot_by_slot(

@@ -240,8 +240,8 @@ static int same_mac(const uint8_t *a, const uint8_t *b) {
 /* Every field of the header read for `item`, in the order Framer.check_frame reports
  * them; the checksum over the payload where it now lies, then the MAC. A signing call
  * takes only frames signed with its key id (the form it writes): any other flags or
- * key id are CORRUPT_FLAGS, which the caller's Framer names precisely (another trust
- * domain's block, `ForeignBlock`, is left in place). */
+ * key id are CORRUPT_FLAGS, which the caller's Framer names precisely (`ForeignBlock`
+ * for another trust domain's block). */
 static long check_frame(const Batch *batch, const Item *item) {
     const Frame *frame = &batch->frame;
     const unsigned char *h = item->head;
