@@ -599,9 +599,11 @@ class LentView(PrimaryView):
         return None
 
 
+@pytest.mark.parametrize("signed", [False, True], ids=["checksum", "mac"])
 async def test_blocks_lent_one_by_one_go_through_the_core_with_the_same_bytes(
-    tmp_path: Path, native_core: None
+    tmp_path: Path, native_core: None, signed: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("TIERKV_LENT_TEST_MAC", "m" * 32)
     block = 5000
     keys = random_keys(9, random.Random(3))
     made = {}
@@ -612,6 +614,7 @@ async def test_blocks_lent_one_by_one_go_through_the_core_with_the_same_bytes(
         config = NvmeTierConfig(
             type="nvme", path=tmp_path / engine, capacity=16 * slabfile.slot_bytes(block),
             layout="slab", io_engine=engine, fsync="always",
+            mac_key_env="TIERKV_LENT_TEST_MAC" if signed else None,
         )  # fmt: skip
         tier = NvmeTier(config, view)
         assert isinstance(tier, SlabNvmeTier)
