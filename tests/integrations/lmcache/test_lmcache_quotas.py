@@ -116,3 +116,52 @@ def test_the_check_prints_each_tiers_quotas(
     assert main(["lmcache", "check", spec]) == 0
     assert "      quotas salt-0bc5fe16 50%, no borrowing" in capsys.readouterr().out
     assert not (tmp_path / "kv").exists()
+
+
+def test_a_guarantee_holds_across_object_sizes(rig: Any) -> None:
+    """The shared capacity of a section evicts by the quota rule, not by age alone: a
+    tenant flooding one object size takes the unguaranteed blocks and its own, never
+    the blocks another tenant's guarantee covers in another size."""
+    keeper, flooder = salt_tenant(KEEPER), salt_tenant(FLOODER)
+    assert keeper is not None and flooder is not None
+    l1 = rig.L1(8 << 20)
+    quotas = {"nvme": {"tenants": {keeper: "50%"}}}
+    other = 2 * SIZE
+    adapter = rig.adapter(
+        [rig.nvme(capacity="640KiB")], l1, object_bytes=[SIZE, other], tenants={"quotas": quotas}
+    )
+    drive = rig.Driver(adapter)
+    mine = [rig.key(i, salt=KEEPER) for i in range(4)]
+    seeds = [f"keeper{i}" for i in range(4)]
+    assert drive.store(mine, [l1.obj(SIZE, s) for s in seeds]).is_successful()
+    for r in range(8):  # 32 one-off objects of the other size: more than the section holds
+        flood = [rig.key(100 + 4 * r + i, salt=FLOODER) for i in range(4)]
+        assert drive.store(flood, [l1.obj(other, f"f{r}{i}") for i in range(4)]).is_successful()
+
+    assert drive.lookup(mine) == [True] * 4
+    out = [l1.obj(SIZE) for _ in mine]
+    assert drive.load(mine, out) == [True] * 4
+    assert [rig.content(o) for o in out] == [rig.pattern(s, SIZE) for s in seeds]
+    assert drive.lookup([rig.key(100, salt=FLOODER)]) == [False]  # its oldest gave way
+    assert drive.lookup([rig.key(131, salt=FLOODER)]) == [True]
+
+
+def test_a_cap_holds_over_every_object_size(rig: Any) -> None:
+    """A tenant capped at 64 KiB of objects without `borrow` holds no more than that
+    over all sizes together: its objects of a second size take the place of its own
+    older ones (each size alone would have let it hold 64 KiB more)."""
+    l1 = rig.L1(4 << 20)
+    quotas = {"nvme": {"default": "64KiB", "borrow": False}}
+    adapter = rig.adapter(
+        [rig.nvme(capacity="1MiB")], l1, object_bytes=[SIZE, 2 * SIZE], tenants={"quotas": quotas}
+    )
+    drive = rig.Driver(adapter)
+    small = [rig.key(i, salt=FLOODER) for i in range(4)]  # 4 x 16 KiB: the whole cap
+    assert drive.store(small, [l1.obj(SIZE, f"s{i}") for i in range(4)]).is_successful()
+    large = [rig.key(10 + i, salt=FLOODER) for i in range(2)]  # 2 x 32 KiB
+    assert drive.store(large, [l1.obj(2 * SIZE, f"l{i}") for i in range(2)]).is_successful()
+    assert drive.lookup(large) == [True, True]
+    assert drive.lookup(small) == [False] * 4  # its own oldest made the room
+    shares = next(iter(adapter._chains.budgets.values())).shares
+    assert shares is not None
+    assert shares.report()[salt_tenant(FLOODER)]["held_object_bytes"] == 4 * SIZE

@@ -27,6 +27,11 @@ instance of it answers to:
   locks, and blocks being read) and the oldest stamp among their heads goes first.
   Blocks an earlier process left (recovered by an nvme tier's `open`) are oldest.
   Keys of store jobs running now are never victims.
+- **Tenants' quotas hold over every size.** With `tenants.quotas` on the section, a
+  store's room comes by the quota rule in bytes (`shares.SectionShares`): free room,
+  then blocks of tenants with no guarantee and named tenants' excess, then the storing
+  tenant's own blocks; never a named tenant's bytes within its quota. Without quotas,
+  least recently used alone.
 - **Each instance keeps `capacity` as its own bound**, which the shared one keeps it
   under: its own eviction does not run. Evictions are reported as the tier's own
   (`report_removed`), so the adapter's key record and LMCache's byte accounting
@@ -53,6 +58,8 @@ from tierkv.contract.keys import OffloadKey
 from tierkv.contract.tier import NO_ROOM, SecondaryTierManager, TierConfig
 from tierkv.contract.units import format_size
 from tierkv.driver.guarded import GuardedTier
+from tierkv.integrations.lmcache.shares import Accept, SectionShares
+from tierkv.quotas.config import TierQuotas
 from tierkv.registry import get_tier_class
 
 __all__ = ["SharedBudget", "shared_capacity"]
@@ -62,6 +69,11 @@ logger = logging.getLogger(__name__)
 ROUNDS = 4
 """Eviction passes one reservation makes at most (a pass falls short only when a
 removal failed or a block was bigger than its estimate)."""
+
+WALK = 1024
+"""Eviction candidates a quota's choice walks past, beyond the blocks it takes, before
+it gives up (a tenant whose own blocks are buried under others' guarantees is
+declined rather than walking the whole section on the event loop)."""
 
 Job = Callable[[JobMetadata], Awaitable[JobResult]]
 
@@ -93,9 +105,15 @@ class SharedBudget:
     """One section's `capacity` over its instances of every object size (see the
     module docstring)."""
 
-    def __init__(self, name: str, capacity: int) -> None:
+    def __init__(self, name: str, capacity: int, quotas: TierQuotas | None = None) -> None:
         self.name = name
         self.capacity = capacity
+        self.shares = (
+            SectionShares(quotas, capacity)
+            if quotas is not None and (quotas.tenants or quotas.default is not None)
+            else None
+        )
+        """Tenants' bytes over every size, where the section has quotas."""
         self.evicted = 0
         """Blocks evicted to keep the section within `capacity`."""
         self._members: list[GuardedTier] = []
@@ -169,14 +187,18 @@ class SharedBudget:
     def forget(self, keys: Iterable[OffloadKey]) -> None:
         """Keys that left their instance (removed, evicted, deleted)."""
         stamps = self._stamps
+        keys = list(keys)
         for key in keys:
             stamps.pop(key, None)
+        if self.shares is not None:
+            self.shares.remove(keys)
 
     # -- stores --------------------------------------------------------------------------
     async def _store(self, guarded: GuardedTier, store: Job, job: JobMetadata) -> JobResult:
         """Reserve room for `job`'s new blocks (evicting across sizes), then store what
         got room; the rest fails `no room`."""
         tier, keys = guarded.tier, job.keys
+        tenant = SectionShares.name(getattr(job.ctx, "tenant", None))
         self._busy.update(keys)
         reserved = 0
         try:
@@ -187,15 +209,23 @@ class SharedBudget:
             # tier's to refuse (it says how to fix it)
             costs = [0 if was else cost for was, cost in zip(held, (_cost(tier, k) for k in keys))]
             costs = [0 if c > self.capacity else c for c in costs]
-            admitted, reserved = await self._reserve(costs, guarded)
+            who = _Store(tenant, guarded.block_bytes, costs)
+            admitted, reserved = await self._reserve(costs, guarded, who)
             if all(admitted):
                 result = await store(job)
             else:
                 result = await self._store_some(store, job, admitted)
-            self._stamp(getattr(result, "ok_keys", ()))  # the driver checks the answer
+            ok = getattr(result, "ok_keys", ())  # the driver checks the answer
+            self._stamp(ok)
+            if self.shares is not None:
+                cost_of = dict(zip(keys, costs))
+                placed = [(k, cost_of[k], guarded.block_bytes) for k in ok if cost_of.get(k)]
+                self.shares.add(tenant, placed)
             return result
         finally:
             self._reserved -= reserved
+            if self.shares is not None and reserved:
+                self.shares.release(tenant, reserved, who.objects(reserved))
             busy = self._busy
             for key in keys:
                 left = busy[key] - 1
@@ -220,25 +250,68 @@ class SharedBudget:
             failed.update(dict.fromkeys(failing, getattr(done, "error", None) or "failed"))
         return JobResult.partial(job, failed)
 
-    async def _reserve(self, costs: Sequence[int], storing: GuardedTier) -> tuple[list[bool], int]:
+    async def _reserve(
+        self, costs: Sequence[int], storing: GuardedTier, who: _Store
+    ) -> tuple[list[bool], int]:
         """Which keys of a job of `storing` get room, and the bytes reserved for them
         (evicting first where needed)."""
         need = sum(costs)
         lock = self._evicting()
-        if not lock.locked() and self.total() + need <= self.capacity:
-            self._reserved += need
+        if not lock.locked() and self._room(who) >= need:
+            self._hold(who, need)
             return [True] * len(costs), need
         async with lock:
-            if self.total() + need > self.capacity:
-                # as many keys as evicting every candidate would make room for
-                _, freed = self._choose(self.total() + need - self.capacity)
-                admitted = _fit(costs, self.capacity - self.total() + freed)
-                need = sum(c for c, ok in zip(costs, admitted) if ok)
-                await self._shrink(self.capacity - need, storing)
-            admitted = _fit(costs, self.capacity - self.total())
+            if self._room(who) < need:
+                if self.shares is None:
+                    # as many keys as evicting every candidate would make room for
+                    _, freed = self._choose(self.total() + need - self.capacity)
+                    admitted = _fit(costs, self.capacity - self.total() + freed)
+                    need = sum(c for c, ok in zip(costs, admitted) if ok)
+                    await self._shrink(self.capacity - need, storing)
+                else:
+                    await self._make_room(costs, who, storing)
+            admitted = _fit(costs, self._room(who))
             need = sum(c for c, ok in zip(costs, admitted) if ok)
-            self._reserved += need
+            self._hold(who, need)
             return admitted, need
+
+    def _room(self, who: _Store) -> int:
+        """Bytes a store may reserve now, evicting nothing: the free room, within its
+        tenant's quota unless the section borrows."""
+        free = max(0, self.capacity - self.total())
+        if self.shares is None:
+            return free
+        took, _ = self.shares.split(who.tenant, free, free, who.ratio)
+        return took
+
+    def _hold(self, who: _Store, nbytes: int) -> None:
+        self._reserved += nbytes
+        if self.shares is not None and nbytes:
+            self.shares.reserve(who.tenant, nbytes, who.objects(nbytes))
+
+    async def _make_room(self, costs: Sequence[int], who: _Store, storing: GuardedTier) -> None:
+        """Under the lock, with quotas: evict by the quota rule for a store of `costs`
+        (`shares`: others' takeable blocks while its tenant grows within its quota,
+        then its own), no more than the keys that can get room need."""
+        shares = self.shares
+        assert shares is not None
+        free = max(0, self.capacity - self.total())
+        walk = WALK + 8 * len(costs)
+        tenant = who.tenant
+
+        def plan(need: int) -> tuple[dict[GuardedTier, list[OffloadKey]], int]:
+            took, grow = shares.split(tenant, need, free, who.ratio)
+            victims, freed = self._choose(min(grow, need - took), shares.others(tenant), walk)
+            if took + freed < need:
+                own, more = self._choose(need - took - freed, shares.own(tenant), walk)
+                for guarded, keys in own.items():
+                    victims.setdefault(guarded, []).extend(keys)
+                freed += more
+            return victims, took + freed
+
+        _, reachable = plan(sum(costs))
+        victims, _ = plan(sum(c for c, ok in zip(costs, _fit(costs, reachable)) if ok))
+        await self._evict(victims, storing)
 
     # -- eviction ------------------------------------------------------------------------
     def _evicting(self) -> anyio.Lock:
@@ -259,41 +332,61 @@ class SharedBudget:
             victims, _ = self._choose(excess)
             if not victims:
                 return
-            for guarded, keys in victims.items():
-                try:
-                    if guarded is storing:  # its slots go to the store that evicts
-                        await guarded.tier.evict(keys)
-                    else:
-                        await guarded.tier.remove(keys)
-                except anyio.get_cancelled_exc_class():
-                    # memory and nvme drop the keys before their first await (nvme
-                    # deletes the files shielded): they are gone, say so
-                    guarded.tier.report_removed(keys)
-                    raise
-                except Exception as exc:  # the tier is down: its blocks stay counted
-                    logger.warning(
-                        "tierkv below LMCache's L1: %s (%d-byte objects): eviction for "
-                        "the shared capacity failed: %s",
-                        self.name,
-                        guarded.block_bytes,
-                        exc,
-                    )
-                    continue
-                self.evicted += len(keys)
-                guarded.tier.report_removed(keys)  # the key record and stamps follow
+            await self._evict(victims, storing)
 
-    def _choose(self, excess: int) -> tuple[dict[GuardedTier, list[OffloadKey]], int]:
+    async def _evict(
+        self, victims: dict[GuardedTier, list[OffloadKey]], storing: GuardedTier | None
+    ) -> None:
+        """Evict `victims` (by instance): the storing instance's are `evict`ed (their
+        slots go to its store), others' `remove`d; each reported removed."""
+        for guarded, keys in victims.items():
+            try:
+                if guarded is storing:  # its slots go to the store that evicts
+                    await guarded.tier.evict(keys)
+                else:
+                    await guarded.tier.remove(keys)
+            except anyio.get_cancelled_exc_class():
+                # memory and nvme drop the keys before their first await (nvme
+                # deletes the files shielded): they are gone, say so
+                guarded.tier.report_removed(keys)
+                raise
+            except Exception as exc:  # the tier is down: its blocks stay counted
+                logger.warning(
+                    "tierkv below LMCache's L1: %s (%d-byte objects): eviction for "
+                    "the shared capacity failed: %s",
+                    self.name,
+                    guarded.block_bytes,
+                    exc,
+                )
+                continue
+            self.evicted += len(keys)
+            guarded.tier.report_removed(keys)  # the key record and stamps follow
+
+    def _choose(
+        self, excess: int, accept: Accept | None = None, walk: int = 0
+    ) -> tuple[dict[GuardedTier, list[OffloadKey]], int]:
         """Victims freeing `excess` bytes (or as many as there are), oldest stamp
-        first among each instance's next candidates; and the bytes they free."""
+        first among each instance's next candidates; and the bytes they free. With
+        `accept`, only blocks it accepts, walking past at most `walk` others."""
+        if excess <= 0:
+            return {}, 0
         stamps, busy = self._stamps, self._busy
         heads: list[tuple[int, int, OffloadKey]] = []
         candidates: list[Iterator[OffloadKey]] = []
+        passed = 0
 
         def push(n: int) -> None:
+            nonlocal passed
             for key in candidates[n]:
-                if key not in busy:
-                    heapq.heappush(heads, (stamps.get(key, 0), n, key))
-                    return
+                if key in busy:
+                    continue
+                if accept is not None and not accept(key, _cost(self._members[n].tier, key)):
+                    passed += 1
+                    if passed > walk:
+                        return
+                    continue
+                heapq.heappush(heads, (stamps.get(key, 0), n, key))
+                return
 
         for n, guarded in enumerate(self._members):
             candidates.append(guarded.tier.eviction_candidates() if guarded.opened else iter(()))
@@ -312,6 +405,23 @@ class SharedBudget:
         clock, stamps = self._clock, self._stamps
         for key in keys:
             stamps[key] = next(clock)
+
+
+class _Store:
+    """A store job as the quotas see it: its tenant, and its blocks' footprint per
+    object byte (`ratio`), which converts a quota of object bytes."""
+
+    __slots__ = ("block_bytes", "ratio", "tenant")
+
+    def __init__(self, tenant: str, block_bytes: int, costs: Sequence[int]) -> None:
+        self.tenant = tenant
+        self.block_bytes = block_bytes
+        costly = [c for c in costs if c > 0]
+        self.ratio = sum(costly) / (len(costly) * block_bytes) if costly and block_bytes else 1.0
+
+    def objects(self, footprint: int) -> int:
+        """The object bytes of `footprint` bytes of this job's blocks."""
+        return round(footprint / self.ratio) if self.ratio else 0
 
 
 def _fit(costs: Sequence[int], room: int) -> list[bool]:

@@ -76,7 +76,7 @@ class SizeChains:
         for i, (config, name) in enumerate(zip(settings.tiers, settings.names)):
             capacity = shared_capacity(config)
             if capacity > 0:
-                self.budgets[i] = SharedBudget(name, capacity)
+                self.budgets[i] = SharedBudget(name, capacity, settings.quotas.get(name))
         self._loop = shared_loop()  # where the budgets live; released by `close`
 
     def all(self) -> list[SizeChain]:
