@@ -14,9 +14,12 @@ the native engine's ratio to it.
 
 Engines: `python` and `native` (`io_engine`), a `-slab` suffix for `layout: slab` (else
 `files`), then `-direct` for `direct: true` (O_DIRECT), `-mac` for frames signed with a
-keyed MAC (`mac_key_env`, a random secret). `--cold` (on a disk, not tmpfs)
-adds, after the stores, `sync` timed with them (synced GB/s: a buffered store's bytes
-are on the disk only then; the kernel's flusher threads' CPU is not the process's),
+keyed MAC (`mac_key_env`, a random secret). `--threads N` runs the tier on N threads in
+all (`io_concurrency: N`, N jobs at once, each core call on one thread) and the
+reference on N: the scaling a many-core machine shows (`--threads 1` against 8).
+`--cold` (on a disk, not tmpfs) adds, after the stores, `sync` timed with them
+(synced GB/s: a buffered store's bytes are on the disk only then; the kernel's flusher
+threads' CPU is not the process's),
 and after the warm loads a second load of the same blocks with the tier's files
 dropped from the page cache first (`POSIX_FADV_DONTNEED` on each: only this run's
 files leave the cache, not a neighbour's as `drop_caches` would).
@@ -32,7 +35,7 @@ import time
 from pathlib import Path
 
 import anyio
-from tierkv_nvme import NvmeTier, NvmeTierConfig
+from tierkv_nvme import NvmeTier, NvmeTierConfig, native
 from tierkv_nvme.reference import run_reference
 
 from tierkv.contract.jobs import JobMetadata
@@ -64,7 +67,7 @@ os.environ.setdefault(_MAC_ENV, os.urandom(32).hex())
 async def one_round(
     engine: str, args: argparse.Namespace, block_kib: int, n: int
 ) -> tuple[float, ...]:
-    block, batch, jobs = block_kib << 10, args.batch, args.concurrency
+    block, batch, jobs = block_kib << 10, args.batch, args.threads or args.concurrency
     primary = PrimaryTier(batch * jobs, block, pin_memory=False, namespace="nvme-engines")
     # KV data, as a server's slab holds: untouched memory would cost the first store a
     # page fault per 4 KiB read (1 MiB blocks: ~2.5x the CPU), which no server pays
@@ -81,6 +84,7 @@ async def one_round(
         layout="slab" if "slab" in rest else "files",
         direct="direct" in rest,
         mac_key_env=_MAC_ENV if "mac" in rest else None,
+        **({"io_concurrency": args.threads} if args.threads else {}),
     )
     tier = NvmeTier(config, primary.view)
     await tier.open()
@@ -127,6 +131,10 @@ def reference(args: argparse.Namespace, block_kib: int, blocks: int) -> tuple[fl
 
 async def main(args: argparse.Namespace) -> None:
     engines = [e for e in args.engines.split(",") if e]
+    if args.threads:  # N threads in all: one per core call
+        native.MAX_DEFAULT_THREADS = 1
+        args.concurrency = args.threads
+        args.ref_threads = args.ref_threads or args.threads
     print(
         f"nvme tier alone: jobs of {args.batch}, {args.concurrency} at once, under {args.path}; "
         f"reference: plain C, {args.ref_threads} threads"
@@ -178,6 +186,11 @@ if __name__ == "__main__":
         help="also time sync after the stores and a load with the files dropped from the "
         "page cache (a disk, not tmpfs)",
     )
-    parser.add_argument("--ref-threads", type=int, default=2)
+    parser.add_argument("--ref-threads", type=int, default=0, help="(default 2, or --threads)")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="the tier's threads in all (0: its defaults)"
+    )
     parser.add_argument("--path", default="/dev/shm")
-    anyio.run(main, parser.parse_args())
+    parsed = parser.parse_args()
+    parsed.ref_threads = parsed.ref_threads or (0 if parsed.threads else 2)
+    anyio.run(main, parsed)

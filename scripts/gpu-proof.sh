@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU proof (issue 17) in one run on a CUDA machine, per ../shared/GPU.md: install
+# The GPU proof (issue 17; issue 51's thread scaling: nvme_threads) in one run on a CUDA machine, per ../shared/GPU.md: install
 # tierkv beside the machine's torch, then the CUDA tests, exact-size pinning, the
 # one-block load's parts, DMA by copies per driver call, the GPU bench, the demo at its
 # CUDA defaults and the core suite with CUDA present (STEPS="cuda_tests one_block" runs
@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/gpu-proof-out}
 mkdir -p "$OUT"
 start=$SECONDS
-STEPS=${STEPS:-cuda_tests pinning one_block dma_calls bench_gpu demo_cuda core_tests_with_cuda}
+STEPS=${STEPS:-cuda_tests nvme_threads pinning one_block dma_calls bench_gpu demo_cuda core_tests_with_cuda}
 # .old/: an earlier tree's tierkv package (git archive REV tierkv | tar -x -C .old), for
 # the before/after steps (one_block_before, dma64_before_after, submit_host)
 step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.txt
@@ -29,6 +29,13 @@ nvidia-smi --query-gpu=name,pcie.link.gen.current,pcie.link.width.current,driver
 python3 -c 'import torch, cuda.bindings as b; print("torch", torch.__version__, "cuda", torch.version.cuda, "cuda-bindings", b.__version__)'
 python3 -c 'import triton; print("triton", triton.__version__)' || echo "no triton: the bounded backend is skipped"
 TAIL=40 step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider -m cuda -rf tests
+# issue 51: the nvme tier on 1 and 8 threads (and plain C on as many), tmpfs, 64 KiB blocks;
+# the bar: loads on 8 threads >= 5x loads on 1. The first line says whether the core is built.
+TAIL=30 step nvme_threads 150 bash -c "
+  python3 -c 'from tierkv_nvme import native; print(native.reason); print(\"blake3 lanes:\", native._core.BLAKE3_LANES if native._core else 0)'
+  nproc; for r in 1 2; do for t in 1 8; do
+    python3 benchmarks/nvme_engines.py --block-kib 64 --rounds 1 --engines native-slab,native-slab-mac --threads \$t | tail -3 | sed \"s/^/threads \$t: /\"
+  done; done"
 step pinning 100 python3 benchmarks/gpu_pinning.py
 step one_block 90 python3 benchmarks/gpu_one_block.py
 step one_block_16k 60 python3 benchmarks/gpu_one_block.py --page 16KiB --no-large
