@@ -243,6 +243,7 @@ class StripedNvmeTier(SecondaryTierManager):
             "io_concurrency": self.config.io_concurrency,
             "mac": self.framer.mac,
             "io_engine": self.stripes[0].describe()["io_engine"],
+            "mac_lanes": self.stripes[0].describe()["mac_lanes"],
             "stripes": [
                 {
                     "path": str(stripe.config.path),

@@ -314,6 +314,10 @@ class NvmeTier(SecondaryTierManager):
             "io_concurrency": self.config.io_concurrency,
             "mac": self.framer.mac,
             "io_engine": self._io_engine,
+            # chunks the core's BLAKE3 hashes at once (16: AVX-512, 8: AVX2, 1: portable)
+            "mac_lanes": native.blake3_lanes()
+            if self.framer.mac and self._io_engine == "native"
+            else None,
             "batch_calls": self._lanes is not None,
             "core_queue": self._queue is not None and self._state != "closed",
             "layout": self.config.layout,
