@@ -30,13 +30,14 @@ the whole page either way).
 
     python scripts/bench_sglang.py [--pages-kib 64,1024] [--batches 8] [--rounds 5]
         [--io-concurrency 8] [--fsync never] [--regions 2] [--nvme-layout slab|files]
-        [--full]
+        [--full] [--mac]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
 import shutil
 import statistics
@@ -170,6 +171,10 @@ def fill(pool: Any, pages: list[int], seed: int) -> None:
                              generator=generator))
 
 
+_MAC_ENV = "TIERKV_BENCH_SGLANG_MAC"
+os.environ.setdefault(_MAC_ENV, os.urandom(32).hex())
+
+
 def bench(
     page_kib: int,
     batches: int,
@@ -181,11 +186,13 @@ def bench(
     layout: str = "page_first",
     nvme_layout: str = "slab",
     full: bool = False,
+    mac: bool = False,
 ) -> dict[str, Any]:
     """`regions` per page on tierkv's side; the `file` backend's pool is always MHA;
     both laid out as `layout`. `full`: the nvme tier holds one round's pages, and an
     unmeasured round fills it first, so every measured set evicts a page (a server's
-    steady state: the tier is full)."""
+    steady state: the tier is full). `mac`: tierkv signs its frames (`mac_key_env`, a
+    random secret)."""
     pages = 2 * batches * BATCH
     pools = {
         "tierkv": pool_of(page_kib, pages, regions, layout),
@@ -198,7 +205,8 @@ def bench(
     runs = [
         Run("tierkv", build("dynamic", {**TIERKV, "tiers": [
             {"type": "nvme", "path": str(tierkv_dir), "capacity": capacity, "fsync": fsync,
-             "io_concurrency": io_concurrency, "layout": nvme_layout}
+             "io_concurrency": io_concurrency, "layout": nvme_layout,
+             **({"mac_key_env": _MAC_ENV} if mac else {})}
         ]}, pools["tierkv"]), pools["tierkv"], zero_copy=True),
         Run("file", build("file", {"file_storage_path": str(file_dir)}, pools["file"]),
             pools["file"], zero_copy=False),
@@ -244,6 +252,8 @@ def main() -> int:
     parser.add_argument("--full", action="store_true",
                         help="the nvme tier holds one round's pages and is filled by an "
                         "unmeasured round first: every measured set evicts (steady state)")
+    parser.add_argument("--mac", action="store_true",
+                        help="tierkv signs its frames with a keyed MAC (mac_key_env)")
     parser.add_argument("--dir", default=None, help="where both write (default: a temp dir)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -253,7 +263,7 @@ def main() -> int:
         for kib in (int(k) for k in args.pages_kib.split(",")):
             rows.append(
                 bench(kib, args.batches, args.rounds, root, args.fsync, args.io_concurrency,
-                      args.regions, args.layout, args.nvme_layout, args.full)
+                      args.regions, args.layout, args.nvme_layout, args.full, args.mac)
             )
     finally:
         if args.dir is None:
@@ -264,7 +274,8 @@ def main() -> int:
     print(f"128-page batches, {args.rounds} interleaved rounds, median pages/s; tierkv nvme "
           f"fsync={args.fsync}, io_concurrency={args.io_concurrency}, checksums on, "
           f"{args.regions} region(s) per tierkv page, {args.layout}, nvme layout "
-          f"{args.nvme_layout}{', full tier (every set evicts)' if args.full else ''}")
+          f"{args.nvme_layout}{', full tier (every set evicts)' if args.full else ''}"
+          f"{', frames signed (MAC)' if args.mac else ''}")
     print("| page | tierkv set | file set | set ratio | tierkv get | file get | get ratio |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for row in rows:
