@@ -438,16 +438,14 @@ async def test_a_read_refreshes_the_mtime_only_when_asked(tier: NvmeTier) -> Non
 def test_auto_is_native_when_built_else_python(
     native_core: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    plain = Framer("switch")
-    assert native.choose("auto", plain)[0] == "native"
-    assert native.choose("native", Framer("switch", MacKey(os.urandom(32))))[0] == "native"
-    assert native.choose("native", plain)[0] == "native"
-    assert native.choose("python", plain)[0] == "python"
+    assert native.choose("auto")[0] == "native"
+    assert native.choose("native")[0] == "native"
+    assert native.choose("python")[0] == "python"
     monkeypatch.setattr(native, "AVAILABLE", False)
     monkeypatch.setattr(native, "reason", "not built (a test)")
-    assert native.choose("auto", plain) == ("python", "not built (a test)")
+    assert native.choose("auto") == ("python", "not built (a test)")
     with pytest.raises(TierUnavailable, match="native, but not built"):
-        native.choose("native", plain)
+        native.choose("native")
 
 
 async def test_a_tier_names_its_engine_signed_or_not(

@@ -91,11 +91,11 @@ MIN_BLOCKS_PER_THREAD = 4
 """Blocks a call gives each thread at least (fewer: fewer threads)."""
 
 
-def choose(wanted: str, framer: Framer) -> tuple[str, str]:
+def choose(wanted: str) -> tuple[str, str]:
     """The engine a tier configured with `io_engine: wanted` uses, and why.
 
-    `auto`: native when built, else python. `native` that
-    cannot be had raises TierUnavailable naming the reason and the fix."""
+    `auto`: native when built, else python (signed frames too: the core signs).
+    `native` that cannot be had raises TierUnavailable naming the reason and the fix."""
     if wanted == "python":
         return "python", "io_engine: python"
     if not AVAILABLE:

@@ -194,7 +194,7 @@ class SlabNvmeTier(NvmeTier):
         if self._direct_fds:
             why = "the primary's blocks are not whole 4 KiB aligned pages"
         elif self._io_engine != "native":
-            why = native.choose(self.config.io_engine, self.framer)[1]
+            why = native.choose(self.config.io_engine)[1]
         else:
             why = self._direct_refused or "not opened"
         return f"{engine}, buffered (direct unused: {why})"

@@ -332,7 +332,7 @@ class NvmeTier(SecondaryTierManager):
         users may write it or its `path` (`dirs.open_namespace_dir`)."""
         if self._state != "new":
             raise TierUnavailable(f"nvme tier at {self.directory} was already opened")
-        self._io_engine, why = native.choose(self.config.io_engine, self.framer)
+        self._io_engine, why = native.choose(self.config.io_engine)
         self.data_path = self._io_engine
         logger.info("nvme tier %s: io engine %s (%s)", self.directory, self._io_engine, why)
         try:
