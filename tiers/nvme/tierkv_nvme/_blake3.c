@@ -8,9 +8,11 @@
  * the IV and flags every compression KEYED_HASH.
  *
  * The whole input is known up front (a frame's header and payload), so every chunk but
- * the last is a full, non-root chunk: those are hashed in groups (sixteen at once with
- * AVX-512, eight with AVX2, each vector lane a chunk; the CPU is asked at run time) and their chaining values pushed on the subtree stack; the
- * last chunk then closes the tree. A chunk that straddles two parts (the frame header
+ * the last is a full, non-root chunk: those are hashed in groups of up to 128 (sixteen
+ * at once with AVX-512, eight with AVX2, each vector lane a chunk; the CPU is asked at
+ * run time), then the group's parent nodes a tree level at a time, as many side by
+ * side, and the group's subtrees pushed on the subtree stack; the last chunk then
+ * closes the tree. A chunk that straddles two parts (the frame header
  * and the payload's first region, or two regions) is copied into a stack buffer. */
 #include "_blake3.h"
 
@@ -24,6 +26,8 @@
 #define CHUNK_BYTES 1024
 #define BLOCK_BYTES 64
 #define MAX_DEPTH 54 /* subtrees of 2^64 bytes of 1 KiB chunks */
+#define GROUP 128    /* chunks hashed before their parents are: 8 side-by-side passes of 16 */
+#define MAX_RUNS 8   /* a group's power-of-two runs: 128, 64, ..., 1 */
 
 enum {
     CHUNK_START = 1 << 0,
@@ -404,31 +408,36 @@ static void hash_many(const uint8_t **inputs, int count, int lanes, int blocks,
     }
 }
 
-/* The `count` chaining values of a group of chunks (`cvs`, overwritten) as whole
- * subtrees: the group splits into runs of a power of two chunks, largest first (15:
- * 8, 4, 2, 1), and every run's parents are made a level at a time, all runs' parents
- * of a level side by side. sizes[r]: run r's chunks, its chaining value in cvs[r];
- * returns the number of runs. */
+/* The `count` (at most GROUP) chaining values of a group of chunks (`cvs`,
+ * overwritten) as whole subtrees: the group splits into runs of a power of two chunks,
+ * largest first (15: 8, 4, 2, 1), and every run's parents are made a level at a time,
+ * all runs' parents of a level side by side, `lanes` at once. sizes[r]: run r's
+ * chunks, its chaining value in cvs[r]; returns the number of runs. */
 static int subtrees(uint32_t (*cvs)[8], int count, int lanes, const uint32_t key[8],
-                    int sizes[5]) {
-    int runs = 0, starts[5];
-    for (int size = 16, at = 0; size >= 1; size /= 2)
+                    int sizes[MAX_RUNS]) {
+    int runs = 0, starts[MAX_RUNS];
+    for (int size = GROUP, at = 0; size >= 1; size /= 2)
         if (count & size) {
             starts[runs] = at;
             sizes[runs++] = size;
             at += size;
         }
     for (int width = 1; width < sizes[0]; width *= 2) { /* each run now `width` times fewer */
-        const uint8_t *pairs[16]; /* cvs[i] and cvs[i + 1] are one parent's 64-byte block */
-        int to[16], n = 0;
+        const uint8_t *pairs[GROUP / 2]; /* cvs[i], cvs[i + 1]: one parent's 64-byte block */
+        int to[GROUP / 2], n = 0;
         for (int r = 0; r < runs; r++)
             for (int i = 0; i < sizes[r] / (2 * width); i++) {
                 pairs[n] = (const uint8_t *)cvs[starts[r] + 2 * i];
                 to[n++] = starts[r] + i;
             }
-        uint32_t parents[16][8];
-        hash_many(pairs, n, lanes, 1, key, 0, 0, KEYED_HASH | PARENT, 0, 0, parents);
-        for (int p = 0; p < n; p++)
+        uint32_t parents[GROUP / 2][8];
+        for (int at = 0; at < n; at += lanes) {
+            const uint8_t *some[16];
+            int k = n - at < lanes ? n - at : lanes;
+            memcpy(some, pairs + at, sizeof *some * (size_t)k);
+            hash_many(some, k, lanes, 1, key, 0, 0, KEYED_HASH | PARENT, 0, 0, parents + at);
+        }
+        for (int p = 0; p < n; p++) /* to[p] <= p: in place, in order */
             memcpy(cvs[to[p]], parents[p], sizeof parents[p]);
     }
     for (int r = 0; r < runs; r++)
@@ -493,14 +502,17 @@ void tkv_blake3_keyed_lanes(const uint8_t key_bytes[TKV_BLAKE3_KEY_BYTES],
     /* every chunk but the last: full, not the root */
     while (chunk + 1 < chunks) {
         uint64_t left = chunks - 1 - chunk;
-        int group = left >= (uint64_t)lanes ? lanes : (int)left;
-        const uint8_t *data[16];
-        for (int g = 0; g < group; g++)
-            data[g] = take(&cursor, CHUNK_BYTES, spare[g]);
-        uint32_t cvs[16][8];
-        hash_many(data, group, lanes, CHUNK_BYTES / BLOCK_BYTES, key, chunk, 1, KEYED_HASH,
-                  CHUNK_START, CHUNK_END, cvs);
-        int sizes[5];
+        int group = left >= GROUP ? GROUP : (int)left;
+        uint32_t cvs[GROUP][8];
+        for (int at = 0; at < group; at += lanes) {
+            const uint8_t *data[16];
+            int k = group - at < lanes ? group - at : lanes;
+            for (int g = 0; g < k; g++)
+                data[g] = take(&cursor, CHUNK_BYTES, spare[g]);
+            hash_many(data, k, lanes, CHUNK_BYTES / BLOCK_BYTES, key, chunk + (uint64_t)at, 1,
+                      KEYED_HASH, CHUNK_START, CHUNK_END, cvs + at);
+        }
+        int sizes[MAX_RUNS];
         int runs = subtrees(cvs, group, lanes, key, sizes);
         for (int r = 0; r < runs; r++) {
             /* push the run's subtree, first merging every completed subtree it closes: as

@@ -18,7 +18,7 @@
 #define TKV_BLAKE3_OUT_BYTES 32
 
 /* The keyed BLAKE3 of `parts` joined (n iovecs, any lengths), its first 32 bytes into
- * `out`. Reads the parts only; no allocation (17 KiB of stack). Thread-safe. */
+ * `out`. Reads the parts only; no allocation (about 24 KiB of stack). Thread-safe. */
 void tkv_blake3_keyed(const uint8_t key[TKV_BLAKE3_KEY_BYTES], const struct iovec *parts, int n,
                       uint8_t out[TKV_BLAKE3_OUT_BYTES]);
 
