@@ -12,10 +12,10 @@ size):
 1. Free room first; a capped tenant takes free room past its cap only when the
    section `borrow`s.
 2. Then, while the storing tenant stays within its cap, blocks of tenants not named
-   in the quotas (and blocks of no known tenant: left by an earlier process) and the
-   excess of named tenants past their quota, least recently used first; then the
-   storing tenant's own blocks. A named tenant's bytes up to its quota are never
-   taken by another tenant.
+   in the quotas (and blocks of no known tenant: left by an earlier process) and
+   named tenants' blocks past their quota (whole blocks that fit in the excess),
+   least recently used first; then the storing tenant's own blocks. A named tenant's
+   bytes up to its quota are never taken by another tenant.
 3. What is left fails the store `no room`.
 
 Named quotas are checked to fit the section together where the per-size instances
@@ -150,11 +150,12 @@ class SectionShares:
             if was.tenant == tenant:
                 return False
             limit = limits.get(was.tenant)
-            if limit is not None:
+            if limit is not None:  # only whole blocks of its excess: never below its quota
+                size = was.objects if limit.objects else was.footprint
                 left = excess.get(was.tenant, 0)
-                if left <= 0:
+                if left < size:
                     return False
-                excess[was.tenant] = left - (was.objects if limit.objects else was.footprint)
+                excess[was.tenant] = left - size
             return True
 
         return accept
