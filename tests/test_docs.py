@@ -198,3 +198,40 @@ def test_the_tenants_page_quotas_are_a_valid_config(
     page = " ".join((root / "docs/tenants.md").read_text().split())
     said = " ".join(err.value.problems[0].split())
     assert said[: said.index(": lower them")] in page
+
+
+def _headings(text: str) -> list[tuple[str, str]]:
+    """(section, heading) for every `##` and `###` heading outside code fences: a
+    `##` heading's section is the page, a `###` heading's its `##`."""
+    found: list[tuple[str, str]] = []
+    fenced, section = False, ""
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("## "):
+            section = line
+            found.append(("", line))
+        elif not fenced and line.startswith("### "):
+            found.append((section, line))
+    return found
+
+
+PAGES = sorted(
+    str(p.relative_to(ROOT))
+    for p in [README, *ROOT.glob("docs/*.md"), *ROOT.glob("tiers/*/README.md")]
+)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_no_page_repeats_a_section(page: str) -> None:
+    """A heading twice in one page (or one section) is a section pasted twice: an edit
+    that went wrong, which the docs build does not catch."""
+    seen = _headings((ROOT / page).read_text())
+    repeated = sorted({h for h in seen if seen.count(h) > 1})
+    assert not repeated, f"{page} repeats {repeated}"
+
+
+def test_a_repeated_section_is_found() -> None:
+    text = "## A\n### x\n## B\n### x\n```\n## A\n```\n## A\n"
+    assert _headings(text).count(("", "## A")) == 2
+    assert ("## A", "### x") in _headings(text) and ("## B", "### x") in _headings(text)
