@@ -51,6 +51,22 @@ static const uint8_t SCHEDULE[7][16] = {
     {11, 15, 5, 0, 1, 9, 8, 6, 14, 10, 2, 12, 3, 4, 7, 13},
 };
 
+/* The seven rounds of a compression over state `v` and message words `m`, with `MIX`
+ * (the G function) of whichever width: columns, then diagonals, each round's words
+ * in SCHEDULE's order. One definition for the portable, AVX2 and AVX-512 paths. */
+#define ROUNDS(MIX, v, m)                                                                  \
+    _Pragma("GCC unroll 7") for (int r = 0; r < 7; r++) {                                  \
+        const uint8_t *s = SCHEDULE[r];                                                    \
+        MIX(v, 0, 4, 8, 12, m[s[0]], m[s[1]]);                                             \
+        MIX(v, 1, 5, 9, 13, m[s[2]], m[s[3]]);                                             \
+        MIX(v, 2, 6, 10, 14, m[s[4]], m[s[5]]);                                            \
+        MIX(v, 3, 7, 11, 15, m[s[6]], m[s[7]]);                                            \
+        MIX(v, 0, 5, 10, 15, m[s[8]], m[s[9]]);                                            \
+        MIX(v, 1, 6, 11, 12, m[s[10]], m[s[11]]);                                          \
+        MIX(v, 2, 7, 8, 13, m[s[12]], m[s[13]]);                                           \
+        MIX(v, 3, 4, 9, 14, m[s[14]], m[s[15]]);                                           \
+    }
+
 static inline uint32_t load32(const uint8_t *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
@@ -89,18 +105,7 @@ static void compress(uint32_t cv[8], const uint8_t block[BLOCK_BYTES], uint64_t 
     v[13] = (uint32_t)(counter >> 32);
     v[14] = len;
     v[15] = flags;
-#pragma GCC unroll 7
-    for (int r = 0; r < 7; r++) {
-        const uint8_t *s = SCHEDULE[r];
-        mix(v, 0, 4, 8, 12, m[s[0]], m[s[1]]);
-        mix(v, 1, 5, 9, 13, m[s[2]], m[s[3]]);
-        mix(v, 2, 6, 10, 14, m[s[4]], m[s[5]]);
-        mix(v, 3, 7, 11, 15, m[s[6]], m[s[7]]);
-        mix(v, 0, 5, 10, 15, m[s[8]], m[s[9]]);
-        mix(v, 1, 6, 11, 12, m[s[10]], m[s[11]]);
-        mix(v, 2, 7, 8, 13, m[s[12]], m[s[13]]);
-        mix(v, 3, 4, 9, 14, m[s[14]], m[s[15]]);
-    }
+    ROUNDS(mix, v, m);
     for (int i = 0; i < 8; i++)
         cv[i] = v[i] ^ v[i + 8];
 }
@@ -247,18 +252,7 @@ AVX2 static void hash8_avx2(const uint8_t *const *chunks, int blocks, const uint
             counter_lo, counter_hi, _mm256_set1_epi32(BLOCK_BYTES),
             _mm256_set1_epi32((int)block_flags),
         };
-#pragma GCC unroll 7
-        for (int r = 0; r < 7; r++) {
-            const uint8_t *s = SCHEDULE[r];
-            mix8(v, 0, 4, 8, 12, m[s[0]], m[s[1]]);
-            mix8(v, 1, 5, 9, 13, m[s[2]], m[s[3]]);
-            mix8(v, 2, 6, 10, 14, m[s[4]], m[s[5]]);
-            mix8(v, 3, 7, 11, 15, m[s[6]], m[s[7]]);
-            mix8(v, 0, 5, 10, 15, m[s[8]], m[s[9]]);
-            mix8(v, 1, 6, 11, 12, m[s[10]], m[s[11]]);
-            mix8(v, 2, 7, 8, 13, m[s[12]], m[s[13]]);
-            mix8(v, 3, 4, 9, 14, m[s[14]], m[s[15]]);
-        }
+        ROUNDS(mix8, v, m);
         #pragma GCC unroll 16
         for (int i = 0; i < 8; i++)
             h[i] = xor(v[i], v[i + 8]);
@@ -342,18 +336,7 @@ AVX512 static void hash16_avx512(const uint8_t *const *chunks, int blocks, const
             counter_lo, counter_hi, _mm512_set1_epi32(BLOCK_BYTES),
             _mm512_set1_epi32((int)block_flags),
         };
-#pragma GCC unroll 7
-        for (int r = 0; r < 7; r++) {
-            const uint8_t *s = SCHEDULE[r];
-            mix16(v, 0, 4, 8, 12, m[s[0]], m[s[1]]);
-            mix16(v, 1, 5, 9, 13, m[s[2]], m[s[3]]);
-            mix16(v, 2, 6, 10, 14, m[s[4]], m[s[5]]);
-            mix16(v, 3, 7, 11, 15, m[s[6]], m[s[7]]);
-            mix16(v, 0, 5, 10, 15, m[s[8]], m[s[9]]);
-            mix16(v, 1, 6, 11, 12, m[s[10]], m[s[11]]);
-            mix16(v, 2, 7, 8, 13, m[s[12]], m[s[13]]);
-            mix16(v, 3, 4, 9, 14, m[s[14]], m[s[15]]);
-        }
+        ROUNDS(mix16, v, m);
         #pragma GCC unroll 16
         for (int i = 0; i < 8; i++)
             h[i] = _mm512_xor_si512(v[i], v[i + 8]);
