@@ -903,13 +903,8 @@ class NvmeTier(SecondaryTierManager):
         must agree with the disk): on the core's queue when they are one call of the
         core (`_write_call`) and the queue serves this loop, else in a block thread
         (`_write_files`)."""
-        queue = self._queue
-        if queue is not None and queue.serves():
-            call = self._write_call(keys, slots, victims, places, deadline)
-            if call is not None:
-                return await queue.run(call)
-        return await self._threads.run(
-            self._write_files, keys, slots, victims, places, deadline, shield=True
+        return await self._on_core_or_thread(
+            self._write_call, self._write_files, keys, slots, victims, places, deadline
         )
 
     async def _read_chunk(
@@ -921,14 +916,25 @@ class NvmeTier(SecondaryTierManager):
         deadline: float,
     ) -> list[Exception | None]:
         """A chunk's reads, as `_write_chunk`'s (`_read_call`, `_read_files`)."""
+        return await self._on_core_or_thread(
+            self._read_call, self._read_files, keys, slots, touch, entries, deadline
+        )
+
+    async def _on_core_or_thread(
+        self,
+        call_of: Callable[..., native.CoreCall | None],
+        in_thread: Callable[..., list[Exception | None]],
+        *args: Any,
+    ) -> list[Exception | None]:
+        """`call_of(*args)` on the core's queue when it makes one call of the core and
+        the queue serves this loop, else `in_thread(*args)` in a block thread; either
+        way waited for whole, even if the caller is cancelled."""
         queue = self._queue
         if queue is not None and queue.serves():
-            call = self._read_call(keys, slots, touch, entries, deadline)
+            call = call_of(*args)
             if call is not None:
                 return await queue.run(call)
-        return await self._threads.run(
-            self._read_files, keys, slots, touch, entries, deadline, shield=True
-        )
+        return await self._threads.run(in_thread, *args, shield=True)
 
     def _write_call(
         self,
