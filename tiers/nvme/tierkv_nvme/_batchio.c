@@ -48,19 +48,11 @@
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 #include "_blake3.h"
+#include "_xxh3.h"
 #if __has_include(<linux/openat2.h>)
 #include <linux/openat2.h>
-#endif
-/* The library's plain XXH3 entry points are built for the baseline CPU (SSE2: ~17 GB/s
- * on the dev VM); its x86 dispatch ones pick AVX2/AVX-512 at run time (~30 GB/s), as
- * python-xxhash does. The header renames XXH3_64bits* to them. */
-#if defined(__x86_64__) && defined(__has_include)
-#if __has_include(<xxh_x86dispatch.h>)
-#include <xxh_x86dispatch.h>
-#endif
 #endif
 
 #define FIXED_HEADER_BYTES 34
@@ -171,23 +163,6 @@ static uint64_t get_le(const unsigned char *at, int bytes) {
     return value;
 }
 
-/* xxh3_64 of the regions joined (== xxhash.xxh3_64_intdigest of their concatenation). */
-static int checksum(const struct iovec *regions, int n, uint64_t *out) {
-    if (n == 1) {
-        *out = XXH3_64bits(regions[0].iov_base, regions[0].iov_len);
-        return 0;
-    }
-    XXH3_state_t *state = XXH3_createState();
-    if (state == NULL)
-        return -ENOMEM;
-    XXH3_64bits_reset(state);
-    for (int i = 0; i < n; i++)
-        XXH3_64bits_update(state, regions[i].iov_base, regions[i].iov_len);
-    *out = XXH3_64bits_digest(state);
-    XXH3_freeState(state);
-    return 0;
-}
-
 /* The MAC of `item`'s frame: keyed BLAKE3 of its first `signed_len` header bytes and
  * its payload (MacKey.tag(fixed, key, key id, *payload)), into `out`. 0 or -ENOMEM. */
 static int frame_mac(const Frame *frame, const Item *item, size_t signed_len, uint8_t *out) {
@@ -208,10 +183,7 @@ static int frame_mac(const Frame *frame, const Item *item, size_t signed_len, ui
 /* The header of `item`'s frame into item->head (Framer.encode_header): signed (key id
  * and MAC after the key) when the call's frames are. */
 static int build_header(const Batch *batch, Item *item) {
-    uint64_t sum;
-    int err = checksum(item->regions, item->nregions, &sum);
-    if (err)
-        return err;
+    uint64_t sum = tkv_xxh3_64_parts(item->regions, item->nregions);
     const Frame *frame = &batch->frame;
     unsigned char *h = item->head;
     memcpy(h, MAGIC, 4);
@@ -263,23 +235,18 @@ static long check_frame(const Batch *batch, const Item *item) {
         return CORRUPT_FLAGS;
     if (get_le(h + 16, 8) != item->payload_len)
         return CORRUPT_PAYLOAD_LENGTH;
-    int err;
     if (frame->mac) {
         /* A MAC that checks vouches for every byte its writer signed, the checksum
          * field and the payload with it: the checksum pass is needed only to name
          * what failed (the checksum first, as Framer.verify reports it). */
         uint8_t mac[MAC_BYTES];
-        err = frame_mac(frame, item, signed_len, mac);
+        int err = frame_mac(frame, item, signed_len, mac);
         if (err)
             return err;
         if (same_mac(mac, h + signed_len))
             return 0;
     }
-    uint64_t sum;
-    err = checksum(item->regions, item->nregions, &sum);
-    if (err)
-        return err;
-    if (get_le(h + 24, 8) != sum)
+    if (get_le(h + 24, 8) != tkv_xxh3_64_parts(item->regions, item->nregions))
         return CORRUPT_CHECKSUM;
     return frame->mac ? CORRUPT_MAC : 0;
 }
@@ -1167,7 +1134,7 @@ static void seal_slot(unsigned char *page, uint64_t seq, size_t frame_len) {
     put_le(page + 16, seq, 8);
     put_le(page + 24, frame_len, 4);
     put_le(page + 28, 0, 4);
-    put_le(page, XXH3_64bits(page + 8, SLOT_HEAD_BYTES - 8 + frame_len), 8);
+    put_le(page, tkv_xxh3_64(page + 8, SLOT_HEAD_BYTES - 8 + frame_len), 8);
 }
 
 /* Whether page holds a whole slot header with a frame header of `frame_len` bytes (the
@@ -1177,7 +1144,7 @@ static int slot_holds(const unsigned char *page, size_t frame_len) {
         return 0;
     if ((size_t)get_le(page + 24, 4) != frame_len || frame_len > PAGE - SLOT_HEAD_BYTES)
         return 0;
-    return XXH3_64bits(page + 8, SLOT_HEAD_BYTES - 8 + frame_len) == get_le(page, 8);
+    return tkv_xxh3_64(page + 8, SLOT_HEAD_BYTES - 8 + frame_len) == get_le(page, 8);
 }
 
 /* The iovecs of a slot: the regions, zeros (or `pad`) to `room`, `tail` bytes of the
@@ -2165,6 +2132,44 @@ static PyObject *py_encode_header(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* The buffers of a tuple of bytes-likes, as iovecs, held until parts_release: the
+ * input of the test entry points for the core's hashes. */
+typedef struct {
+    Py_ssize_t held;
+    Py_buffer *views;
+    struct iovec *iov;
+} Parts;
+
+static void parts_release(Parts *parts) {
+    for (Py_ssize_t i = 0; i < parts->held; i++)
+        PyBuffer_Release(&parts->views[i]);
+    PyMem_Free(parts->views);
+    PyMem_Free(parts->iov);
+}
+
+/* 0, or -1 with the exception set (and nothing held). */
+static int parts_hold(PyObject *tuple, Parts *parts) {
+    Py_ssize_t n = PyTuple_GET_SIZE(tuple);
+    parts->held = 0;
+    parts->views = PyMem_Calloc((size_t)n + 1, sizeof *parts->views);
+    parts->iov = PyMem_Calloc((size_t)n + 1, sizeof *parts->iov);
+    if (parts->views == NULL || parts->iov == NULL) {
+        PyErr_NoMemory();
+        parts_release(parts);
+        return -1;
+    }
+    for (; parts->held < n; parts->held++) {
+        Py_buffer *view = &parts->views[parts->held];
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(tuple, parts->held), view, PyBUF_SIMPLE) != 0) {
+            parts_release(parts);
+            return -1;
+        }
+        parts->iov[parts->held].iov_base = view->buf;
+        parts->iov[parts->held].iov_len = (size_t)view->len;
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(keyed_hash_doc,
 "keyed_hash(key, parts, lanes=0) -> bytes\n\n"
 "The 32-byte keyed BLAKE3 of the buffers `parts` (a tuple) joined, as the frames' MAC\n"
@@ -2174,41 +2179,46 @@ PyDoc_STRVAR(keyed_hash_doc,
 static PyObject *py_keyed_hash(PyObject *self, PyObject *args) {
     const char *key;
     Py_ssize_t key_len;
-    PyObject *parts;
+    PyObject *tuple;
     int lanes = 0;
-    if (!PyArg_ParseTuple(args, "y#O!|i", &key, &key_len, &PyTuple_Type, &parts, &lanes))
+    if (!PyArg_ParseTuple(args, "y#O!|i", &key, &key_len, &PyTuple_Type, &tuple, &lanes))
         return NULL;
     if (key_len != TKV_BLAKE3_KEY_BYTES) {
         PyErr_Format(PyExc_ValueError, "key: %d bytes, not %zd", TKV_BLAKE3_KEY_BYTES, key_len);
         return NULL;
     }
-    Py_ssize_t n = PyTuple_GET_SIZE(parts);
-    Py_buffer *views = PyMem_Calloc((size_t)n + 1, sizeof *views);
-    struct iovec *iov = PyMem_Calloc((size_t)n + 1, sizeof *iov);
-    Py_ssize_t held = 0;
-    PyObject *result = NULL;
-    if (views == NULL || iov == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (; held < n; held++) {
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(parts, held), &views[held], PyBUF_SIMPLE) != 0)
-            goto done;
-        iov[held].iov_base = views[held].buf;
-        iov[held].iov_len = (size_t)views[held].len;
-    }
+    Parts parts;
+    if (parts_hold(tuple, &parts) != 0)
+        return NULL;
     uint8_t out[TKV_BLAKE3_OUT_BYTES];
     Py_BEGIN_ALLOW_THREADS
-    tkv_blake3_keyed_lanes((const uint8_t *)key, iov, (int)n, out,
+    tkv_blake3_keyed_lanes((const uint8_t *)key, parts.iov, (int)parts.held, out,
                            lanes ? lanes : tkv_blake3_lanes());
     Py_END_ALLOW_THREADS
-    result = PyBytes_FromStringAndSize((const char *)out, TKV_BLAKE3_OUT_BYTES);
-done:
-    for (Py_ssize_t i = 0; i < held; i++)
-        PyBuffer_Release(&views[i]);
-    PyMem_Free(views);
-    PyMem_Free(iov);
-    return result;
+    parts_release(&parts);
+    return PyBytes_FromStringAndSize((const char *)out, TKV_BLAKE3_OUT_BYTES);
+}
+
+PyDoc_STRVAR(xxh3_64_doc,
+"xxh3_64(parts, bits=0) -> int\n\n"
+"The xxh3_64 of the buffers `parts` (a tuple) joined, as the frames' checksum is made\n"
+"(`_xxh3.c`): xxhash.xxh3_64_intdigest(b''.join(parts)), for tests; bits: the widest\n"
+"vectors the stripe loop may use, 512, 256, 128 or 64 (0: the CPU's, XXH3_VECTOR_BITS).");
+
+static PyObject *py_xxh3_64(PyObject *self, PyObject *args) {
+    PyObject *tuple;
+    int bits = 0;
+    if (!PyArg_ParseTuple(args, "O!|i", &PyTuple_Type, &tuple, &bits))
+        return NULL;
+    Parts parts;
+    if (parts_hold(tuple, &parts) != 0)
+        return NULL;
+    uint64_t sum;
+    Py_BEGIN_ALLOW_THREADS
+    sum = tkv_xxh3_64_parts_bits(parts.iov, (int)parts.held, bits ? bits : tkv_xxh3_vector_bits());
+    Py_END_ALLOW_THREADS
+    parts_release(&parts);
+    return PyLong_FromUnsignedLongLong(sum);
 }
 
 PyDoc_STRVAR(direct_aligned_doc,
@@ -2255,6 +2265,7 @@ static PyMethodDef methods[] = {
     {"slab_read_items", py_slab_read_items, METH_VARARGS, slab_read_items_doc},
     {"direct_aligned", py_direct_aligned, METH_O, direct_aligned_doc},
     {"keyed_hash", py_keyed_hash, METH_VARARGS, keyed_hash_doc},
+    {"xxh3_64", py_xxh3_64, METH_VARARGS, xxh3_64_doc},
     {"beneath_works", py_beneath_works, METH_VARARGS,
      "beneath_works(dir_fd=-1) -> bool: whether the batch calls can open below a directory\n"
      "(openat2); with dir_fd, tried on it first (a refusal turns the batch calls off)."},
@@ -2293,7 +2304,7 @@ PyMODINIT_FUNC PyInit__batchio(void) {
         PyModule_AddIntConstant(m, "SLAB_READ_ITEMS", SLAB_READ_ITEMS) ||
         PyModule_AddIntConstant(m, "FILES_WRITE_BATCH", FILES_WRITE_BATCH) ||
         PyModule_AddIntConstant(m, "FILES_READ_BATCH", FILES_READ_BATCH) ||
-        PyModule_AddIntConstant(m, "XXHASH_VERSION", (long)XXH_versionNumber())) {
+        PyModule_AddIntConstant(m, "XXH3_VECTOR_BITS", tkv_xxh3_vector_bits())) {
         Py_DECREF(m);
         return NULL;
     }
