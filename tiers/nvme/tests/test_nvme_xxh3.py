@@ -33,7 +33,7 @@ def split(data: bytes, cuts: list[int]) -> tuple[bytes, ...]:
 BOUNDARIES = [0, 1, 3, 4, 8, 9, 16, 17, 32, 33, 64, 65, 96, 97, 128, 129, 239, 240, 241]
 LENGTHS = st.one_of(
     st.integers(0, 300),
-    st.sampled_from(BOUNDARIES + [1023, 1024, 1025, 1088, 2048, 2049, 16 * 1024 + 1]),
+    st.sampled_from([*BOUNDARIES, 1023, 1024, 1025, 1088, 2048, 2049, 16 * 1024 + 1]),
     st.integers(0, 20 * 1024),
 )
 
