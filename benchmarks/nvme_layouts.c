@@ -37,7 +37,7 @@
  * One JSON line per phase: seconds, GB/s of payload, CPU us per block (the process's
  * user + system time: the kernel's own writeback threads are not in it).
  *
- * Build: cc -O2 -std=c11 -pthread -o nvme_layouts nvme_layouts.c -lxxhash
+ * Build: cc -O2 -std=gnu11 -pthread -o nvme_layouts nvme_layouts.c ../tiers/nvme/tierkv_nvme/_xxh3.c
  * Usage: nvme_layouts LAYOUT DIR BLOCK_BYTES BLOCKS THREADS PHASES
  *                     [--fsync] [--qd N] [--slabs N] [--verify] [--keep]
  * DIR must not exist (it is created, and removed with everything in it at the end).
@@ -63,7 +63,7 @@
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
-#include <xxhash.h>
+#include "../tiers/nvme/tierkv_nvme/_xxh3.h"
 #if defined(__x86_64__) && defined(__has_include)
 #if __has_include(<xxh_x86dispatch.h>)
 #include <xxh_x86dispatch.h> /* as _batchio.c: AVX2/AVX-512 picked at run time */
@@ -158,7 +158,7 @@ static void frame_header(unsigned char *h, size_t i, const unsigned char *payloa
     put_le(h + 6, 0, 2);
     put_le(h + 8, NS_HASH, 8);
     put_le(h + 16, bs, 8);
-    put_le(h + 24, XXH3_64bits(payload, bs), 8);
+    put_le(h + 24, tkv_xxh3_64(payload, bs), 8);
     put_le(h + 32, KEY_BYTES, 2);
     memcpy(h + FIXED_HEADER_BYTES, KEY(i), KEY_BYTES);
 }
@@ -168,7 +168,7 @@ static int frame_ok(const unsigned char *h, size_t i, const unsigned char *paylo
     return memcmp(h, "TKVB", 4) == 0 && get_le(h + 4, 2) == 1 && get_le(h + 6, 2) == 0 &&
            get_le(h + 8, 8) == NS_HASH && get_le(h + 32, 2) == KEY_BYTES &&
            memcmp(h + FIXED_HEADER_BYTES, KEY(i), KEY_BYTES) == 0 && get_le(h + 16, 8) == bs &&
-           get_le(h + 24, 8) == XXH3_64bits(payload, bs);
+           get_le(h + 24, 8) == tkv_xxh3_64(payload, bs);
 }
 
 /* A slot's header: the frame's fields and key, the write's sequence number (the
@@ -180,19 +180,19 @@ static void slab_header(unsigned char *h, size_t i, const unsigned char *payload
     put_le(h + 6, 0, 2);
     put_le(h + 8, NS_HASH, 8);
     put_le(h + 16, bs, 8);
-    put_le(h + 24, XXH3_64bits(payload, bs), 8);
+    put_le(h + 24, tkv_xxh3_64(payload, bs), 8);
     put_le(h + 32, KEY_BYTES, 2);
     memcpy(h + FIXED_HEADER_BYTES, KEY(i), KEY_BYTES);
     put_le(h + HEAD, write_seq + i, 8);
-    put_le(h + HEAD + 8, XXH3_64bits(h, HEAD + 8), 8);
+    put_le(h + HEAD + 8, tkv_xxh3_64(h, HEAD + 8), 8);
 }
 
 static int slab_ok(const unsigned char *h, size_t i, const unsigned char *payload) {
-    return memcmp(h, "TKVS", 4) == 0 && get_le(h + HEAD + 8, 8) == XXH3_64bits(h, HEAD + 8) &&
+    return memcmp(h, "TKVS", 4) == 0 && get_le(h + HEAD + 8, 8) == tkv_xxh3_64(h, HEAD + 8) &&
            get_le(h + 4, 2) == 1 && get_le(h + 6, 2) == 0 && get_le(h + 8, 8) == NS_HASH &&
            get_le(h + 32, 2) == KEY_BYTES &&
            memcmp(h + FIXED_HEADER_BYTES, KEY(i), KEY_BYTES) == 0 && get_le(h + 16, 8) == bs &&
-           get_le(h + 24, 8) == XXH3_64bits(payload, bs);
+           get_le(h + 24, 8) == tkv_xxh3_64(payload, bs);
 }
 
 static void check_payload(size_t i, const unsigned char *got) {
@@ -613,7 +613,7 @@ static void scan_slots(Ctx *c, size_t first, size_t end) {
         unsigned char *h = c->hdr;
         if (pread(slab_fd[slab_of(i)], h, head, slot_offset(i) + (off_t)bs) != (ssize_t)head)
             continue;
-        if (memcmp(h, "TKVS", 4) == 0 && get_le(h + HEAD + 8, 8) == XXH3_64bits(h, HEAD + 8) &&
+        if (memcmp(h, "TKVS", 4) == 0 && get_le(h + HEAD + 8, 8) == tkv_xxh3_64(h, HEAD + 8) &&
             get_le(h + 8, 8) == NS_HASH && get_le(h + 16, 8) == bs &&
             memcmp(h + FIXED_HEADER_BYTES, KEY(i), KEY_BYTES) == 0)
             atomic_fetch_add(&found, 1);

@@ -1,7 +1,8 @@
 """The nvme tier's layouts side by side (issue 51, item 2): one file per block, as the
 tier writes them today and with the payload page-aligned, against slabs of fixed slots,
-buffered and O_DIRECT, and rawio's plain files. Compiles nvme_layouts.c (cc, libxxhash)
-into a temporary directory and runs it over a matrix, layouts interleaved per round:
+buffered and O_DIRECT, and rawio's plain files. Compiles nvme_layouts.c (cc, with the
+core's `_xxh3.c`) into a temporary directory and runs it over a matrix, layouts
+interleaved per round:
 
     python benchmarks/nvme_layouts.py [--media tmpfs=/dev/shm,disk=/var/tmp]
         [--sizes 16KiB,64KiB,1MiB] [--threads 1,2] [--mib 256] [--rounds 3]
@@ -69,8 +70,8 @@ def fs_type(path: str) -> str:
 
 def compile_tools(work: Path, rawio: str | None) -> tuple[Path, Path | None]:
     binary = work / "nvme_layouts"
-    cmd = ["cc", "-O2", "-std=c11", "-pthread", "-o", str(binary)]
-    subprocess.run([*cmd, str(HERE / "nvme_layouts.c"), "-lxxhash"], check=True)
+    cmd = ["cc", "-O2", "-std=gnu11", "-pthread", "-o", str(binary), str(HERE / "nvme_layouts.c")]
+    subprocess.run([*cmd, str(HERE.parent / "tiers/nvme/tierkv_nvme/_xxh3.c")], check=True)
     raw = None
     if rawio:
         raw = work / "rawio"

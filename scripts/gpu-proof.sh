@@ -32,7 +32,7 @@ TAIL=40 step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider -m cuda -rf
 # issue 51: the nvme tier on 1 and 8 threads (and plain C on as many), tmpfs, 64 KiB blocks;
 # the bar: loads on 8 threads >= 5x loads on 1. The first line says whether the core is built.
 TAIL=30 step nvme_threads 150 bash -c "
-  python3 -c 'from tierkv_nvme import native; print(native.reason); print(\"blake3 lanes:\", native._core.BLAKE3_LANES if native._core else 0)'
+  python3 -c 'from tierkv_nvme import native; print(native.reason); c = native._core; print(\"blake3 lanes:\", c.BLAKE3_LANES if c else 0, \"xxh3 bits:\", c.XXH3_VECTOR_BITS if c else 0)'
   nproc; for r in 1 2; do for t in 1 8; do
     python3 benchmarks/nvme_engines.py --block-kib 64 --rounds 1 --engines native-slab,native-slab-mac --threads \$t | tail -3 | sed \"s/^/threads \$t: /\"
   done; done"

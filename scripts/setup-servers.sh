@@ -2,13 +2,12 @@
 # System packages the tests need and nothing else does: the real servers the tier
 # tests start (redis-server; openssl for its TLS certificates) and the libraries
 # Mooncake Store's binding and mooncake_master link even over TCP (libibverbs1,
-# librdmacm1, libnuma1; the binding itself is a pip wheel in requirements-dev.txt), and the
-# xxhash headers the nvme tier's compiled core builds against (libxxhash-dev; without
-# them `pip install -e tiers/nvme` installs the Python path only). scripts/test.sh runs
-# this; scripts/run.sh (the demo) does not need it. Idempotent; fast when installed.
+# librdmacm1, libnuma1; the binding itself is a pip wheel in requirements-dev.txt). The
+# nvme tier's compiled core needs only the C compiler the image has. scripts/test.sh
+# runs this; scripts/run.sh (the demo) does not need it. Idempotent; fast when installed.
 set -euo pipefail
 
-APT_PACKAGES=(redis-server openssl libibverbs1 librdmacm1 libnuma1 libxxhash-dev)
+APT_PACKAGES=(redis-server openssl libibverbs1 librdmacm1 libnuma1)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

@@ -7,7 +7,7 @@ over 100 bytes and primaries without one geometry take), so each stays tested. A
 that hooks the Python path's own functions (`blockfile`, `os.*` in worker threads) is
 marked `python_io` and runs on it only; so do the tests of the fault injector. The
 native runs are skipped when the core is not built, except under CI=true, where that
-fails them (CI installs libxxhash-dev)."""
+fails them (CI builds the core: it needs only the image's C compiler)."""
 
 from __future__ import annotations
 

@@ -88,7 +88,7 @@ class NvmeTierConfig(TierConfig):
         default="auto",
         description="what moves the blocks' bytes: native, the compiled core (a whole "
         "batch per call, GIL released; built when the package is installed with a C "
-        "compiler and libxxhash-dev; it signs and checks frames itself with mac_key_env); "
+        "compiler; it signs and checks frames itself with mac_key_env); "
         "python, the pure-Python path; auto, native when it is built, else python. The "
         "same files either way",
     )

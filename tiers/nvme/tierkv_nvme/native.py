@@ -27,7 +27,7 @@ has not started by then is left untouched and answers `PastDeadline`, so a job p
 its deadline stops within one block per thread instead of finishing its whole call
 (`NvmeTier._in_chunks`).
 
-Not built (no compiler or no `libxxhash-dev` when the package was installed):
+Not built (no C compiler or no Python headers when the package was installed):
 `AVAILABLE` is False and `reason` says why and how to fix it.
 """
 
@@ -60,8 +60,8 @@ except ImportError as exc:
     AVAILABLE = False
     reason = (
         f"the nvme tier's compiled core (tierkv_nvme._batchio) is not built ({exc}); "
-        "install a C compiler and the xxhash headers (Debian/Ubuntu: `apt-get install "
-        "gcc libxxhash-dev`), then reinstall the package (`pip install -e tiers/nvme`)"
+        "install a C compiler and Python's headers (Debian/Ubuntu: `apt-get install gcc "
+        "python3-dev`), then reinstall the package (`pip install -e tiers/nvme`)"
     )
 else:
     AVAILABLE = True
