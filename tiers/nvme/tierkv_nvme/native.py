@@ -616,14 +616,15 @@ def direct_aligned(lanes: tuple[Lane, ...]) -> bool:
 
 
 def slab_scan(
-    fd: int, index: int, room: int, framer: Framer, block_bytes: int
+    fd: int, index: int, room: int, framer: Framer, block_bytes: int, cold: bool = False
 ) -> tuple[list[FoundSlot], int]:
     """`slabfile.scan` in the core, the GIL released: one `pread` of a header page per
-    slot, no Python per slot but the result's. A signing tier's scan keeps only frames
-    signed with its key id (as `Framer.parse_header` does); their MACs are checked when
-    they are read."""
+    slot, no Python per slot but the result's; on a cold disk SCAN_AHEAD header pages
+    asked for ahead, as `slabfile.scan` does (`cold`: from the first slot). A signing
+    tier's scan keeps only frames signed with its key id (as `Framer.parse_header`
+    does); their MACs are checked when they are read."""
     found, bad = _core_or_raise().slab_scan(
-        fd, index, SLAB_FILES, room, _frame(framer), block_bytes
+        fd, index, SLAB_FILES, room, _frame(framer), block_bytes, cold
     )
     return [FoundSlot(place, seq, key) for place, seq, key in found], bad
 

@@ -60,6 +60,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
+
 from tierkv.contract.units import format_size
 from tierkv.tier import (
     JobMetadata,
@@ -305,10 +307,28 @@ class SlabNvmeTier(NvmeTier):
     async def _scan(self) -> ScanResult:
         found = _SlabScan([], 0)
         scan = native.slab_scan if self._io_engine == "native" else slabfile.scan
-        for index, fd in enumerate(self._slab_fds):
-            slots, bad = await in_thread(
-                scan, fd, index, self._room, self.framer, self.primary.block_bytes
+        # the files side by side (a cold disk gets every file's reads at once); the
+        # Python path's scan holds the GIL between reads: one file at a time
+        limiter = anyio.CapacityLimiter(
+            self.config.io_concurrency if self._io_engine == "native" else 1
+        )
+        per_file: list[tuple[list[slabfile.FoundSlot], int]] = [([], 0)] * len(self._slab_fds)
+
+        async def scan_file(index: int, fd: int) -> None:
+            per_file[index] = await in_thread(
+                scan,
+                fd,
+                index,
+                self._room,
+                self.framer,
+                self.primary.block_bytes,
+                limiter=limiter,
             )
+
+        async with anyio.create_task_group() as group:
+            for index, fd in enumerate(self._slab_fds):
+                group.start_soon(scan_file, index, fd)
+        for slots, bad in per_file:
             found.slots += slots
             found.bad += bad
         taken = {slot.place for slot in found.slots}

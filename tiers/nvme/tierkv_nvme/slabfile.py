@@ -343,20 +343,65 @@ class FoundSlot:
     key: OffloadKey
 
 
+SCAN_AHEAD = 64
+"""Header pages a scan of a cold file has asked the disk for ahead of the one it reads
+(the core's SCAN_AHEAD)."""
+
+
+class _HeaderPages:
+    """A scan's reads of slot header pages. A page in the page cache is read at once;
+    once one is not (a restart's cold disk; or from the first with `cold`), each read
+    first asks the kernel for the next SCAN_AHEAD slots' header pages
+    (`POSIX_FADV_WILLNEED`: read asynchronously, past the file's `POSIX_FADV_RANDOM`),
+    so the disk has that many reads in flight instead of one (a header page per slot
+    at queue depth 1 cost a cold scan ~60 us a slot on the dev VM's disk)."""
+
+    def __init__(self, fd: int, room: int, slots: int, cold: bool) -> None:
+        self.fd, self.room, self.slots = fd, room, slots
+        self.nowait = getattr(os, "RWF_NOWAIT", 0)  # Linux 4.14+
+        self.cold = cold or not self.nowait
+        self.advised = 0  # slots below this were asked for
+        self._page = bytearray(PAGE)
+
+    def head(self, slot: int) -> int:
+        return PAGE + slot * (self.room + PAGE) + self.room
+
+    def read(self, slot: int) -> bytes:
+        if not self.cold:
+            try:
+                got = os.preadv(self.fd, [self._page], self.head(slot), self.nowait)
+            except BlockingIOError:  # not in the page cache
+                got = -1
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                got = -1  # a kernel or filesystem that cannot tell
+            if got in (PAGE, 0):
+                return bytes(self._page[:got])
+            self.cold = True
+        self.advised = max(self.advised, slot)
+        for ahead in range(self.advised, min(self.slots, slot + SCAN_AHEAD)):
+            os.posix_fadvise(self.fd, self.head(ahead), PAGE, os.POSIX_FADV_WILLNEED)
+            self.advised = ahead + 1
+        return os.pread(self.fd, PAGE, self.head(slot))
+
+
 def scan(
-    fd: int, index: int, room: int, framer: Framer, block_bytes: int
+    fd: int, index: int, room: int, framer: Framer, block_bytes: int, cold: bool = False
 ) -> tuple[list[FoundSlot], int]:
     """Every slot of slab file `index` whose header page is whole and names a block of
     this namespace and size: (found, slots with a header that failed a frame check).
-    Reads one page per slot; holes (slots never written) are skipped with SEEK_DATA."""
+    Reads one page per slot (`_HeaderPages`: ahead on a cold disk; `cold`: from the
+    first slot); holes (slots never written) are skipped with SEEK_DATA."""
     size = os.fstat(fd).st_size
     slots = max(0, (size - PAGE) // (room + PAGE))
+    pages = _HeaderPages(fd, room, slots, cold)
     found: list[FoundSlot] = []
     bad = 0
     slot = 0
     while slot < slots:
-        head = PAGE + slot * (room + PAGE) + room
-        page = os.pread(fd, PAGE, head)
+        head = pages.head(slot)
+        page = pages.read(slot)
         sealed = unseal(page) if len(page) == PAGE else None
         if sealed is None:
             if not any(page[:SLOT_HEAD_BYTES]):  # never written: skip the hole after it
@@ -387,6 +432,7 @@ def scan(
 __all__ = [
     "MAX_FRAME_HEADER",
     "PAGE",
+    "SCAN_AHEAD",
     "SLAB_FILES",
     "FoundSlot",
     "file_bytes",
