@@ -9,7 +9,6 @@ mid-batch leaves only whole blocks."""
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import inspect
 import os
@@ -692,10 +691,10 @@ async def test_the_cores_scan_finds_what_the_python_scan_finds(
 async def test_a_cold_scan_asks_for_the_header_pages_ahead_of_it(
     rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The Python scan reads header pages from the page cache as they come until one is
-    not there (RWF_NOWAIT refused); from that slot on, each read first asks the kernel
-    for the next SCAN_AHEAD slots' header pages (WILLNEED), each page once, and finds
-    the same blocks."""
+    """The Python scan reads header pages as they come until one takes COLD_READ_NS
+    (from the disk); from the next slot on, each read first asks the kernel for the
+    next SCAN_AHEAD slots' header pages (WILLNEED), each page once, and finds the same
+    blocks."""
     tier = slab_tier(rig, slots=8 * 300)
     await tier.open()
     keys = rig.keys(8 * 250)
@@ -707,42 +706,39 @@ async def test_a_cold_scan_asks_for_the_header_pages_ahead_of_it(
     try:
         warm, _bad = slabfile.scan(fd, 0, room, tier.framer, rig.block_bytes)
         slots = len(warm)
+        assert slots > 2 * slabfile.SCAN_AHEAD
         file_slots = (os.fstat(fd).st_size - slabfile.PAGE) // (room + slabfile.PAGE)
         heads = [slabfile.PAGE + s * (room + slabfile.PAGE) + room for s in range(file_slots)]
-        assert slots > 2 * slabfile.SCAN_AHEAD
-        cold_from = 10
+        slow_read = 10  # the 11th read comes from the disk
         reads: list[int] = []
         advised: list[int] = []
-        real_preadv, real_pread = os.preadv, os.pread
-
-        def preadv(fd: int, buffers: Any, offset: int, flags: int = 0) -> int:
-            reads.append(offset)
-            if len(reads) > cold_from:
-                raise BlockingIOError(errno.EAGAIN, "not cached")
-            return real_preadv(fd, buffers, offset, flags)
+        clock = [0]
+        real_pread = os.pread
 
         def pread(fd: int, size: int, offset: int) -> bytes:
             slot = (offset - slabfile.PAGE - room) // (room + slabfile.PAGE)
-            last = min(slot + slabfile.SCAN_AHEAD, file_slots) - 1  # asked for by now
-            assert offset in advised and advised[-1] == heads[last], slot
+            if len(reads) > slow_read:  # cold by now: asked for up to SCAN_AHEAD ahead
+                last = min(slot + slabfile.SCAN_AHEAD, file_slots) - 1
+                assert offset in advised and advised[-1] == heads[last], slot
+            clock[0] += slabfile.COLD_READ_NS if len(reads) == slow_read else 1_000
+            reads.append(offset)
             return real_pread(fd, size, offset)
 
         def fadvise(fd: int, offset: int, length: int, advice: int) -> None:
             assert advice == os.POSIX_FADV_WILLNEED and length == slabfile.PAGE
             advised.append(offset)
 
-        monkeypatch.setattr(slabfile.os, "preadv", preadv)
         monkeypatch.setattr(slabfile.os, "pread", pread)
         monkeypatch.setattr(slabfile.os, "posix_fadvise", fadvise)
+        monkeypatch.setattr(slabfile.time, "perf_counter_ns", lambda: clock[0])
         found, _bad = slabfile.scan(fd, 0, room, tier.framer, rig.block_bytes)
     finally:
         os.close(fd)
     assert found == warm
-    assert len(reads) == cold_from + 1  # once cold, no more tries
-    # every header page from the first cold one on, once, in order, up to SCAN_AHEAD
-    # past the last read (the hole after the blocks, where the scan stops)
-    assert advised == heads[cold_from : cold_from + len(advised)]
-    assert slots < cold_from + len(advised) <= slots + 1 + slabfile.SCAN_AHEAD
+    # every header page after the slow read's, once, in order, up to SCAN_AHEAD past
+    # the last read (the hole after the blocks, where the scan stops)
+    assert advised == heads[slow_read + 1 : slow_read + 1 + len(advised)]
+    assert slots < slow_read + 1 + len(advised) <= slots + 1 + slabfile.SCAN_AHEAD
 
 
 async def test_a_filesystem_without_seek_data_is_scanned_slot_by_slot(

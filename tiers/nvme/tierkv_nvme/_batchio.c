@@ -1863,37 +1863,37 @@ PyDoc_STRVAR(slab_scan_doc,
 "header page is whole and names a block of this namespace and size, as (place, seq,\n"
 "key); and the count of slots whose header is whole but whose frame header fails.\n"
 "Holes (slots never written) are skipped with SEEK_DATA. The GIL is released. Once a\n"
-"header page is not in the page cache (or from the start with cold=True: tests), each\n"
-"read first asks for the next SCAN_AHEAD slots' header pages (POSIX_FADV_WILLNEED).");
+"header page read takes COLD_READ_NS (from the disk; or from the start with cold=True:\n"
+"tests), each read first asks for the next SCAN_AHEAD slots' header pages (WILLNEED).");
 
 typedef struct {
     uint64_t place, seq;
     size_t key_at, key_len;
 } Found;
 
-#define SCAN_AHEAD 64 /* header pages a cold scan has asked the disk for ahead of it */
+#define SCAN_AHEAD 64     /* header pages a cold scan has asked the disk for ahead of it */
+#define COLD_READ_NS 10000 /* a header page read this slow came from the disk */
 
-/* One slot's header page at `head` into `page` for the scan: a page in the page cache is
- * read at once; once one is not (*cold set: a restart's disk), every read first asks the
- * kernel for the next SCAN_AHEAD slots' header pages (POSIX_FADV_WILLNEED, which reads
- * them asynchronously, past the files' POSIX_FADV_RANDOM), so the disk has that many
- * reads in flight instead of one: a header page per slot at queue depth 1 cost a cold
- * scan ~60 us a slot on the dev VM's disk. pread's answer. */
+/* One slot's header page at `head` into `page` for the scan. Until a read takes
+ * COLD_READ_NS or longer (the page came from the disk: a restart's cold file; *cold set
+ * from then on, or from the start by the caller), pages are read as they come; once
+ * cold, every read first asks the kernel for the next SCAN_AHEAD slots' header pages
+ * (POSIX_FADV_WILLNEED, which reads them asynchronously, past the files'
+ * POSIX_FADV_RANDOM), so the disk has that many reads in flight instead of one: a header
+ * page per slot at queue depth 1 cost a cold scan 60-75 us a slot on the dev VM's disk.
+ * By time, not RWF_NOWAIT: tmpfs refuses that flag, and its reads are never cold.
+ * pread's answer. */
 static ssize_t scan_read(int fd, unsigned char *page, off_t head, uint64_t slot, uint64_t slots,
                          size_t slot_bytes, size_t room, int *cold, uint64_t *advised) {
-#ifdef RWF_NOWAIT
     if (!*cold) {
-        struct iovec one = {page, PAGE};
-        ssize_t got = preadv2(fd, &one, 1, head, RWF_NOWAIT);
-        if (got == PAGE || got == 0)
-            return got;
-        if (got < 0 && errno == EINTR)
-            return got;
-        *cold = 1; /* not cached (EAGAIN), or a kernel that cannot tell: read ahead */
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        ssize_t got = pread(fd, page, PAGE, head);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        if ((t1.tv_sec - t0.tv_sec) * 1000000000L + (t1.tv_nsec - t0.tv_nsec) >= COLD_READ_NS)
+            *cold = 1;
+        return got;
     }
-#else
-    *cold = 1;
-#endif
     if (*advised < slot)
         *advised = slot;
     for (; *advised < slots && *advised < slot + SCAN_AHEAD; (*advised)++)

@@ -41,6 +41,7 @@ import ctypes
 import errno
 import os
 import struct
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -346,39 +347,33 @@ class FoundSlot:
 SCAN_AHEAD = 64
 """Header pages a scan of a cold file has asked the disk for ahead of the one it reads
 (the core's SCAN_AHEAD)."""
+COLD_READ_NS = 10_000
+"""A header page read this slow came from the disk (the core's COLD_READ_NS)."""
 
 
 class _HeaderPages:
-    """A scan's reads of slot header pages. A page in the page cache is read at once;
-    once one is not (a restart's cold disk; or from the first with `cold`), each read
-    first asks the kernel for the next SCAN_AHEAD slots' header pages
-    (`POSIX_FADV_WILLNEED`: read asynchronously, past the file's `POSIX_FADV_RANDOM`),
-    so the disk has that many reads in flight instead of one (a header page per slot
-    at queue depth 1 cost a cold scan ~60 us a slot on the dev VM's disk)."""
+    """A scan's reads of slot header pages. Until a read takes COLD_READ_NS or longer
+    (the page came from the disk: a restart's cold file; or from the first with
+    `cold`), pages are read as they come; once cold, each read first asks the kernel
+    for the next SCAN_AHEAD slots' header pages (`POSIX_FADV_WILLNEED`: read
+    asynchronously, past the file's `POSIX_FADV_RANDOM`), so the disk has that many
+    reads in flight instead of one (a header page per slot at queue depth 1 cost a
+    cold scan 60-85 us a slot on the dev VM's disk). By time, not `RWF_NOWAIT`: tmpfs
+    refuses that flag, and its reads are never cold."""
 
     def __init__(self, fd: int, room: int, slots: int, cold: bool) -> None:
-        self.fd, self.room, self.slots = fd, room, slots
-        self.nowait = getattr(os, "RWF_NOWAIT", 0)  # Linux 4.14+
-        self.cold = cold or not self.nowait
+        self.fd, self.room, self.slots, self.cold = fd, room, slots, cold
         self.advised = 0  # slots below this were asked for
-        self._page = bytearray(PAGE)
 
     def head(self, slot: int) -> int:
         return PAGE + slot * (self.room + PAGE) + self.room
 
     def read(self, slot: int) -> bytes:
         if not self.cold:
-            try:
-                got = os.preadv(self.fd, [self._page], self.head(slot), self.nowait)
-            except BlockingIOError:  # not in the page cache
-                got = -1
-            except OSError as exc:
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                got = -1  # a kernel or filesystem that cannot tell
-            if got in (PAGE, 0):
-                return bytes(self._page[:got])
-            self.cold = True
+            started = time.perf_counter_ns()
+            page = os.pread(self.fd, PAGE, self.head(slot))
+            self.cold = time.perf_counter_ns() - started >= COLD_READ_NS
+            return page
         self.advised = max(self.advised, slot)
         for ahead in range(self.advised, min(self.slots, slot + SCAN_AHEAD)):
             os.posix_fadvise(self.fd, self.head(ahead), PAGE, os.POSIX_FADV_WILLNEED)
@@ -432,6 +427,7 @@ def scan(
 __all__ = [
     "MAX_FRAME_HEADER",
     "PAGE",
+    "COLD_READ_NS",
     "SCAN_AHEAD",
     "SLAB_FILES",
     "FoundSlot",
