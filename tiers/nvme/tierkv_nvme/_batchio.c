@@ -1863,8 +1863,8 @@ PyDoc_STRVAR(slab_scan_doc,
 "header page is whole and names a block of this namespace and size, as (place, seq,\n"
 "key); and the count of slots whose header is whole but whose frame header fails.\n"
 "Holes (slots never written) are skipped with SEEK_DATA. The GIL is released. Once a\n"
-"header page read takes COLD_READ_NS (from the disk; or from the start with cold=True:\n"
-"tests), each read first asks for the next SCAN_AHEAD slots' header pages (WILLNEED).");
+"few header page reads in a row take COLD_READ_NS (from the disk; or from the start with\n"
+"cold=True: tests), each read first asks for the next SCAN_AHEAD slots' header pages.");
 
 typedef struct {
     uint64_t place, seq;
@@ -1872,12 +1872,14 @@ typedef struct {
 } Found;
 
 #define SCAN_AHEAD 64     /* header pages a cold scan has asked the disk for ahead of it */
-#define COLD_READ_NS 10000 /* a header page read this slow came from the disk */
+#define COLD_READ_NS 10000 /* a header page read this slow came from the disk... */
+#define COLD_READS 3       /* ...when this many in a row were (one may be a preemption) */
 
-/* One slot's header page at `head` into `page` for the scan. Until a read takes
- * COLD_READ_NS or longer (the page came from the disk: a restart's cold file; *cold set
- * from then on, or from the start by the caller), pages are read as they come; once
- * cold, every read first asks the kernel for the next SCAN_AHEAD slots' header pages
+/* One slot's header page at `head` into `page` for the scan. Until COLD_READS reads in a
+ * row take COLD_READ_NS or longer (the pages come from the disk: a restart's cold file;
+ * *cold counts them, COLD_READS from the start when the caller says), pages are read as
+ * they come; once cold, every read first asks the kernel for the next SCAN_AHEAD slots'
+ * header pages
  * (POSIX_FADV_WILLNEED, which reads them asynchronously, past the files'
  * POSIX_FADV_RANDOM), so the disk has that many reads in flight instead of one: a header
  * page per slot at queue depth 1 cost a cold scan 60-75 us a slot on the dev VM's disk.
@@ -1885,13 +1887,13 @@ typedef struct {
  * pread's answer. */
 static ssize_t scan_read(int fd, unsigned char *page, off_t head, uint64_t slot, uint64_t slots,
                          size_t slot_bytes, size_t room, int *cold, uint64_t *advised) {
-    if (!*cold) {
+    if (*cold < COLD_READS) {
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
         ssize_t got = pread(fd, page, PAGE, head);
         clock_gettime(CLOCK_MONOTONIC, &t1);
-        if ((t1.tv_sec - t0.tv_sec) * 1000000000L + (t1.tv_nsec - t0.tv_nsec) >= COLD_READ_NS)
-            *cold = 1;
+        long ns = (t1.tv_sec - t0.tv_sec) * 1000000000L + (t1.tv_nsec - t0.tv_nsec);
+        *cold = ns >= COLD_READ_NS ? *cold + 1 : 0;
         return got;
     }
     if (*advised < slot)
@@ -1909,6 +1911,7 @@ static PyObject *py_slab_scan(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iiinO&n|p", &fd, &index, &files, &room, frame_arg, &frame,
                           &block_bytes, &cold))
         return NULL;
+    cold = cold ? COLD_READS : 0; /* from here on: slow reads in a row */
     size_t sig = frame.mac ? SIG_BYTES : 0;
     if (room <= 0 || room % PAGE || files < 1 || index < 0 || index >= files) {
         PyErr_SetString(PyExc_ValueError, "room: a positive PAGE multiple; 0 <= index < files");

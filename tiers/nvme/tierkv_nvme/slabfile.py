@@ -348,31 +348,36 @@ SCAN_AHEAD = 64
 """Header pages a scan of a cold file has asked the disk for ahead of the one it reads
 (the core's SCAN_AHEAD)."""
 COLD_READ_NS = 10_000
-"""A header page read this slow came from the disk (the core's COLD_READ_NS)."""
+"""A header page read this slow came from the disk (the core's COLD_READ_NS)..."""
+COLD_READS = 3
+"""...when this many in a row were: one slow read may be a preemption (on tmpfs, 32 of
+32 scans saw one on the busy 2-core dev VM; the core's COLD_READS)."""
 
 
 class _HeaderPages:
-    """A scan's reads of slot header pages. Until a read takes COLD_READ_NS or longer
-    (the page came from the disk: a restart's cold file; or from the first with
-    `cold`), pages are read as they come; once cold, each read first asks the kernel
-    for the next SCAN_AHEAD slots' header pages (`POSIX_FADV_WILLNEED`: read
-    asynchronously, past the file's `POSIX_FADV_RANDOM`), so the disk has that many
-    reads in flight instead of one (a header page per slot at queue depth 1 cost a
-    cold scan 60-85 us a slot on the dev VM's disk). By time, not `RWF_NOWAIT`: tmpfs
-    refuses that flag, and its reads are never cold."""
+    """A scan's reads of slot header pages. Until COLD_READS reads in a row take
+    COLD_READ_NS or longer (the pages come from the disk: a restart's cold file; or
+    from the first with `cold`), pages are read as they come; once cold, each read
+    first asks the kernel for the next SCAN_AHEAD slots' header pages
+    (`POSIX_FADV_WILLNEED`: read asynchronously, past the file's `POSIX_FADV_RANDOM`),
+    so the disk has that many reads in flight instead of one (a header page per slot
+    at queue depth 1 cost a cold scan 60-85 us a slot on the dev VM's disk). By time,
+    not `RWF_NOWAIT`: tmpfs refuses that flag, and its reads are never cold."""
 
     def __init__(self, fd: int, room: int, slots: int, cold: bool) -> None:
-        self.fd, self.room, self.slots, self.cold = fd, room, slots, cold
+        self.fd, self.room, self.slots = fd, room, slots
+        self.slow = COLD_READS if cold else 0  # slow reads in a row, up to COLD_READS
         self.advised = 0  # slots below this were asked for
 
     def head(self, slot: int) -> int:
         return PAGE + slot * (self.room + PAGE) + self.room
 
     def read(self, slot: int) -> bytes:
-        if not self.cold:
+        if self.slow < COLD_READS:
             started = time.perf_counter_ns()
             page = os.pread(self.fd, PAGE, self.head(slot))
-            self.cold = time.perf_counter_ns() - started >= COLD_READ_NS
+            slow = time.perf_counter_ns() - started >= COLD_READ_NS
+            self.slow = self.slow + 1 if slow else 0
             return page
         self.advised = max(self.advised, slot)
         for ahead in range(self.advised, min(self.slots, slot + SCAN_AHEAD)):
