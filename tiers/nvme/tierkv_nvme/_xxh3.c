@@ -29,7 +29,6 @@
 #define STRIPE 64
 #define STRIPES_PER_BLOCK 16 /* (secret size - STRIPE) / 8 secret bytes a stripe */
 #define SHORT_MAX 240
-#define PREFETCH_AHEAD 384
 
 /* XXH3's default secret (192 bytes, the spec's kSecret). */
 static const uint8_t SECRET[192] __attribute__((aligned(64))) = {
@@ -178,7 +177,6 @@ static void scramble(uint64_t acc[8]) {
     while (count > 0) {                                                                         \
         if (s == 0 && count >= STRIPES_PER_BLOCK) {                                             \
             _Pragma("GCC unroll 16") for (int k = 0; k < STRIPES_PER_BLOCK; k++) {              \
-                __builtin_prefetch(in + STRIPE * k + PREFETCH_AHEAD);                           \
                 STRIPE_STEP(a, in + STRIPE * k, SECRET + 8 * k)                                 \
             }                                                                                   \
             SCRAMBLE_STEP(a)                                                                    \
