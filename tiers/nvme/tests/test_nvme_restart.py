@@ -158,3 +158,66 @@ async def test_a_load_makes_a_block_recent_across_a_restart(rig) -> None:
     await smaller.open()
     assert await smaller.lookup(keys, CTX) == [True, False, True]
     await smaller.close()
+
+
+async def test_the_cycle_collector_waits_while_an_open_rebuilds_its_index(
+    rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rebuild builds objects by the block; the cycle collector is paused while it
+    does (`recovery.cycles_uncollected`) and runs again once the open has its index."""
+    import gc
+
+    tier = rig.tier()
+    await tier.open()
+    await rig.store(tier, rig.keys(5))
+    await tier.close()
+    reopened = rig.tier()
+    seen: list[bool] = []
+    rebuild = type(reopened)._rebuild
+
+    def watched(self, scan) -> None:
+        seen.append(gc.isenabled())
+        rebuild(self, scan)
+
+    monkeypatch.setattr(type(reopened), "_rebuild", watched)
+    assert gc.isenabled()
+    await reopened.open()
+    assert seen == [False]
+    assert gc.isenabled()
+    assert reopened.recovery is not None and reopened.recovery.blocks == 5
+    await reopened.close()
+
+
+def test_pauses_of_the_cycle_collector_are_counted_and_restore_what_was_there() -> None:
+    """Holders overlap (stripes open side by side, scans in threads): the collector runs
+    again only when the last leaves, and only if it ran when the first came."""
+    import gc
+    import threading
+
+    from tierkv_nvme.recovery import cycles_uncollected
+
+    assert gc.isenabled()
+    first, second = cycles_uncollected(), cycles_uncollected()
+    first.__enter__()
+    done = threading.Event()
+
+    def other() -> None:
+        with cycles_uncollected():
+            assert not gc.isenabled()
+        done.set()
+
+    second.__enter__()
+    first.__exit__(None, None, None)  # the first leaves before the second
+    assert not gc.isenabled()
+    threading.Thread(target=other).start()
+    assert done.wait(10)
+    assert not gc.isenabled()
+    second.__exit__(None, None, None)
+    assert gc.isenabled()
+    gc.disable()  # a process that runs without it keeps it off
+    try:
+        with cycles_uncollected():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -87,7 +87,12 @@ from tierkv_nvme.layout import (
     block_relpath,
     namespace_dir,
 )
-from tierkv_nvme.recovery import ScanResult, list_fanout_dirs, scan_fanout_dir
+from tierkv_nvme.recovery import (
+    ScanResult,
+    cycles_uncollected,
+    list_fanout_dirs,
+    scan_fanout_dir,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -356,8 +361,9 @@ class NvmeTier(SecondaryTierManager):
                 else "the kernel cannot open below a directory without links (openat2)",
             )
         try:
-            scan = await self._scan()
-            self._rebuild(scan)
+            with cycles_uncollected():
+                scan = await self._scan()
+                self._rebuild(scan)
             evicted = await self._enforce_capacity()
         except OSError as exc:
             self._release_lock()
