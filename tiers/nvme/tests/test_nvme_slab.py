@@ -687,6 +687,44 @@ async def test_the_cores_scan_finds_what_the_python_scan_finds(
     assert sum(bad for _part, bad in every) == (4 if signed else 2)
 
 
+async def test_a_scan_that_fails_fails_the_open_naming_the_error(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slab file that cannot be read at open (EIO from one file's scan, while the
+    others scan beside it) fails the open with TierUnavailable naming the error, as
+    the tier's other open failures do, and leaves the directory free for a retry."""
+    import errno
+
+    from tierkv_nvme import native
+
+    from tierkv.tier import TierUnavailable
+
+    tier = slab_tier(rig)
+    await tier.open()
+    await rig.store(tier, rig.keys(10))
+    await tier.close()
+    scans = {"native": native.slab_scan, "python": slabfile.scan}
+
+    def failing(name: str) -> Any:
+        def scan(fd: int, index: int, *args: Any) -> Any:
+            if index == 3:
+                raise OSError(errno.EIO, "Input/output error")
+            return scans[name](fd, index, *args)
+
+        return scan
+
+    monkeypatch.setattr(native, "slab_scan", failing("native"))
+    monkeypatch.setattr(slabfile, "scan", failing("python"))
+    broken = slab_tier(rig)
+    with pytest.raises(TierUnavailable, match=r"cannot read its directory.*Input/output error"):
+        await broken.open()
+    monkeypatch.undo()
+    again = slab_tier(rig)
+    await again.open()  # the failed open let the directory go
+    assert again.describe()["blocks"] == 10
+    await again.close()
+
+
 @pytest.mark.python_io
 async def test_a_cold_scan_asks_for_the_header_pages_ahead_of_it(
     rig: Rig, monkeypatch: pytest.MonkeyPatch

@@ -313,21 +313,28 @@ class SlabNvmeTier(NvmeTier):
             self.config.io_concurrency if self._io_engine == "native" else 1
         )
         per_file: list[tuple[list[slabfile.FoundSlot], int]] = [([], 0)] * len(self._slab_fds)
+        failed: list[Exception] = []  # raised as they are (open names an OSError), not
+        # wrapped in the task group's ExceptionGroup
 
         async def scan_file(index: int, fd: int) -> None:
-            per_file[index] = await in_thread(
-                scan,
-                fd,
-                index,
-                self._room,
-                self.framer,
-                self.primary.block_bytes,
-                limiter=limiter,
-            )
+            try:
+                per_file[index] = await in_thread(
+                    scan,
+                    fd,
+                    index,
+                    self._room,
+                    self.framer,
+                    self.primary.block_bytes,
+                    limiter=limiter,
+                )
+            except Exception as exc:
+                failed.append(exc)
 
         async with anyio.create_task_group() as group:
             for index, fd in enumerate(self._slab_fds):
                 group.start_soon(scan_file, index, fd)
+        if failed:
+            raise failed[0]
         for slots, bad in per_file:
             found.slots += slots
             found.bad += bad
