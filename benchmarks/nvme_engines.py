@@ -8,7 +8,9 @@ beside the native reference in the same run: store then load N blocks in jobs of
 
 Prints GB/s and CPU µs per block (the process's user + system time over the blocks
 moved: event loop, worker threads and the core's own threads) per engine and round,
-and the reference's (`tierkv_nvme.reference`: the same number of block files written
+the event loop's own CPU µs per block (store/load: the tier's Python, which one thread
+runs for every core thread, so what bounds it on a many-core machine), and the
+reference's (`tierkv_nvme.reference`: the same number of block files written
 and read by plain C, open + pwrite|pread + close each, --ref-threads threads), with
 the native engine's ratio to it.
 
@@ -66,7 +68,9 @@ os.environ.setdefault(_MAC_ENV, os.urandom(32).hex())
 
 async def one_round(
     engine: str, args: argparse.Namespace, block_kib: int, n: int
-) -> tuple[float, ...]:
+) -> tuple[tuple[float, ...], tuple[float, float]]:
+    """(store GB/s, CPU, load GB/s, CPU[, synced, cold GB/s, cold CPU]), and the event
+    loop's CPU µs per block (store, load)."""
     block, batch, jobs = block_kib << 10, args.batch, args.threads or args.concurrency
     primary = PrimaryTier(batch * jobs, block, pin_memory=False, namespace="nvme-engines")
     # KV data, as a server's slab holds: untouched memory would cost the first store a
@@ -91,7 +95,7 @@ async def one_round(
     keys = random_keys(n)
     ids = iter(range(1, 10**9))
 
-    async def run(verb: str) -> tuple[float, float]:
+    async def run(verb: str) -> tuple[float, float, float]:
         async def lane(c: int) -> None:
             slots = tuple(range(c * batch, (c + 1) * batch))
             for i in range(c * batch, n, jobs * batch):
@@ -99,27 +103,28 @@ async def one_round(
                 result = await (tier.store(job) if verb == "store" else tier.load(job))
                 assert result.ok, result.error
 
-        cpu, wall = cpu_seconds(), time.perf_counter()
+        cpu, wall, loop = cpu_seconds(), time.perf_counter(), time.thread_time()
         async with anyio.create_task_group() as tg:
             for c in range(jobs):
                 tg.start_soon(lane, c)
         wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
-        return n * block / wall / 1e9, cpu / n * 1e6
+        return n * block / wall / 1e9, cpu / n * 1e6, (time.thread_time() - loop) / n * 1e6
 
     try:
         wall = time.perf_counter()
-        store = await run("store")
+        *store, store_loop = await run("store")
         if args.cold:
             os.sync()  # a buffered store's bytes reach the disk here
             synced = n * block / (time.perf_counter() - wall) / 1e9
-        load = await run("load")
+        *load, load_loop = await run("load")
         if args.cold:
             drop_from_cache(path)
-            cold = await run("load")
+            *cold, _ = await run("load")
     finally:
         await tier.close()
         shutil.rmtree(path, ignore_errors=True)
-    return (*store, *load, synced, *cold) if args.cold else (*store, *load)
+    loops = (store_loop, load_loop)
+    return ((*store, *load, synced, *cold) if args.cold else (*store, *load)), loops
 
 
 def reference(args: argparse.Namespace, block_kib: int, blocks: int) -> tuple[float, ...]:
@@ -142,18 +147,22 @@ async def main(args: argparse.Namespace) -> None:
     print(
         "block  engine             round  store GB/s  store CPU us/blk  load GB/s  load CPU us/blk"
         + ("  synced GB/s  cold load GB/s  cold CPU us/blk" if args.cold else "")
-        + "  store/ref  load/ref"
+        + "  store/ref  load/ref  loop us/blk st/ld"
     )
     for block_kib in (int(k) for k in str(args.block_kib).split(",")):
         n = args.blocks or max(args.batch * args.concurrency, min(8192, (512 << 10) // block_kib))
         args.blocks_now = n
         for r in range(args.rounds):
             ref = reference(args, block_kib, n)
-            rows = [("reference", ref)]
+            rows: list[tuple[str, tuple[float, ...], tuple[float, float] | None]] = [
+                ("reference", ref, None)
+            ]
             for engine in engines:
-                rows.append((engine, await one_round(engine, args, block_kib, n)))
-            for name, (sg, sc, lg, lc, *cold) in rows:
-                ratio = "" if name == "reference" else f"  {sg / ref[0]:9.2f}  {lg / ref[2]:8.2f}"
+                rows.append((engine, *await one_round(engine, args, block_kib, n)))
+            for name, (sg, sc, lg, lc, *cold), loops in rows:
+                ratio = "" if loops is None else (
+                    f"  {sg / ref[0]:9.2f}  {lg / ref[2]:8.2f}  {loops[0]:8.2f}/{loops[1]:.2f}"
+                )  # fmt: skip
                 after = "" if not args.cold else (
                     f"  {'':11s}  {'':14s}  {'':15s}" if not cold
                     else f"  {cold[0]:11.2f}  {cold[1]:14.2f}  {cold[2]:15.1f}"
