@@ -117,7 +117,7 @@ def test_the_core_starts_no_block_of_a_call_whose_deadline_passed(
 
     data = anyio.run(fill)
     keys = list(data)
-    entries = [(key, tier._index[key]) for key in keys]
+    entries = [tier._index[key] for key in keys]
     slots = list(range(16, 22))
     for slot in slots:
         rig.view.block(slot)[:] = bytes([SENTINEL]) * rig.block_bytes

@@ -380,8 +380,11 @@ async def test_a_stale_load_refreshes_the_recency_a_restart_sees(rig: Rig) -> No
     keys = rig.keys(3)
     await rig.store(tier, keys)
     tier._index[keys[0]].touched_ns = 0  # stale: this load rewrites its sequence
-    result, _ = await rig.load(tier, keys[:1])
+    fresh = tier._index[keys[1]].touched_ns  # not: its sequence stays
+    result, _ = await rig.load(tier, keys[:2])
     assert result.ok
+    assert tier._index[keys[0]].touched_ns > 0  # refreshed: the next load leaves it
+    assert tier._index[keys[1]].touched_ns == fresh
     await tier.close()
     again = slab_tier(rig)
     await again.open()

@@ -231,7 +231,7 @@ def batch_ready(dir_fd: int = -1) -> bool:
 def batch_keys(keys: Sequence[OffloadKey]) -> bool:
     """Whether every key is named by its hex (1 to MAX_HEX_KEY_BYTES bytes), as the
     batch calls require (longer keys are named by their sha256: per-block calls)."""
-    return all(0 < len(key) <= MAX_HEX_KEY_BYTES for key in keys)
+    return not keys or (min(map(len, keys)) > 0 and max(map(len, keys)) <= MAX_HEX_KEY_BYTES)
 
 
 def write_batch_call(

@@ -57,6 +57,7 @@ import os
 import time
 from array import array
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,8 @@ from tierkv_nvme.recovery import ScanResult
 from tierkv_nvme.tier import NvmeTier, _Entry
 
 logger = logging.getLogger(__name__)
+
+_PLACE = attrgetter("place")  # of index entries, in C
 
 DIRECT_THREADS = 8
 """Threads of the core per call with O_DIRECT (`direct: true`). A direct read or write
@@ -542,7 +545,7 @@ class SlabNvmeTier(NvmeTier):
         keys: list[OffloadKey],
         slots: list[int],
         touch: bytes,
-        entries: Sequence[tuple[OffloadKey, _Entry]],
+        entries: Sequence[_Entry],
         deadline: float,
     ) -> native.CoreCall | None:
         """The chunk's reads as one call of the core (`_write_call`'s terms); a slot
@@ -556,7 +559,7 @@ class SlabNvmeTier(NvmeTier):
                 if flag:
                     fresh[i] = next(self._seqs)
             seqs = fresh.tobytes()
-        places = array("Q", [entry.place for _key, entry in entries])
+        places = array("Q", map(_PLACE, entries))
         lanes = self._lanes
         if lanes is not None and native.batch_keys(keys):
             return native.slab_read_call(
@@ -643,7 +646,7 @@ class SlabNvmeTier(NvmeTier):
         keys: list[OffloadKey],
         slots: list[int],
         touch: bytes,
-        entries: Sequence[tuple[OffloadKey, _Entry]],
+        entries: Sequence[_Entry],
         deadline: float = 0.0,
     ) -> list[Exception | None]:
         """Worker thread: read keys[i] from its slot into slots[i]; a slot whose
@@ -654,7 +657,7 @@ class SlabNvmeTier(NvmeTier):
         call = self._read_call(keys, slots, touch, entries, deadline)
         if call is not None:
             return call.run()
-        places = [entry.place for _key, entry in entries]
+        places = list(map(_PLACE, entries))
         seqs = array("Q", bytes(8 * len(keys)))
         if any(touch):
             for i, flag in enumerate(touch):

@@ -45,9 +45,10 @@ import fcntl
 import logging
 import os
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
+from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +185,10 @@ class _Entry:
         self.place = place
         """Where the block lies in its medium when the key does not say (the slab
         layout's slot, `tierkv_nvme.slab`); -1 for a file named by its key."""
+
+
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)  # of (key, slot) pairs, in C
+_TOUCHED, _READ_ERRORS = attrgetter("touched_ns"), attrgetter("read_errors")  # of entries
 
 
 class NvmeTier(SecondaryTierManager):
@@ -918,10 +923,11 @@ class NvmeTier(SecondaryTierManager):
         keys: list[OffloadKey],
         slots: list[int],
         touch: bytes,
-        entries: Sequence[tuple[OffloadKey, _Entry]],
+        entries: Sequence[_Entry],
         deadline: float,
     ) -> list[Exception | None]:
-        """A chunk's reads, as `_write_chunk`'s (`_read_call`, `_read_files`)."""
+        """A chunk's reads, as `_write_chunk`'s (`_read_call`, `_read_files`);
+        `entries`: each key's index entry."""
         return await self._on_core_or_thread(
             self._read_call, self._read_files, keys, slots, touch, entries, deadline
         )
@@ -960,7 +966,7 @@ class NvmeTier(SecondaryTierManager):
         keys: list[OffloadKey],
         slots: list[int],
         touch: bytes,
-        entries: Sequence[tuple[OffloadKey, _Entry]],
+        entries: Sequence[_Entry],
         deadline: float,
     ) -> native.CoreCall | None:
         """The chunk's reads as one call of the core for its queue, or None."""
@@ -1101,39 +1107,54 @@ class NvmeTier(SecondaryTierManager):
                 event.set()
 
     async def _load_chunk(self, chunk: Batch, deadline: float) -> dict[OffloadKey, str]:
+        """Read one chunk of a load job. Its bookkeeping runs on the event loop, which
+        serves every core thread: per block it is kept to C-level passes over the
+        chunk (`map`) where the common case allows (a 128-page SGLang load is 128
+        blocks; its loop time bounds a many-core machine, `nvme_engines.py`)."""
         failed: dict[OffloadKey, str] = {}
-        reads: list[tuple[OffloadKey, _Entry]] = []  # and their entries (places)
-        keys: list[OffloadKey] = []
-        slots: list[int] = []
-        touch = bytearray()
+        index, pins = self._index, self._pins
+        keys: list[OffloadKey] = list(map(_FIRST, chunk))
+        entries: list[_Entry] = list(map(index.get, keys))  # type: ignore[arg-type]
+        if None in entries:  # not held: those fail, the others are read
+            held = [(pair, entry) for pair, entry in zip(chunk, entries) if entry is not None]
+            failed = {key: "not in the nvme tier" for key, _slot in chunk if key not in index}
+            if not held:
+                return failed
+            keys = [key for (key, _slot), _entry in held]
+            slots = [slot for (_key, slot), _entry in held]
+            entries = [entry for _pair, entry in held]
+        else:
+            slots = list(map(_SECOND, chunk))
+        deque(map(index.move_to_end, keys), maxlen=0)
+        for key in keys:
+            pins[key] = pins.get(key, 0) + 1
         now = time.time_ns()
         stale = now - blockfile.TOUCH_AFTER_NS
-        index, pins = self._index, self._pins
-        for key, slot in chunk:  # per block: kept short (a 128-page SGLang load is 128)
-            entry = index.get(key)
-            if entry is None:
-                failed[key] = "not in the nvme tier"
-                continue
-            index.move_to_end(key)
-            pins[key] = pins.get(key, 0) + 1
-            reads.append((key, entry))
-            keys.append(key)
-            slots.append(slot)
-            touch.append(entry.touched_ns < stale)
-        if not reads:
-            return failed
+        if min(map(_TOUCHED, entries)) < stale:  # some to touch (else none: one C pass)
+            touch = bytes(entry.touched_ns < stale for entry in entries)
+        else:
+            touch = bytes(len(entries))
         try:
             async with self._io_slots:
                 self._calls += 1
                 try:
-                    outcomes = await self._read_chunk(keys, slots, bytes(touch), reads, deadline)
+                    outcomes = await self._read_chunk(keys, slots, touch, entries, deadline)
                 finally:
                     self._calls -= 1
         finally:
             self._unpin(keys)
+        if not any(outcomes):  # every block read: the common case
+            if any(map(_READ_ERRORS, entries)):
+                for entry in entries:
+                    entry.read_errors = 0
+            if any(touch):
+                for entry, flag in zip(entries, touch):
+                    if flag:
+                        entry.touched_ns = now
+            return failed
         unreadable: list[tuple[OffloadKey, _Entry]] = []
         forgotten: list[tuple[OffloadKey, _Entry]] = []
-        for (key, entry), error in zip(reads, outcomes):
+        for key, entry, error in zip(keys, entries, outcomes):
             if error is None:
                 if entry.read_errors:
                     entry.read_errors = 0
@@ -1181,7 +1202,7 @@ class NvmeTier(SecondaryTierManager):
         keys: list[OffloadKey],
         slots: list[int],
         touch: bytes,
-        entries: Sequence[tuple[OffloadKey, _Entry]],
+        entries: Sequence[_Entry],
         deadline: float = 0.0,
     ) -> list[Exception | None]:
         """Worker thread: read and check each block (keys[i] into slots[i], its mtime
