@@ -465,6 +465,8 @@ async def test_a_tier_names_its_engine_signed_or_not(
         assert tier.describe()["io_engine"] == engine
         signed_native = "mac_key_env" in fields and engine == "native"
         assert tier.describe()["mac_lanes"] == (native.blake3_lanes() if signed_native else None)
+        bits = native.checksum_bits() if engine == "native" else None
+        assert tier.describe()["checksum_bits"] == bits
         assert f"io engine {engine}" in caplog.text
         keys = rig.keys(3)
         result, stored = await rig.store(tier, keys)

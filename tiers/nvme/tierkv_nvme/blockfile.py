@@ -319,9 +319,7 @@ class _Scratch:
         """No slot is at a short distance from a payload after `head_bytes`."""
         fine = self._fine.get(head_bytes)
         if fine is None:
-            fine = self._fine[head_bytes] = not short_distance_possible(
-                self._placement, head_bytes
-            )
+            fine = self._fine[head_bytes] = not short_distance_possible(self._placement, head_bytes)
         return fine
 
     def frame(self, dest: Slot, head_bytes: int) -> memoryview | None:

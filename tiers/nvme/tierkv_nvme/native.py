@@ -124,6 +124,12 @@ def _frame(framer: Framer) -> int | tuple[int, bytes, bytes]:
     return (framer.namespace_tag, key.derived_key, key.key_id)
 
 
+def checksum_bits() -> int:
+    """The widest vectors the core's xxh3 checksum loop runs on with this CPU: 512
+    (AVX-512), 256 (AVX2), 128 (SSE2) or 64 (plain words, other CPUs)."""
+    return int(_core_or_raise().XXH3_VECTOR_BITS)
+
+
 def blake3_lanes() -> int:
     """Chunks the core's keyed BLAKE3 (the frames' MAC) hashes at once on this CPU:
     16 with AVX-512, 8 with AVX2, 1 elsewhere."""

@@ -243,6 +243,7 @@ class StripedNvmeTier(SecondaryTierManager):
             "io_concurrency": self.config.io_concurrency,
             "mac": self.framer.mac,
             "io_engine": self.stripes[0].describe()["io_engine"],
+            "checksum_bits": self.stripes[0].describe()["checksum_bits"],
             "mac_lanes": self.stripes[0].describe()["mac_lanes"],
             "stripes": [
                 {

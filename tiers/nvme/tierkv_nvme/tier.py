@@ -324,6 +324,8 @@ class NvmeTier(SecondaryTierManager):
             "io_concurrency": self.config.io_concurrency,
             "mac": self.framer.mac,
             "io_engine": self._io_engine,
+            # the core's xxh3 loop's vector width (512: AVX-512, 256: AVX2, 128: SSE2)
+            "checksum_bits": native.checksum_bits() if self._io_engine == "native" else None,
             # chunks the core's BLAKE3 hashes at once (16: AVX-512, 8: AVX2, 1: portable)
             "mac_lanes": native.blake3_lanes()
             if self.framer.mac and self._io_engine == "native"
