@@ -1764,14 +1764,30 @@ static PyObject *queue_submit(CoreQueue *q, PyObject *args) {
     if (job == NULL)
         return NULL;
     job->ticket = ticket;
+    /* Without the GIL: waking a thread may hand it this CPU at once (the wakee runs
+     * before the waker on a busy machine), and a thread waiting for its CPU back must
+     * not hold the GIL the process's other threads need. Closed meanwhile (stopping
+     * is set under the lock): refused, as above. */
+    int closed;
+    Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&q->lock);
-    if (q->pending_tail)
-        q->pending_tail->next = job;
-    else
-        q->pending = job;
-    q->pending_tail = job;
+    closed = q->stopping;
+    if (!closed) {
+        if (q->pending_tail)
+            q->pending_tail->next = job;
+        else
+            q->pending = job;
+        q->pending_tail = job;
+    }
     pthread_mutex_unlock(&q->lock);
-    pthread_cond_signal(&q->wake); /* after the unlock: the woken thread takes it at once */
+    if (!closed)
+        pthread_cond_signal(&q->wake); /* after the unlock: the woken thread takes it at once */
+    Py_END_ALLOW_THREADS
+    if (closed) {
+        core_job_free(job);
+        PyErr_SetString(PyExc_ValueError, "CoreQueue is closed");
+        return NULL;
+    }
     q->in_flight++;
     Py_RETURN_NONE;
 }
