@@ -236,6 +236,36 @@ async def test_a_restart_rebuilds_the_index_from_every_directory(rig, dirs) -> N
     await reordered.close()
 
 
+async def test_the_stripes_orders_merge_with_the_cycle_collector_paused(
+    rig, dirs, monkeypatch
+) -> None:
+    """Merging the stripes' LRU orders at open makes objects by the block, as each
+    stripe's rebuild does: the cycle collector waits (`recovery.cycles_uncollected`)
+    and runs again once the open is done."""
+    import gc
+    import heapq
+
+    from tierkv_nvme import striped as striped_module
+
+    tier = striped(rig, dirs)
+    await tier.open()
+    await store_all(rig, tier, rig.keys(12))
+    await tier.close()
+    seen: list[bool] = []
+    real_merge = heapq.merge
+
+    def merge(*orders: Any) -> Any:
+        seen.append(gc.isenabled())
+        return real_merge(*orders)
+
+    monkeypatch.setattr(striped_module.heapq, "merge", merge)
+    again = striped(rig, dirs)
+    await again.open()
+    assert seen == [False] and gc.isenabled()
+    assert len(again) == 12
+    await again.close()
+
+
 async def test_a_block_found_in_two_directories_keeps_one_copy(rig, dirs) -> None:
     tier = striped(rig, dirs)
     await tier.open()

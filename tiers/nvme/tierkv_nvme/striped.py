@@ -86,6 +86,7 @@ from tierkv.tier import (
     TierUnavailable,
 )
 from tierkv_nvme.config import NvmeTierConfig
+from tierkv_nvme.recovery import cycles_uncollected
 from tierkv_nvme.tier import DEFAULT_FS_BLOCK, NvmeTier, RecoveryReport, disk_footprint
 
 __all__ = ["StripedNvmeTier", "split_capacity", "stripe_hash"]
@@ -317,18 +318,19 @@ class StripedNvmeTier(SecondaryTierManager):
     async def _index_stripes(self) -> int:
         """Stamp every block found, interleaving the stripes' LRU orders evenly, and
         delete the older copy of a key found in two stripes; how many were deleted."""
-        orders = [list(stripe.eviction_candidates()) for stripe in self.stripes]
-        ranked = [
-            [((rank + 0.5) / len(order), i, key) for rank, key in enumerate(order)]
-            for i, order in enumerate(orders)
-        ]
         where: dict[OffloadKey, int] = {}
         older: dict[int, list[OffloadKey]] = {}
-        for _at, i, key in heapq.merge(*ranked):  # least recently used first
-            if key in where:
-                older.setdefault(where[key], []).append(key)
-            where[key] = i
-            self._stamps[key] = next(self._clock)
+        with cycles_uncollected():  # objects by the block, as the stripes' own rebuilds
+            orders = [list(stripe.eviction_candidates()) for stripe in self.stripes]
+            ranked = [
+                [((rank + 0.5) / len(order), i, key) for rank, key in enumerate(order)]
+                for i, order in enumerate(orders)
+            ]
+            for _at, i, key in heapq.merge(*ranked):  # least recently used first
+                if key in where:
+                    older.setdefault(where[key], []).append(key)
+                where[key] = i
+                self._stamps[key] = next(self._clock)
         for i, keys in older.items():
             logger.warning(
                 "nvme tier: %d blocks in %s are also held in another directory; deleted this copy",
