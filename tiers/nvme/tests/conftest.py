@@ -194,6 +194,25 @@ def native_core() -> None:
 
 
 @pytest.fixture
+def core(native_core: None) -> Any:
+    """The compiled core's module (`tierkv_nvme._batchio`), for tests of its own entry
+    points (its hashes)."""
+    return native._core
+
+
+def cut_at(data: bytes, cuts: list[int]) -> tuple[bytes, ...]:
+    """`data` cut at `cuts` (positions, any order, repeats give empty parts)."""
+    at = sorted(min(c, len(data)) for c in cuts)
+    return tuple(data[a:b] for a, b in zip([0, *at], [*at, len(data)]))
+
+
+@pytest.fixture
+def split() -> Callable[[bytes, list[int]], tuple[bytes, ...]]:
+    """`cut_at`, for tests of hashes that take their input in parts."""
+    return cut_at
+
+
+@pytest.fixture
 def native_rig(tmp_path: Path, native_core: None) -> Rig:
     """A rig whose tiers use the compiled core."""
     return Rig(tmp_path / "nvme", io_engine="native")

@@ -8,26 +8,16 @@ has them)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import blake3
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tierkv_nvme import native
 
 LANES = (1, 8, 16)
 """What `keyed_hash` may be asked for; it uses no more than the CPU has."""
-
-
-@pytest.fixture
-def core(native_core: None) -> object:
-    return native._core
-
-
-def split(data: bytes, cuts: list[int]) -> tuple[bytes, ...]:
-    """`data` cut at `cuts` (positions, any order, repeats give empty parts)."""
-    at = sorted(min(c, len(data)) for c in cuts)
-    return tuple(data[a:b] for a, b in zip([0, *at], [*at, len(data)]))
 
 
 LENGTHS = st.one_of(
@@ -47,30 +37,35 @@ LENGTHS = st.one_of(
     cuts=st.lists(st.integers(0, 70 * 1024), max_size=4),
 )
 def test_the_mac_is_blake3_keyed_on_every_path(
-    core: object, key: bytes, length: int, seed: bytes, cuts: list[int]
+    core: Any,
+    split: Callable[..., tuple[bytes, ...]],
+    key: bytes,
+    length: int,
+    seed: bytes,
+    cuts: list[int],
 ) -> None:
     data = (seed * (length // 8 + 1))[:length]
     data = bytes(b ^ (i * 131 % 251) for i, b in enumerate(data))  # not periodic per chunk
     want = blake3.blake3(data, key=key).digest()
     for lanes in LANES:
-        assert core.keyed_hash(key, split(data, cuts), lanes) == want, (length, cuts, lanes)  # type: ignore[attr-defined]
+        assert core.keyed_hash(key, split(data, cuts), lanes) == want, (length, cuts, lanes)
 
 
 @pytest.mark.parametrize("length", [(1 << 20) - 1, 1 << 20, (1 << 20) + 1024 * 17 + 5, 3 << 20])
-def test_large_inputs_make_whole_trees(core: object, length: int) -> None:
+def test_large_inputs_make_whole_trees(core: Any, length: int) -> None:
     """Inputs of many subtrees (a 1 MiB block is 1,024 chunks): the side-by-side
     subtrees, the chunks left over and the stack of subtrees that joins them."""
     key, data = os.urandom(32), os.urandom(length)
     want = blake3.blake3(data, key=key).digest()
     for lanes in LANES:
         parts = (data[:70], data[70 : length // 2], data[length // 2 :])  # a frame header first
-        assert core.keyed_hash(key, parts, lanes) == want, lanes  # type: ignore[attr-defined]
+        assert core.keyed_hash(key, parts, lanes) == want, lanes
 
 
-def test_a_key_of_the_wrong_length_is_refused(core: object) -> None:
+def test_a_key_of_the_wrong_length_is_refused(core: Any) -> None:
     with pytest.raises(ValueError, match="32 bytes"):
-        core.keyed_hash(b"short", (b"data",))  # type: ignore[attr-defined]
+        core.keyed_hash(b"short", (b"data",))
 
 
-def test_the_core_says_how_many_chunks_it_hashes_at_once(core: object) -> None:
-    assert core.BLAKE3_LANES in LANES  # type: ignore[attr-defined]
+def test_the_core_says_how_many_chunks_it_hashes_at_once(core: Any) -> None:
+    assert core.BLAKE3_LANES in LANES
