@@ -154,10 +154,24 @@ static void scramble(uint64_t acc[8]) {
 /* STRIPES_BODY: `count` whole stripes from `in` into `acc`, the first being stripe `*at`
  * of its block; the secret moves 8 bytes a stripe and the accumulators are scrambled
  * after each block's last (a whole block at once runs with the secret's offsets fixed).
- * Written once over vector operations that each instruction set below defines: V (a
+ * Written once over vector operations that each instruction set below defines under
+ * its own prefix, the one ISA names where the body is used (SSE2_V, AVX2_V, ...): V (a
  * register), LANES (registers to a stripe), LOAD, STORE, XOR, ADD, MUL_EVEN (the 64-bit
  * products of the 32-bit halves' even lanes), SHR and SHL (64-bit lanes), SWAP_PAIRS
  * (swap neighbouring 64-bit lanes) and SET1 (a 64-bit value in every lane). */
+#define ISA_OP_(isa, op) isa##_##op
+#define ISA_OP(isa, op) ISA_OP_(isa, op)
+#define V ISA_OP(ISA, V)
+#define LANES ISA_OP(ISA, LANES)
+#define LOAD ISA_OP(ISA, LOAD)
+#define STORE ISA_OP(ISA, STORE)
+#define XOR ISA_OP(ISA, XOR)
+#define ADD ISA_OP(ISA, ADD)
+#define MUL_EVEN ISA_OP(ISA, MUL_EVEN)
+#define SHR ISA_OP(ISA, SHR)
+#define SHL ISA_OP(ISA, SHL)
+#define SWAP_PAIRS ISA_OP(ISA, SWAP_PAIRS)
+#define SET1 ISA_OP(ISA, SET1)
 #define STRIPE_STEP(a, in, secret)                                                              \
     for (int r = 0; r < LANES; r++) {                                                           \
         V data = LOAD((in) + r * (int)sizeof(V));                                               \
@@ -215,75 +229,62 @@ static void stripes_portable(uint64_t acc[8], const uint8_t *in, size_t count, u
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-#define V __m128i
-#define LANES 4
-#define LOAD(p) _mm_loadu_si128((const __m128i *)(const void *)(p))
-#define STORE(p, v) _mm_storeu_si128((__m128i *)(void *)(p), v)
-#define XOR _mm_xor_si128
-#define ADD _mm_add_epi64
-#define MUL_EVEN _mm_mul_epu32
-#define SHR _mm_srli_epi64
-#define SHL _mm_slli_epi64
-#define SWAP_PAIRS(v) _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2))
-#define SET1(x) _mm_set1_epi64x((long long)(x))
+#define SSE2_V __m128i
+#define SSE2_LANES 4
+#define SSE2_LOAD(p) _mm_loadu_si128((const __m128i *)(const void *)(p))
+#define SSE2_STORE(p, v) _mm_storeu_si128((__m128i *)(void *)(p), v)
+#define SSE2_XOR _mm_xor_si128
+#define SSE2_ADD _mm_add_epi64
+#define SSE2_MUL_EVEN _mm_mul_epu32
+#define SSE2_SHR _mm_srli_epi64
+#define SSE2_SHL _mm_slli_epi64
+#define SSE2_SWAP_PAIRS(v) _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2))
+#define SSE2_SET1(x) _mm_set1_epi64x((long long)(x))
+
+#define AVX2_V __m256i
+#define AVX2_LANES 2
+#define AVX2_LOAD(p) _mm256_loadu_si256((const __m256i *)(const void *)(p))
+#define AVX2_STORE(p, v) _mm256_storeu_si256((__m256i *)(void *)(p), v)
+#define AVX2_XOR _mm256_xor_si256
+#define AVX2_ADD _mm256_add_epi64
+#define AVX2_MUL_EVEN _mm256_mul_epu32
+#define AVX2_SHR _mm256_srli_epi64
+#define AVX2_SHL _mm256_slli_epi64
+#define AVX2_SWAP_PAIRS(v) _mm256_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2))
+#define AVX2_SET1(x) _mm256_set1_epi64x((long long)(x))
+
+#define AVX512_V __m512i
+#define AVX512_LANES 1
+#define AVX512_LOAD(p) _mm512_loadu_si512((const void *)(p))
+#define AVX512_STORE(p, v) _mm512_storeu_si512((void *)(p), v)
+#define AVX512_XOR _mm512_xor_si512
+#define AVX512_ADD _mm512_add_epi64
+#define AVX512_MUL_EVEN _mm512_mul_epu32
+#define AVX512_SHR _mm512_srli_epi64
+#define AVX512_SHL _mm512_slli_epi64
+#define AVX512_SWAP_PAIRS(v) _mm512_shuffle_epi32(v, (_MM_PERM_ENUM)_MM_SHUFFLE(1, 0, 3, 2))
+#define AVX512_SET1(x) _mm512_set1_epi64((long long)(x))
+
 /* SSE2: every x86-64 CPU has it. */
+#define ISA SSE2
 static void stripes_sse2(uint64_t acc[8], const uint8_t *in, size_t count, unsigned *at) {
     STRIPES_BODY
 }
-#undef V
-#undef LANES
-#undef LOAD
-#undef STORE
-#undef XOR
-#undef ADD
-#undef MUL_EVEN
-#undef SHR
-#undef SHL
-#undef SWAP_PAIRS
-#undef SET1
+#undef ISA
 
-#define V __m256i
-#define LANES 2
-#define LOAD(p) _mm256_loadu_si256((const __m256i *)(const void *)(p))
-#define STORE(p, v) _mm256_storeu_si256((__m256i *)(void *)(p), v)
-#define XOR _mm256_xor_si256
-#define ADD _mm256_add_epi64
-#define MUL_EVEN _mm256_mul_epu32
-#define SHR _mm256_srli_epi64
-#define SHL _mm256_slli_epi64
-#define SWAP_PAIRS(v) _mm256_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2))
-#define SET1(x) _mm256_set1_epi64x((long long)(x))
+#define ISA AVX2
 __attribute__((target("avx2"))) static void stripes_avx2(uint64_t acc[8], const uint8_t *in,
                                                           size_t count, unsigned *at) {
     STRIPES_BODY
 }
-#undef V
-#undef LANES
-#undef LOAD
-#undef STORE
-#undef XOR
-#undef ADD
-#undef MUL_EVEN
-#undef SHR
-#undef SHL
-#undef SWAP_PAIRS
-#undef SET1
+#undef ISA
 
-#define V __m512i
-#define LANES 1
-#define LOAD(p) _mm512_loadu_si512((const void *)(p))
-#define STORE(p, v) _mm512_storeu_si512((void *)(p), v)
-#define XOR _mm512_xor_si512
-#define ADD _mm512_add_epi64
-#define MUL_EVEN _mm512_mul_epu32
-#define SHR _mm512_srli_epi64
-#define SHL _mm512_slli_epi64
-#define SWAP_PAIRS(v) _mm512_shuffle_epi32(v, (_MM_PERM_ENUM)_MM_SHUFFLE(1, 0, 3, 2))
-#define SET1(x) _mm512_set1_epi64((long long)(x))
+#define ISA AVX512
 __attribute__((target("avx512f"))) static void stripes_avx512(uint64_t acc[8], const uint8_t *in,
                                                               size_t count, unsigned *at) {
     STRIPES_BODY
 }
+#undef ISA
 
 int tkv_xxh3_vector_bits(void) {
     static int known = 0;
