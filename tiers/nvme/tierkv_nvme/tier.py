@@ -1119,7 +1119,11 @@ class NvmeTier(SecondaryTierManager):
         entries: list[_Entry] = list(map(index.get, keys))  # type: ignore[arg-type]
         if None in entries:  # not held: those fail, the others are read
             held = [(pair, entry) for pair, entry in zip(chunk, entries) if entry is not None]
-            failed = {key: "not in the nvme tier" for key, _slot in chunk if key not in index}
+            failed = {
+                key: "not in the nvme tier"
+                for (key, _slot), entry in zip(chunk, entries)
+                if entry is None
+            }
             if not held:
                 return failed
             keys = [key for (key, _slot), _entry in held]
